@@ -1,0 +1,36 @@
+// The op's schema, written once, and the Python module stub that loads it.
+//
+// dilated_attention::fwd(q, k, v, ...) -> (out, lse)
+//     q (B, N, Hq, D), k and v (B, N, Hkv, D); out (B, N, Hq, D); lse (B, Hq, N), float32
+//     (float64 for float64 inputs). Computes LongNet dilated attention with all branches mixed
+//     through one softmax (see dilated_attention.h and SPEC section 2-3).
+// dilated_attention::bwd(dout, q, k, v, out, lse, dlse, ...) -> (dq, dk, dv)
+//     Exact gradients of out (and of lse when dlse is given).
+//
+// Each device registers its implementation with TORCH_LIBRARY_IMPL in cpu/ and cuda/.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing dilated_attention._C runs the static initialisers below, which register the op.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT,
+      "_C",  // name
+      "Fused dilated attention kernels; the ops live in torch.ops.dilated_attention.",
+      -1,    // size of per-interpreter state
+      NULL,  // methods
+  };
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(dilated_attention, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, int[] segment_lengths, int[] dilation_rates, "
+      "bool is_causal, float softmax_scale) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+      "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale, "
+      "bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+}

@@ -1,0 +1,117 @@
+"""Argument checks of the Python API. Every error names the value it got and what it expected."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+MAX_HEAD_DIM = 256
+MAX_BRANCHES = 16
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _as_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+                and value.dtype != torch.bool:
+            return int(value.item())
+        raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def normalize_branches(segment_lengths: Any, dilation_rates: Any) -> tuple[list[int], list[int]]:
+    """Return ``(segment_lengths, dilation_rates)`` as equal-length lists of checked ints.
+
+    A single int is taken as one branch. Requires ``w >= 1`` and ``1 <= r <= w``.
+    """
+    def as_list(x: Any, name: str) -> list[int]:
+        if isinstance(x, (str, bytes)) or x is None:
+            raise ValueError(f"{name} must be a sequence of integers, got {x!r}")
+        if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+            x = [x]
+        try:
+            items = list(x)
+        except TypeError:
+            raise ValueError(f"{name} must be a sequence of integers, got {x!r}") from None
+        return [_as_int(v, f"{name}[{i}]") for i, v in enumerate(items)]
+
+    segs = as_list(segment_lengths, "segment_lengths")
+    rates = as_list(dilation_rates, "dilation_rates")
+    if not segs:
+        raise ValueError(f"segment_lengths must not be empty, got {segment_lengths!r}")
+    if len(segs) != len(rates):
+        raise ValueError(
+            f"segment_lengths and dilation_rates must have the same length, got {segs} ({len(segs)}) "
+            f"and {rates} ({len(rates)})")
+    if len(segs) > MAX_BRANCHES:
+        raise ValueError(f"at most {MAX_BRANCHES} branches are supported, got {len(segs)}")
+    for i, (w, r) in enumerate(zip(segs, rates)):
+        if w < 1:
+            raise ValueError(f"segment_lengths[{i}] must be >= 1, got {w} (segment_lengths={segs})")
+        if r < 1:
+            raise ValueError(f"dilation_rates[{i}] must be >= 1, got {r} (dilation_rates={rates})")
+        if r > w:
+            raise ValueError(
+                f"dilation_rates[{i}] = {r} must not exceed segment_lengths[{i}] = {w} "
+                f"(segment_lengths={segs}, dilation_rates={rates})")
+    return segs, rates
+
+
+def check_qkv(q: Any, k: Any, v: Any) -> None:
+    """Check that q (B, N, Hq, D), k and v (B, N, Hkv, D) agree in type, dtype, device and shape."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, N, H, D), got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"q and {name} must have the same dtype, got {q.dtype} and {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"q and {name} must be on the same device, got {q.device} and {t.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, N, Hq, D = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (B, N, D):
+        raise ValueError(
+            f"q (B, N, Hq, D) and k (B, N, Hkv, D) must agree in B, N and D, got q {tuple(q.shape)} "
+            f"and k {tuple(k.shape)}")
+    Hkv = k.shape[2]
+    if Hq < 1 or Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({Hq}) must be a positive multiple of the number of key/value "
+            f"heads ({Hkv})")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+
+
+def resolve_scale(softmax_scale: Any, head_dim: int) -> float:
+    """``1/sqrt(D)`` when ``softmax_scale`` is None, else the finite float given."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise ValueError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
+    return scale
+
+
+def check_dropout(dropout_p: Any) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return p
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value

@@ -1,0 +1,57 @@
+"""The plainest PyTorch statement of dilated attention (SPEC sections 2-3): a dense N x N
+multiplicity mask per head, then a softmax weighted by it. Quadratic in N: for tests only.
+
+Run it in float64 for the reference; run it in a lower dtype for "PyTorch's own error" in the
+tolerance rule of SPEC section 4.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def multiplicity(N: int, Hq: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                 is_causal: bool) -> torch.Tensor:
+    """(Hq, N, N) count of the branches through which query p of head h reads key x."""
+    pos = torch.arange(N)
+    mult = torch.zeros(Hq, N, N, dtype=torch.int64)
+    for w, r in zip(segment_lengths, dilation_rates):
+        seg, idx = pos // w, pos % w
+        same_segment = seg[:, None] == seg[None, :]  # (N, N)
+        for h in range(Hq):
+            covered = (idx % r) == (h % r)  # (N,)
+            m = same_segment & covered[:, None] & covered[None, :]
+            if is_causal:
+                m &= pos[None, :] <= pos[:, None]
+            mult[h] += m.long()
+    return mult
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Sequence[int],
+                        dilation_rates: Sequence[int], is_causal: bool = False,
+                        softmax_scale: Optional[float] = None, dtype: Optional[torch.dtype] = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(out, lse)``: out (B, N, Hq, D), lse (B, Hq, N), computed in ``dtype``
+    (float64 by default). Differentiable by autograd."""
+    dtype = dtype or torch.float64
+    B, N, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+    kd = kd.repeat_interleave(G, dim=2)  # (B, N, Hq, D)
+    vd = vd.repeat_interleave(G, dim=2)
+    scores = torch.einsum("bphd,bxhd->bhpx", qd, kd) * scale  # (B, Hq, N, N)
+    mult = multiplicity(N, Hq, segment_lengths, dilation_rates, is_causal).to(q.device)  # (Hq, N, N)
+    mult = mult.to(dtype)[None]  # (1, Hq, N, N)
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=q.device)
+    row_max = torch.where(mult > 0, scores, neg_inf).amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = mult * torch.exp(scores - row_max)  # (B, Hq, N, N)
+    denom = weights.sum(dim=-1, keepdim=True)  # (B, Hq, N, 1)
+    covered = denom > 0
+    safe = torch.where(covered, denom, torch.ones_like(denom))
+    out = torch.einsum("bhpx,bxhd->bphd", weights / safe, vd)  # (B, N, Hq, D)
+    lse = torch.where(covered, torch.log(safe) + row_max, neg_inf).squeeze(-1)  # (B, Hq, N)
+    return out, lse
