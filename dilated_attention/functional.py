@@ -53,8 +53,11 @@ def dilated_attention(
     dropout_p = V.check_dropout(dropout_p)
     B, N, Hq, _ = q.shape
     if B == 0 or N == 0:
-        out = q.new_empty(q.shape)
-        lse = q.new_empty((B, Hq, N), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        # Empty, but connected to the inputs so that autograd gives (empty) gradients.
+        zero = q.sum() + k.sum() + v.sum()  # 0 for empty inputs
+        out = q * 0 + zero
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = q.new_zeros((B, Hq, N), dtype=lse_dtype) + zero.to(lse_dtype)
         return (out, lse) if return_lse else out
     impl = select_backend(backend, q, k, dropout_p=dropout_p)
     out, lse = impl.forward(q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p)
