@@ -1,0 +1,29 @@
+# Commands of the README. `make help` lists them.
+PYTHON ?= python3
+# torch with CUDA support compiles and links the CUDA kernels even on a machine without a GPU.
+TORCH_SPEC ?= torch==2.14.1
+
+.PHONY: help deps install test test-slow train bench cuda-check clean
+
+help:
+	@echo "make install     build and install the package (editable) into the current Python"
+	@echo "make test        run the test suite"
+	@echo "make train       train the example GPT on the bundled corpus, then sample from it"
+	@echo "make bench       CPU benchmark of every backend against the alternatives"
+	@echo "make cuda-check  compile the CUDA kernels (no GPU needed)"
+
+deps:
+	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -q "setuptools>=64" wheel ninja tqdm numpy pytest expecttest matplotlib
+
+install: deps
+	$(PYTHON) -m pip install -q --no-build-isolation -e .
+
+test:
+	$(PYTHON) -m pytest -q
+
+test-slow:
+	DILATED_ATTENTION_SLOW=1 $(PYTHON) -m pytest -q
+
+clean:
+	rm -rf build dilated_attention/_C*.so *.egg-info
