@@ -1,0 +1,446 @@
+"""A GPT-2 language model whose attention is one config key (nanoGPT's ``model.py``, reshaped).
+
+``GPTConfig.attention_backend`` picks how the causal self-attention is computed:
+
+* any backend of the project (``"auto"``, ``"native"``, ``"flash_attn_3"``, ``"flash_attn_2"``,
+  ``"xformers"``, ``"sdpa"``, ``"manual"``): LongNet dilated attention over the branches
+  ``segment_lengths`` / ``dilation_rates`` by ``dilated_attention.dilated_attention``; a backend
+  that cannot run here falls back as the project's backend layer decides, with a warning;
+* ``"dense"``: plain causal attention by ``torch.nn.functional.scaled_dot_product_attention``,
+  for comparison.
+
+Generation uses a key/value cache. A new token at position ``p`` reads, per head ``h``, exactly
+the keys that the project's contract gives it (SPEC section 2): for every branch ``(w, r)`` that
+covers ``(p, h)``, the keys of ``p``'s segment with the same phase at positions ``<= p``; all
+branches share one softmax in which a key found by two branches counts twice (SPEC section 3),
+and a position that no branch covers for a head gets a zero output. The cached result equals a
+full recompute.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from dilated_attention import dilated_attention
+from dilated_attention import _validation
+
+logger = logging.getLogger(__name__)
+
+# Backend names of the project, plus "dense" (plain causal attention) for comparison.
+DILATED_BACKENDS = ("auto", "native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual")
+ATTENTION_BACKENDS = DILATED_BACKENDS + ("dense",)
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the model and the attention it uses.
+
+    ``n_kv_head`` (0 means ``n_head``) gives grouped-query attention. ``segment_lengths`` and
+    ``dilation_rates`` are the dilated-attention branches; they are ignored by ``"dense"``.
+    """
+
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int = 0
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    attention_backend: str = "auto"
+    segment_lengths: Sequence[int] = field(default_factory=lambda: (256, 512, 1024))
+    dilation_rates: Sequence[int] = field(default_factory=lambda: (1, 2, 4))
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.n_kv_head, bool) or not isinstance(self.n_kv_head, int) or self.n_kv_head < 0:
+            raise ValueError(f"GPTConfig.n_kv_head must be an int >= 0 (0 = n_head), got {self.n_kv_head!r}")
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"GPTConfig.attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}")
+        segs, rates = _validation.normalize_branches(self.segment_lengths, self.dilation_rates)
+        self.segment_lengths, self.dilation_rates = tuple(segs), tuple(rates)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["segment_lengths"] = list(self.segment_lengths)
+        d["dilation_rates"] = list(self.dilation_rates)
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting: which keys a query reads (the key/value cache) and how many pairs (the FLOPs).
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_multiplicity(p: int, n_head: int, config: GPTConfig, device: torch.device | str = "cpu",
+                        ) -> tuple[int, torch.Tensor]:
+    """The keys that query position ``p`` reads, per head, as ``(start, mult)``.
+
+    ``mult`` is (n_head, p + 1 - start): ``mult[h, j]`` is the number of branches through which
+    the query at ``p`` of head ``h`` reads the key at position ``start + j`` (SPEC sections 2-3);
+    keys before ``start`` are read by no branch. For ``"dense"`` every key ``<= p`` counts once.
+    """
+    heads = torch.arange(n_head, device=device)
+    if config.attention_backend == "dense":
+        return 0, torch.ones(n_head, p + 1, dtype=torch.int64, device=device)
+    seg_starts = [(p // w) * w for w in config.segment_lengths]
+    start = min(seg_starts)
+    x = torch.arange(start, p + 1, device=device)  # key positions, (L,)
+    mult = torch.zeros(n_head, p + 1 - start, dtype=torch.int64, device=device)
+    for r, s0 in zip(config.dilation_rates, seg_starts):
+        phase = (p - s0) % r  # the phase of p in its segment
+        head_covered = (heads % r) == phase  # (H,)
+        key_in = (x >= s0) & (((x - s0) % r) == phase)  # same segment (x <= p), same phase, (L,)
+        mult += (head_covered[:, None] & key_in[None, :]).long()
+    return start, mult
+
+
+def attention_pairs(seq_len: int, n_head: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                    is_causal: bool = True, dense: bool = False) -> int:
+    """Number of (query, key) pairs, with multiplicity, summed over heads, for one sequence.
+
+    Counted exactly from the branches (SPEC section 3), not as dense attention: in branch
+    ``(w, r)`` head ``h`` keeps ``m`` positions of a segment of length ``L`` (``m = #{t < L :
+    t % r == h % r}``); they form ``m * (m + 1) / 2`` causal pairs (``m * m`` non-causal).
+    ``dense=True`` counts plain attention over the whole sequence.
+    """
+    def pairs(m: int) -> int:
+        return m * (m + 1) // 2 if is_causal else m * m
+
+    if dense:
+        return n_head * pairs(seq_len)
+    total = 0
+    for w, r in zip(segment_lengths, dilation_rates):
+        full, last = divmod(seq_len, w)
+        for h in range(n_head):
+            o = h % r
+            m_full = len(range(o, w, r))
+            m_last = len(range(o, last, r))
+            total += full * pairs(m_full) + pairs(m_last)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of every layer for positions ``[0, length)``: (B, max_len, Hkv, D) each."""
+
+    def __init__(self, n_layer: int, batch_size: int, max_len: int, n_kv_head: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (batch_size, max_len, n_kv_head, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.max_len = max_len
+        self.length = 0
+        # Set by GPT.forward for the decode step: (start, mult) of decode_multiplicity.
+        self.keys_read: Optional[tuple[int, torch.Tensor]] = None
+
+    def store(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (B, T, Hkv, D) at positions ``[pos, pos + T)`` of ``layer``."""
+        T = k.shape[1]
+        if pos + T > self.max_len:
+            raise RuntimeError(f"KV cache overflow: positions up to {pos + T} > max_len {self.max_len}")
+        self.k[layer][:, pos:pos + T] = k.to(self.k[layer].dtype)
+        self.v[layer][:, pos:pos + T] = v.to(self.v[layer].dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (PyTorch's has no ``bias=False`` before 2.1)."""
+
+    def __init__(self, ndim: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mult: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query against the cached keys with a multiplicity mask (SPEC section 3).
+
+    q (B, 1, H, D); k, v (B, L, Hkv, D); mult (H, L) counts. Returns (B, 1, H, D).
+    """
+    B, _, H, D = q.shape
+    G = H // k.shape[2]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kk = k.to(ct).repeat_interleave(G, dim=2)  # (B, L, H, D)
+    vv = v.to(ct).repeat_interleave(G, dim=2)
+    s = torch.einsum("bhd,blhd->bhl", q[:, 0].to(ct), kk) * scale  # (B, H, L)
+    m = mult.to(ct)[None]  # (1, H, L)
+    s = torch.where(m > 0, s, torch.full_like(s, float("-inf")))
+    smax = s.amax(dim=-1, keepdim=True)
+    smax = torch.where(torch.isfinite(smax), smax, torch.zeros_like(smax))
+    e = m * torch.exp(s - smax)  # 0 where no branch reads the key
+    denom = e.sum(dim=-1, keepdim=True)
+    w = e / torch.where(denom > 0, denom, torch.ones_like(denom))  # rows read by no branch: 0
+    out = torch.einsum("bhl,blhd->bhd", w, vv)  # (B, H, D)
+    return out[:, None].to(q.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal self-attention by dilated attention (or dense attention, for comparison)."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        kv_dim = self.n_kv_head * self.head_dim
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        B, T, C = x.shape  # (B, T, C)
+        kv_dim = self.n_kv_head * self.head_dim
+        q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
+        v = v.view(B, T, self.n_kv_head, self.head_dim)
+        if kv_cache is not None and kv_cache.length > 0:
+            y = self._decode(q, k, v, kv_cache)
+        else:
+            if kv_cache is not None:
+                kv_cache.store(self.layer_idx, 0, k, v)
+            y = self._attend(q, k, v)
+        y = y.reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over the whole sequence: q (B, T, H, D), k, v (B, T, Hkv, D)."""
+        dropout_p = self.dropout if self.training else 0.0
+        cfg = self.config
+        if cfg.attention_backend == "dense":
+            G = self.n_head // self.n_kv_head
+            qt = q.transpose(1, 2)  # (B, H, T, D)
+            kt = k.repeat_interleave(G, dim=2).transpose(1, 2)
+            vt = v.repeat_interleave(G, dim=2).transpose(1, 2)
+            y = F.scaled_dot_product_attention(qt, kt, vt, dropout_p=dropout_p, is_causal=True)
+            return y.transpose(1, 2)  # (B, T, H, D)
+        return dilated_attention(q, k, v, cfg.segment_lengths, cfg.dilation_rates, is_causal=True,
+                                 dropout_p=dropout_p, backend=cfg.attention_backend)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """One new token at position ``kv_cache.length`` against the cached keys."""
+        p = kv_cache.length
+        kv_cache.store(self.layer_idx, p, k, v)
+        start, mult = kv_cache.keys_read
+        ks = kv_cache.k[self.layer_idx][:, start:p + 1]  # (B, L, Hkv, D)
+        vs = kv_cache.v[self.layer_idx][:, start:p + 1]
+        return _cached_attention(q, ks, vs, mult, 1.0 / math.sqrt(self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2: token and position embeddings, ``n_layer`` pre-norm blocks, a tied output layer."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):  # GPT-2's scaled init of the residual projections
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        logger.info("number of parameters: %.2fM", self.get_num_params() / 1e6)
+
+    def get_num_params(self, non_embedding: bool = True) -> int:
+        """Parameters; without the position embeddings by default (the token embeddings are tied
+        to the output layer, so they count as that layer's weights)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Logits and the loss.
+
+        idx (B, T) token ids. With ``targets`` (B, T) (``-1`` = ignored) the logits of every
+        position and the mean cross-entropy are returned; without, only the last position's
+        logits (B, 1, V). With an empty ``kv_cache`` the keys and values of positions
+        ``[0, T)`` are stored in it (prefill); with a non-empty one, ``idx`` is the single token
+        at position ``kv_cache.length`` and attends to the cache (decode). The caller advances
+        ``kv_cache.length``.
+        """
+        device = idx.device
+        B, T = idx.shape
+        start = 0 if kv_cache is None else kv_cache.length
+        if start + T > self.config.block_size:
+            raise ValueError(
+                f"cannot forward a sequence of length {start + T}: block size is only {self.config.block_size}")
+        if kv_cache is not None and start > 0:
+            if T != 1:
+                raise ValueError(f"decoding with a non-empty KV cache takes one token at a time, got T={T}")
+            kv_cache.keys_read = decode_multiplicity(start, self.config.n_head, self.config, device)
+        pos = torch.arange(start, start + T, dtype=torch.long, device=device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        use_ckpt = self.config.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.transformer.h:
+            if use_ckpt and kv_cache is None:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, kv_cache)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])  # (B, 1, V)
+            loss = None
+        return logits, loss
+
+    def forward_all(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits of every position, (B, T, V), without a loss."""
+        B, T = idx.shape
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shrink the block size (e.g. to sample a model with a shorter context)."""
+        if not 1 <= block_size <= self.config.block_size:
+            raise ValueError(f"block_size must be in [1, {self.config.block_size}], got {block_size}")
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                             device_type: str) -> torch.optim.AdamW:
+        """AdamW; weight decay on the 2-D weights (matmuls, embeddings), none on biases and norms."""
+        params = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        decay = [p for p in params.values() if p.dim() >= 2]
+        no_decay = [p for p in params.values() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        logger.info("decayed parameter tensors: %d (%d parameters); not decayed: %d (%d parameters)",
+                    len(decay), sum(p.numel() for p in decay), len(no_decay), sum(p.numel() for p in no_decay))
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        extra = {"fused": True} if fused else {}
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
+
+    def flops_per_sequence(self, seq_len: int) -> float:
+        """FLOPs of forward + backward for one sequence of ``seq_len`` tokens.
+
+        Matmuls: ``6 * N`` per token (N = parameters without position embeddings). Attention
+        (SPEC section 3): forward ``4 * D * pairs`` per layer, pairs counted with multiplicity
+        from the branches (not as dense), backward ``2.5 x`` forward.
+        """
+        cfg = self.config
+        pairs = attention_pairs(seq_len, cfg.n_head, cfg.segment_lengths, cfg.dilation_rates, is_causal=True,
+                                dense=cfg.attention_backend == "dense")
+        attn_fwd = 4 * cfg.head_dim * pairs * cfg.n_layer
+        return 6 * self.get_num_params() * seq_len + 3.5 * attn_fwd
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, use_cache: bool = True,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx`` (B, T); returns (B, T + max_new_tokens).
+
+        With ``use_cache`` the keys and values are cached; when the context reaches the block
+        size, the cache is rebuilt from the last ``block_size // 2`` tokens (one full forward).
+        Without it, every step recomputes the last ``block_size`` tokens, as nanoGPT does.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        bs = self.config.block_size
+        p = next(self.parameters())
+        cache: Optional[KVCache] = None
+        for _ in range(max_new_tokens):
+            if use_cache:
+                if cache is None or cache.length >= bs:
+                    ctx = idx[:, -(bs // 2 if cache is not None else bs):]
+                    cache = KVCache(self.config.n_layer, idx.shape[0], bs, self.config.n_kv_head,
+                                    self.config.head_dim, p.dtype, p.device)
+                    logits, _ = self(ctx, kv_cache=cache)
+                    cache.length = ctx.shape[1]
+                else:
+                    logits, _ = self(idx[:, -1:], kv_cache=cache)
+                    cache.length += 1
+            else:
+                logits, _ = self(idx if idx.size(1) <= bs else idx[:, -bs:])
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx

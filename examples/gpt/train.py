@@ -1,0 +1,486 @@
+"""Train the example GPT (nanoGPT's ``train.py``, with the attention as a config key).
+
+Single process, from this directory or from anywhere (paths are relative to this script)::
+
+    python train.py config/train_stdlib.py
+    python train.py config/train_stdlib.py --attention_backend=sdpa --batch_size=8
+    python examples/gpt/train.py examples/gpt/config/train_stdlib.py
+
+Several processes (DDP; gloo on CPU, nccl on GPU)::
+
+    torchrun --standalone --nproc_per_node=2 train.py config/train_stdlib.py
+
+Every key of ``TrainConfig`` can be set by a config file or ``--key=value`` (see
+``configurator.py``); an unknown key or a value of the wrong type is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import configurator  # noqa: E402
+import passkey  # noqa: E402
+from model import ATTENTION_BACKENDS, GPT, GPTConfig  # noqa: E402
+from prepare import load_meta, prepare_stdlib, token_dtype  # noqa: E402
+
+logger = logging.getLogger("train")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run. The defaults are a small model that trains on a CPU."""
+
+    # I/O (relative paths are relative to this script's directory)
+    out_dir: str = "out-stdlib"
+    data_dir: str = "data"
+    eval_interval: int = 50
+    log_interval: int = 10
+    eval_iters: int = 10
+    eval_only: bool = False
+    always_save_checkpoint: bool = False
+    init_from: str = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
+    # data
+    dataset: str = "stdlib"  # "stdlib", "passkey", or a directory of data_dir with train.bin/val.bin
+    max_bytes: int = 0  # stdlib: cap on the corpus size (0 = all of it)
+    passkey_digits: int = 5
+    gradient_accumulation_steps: int = 1
+    batch_size: int = 8
+    block_size: int = 256
+    # model
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 0  # 0 = n_head
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+    attention_backend: str = "auto"  # a backend of dilated_attention, or "dense"
+    segment_lengths: tuple[int, ...] = field(default_factory=lambda: (64, 128, 256))
+    dilation_rates: tuple[int, ...] = field(default_factory=lambda: (1, 2, 4))
+    # AdamW and the learning rate (linear warmup, then cosine decay to min_lr)
+    learning_rate: float = 2e-3
+    max_iters: int = 250
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 = no clipping
+    decay_lr: bool = True
+    warmup_iters: int = 20
+    lr_decay_iters: int = 250
+    min_lr: float = 2e-4
+    # system
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    dtype: str = "auto"  # "auto", "float32", "bfloat16", "float16"
+    compile: bool = False
+    gradient_checkpointing: bool = False
+    ddp_backend: str = "auto"  # "auto" (nccl on GPU, gloo on CPU), "nccl", "gloo"
+    seed: int = 1337
+    num_threads: int = 0  # torch.set_num_threads (0 = leave as is)
+    peak_flops: float = 0.0  # per device, for the MFU; 0 = from a table of GPUs, else measured
+
+    def validate(self) -> None:
+        def positive(*names: str) -> None:
+            for n in names:
+                if getattr(self, n) < 1:
+                    raise ValueError(f"{n} must be >= 1, got {getattr(self, n)}")
+
+        positive("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                 "block_size", "passkey_digits")
+        for n in ("max_iters", "warmup_iters", "lr_decay_iters", "max_bytes", "num_threads"):
+            if getattr(self, n) < 0:
+                raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
+        for n in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops"):
+            if not math.isfinite(getattr(self, n)) or getattr(self, n) < 0:
+                raise ValueError(f"{n} must be a finite number >= 0, got {getattr(self, n)}")
+        if self.init_from not in ("scratch", "resume"):
+            raise ValueError(f"init_from must be 'scratch' or 'resume', got {self.init_from!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
+        if self.ddp_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"ddp_backend must be 'auto', 'nccl' or 'gloo', got {self.ddp_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.dataset == "passkey" and self.block_size < passkey.min_seq_len(self.passkey_digits):
+            raise ValueError(f"block_size {self.block_size} is too short for the passkey task "
+                             f"(at least {passkey.min_seq_len(self.passkey_digits)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware: device, dtype, peak FLOP/s
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str, local_rank: Optional[int] = None) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {name!r} was asked for, but CUDA is not available here")
+        if local_rank is not None:
+            device = torch.device("cuda", local_rank)
+        elif device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    return device
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """The training dtype for ``dtype="auto"``: float32 on CPU; on GPUs bfloat16 from sm80
+    (Ampere) on, float16 on sm7x (Volta, Turing), float32 before (Pascal)."""
+    try:  # the package's own choice, where it has one
+        from dilated_attention import hardware  # type: ignore[attr-defined]
+
+        fn = getattr(hardware, "auto_dtype", None)
+        if callable(fn):
+            return fn(device)
+    except ImportError:
+        pass
+    if device.type != "cuda":
+        return torch.float32
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return torch.bfloat16
+    if major == 7:
+        return torch.float16
+    return torch.float32
+
+
+# Dense bf16/fp16 tensor-core peaks (no sparsity), FLOP/s.
+GPU_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12),
+                  ("A10", 125e12), ("4090", 165e12), ("3090", 71e12), ("V100", 125e12), ("T4", 65e12))
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a square matmul in ``dtype`` on ``device``: the MFU's peak where no table entry fits."""
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    reps, t0 = 5, time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, given: float) -> tuple[float, str]:
+    """Peak FLOP/s of one device and where the number comes from."""
+    if given > 0:
+        return given, "given"
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS:
+            if key in name:
+                return flops, f"{name} {dtype} spec"
+    return measure_matmul_flops(device, dtype), f"measured {str(dtype).replace('torch.', '')} matmul"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+class Batches:
+    """Random batches of ``block_size`` tokens: x (B, T) inputs, y (B, T) targets (-1 = ignored)."""
+
+    def __init__(self, cfg: TrainConfig, data_dir: Path, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        if cfg.dataset == "passkey":
+            self.vocab_size, self.tokenizer, self.files = 256, "bytes", {}
+            return
+        meta = load_meta(data_dir)
+        self.vocab_size, self.tokenizer = int(meta["vocab_size"]), meta.get("tokenizer", "bytes")
+        self.np_dtype = np.dtype(meta.get("dtype", token_dtype(self.vocab_size).name))
+        self.files = {split: data_dir / f"{split}.bin" for split in ("train", "val")}
+        for split, path in self.files.items():
+            if not path.exists():
+                raise FileNotFoundError(f"dataset {cfg.dataset!r}: {path} does not exist")
+            n = path.stat().st_size // self.np_dtype.itemsize
+            if n <= cfg.block_size:
+                raise ValueError(f"dataset {cfg.dataset!r}: {split} split has {n} tokens, fewer than "
+                                 f"block_size + 1 = {cfg.block_size + 1}")
+
+    def get(self, split: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        if cfg.dataset == "passkey":
+            x, y, _ = passkey.passkey_batch(cfg.batch_size, cfg.block_size, cfg.passkey_digits, generator)
+        else:
+            # A new memmap every batch: numpy's memmap otherwise keeps growing resident memory.
+            data = np.memmap(self.files[split], dtype=self.np_dtype, mode="r")
+            ix = torch.randint(len(data) - cfg.block_size, (cfg.batch_size,), generator=generator)
+            x = torch.stack([torch.from_numpy(data[i:i + cfg.block_size].astype(np.int64)) for i in ix.tolist()])
+            y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + cfg.block_size].astype(np.int64))
+                             for i in ix.tolist()])
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+
+def get_lr(it: int, cfg: TrainConfig) -> float:
+    """Linear warmup for ``warmup_iters``, then cosine decay to ``min_lr`` at ``lr_decay_iters``."""
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it > cfg.lr_decay_iters:
+        return cfg.min_lr
+    span = max(cfg.lr_decay_iters - cfg.warmup_iters, 1)
+    ratio = (it - cfg.warmup_iters) / span
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+    return cfg.min_lr + coeff * (cfg.learning_rate - cfg.min_lr)
+
+
+def backend_in_use(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The name of what computes the attention, as the backend layer chooses it (logs any fallback)."""
+    if cfg.attention_backend == "dense":
+        return "dense (torch sdpa)"
+    from dilated_attention.backends import select_backend
+
+    D = cfg.n_embd // cfg.n_head
+    q = torch.zeros(1, cfg.block_size, cfg.n_head, D, device=device, dtype=dtype)
+    k = torch.zeros(1, cfg.block_size, cfg.n_kv_head or cfg.n_head, D, device=device, dtype=dtype)
+    impl = select_backend(cfg.attention_backend, q, k, dropout_p=cfg.dropout)
+    name = getattr(impl, "name", type(impl).__name__)
+    return name if name == cfg.attention_backend else f"{name} (asked: {cfg.attention_backend})"
+
+
+@torch.no_grad()
+def estimate_loss(model: torch.nn.Module, batches: Batches, cfg: TrainConfig, ctx: Any) -> dict[str, float]:
+    """Mean loss of ``eval_iters`` batches of each split (the same batches at every evaluation);
+    for the passkey task also the accuracy on the key's digits."""
+    out: dict[str, float] = {}
+    model.eval()
+    for s, split in enumerate(("train", "val")):
+        gen = torch.Generator().manual_seed(cfg.seed + 1000 + s)
+        losses, digit, key = [], [], []
+        for _ in range(cfg.eval_iters):
+            x, y = batches.get(split, gen)
+            with ctx:
+                logits, loss = model(x, y)
+            losses.append(loss.item())
+            if cfg.dataset == "passkey":
+                d, k = passkey.answer_accuracy(logits.float(), y)
+                digit.append(d)
+                key.append(k)
+        out[split] = float(np.mean(losses))
+        if digit:
+            out[f"{split}_digit_acc"] = float(np.mean(digit))
+            out[f"{split}_key_acc"] = float(np.mean(key))
+    model.train()
+    return out
+
+
+def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train as the arguments say; returns a summary (losses, evaluations, backend, paths)."""
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = configurator.load_config(TrainConfig, argv, base_dir=HERE)
+    cfg.validate()
+    out_dir = (HERE / cfg.out_dir).resolve()
+    data_root = (HERE / cfg.data_dir).resolve()
+
+    # Processes: DDP under torchrun, else one.
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    if ddp:
+        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        device = resolve_device(cfg.device, local_rank if cfg.device in ("auto", "cuda") else None)
+        backend = cfg.ddp_backend if cfg.ddp_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend)
+        if cfg.gradient_accumulation_steps % world != 0:
+            raise ValueError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be a multiple "
+                             f"of the number of processes ({world})")
+        grad_accum = cfg.gradient_accumulation_steps // world
+    else:
+        rank, world, grad_accum = 0, 1, cfg.gradient_accumulation_steps
+        device = resolve_device(cfg.device)
+    master = rank == 0
+    if not master:
+        log = lambda *_: None  # noqa: E731
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    tokens_per_iter = grad_accum * world * cfg.batch_size * cfg.block_size
+    torch.manual_seed(cfg.seed + rank)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    ptdtype = auto_dtype(device) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device.type, dtype=ptdtype)
+
+    # Data
+    if cfg.dataset == "stdlib":
+        if master:
+            prepare_stdlib(data_root / "stdlib", max_bytes=cfg.max_bytes)
+        if ddp:
+            dist.barrier()
+    batches = Batches(cfg, data_root / cfg.dataset, device)
+    data_gen = torch.Generator().manual_seed(cfg.seed + rank)
+
+    # Model
+    model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
+                      block_size=cfg.block_size, bias=cfg.bias, vocab_size=batches.vocab_size, dropout=cfg.dropout,
+                      attention_backend=cfg.attention_backend, segment_lengths=cfg.segment_lengths,
+                      dilation_rates=cfg.dilation_rates, gradient_checkpointing=cfg.gradient_checkpointing)
+    iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    ckpt_path = out_dir / "ckpt.pt"
+    if cfg.init_from == "resume":
+        if not ckpt_path.exists():
+            raise FileNotFoundError(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
+        checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+        for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size"):
+            if model_args[k] != checkpoint["model_args"][k] and not (k == "n_kv_head" and model_args[k] == 0):
+                log(f"resume: {k} = {checkpoint['model_args'][k]} from the checkpoint (config said {model_args[k]})")
+            model_args[k] = checkpoint["model_args"][k]
+        if cfg.block_size != model_args["block_size"]:
+            raise ValueError(f"resume: block_size {cfg.block_size} differs from the checkpoint's "
+                             f"{model_args['block_size']}")
+        iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+    gptconf = GPTConfig(**model_args)
+    model = GPT(gptconf)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+    model.to(device)
+    scaler = torch.amp.GradScaler(device.type, enabled=(ptdtype == torch.float16))
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        rng = checkpoint.get("rng", {})
+        if world == 1 and rng:  # a single process continues its random streams exactly
+            torch.set_rng_state(rng["torch"].cpu())
+            data_gen.set_state(rng["data"].cpu())
+            if device.type == "cuda" and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"].cpu(), device)
+        else:  # several processes: fresh streams per rank and position
+            data_gen.manual_seed(cfg.seed + rank + 100003 * iter_num)
+        checkpoint = None  # free memory
+    raw_model = model
+    if cfg.compile:
+        log("compiling the model (torch.compile)...")
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    backend_name = backend_in_use(cfg, device, ptdtype)
+    attn_note = "" if cfg.attention_backend == "dense" else \
+        f" segments {list(gptconf.segment_lengths)} rates {list(gptconf.dilation_rates)}"
+    flops_per_iter = raw_model.flops_per_sequence(cfg.block_size) * cfg.batch_size * grad_accum * world
+    peak, peak_src = peak_flops(device, ptdtype, cfg.peak_flops)
+    log(f"model {raw_model.get_num_params() / 1e6:.2f}M params | {cfg.n_layer} layers, {cfg.n_head} heads, "
+        f"{cfg.n_embd} dims, block {cfg.block_size} | attention {backend_name}{attn_note}")
+    log(f"device {device} x{world} | dtype {str(ptdtype).replace('torch.', '')} | {tokens_per_iter:,} tokens/iter | "
+        f"MFU peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
+
+    def save_checkpoint() -> None:
+        state = {
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": gptconf.to_dict(),
+            "iter_num": iter_num, "best_val_loss": best_val_loss, "config": {
+                k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
+            "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state()},
+        }
+        if device.type == "cuda":
+            state["rng"]["cuda"] = torch.cuda.get_rng_state(device)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / "ckpt.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, ckpt_path)
+        log(f"saved checkpoint to {ckpt_path}")
+
+    summary: dict[str, Any] = {"losses": [], "evals": [], "backend": backend_name, "out_dir": str(out_dir),
+                               "ckpt_path": str(ckpt_path), "config": cfg}
+    t_start = time.time()
+    t0 = time.time()
+    local_iter, running_mfu, tok_s = 0, -1.0, 0.0
+    while True:
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters) and master:
+            losses = estimate_loss(model, batches, cfg, ctx)
+            extra = "".join(f" | {k} {v:.3f}" for k, v in losses.items() if k.endswith("acc"))
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{extra}")
+            summary["evals"].append({"iter": iter_num, **losses})
+            if losses["val"] < best_val_loss or cfg.always_save_checkpoint:
+                best_val_loss = min(best_val_loss, losses["val"])
+                if iter_num > 0:
+                    save_checkpoint()
+            t0 = time.time()  # the evaluation does not count in the next iteration's time
+        if cfg.eval_only or iter_num >= cfg.max_iters:
+            break
+
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(grad_accum):
+            if ddp:  # synchronise gradients only at the last micro step
+                model.require_backward_grad_sync = micro == grad_accum - 1
+            x, y = batches.get("train", data_gen)
+            with ctx:
+                _, loss = model(x, y)
+                loss = loss / grad_accum
+            loss_sum += loss.detach()
+            scaler.scale(loss).backward()
+        if cfg.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+        t1 = time.time()
+        dt, t0 = t1 - t0, t1
+        if iter_num % cfg.log_interval == 0 and master:
+            lossf = loss_sum.item()
+            summary["losses"].append((iter_num, lossf))
+            if local_iter >= 2:  # let the first iterations (allocation, compilation) pass
+                mfu = flops_per_iter / (dt * peak * world)
+                running_mfu = mfu if running_mfu < 0 else 0.9 * running_mfu + 0.1 * mfu
+            tok_s = tokens_per_iter / dt
+            mfu_text = f"{running_mfu * 100:.2f}%" if running_mfu >= 0 else "--"
+            log(f"iter {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | {dt * 1000:.0f} ms | {tok_s:,.0f} tok/s | "
+                f"mfu {mfu_text} | attn {backend_name}")
+        iter_num += 1
+        local_iter += 1
+
+    summary.update(iter_num=iter_num, best_val_loss=best_val_loss, seconds=time.time() - t_start)
+    if ddp:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        main()
+    except (configurator.ConfigError, ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
