@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _validation as V
-from .backends import select_backend
+from .backends import BackendSelector, check_backend_name, default_selector
 
 __all__ = ["dilated_attention"]
 
@@ -40,11 +40,35 @@ def dilated_attention(
         dropout_p: attention dropout on the normalised weights (use only in training).
         return_lse: also return the log-sum-exp of the scores, (B, Hq, N), float32 (float64 for
             float64 inputs); ``-inf`` for rows that no branch covers.
-        backend: which implementation runs (see ``dilated_attention.backends``).
+        backend: which implementation runs: ``"auto"`` (the fastest that can run these inputs on
+            this device), ``"native"``, ``"flash_attn_3"``, ``"flash_attn_2"``, ``"xformers"``,
+            ``"sdpa"`` or ``"manual"``. A backend that cannot run falls back along
+            ``flash_attn_3 -> flash_attn_2 -> sdpa -> manual`` (``xformers``/``native -> sdpa ->
+            manual``) with one logged WARNING; see ``dilated_attention.backends``.
 
     Returns:
         ``out`` (B, N, Hq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
     """
+    return _attention(q, k, v, segment_lengths, dilation_rates, is_causal=is_causal, softmax_scale=softmax_scale,
+                      dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Union[int, Sequence[int]],
+    dilation_rates: Union[int, Sequence[int]],
+    *,
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    selector: Optional[BackendSelector] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`dilated_attention` with the backend chosen by ``selector`` (one per module)."""
+    check_backend_name(backend)
     V.check_qkv(q, k, v)
     segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
     is_causal = V.check_bool(is_causal, "is_causal")
@@ -59,6 +83,6 @@ def dilated_attention(
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = q.new_zeros((B, Hq, N), dtype=lse_dtype) + zero.to(lse_dtype)
         return (out, lse) if return_lse else out
-    impl = select_backend(backend, q, k, dropout_p=dropout_p)
+    impl = (selector or default_selector()).select(backend, q, k, dropout_p)
     out, lse = impl.forward(q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p)
     return (out, lse) if return_lse else out

@@ -1,20 +1,58 @@
-"""Attention backends. Each computes SPEC sections 2-3 and returns ``(out, lse)``."""
+"""Attention backends. Each computes SPEC sections 2-3 and returns ``(out, lse)``.
+
+=============  ==============================================================================
+name           what it is
+=============  ==============================================================================
+native         the project's fused C++/CUDA kernels (a torch custom op)
+flash_attn_3   FlashAttention-3 (``flash_attn_interface``) on the gathered sub-sequences
+flash_attn_2   FlashAttention-2 (``flash_attn``) on the gathered sub-sequences
+xformers       ``xformers.ops`` memory-efficient attention on the gathered sub-sequences
+sdpa           PyTorch's fused SDPA kernels (the ATen operators that return the log-sum-exp)
+manual         explicit matmul + softmax in PyTorch, autograd end to end
+auto           the first of :func:`dilated_attention.hardware.recommended_backends` that can run
+=============  ==============================================================================
+
+See :mod:`.registry` for the selection and fallback rules, :mod:`.gathered` for how the
+gather-based backends compute and differentiate, and :mod:`.patterns` for the index cache.
+"""
 
 from __future__ import annotations
 
-import torch
+from .base import Backend, BackendRequest, Capabilities
+from .gathered import GatheredBackend, merge_branches
+from .patterns import CacheInfo, PatternCache, get_pattern_cache
+from .registry import (
+    BACKEND_CHOICES,
+    BACKEND_NAMES,
+    FALLBACKS,
+    BackendSelector,
+    Selection,
+    backend_reasons,
+    check_backend_name,
+    default_selector,
+    get_backend,
+    resolve,
+    select_backend,
+)
 
-from .. import _ops
-
-
-class NativeBackend:
-    name = "native"
-
-    def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p):
-        return _ops.native_forward(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale)
-
-
-def select_backend(name: str, q: torch.Tensor, k: torch.Tensor, *, dropout_p: float = 0.0):
-    if name not in ("auto", "native"):
-        raise ValueError(f"unknown backend {name!r}")
-    return NativeBackend()
+__all__ = [
+    "Backend",
+    "BackendRequest",
+    "Capabilities",
+    "GatheredBackend",
+    "merge_branches",
+    "PatternCache",
+    "CacheInfo",
+    "get_pattern_cache",
+    "BACKEND_CHOICES",
+    "BACKEND_NAMES",
+    "FALLBACKS",
+    "BackendSelector",
+    "Selection",
+    "backend_reasons",
+    "check_backend_name",
+    "default_selector",
+    "get_backend",
+    "resolve",
+    "select_backend",
+]

@@ -1,0 +1,107 @@
+"""What every backend is: a name, a declaration of what it can run, and ``forward``."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["BackendRequest", "Backend", "Capabilities", "lse_dtype", "dtype_name", "import_optional"]
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of ``lse`` and of the branch merge: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def import_optional(name: str) -> tuple[Optional[object], Optional[str]]:
+    """Import an optional package: ``(module, None)``, or ``(None, reason)`` when it cannot be."""
+    try:
+        return importlib.import_module(name), None
+    except ImportError as exc:
+        if getattr(exc, "name", None) == name or f"'{name}'" in str(exc):
+            return None, f"{name} is not installed"
+        return None, f"{name} failed to import ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # a broken install (bad .so, ABI mismatch) must not break selection
+        return None, f"{name} failed to import ({type(exc).__name__}: {exc})"
+
+
+@dataclass(frozen=True)
+class BackendRequest:
+    """The facts about a call that decide which backends can run it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    dropout: bool = False
+    num_heads: int = 1
+    num_kv_heads: int = 1
+
+    @classmethod
+    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> "BackendRequest":
+        return cls(q.device, q.dtype, int(q.shape[-1]), bool(dropout_p > 0), int(q.shape[2]), int(k.shape[2]))
+
+    @property
+    def cache_key(self) -> tuple:
+        """The part of the request that capability depends on (heads never do: GQA always runs)."""
+        return (self.device, self.dtype, self.head_dim, self.dropout)
+
+    def describe(self) -> str:
+        s = f"{self.device} {dtype_name(self.dtype)}, head dim {self.head_dim}"
+        return s + (", dropout" if self.dropout else "")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares it can run, for the docs and the environment report."""
+
+    needs: str
+    devices: str
+    dtypes: str
+    dropout: bool
+    gqa: str
+    head_dims: str = "1..256"
+    backward: str = ""
+
+
+class Backend:
+    """Base class. Subclasses set ``name``, ``capabilities`` and implement ``reasons`` and ``forward``."""
+
+    name: str = ""
+    capabilities: Capabilities
+
+    def reasons(self, request: BackendRequest) -> list[str]:
+        """Why this backend cannot run ``request``; an empty list when it can."""
+        raise NotImplementedError
+
+    def can_run(self, request: BackendRequest) -> bool:
+        return not self.reasons(request)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Sequence[int],
+                dilation_rates: Sequence[int], *, is_causal: bool, softmax_scale: float, dropout_p: float = 0.0,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dilated attention (SPEC sections 2-3): ``out`` (B, N, Hq, D) in q's dtype and ``lse``
+        (B, Hq, N) in float32 (float64 for float64 inputs). Arguments are already validated."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<dilated attention backend {self.name!r}>"
+
+
+def check_device_dtype(request: BackendRequest, name: str, dtypes_by_device: dict[str, Sequence[torch.dtype]]
+                       ) -> list[str]:
+    """Reasons from a table ``{device type: supported dtypes}``."""
+    dev = request.device.type
+    if dev not in dtypes_by_device:
+        return [f"{name} runs on {' or '.join(dtypes_by_device)} devices, got {request.device}"]
+    ok = dtypes_by_device[dev]
+    if request.dtype not in ok:
+        names = ", ".join(dtype_name(d) for d in ok)
+        return [f"{name} on {dev} supports {names}, got {dtype_name(request.dtype)}"]
+    return []

@@ -1,0 +1,54 @@
+"""``manual``: explicit matmul + softmax in PyTorch on the gathered sub-sequences; autograd end to end.
+
+Runs anywhere PyTorch runs, in every floating dtype, with dropout and grouped-query attention.
+Scores are computed in float32 for float16/bfloat16 inputs (float64 for float64). It materialises
+a (m x m) score matrix per sub-sequence (``m = w / r``), so it is the slowest backend and the last
+resort of every fallback chain.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import BackendRequest, Capabilities, lse_dtype
+from .gathered import GatheredBackend
+
+__all__ = ["ManualBackend"]
+
+
+class ManualBackend(GatheredBackend):
+    name = "manual"
+    capabilities = Capabilities(
+        needs="PyTorch only",
+        devices="any",
+        dtypes="float16, bfloat16, float32, float64",
+        dropout=True,
+        gqa="native",
+        backward="autograd end to end",
+    )
+
+    def reasons(self, request: BackendRequest) -> list[str]:
+        if not request.dtype.is_floating_point:
+            return [f"manual needs a floating dtype, got {request.dtype}"]
+        return []
+
+    def native_gqa(self, device: torch.device) -> bool:
+        return True
+
+    def attn_autograd(self, q, k, v, *, is_causal, scale, dropout_p):
+        Bb, m, H, D = q.shape
+        Hk = k.shape[2]
+        g = H // Hk
+        ct = lse_dtype(q.dtype)
+        qc = q.to(ct).view(Bb, m, Hk, g, D)
+        s = torch.einsum("bikgd,bjkd->bkgij", qc, k.to(ct)) * scale  # (Bb, Hk, g, m, m)
+        if is_causal:
+            future = torch.ones(m, m, dtype=torch.bool, device=q.device).triu_(1)
+            s = s.masked_fill(future, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # (Bb, Hk, g, m); every row has at least one key
+        p = torch.exp(s - lse.unsqueeze(-1))
+        if dropout_p > 0:
+            p = F.dropout(p, p=dropout_p, training=True)
+        out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(ct)).reshape(Bb, m, H, D)
+        return out, lse.reshape(Bb, H, m)

@@ -1,0 +1,49 @@
+"""``native``: the project's fused C++/CUDA kernels (``torch.ops.dilated_attention.fwd/bwd``).
+
+Every branch in one pass with one online softmax per query; no gathered copies, no per-branch
+outputs. No attention dropout: a request with ``dropout_p > 0`` falls back (``native -> sdpa ->
+manual``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ops
+from .base import Backend, BackendRequest, Capabilities, check_device_dtype
+
+__all__ = ["NativeBackend"]
+
+_DTYPES = {
+    "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    "cuda": (torch.float16, torch.bfloat16, torch.float32),
+}
+
+
+class NativeBackend(Backend):
+    name = "native"
+    capabilities = Capabilities(
+        needs="the compiled extension (CPU kernels always; CUDA kernels when built with nvcc)",
+        devices="cpu, cuda (where built)",
+        dtypes="float16, bfloat16, float32 (float64 on cpu)",
+        dropout=False,
+        gqa="native",
+        backward="fused backward kernel",
+    )
+
+    def reasons(self, request: BackendRequest) -> list[str]:
+        why = []
+        dev = request.device.type
+        if dev not in ("cpu", "cuda"):
+            return [f"native has kernels for cpu and cuda only, got {request.device}"]
+        if not _ops.has_kernel(dev):
+            why.append(f"the extension was built without {dev.upper()} kernels")
+        why += check_device_dtype(request, "native", _DTYPES)
+        if request.dropout:
+            why.append("the fused kernels have no attention dropout (dropout_p > 0 requested)")
+        return why
+
+    def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
+        if dropout_p > 0:
+            raise RuntimeError(f"the native backend has no attention dropout, got dropout_p={dropout_p}")
+        return _ops.native_forward(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale)

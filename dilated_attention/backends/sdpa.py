@@ -1,0 +1,112 @@
+"""``sdpa``: PyTorch's fused scaled-dot-product attention kernels on the gathered sub-sequences.
+
+``torch.nn.functional.scaled_dot_product_attention`` does not return the log-sum-exp that the
+branch merge needs, so this backend calls the ATen operators that it wraps and that do:
+
+* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` -> (out, logsumexp (B, H, M)) and
+  ``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (float16, bfloat16, float32,
+  float64; grouped-query attention supported by the kernel).
+* CUDA: ``aten._scaled_dot_product_efficient_attention`` -> (out, logsumexp (B, H, M rounded up
+  to 32), philox seed, offset) and ``aten._scaled_dot_product_efficient_attention_backward``
+  (float16, bfloat16, float32; key/value heads are repeated for grouped-query attention).
+
+Without dropout the backward feeds the merged ``out``/``lse`` into these backward operators (the
+merged path of :mod:`.gathered`). Neither fused kernel can replay a dropout mask from outside
+(the CPU one has no dropout at all), so with ``dropout_p > 0`` the output comes from
+``F.scaled_dot_product_attention`` itself (autograd, its own dropout) and the log-sum-exp, which
+dropout does not change, from the operator above, given its gradient by ``lse_with_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import BackendRequest, Capabilities, check_device_dtype
+from .gathered import GatheredBackend, lse_with_grad
+
+__all__ = ["SdpaBackend"]
+
+_DTYPES = {
+    "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+    "cuda": (torch.float16, torch.bfloat16, torch.float32),
+}
+_OPS = {
+    "cpu": ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "cuda": ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
+}
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)  # (B, M, H, D) <-> (B, H, M, D), a view
+
+
+class SdpaBackend(GatheredBackend):
+    name = "sdpa"
+    capabilities = Capabilities(
+        needs="PyTorch (ATen fused attention operators that return the log-sum-exp)",
+        devices="cpu, cuda",
+        dtypes="cpu: float16, bfloat16, float32, float64; cuda: float16, bfloat16, float32",
+        dropout=True,
+        gqa="cpu: native; cuda: repeated k/v heads",
+        head_dims="1..256 (cuda: multiple of 8)",
+        backward="kernel backward fed the merged out/lse; autograd with dropout",
+    )
+
+    def reasons(self, request: BackendRequest) -> list[str]:
+        why = check_device_dtype(request, "sdpa", _DTYPES)
+        if why:
+            return why
+        dev = request.device.type
+        missing = [op for op in _OPS[dev] if not hasattr(torch.ops.aten, op)]
+        if missing:
+            return [f"this PyTorch ({torch.__version__}) lacks aten.{', aten.'.join(missing)}"]
+        if dev == "cuda":
+            from .. import hardware
+
+            if hardware.compute_capability(request.device) is None:
+                return ["CUDA is not available"]
+            if request.head_dim % 8:
+                return [f"sdpa on cuda needs a head dim that is a multiple of 8, got {request.head_dim}"]
+        return []
+
+    def native_gqa(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def merged_backward(self, device: torch.device, dropout_p: float) -> bool:
+        return dropout_p == 0.0
+
+    # -- merged path -------------------------------------------------------------------------------
+    def attn_forward(self, q, k, v, *, is_causal, scale):
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _t(q), _t(k), _t(v), 0.0, is_causal, scale=scale)
+            return _t(out), lse, None
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            _t(q), _t(k), _t(v), None, True, 0.0, is_causal, scale=scale)
+        return _t(out), lse, (seed, offset)
+
+    def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale):
+        if q.device.type == "cpu":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, is_causal, scale=scale)
+        else:
+            seed, offset = extra
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                _t(dout), _t(q), _t(k), _t(v), None, _t(out), lse.contiguous(), seed, offset, 0.0,
+                [True, True, True, False], is_causal, scale=scale)
+        return _t(dq), _t(dk), _t(dv)
+
+    # -- autograd path (dropout) -------------------------------------------------------------------
+    def attn_autograd(self, q, k, v, *, is_causal, scale, dropout_p):
+        m = q.shape[1]
+        gqa = q.shape[2] != k.shape[2]
+        out = F.scaled_dot_product_attention(_t(q), _t(k), _t(v), dropout_p=dropout_p, is_causal=is_causal,
+                                             scale=scale, enable_gqa=gqa)
+        out = _t(out)
+        # The log-sum-exp does not depend on dropout: one call without it, keys as values.
+        out_k, lse, _ = self.attn_forward(q.detach(), k.detach(), k, is_causal=is_causal, scale=scale)
+        lse = lse[..., :m]
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            lse = lse_with_grad(lse, q, out_k, scale)
+        return out, lse
