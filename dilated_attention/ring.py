@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _validation as V
+from . import backends as _backends
 from .functional import dilated_attention
 
 __all__ = [
@@ -817,6 +818,8 @@ class RingDilatedAttention(nn.Module):
         check_consistency: compare a fingerprint of the configuration and shapes across ranks on
             every call (one small all-gather), so that a mismatch raises on every rank instead of
             hanging. Leave it on unless the saving matters.
+        ring_size: the number of ranks expected; a group of another size (larger than one) is an
+            error. None accepts any.
     """
 
     def __init__(
@@ -834,6 +837,7 @@ class RingDilatedAttention(nn.Module):
         memory_pool_threshold_mb: float = 16.0,
         attention_backend: str = "auto",
         check_consistency: bool = True,
+        ring_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.segment_lengths, self.dilation_rates = V.normalize_branches(segment_lengths, dilation_rates)
@@ -863,8 +867,15 @@ class RingDilatedAttention(nn.Module):
         self.memory_pool_threshold_mb = float(memory_pool_threshold_mb)
         if not isinstance(attention_backend, str):
             raise ValueError(f"attention_backend must be a string, got {attention_backend!r}")
+        check_name = getattr(_backends, "check_backend_name", None)
+        if check_name is not None:
+            check_name(attention_backend)
         self.attention_backend = attention_backend
         self.check_consistency = V.check_bool(check_consistency, "check_consistency")
+        if ring_size is not None and (isinstance(ring_size, bool) or not isinstance(ring_size, numbers.Integral)
+                                      or ring_size < 1):
+            raise ValueError(f"ring_size must be an int >= 1 or None, got {ring_size!r}")
+        self.ring_size = None if ring_size is None else int(ring_size)
         self._plans: dict[tuple, _Plan] = {}
 
     def extra_repr(self) -> str:
@@ -951,6 +962,8 @@ class RingDilatedAttention(nn.Module):
         return_lse = V.check_bool(return_lse, "return_lse")
         scale = V.resolve_scale(self.softmax_scale, q.shape[-1])
         group, P, rank = _resolve_group(self.process_group)
+        if self.ring_size is not None and P > 1 and P != self.ring_size:
+            raise ValueError(f"ring_size={self.ring_size} but the process group has {P} ranks")
         local = dict(is_causal=is_causal, softmax_scale=scale, backend=self.attention_backend)
         if P == 1:
             return dilated_attention(q, k, v, self.segment_lengths, self.dilation_rates, return_lse=return_lse,
@@ -981,3 +994,137 @@ class RingDilatedAttention(nn.Module):
 
 
 RingDilatedAttentionV2Collective = RingDilatedAttention
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head wrapper and configuration
+# ---------------------------------------------------------------------------------------------
+
+
+def _one_of(name: str, value: Optional[int], alias: str, alias_value: Optional[int]) -> Optional[int]:
+    if value is not None and alias_value is not None and value != alias_value:
+        raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} disagree; give one of them")
+    chosen = value if value is not None else alias_value
+    if chosen is not None and (isinstance(chosen, bool) or not isinstance(chosen, numbers.Integral) or chosen < 1):
+        raise ValueError(f"{name} must be an int >= 1, got {chosen!r}")
+    return None if chosen is None else int(chosen)
+
+
+@dataclass
+class StandardizedRingConfig:
+    """Configuration of :class:`RingMultiheadDilatedAttention`.
+
+    ``dim`` is the model width (an alias of ``embed_dim``) and ``heads`` the number of heads (an
+    alias of ``num_heads``); the head dim is ``dim // heads``. ``ring_size`` is the number of
+    ranks expected (checked against the process group when there is one with more than one rank).
+    ``dtype`` and ``device`` are those of the projection weights. Attention dropout is not
+    supported across ranks: ``dropout`` must be 0.0.
+
+    Example: ``StandardizedRingConfig(dim=768, heads=12, segment_lengths=[2048, 4096],
+    dilation_rates=[1, 2], ring_size=2, dtype=torch.float32)``.
+    """
+
+    dim: Optional[int] = None
+    heads: Optional[int] = None
+    segment_lengths: Optional[Sequence[int]] = None
+    dilation_rates: Optional[Sequence[int]] = None
+    ring_size: Optional[int] = None
+    dtype: Optional[torch.dtype] = None
+    device: Optional[Union[str, torch.device]] = None
+    embed_dim: Optional[int] = None
+    num_heads: Optional[int] = None
+    dropout: float = 0.0
+    bias: bool = True
+    layer_norm: bool = True
+    comm: str = "all_gather"
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.embed_dim = self.dim = _one_of("embed_dim", self.embed_dim, "dim", self.dim)
+        self.num_heads = self.heads = _one_of("num_heads", self.num_heads, "heads", self.heads)
+        if self.embed_dim is None or self.num_heads is None:
+            raise TypeError(f"StandardizedRingConfig needs dim (or embed_dim) and heads (or num_heads), got "
+                            f"dim={self.embed_dim!r}, heads={self.num_heads!r}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"dim ({self.embed_dim}) must be divisible by heads ({self.num_heads})")
+        if self.segment_lengths is None or self.dilation_rates is None:
+            raise TypeError("StandardizedRingConfig needs segment_lengths and dilation_rates")
+        self.segment_lengths, self.dilation_rates = V.normalize_branches(self.segment_lengths, self.dilation_rates)
+        if self.ring_size is not None:
+            self.ring_size = _one_of("ring_size", self.ring_size, "ring_size", None)
+        if V.check_dropout(self.dropout) != 0.0:
+            raise ValueError(f"attention dropout is not supported across ranks, got dropout={self.dropout!r}; "
+                             "use 0.0")
+        if self.comm not in COMM_MODES:
+            raise ValueError(f"comm must be one of {COMM_MODES}, got {self.comm!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+
+def _multihead_base() -> type:
+    from .modules import MultiheadDilatedAttention
+
+    return MultiheadDilatedAttention
+
+
+class RingMultiheadDilatedAttention(_multihead_base()):
+    """:class:`dilated_attention.MultiheadDilatedAttention` whose attention is a
+    :class:`RingDilatedAttention`: each rank passes its chunk (B, N/P, E) of the sequence and gets
+    its chunk of the output. The projections and the sub-layer LayerNorm act per position, so
+    they run on the chunk unchanged; keep the weights equal on every rank (as DDP or FSDP do).
+
+    Args: those of :class:`~dilated_attention.MultiheadDilatedAttention` (``embed_dim``/``dim``,
+    ``num_heads``/``heads``, ``segment_lengths``, ``dilation_rates``, ``bias``, ``layer_norm``,
+    ``gamma_init``, ``device``, ``dtype``, ``attention_backend``, ``layer_norm_eps``), with
+    ``dropout`` 0.0 only, and those of :class:`RingDilatedAttention` (``process_group``,
+    ``comm``, ``ring_size``, ``use_pattern_cache``, ``enable_memory_pool``,
+    ``memory_pool_threshold_mb``, ``check_consistency``).
+
+    ``forward(query, key=None, value=None, is_causal=False) -> (out, None)``.
+    """
+
+    def __init__(self, embed_dim: Optional[int] = None, num_heads: Optional[int] = None,
+                 segment_lengths: Optional[Union[int, Sequence[int]]] = None,
+                 dilation_rates: Optional[Union[int, Sequence[int]]] = None, dropout: float = 0.0,
+                 bias: bool = True, layer_norm: bool = True, gamma_init: float = 1.0,
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[Any] = None,
+                 attention_backend: str = "auto", *, dim: Optional[int] = None, heads: Optional[int] = None,
+                 layer_norm_eps: float = 1e-5, process_group: Optional[dist.ProcessGroup] = None,
+                 comm: str = "all_gather", ring_size: Optional[int] = None, use_pattern_cache: bool = True,
+                 enable_memory_pool: bool = False, memory_pool_threshold_mb: float = 16.0,
+                 check_consistency: bool = True) -> None:
+        if V.check_dropout(dropout) != 0.0:
+            raise ValueError(f"RingMultiheadDilatedAttention does not support attention dropout, got "
+                             f"dropout={dropout!r}; use 0.0")
+        super().__init__(embed_dim, num_heads, segment_lengths, dilation_rates, dropout=0.0, bias=bias,
+                         layer_norm=layer_norm, gamma_init=gamma_init, device=device, dtype=dtype,
+                         attention_backend=attention_backend, dim=dim, heads=heads, layer_norm_eps=layer_norm_eps)
+        self.attention = RingDilatedAttention(
+            self.attention.segment_lengths, self.attention.dilation_rates, process_group=process_group, comm=comm,
+            attention_backend=attention_backend, use_pattern_cache=use_pattern_cache,
+            enable_memory_pool=enable_memory_pool, memory_pool_threshold_mb=memory_pool_threshold_mb,
+            check_consistency=check_consistency, ring_size=ring_size)
+
+    @classmethod
+    def from_config(cls, config: StandardizedRingConfig, process_group: Optional[dist.ProcessGroup] = None,
+                    **kwargs: Any) -> "RingMultiheadDilatedAttention":
+        """Build the module of a :class:`StandardizedRingConfig` (``kwargs`` add or override arguments)."""
+        if not isinstance(config, StandardizedRingConfig):
+            raise TypeError(f"config must be a StandardizedRingConfig, got {type(config).__name__}")
+        args = dict(embed_dim=config.embed_dim, num_heads=config.num_heads, segment_lengths=config.segment_lengths,
+                    dilation_rates=config.dilation_rates, dropout=config.dropout, bias=config.bias,
+                    layer_norm=config.layer_norm, device=config.device, dtype=config.dtype,
+                    attention_backend=config.attention_backend, comm=config.comm, ring_size=config.ring_size,
+                    process_group=process_group)
+        args.update(kwargs)
+        return cls(**args)
+
+    @property
+    def comm(self) -> str:
+        return self.attention.comm
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, comm={self.attention.comm!r}, "
+                f"attention_backend={self.attention_backend!r}")
