@@ -11,10 +11,49 @@ from __future__ import annotations
 import logging
 
 from . import _ops  # noqa: F401  (registers the op, its fake and its autograd)
+from . import backends, hardware
+from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
 from .functional import dilated_attention
+from .hardware import recommended_backends, recommended_dtype
+from .hilbert import hilbert_permutation
+from .modules import DilatedAttention, MultiheadDilatedAttention
 
 __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = ["dilated_attention", "__version__"]
+# The sequence-parallel modules load on first use (they pull in torch.distributed).
+_LAZY = {
+    "RingDilatedAttention": "ring",
+    "RingDilatedAttentionV2Collective": "ring",
+    "RingMultiheadDilatedAttention": "ring",
+    "StandardizedRingConfig": "ring",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+__all__ = [
+    "dilated_attention",
+    "DilatedAttention",
+    "MultiheadDilatedAttention",
+    "RingDilatedAttention",
+    "RingDilatedAttentionV2Collective",
+    "RingMultiheadDilatedAttention",
+    "StandardizedRingConfig",
+    "hilbert_permutation",
+    "backends",
+    "hardware",
+    "BACKEND_CHOICES",
+    "BACKEND_NAMES",
+    "select_backend",
+    "get_pattern_cache",
+    "recommended_dtype",
+    "recommended_backends",
+    "__version__",
+]

@@ -30,6 +30,8 @@ __all__ = [
     "recommended_dtype",
     "recommended_backends",
     "hardware_info",
+    "auto_dtype",
+    "device_unavailable",
 ]
 
 DeviceLike = Union[str, int, torch.device, None]
@@ -57,6 +59,24 @@ def as_device(device: DeviceLike = None) -> torch.device:
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def device_unavailable(device: DeviceLike) -> Optional[str]:
+    """Why ``device`` cannot be used here, or None when it can."""
+    dev = as_device(device)
+    if dev.type in ("cpu", "meta"):
+        return None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return f"there is no CUDA device {dev.index} ({torch.cuda.device_count()} found)"
+        return None
+    module = getattr(torch, dev.type, None) if dev.type != "mps" else getattr(torch.backends, "mps", None)
+    available = getattr(module, "is_available", None)
+    if callable(available) and not available():
+        return f"{dev.type} is not available"
+    return None
 
 
 def compute_capability(device: DeviceLike = None) -> Optional[tuple[int, int]]:
@@ -89,6 +109,9 @@ def recommended_dtype(device: DeviceLike = None) -> torch.dtype:
     if cap[0] == 7:
         return torch.float16
     return torch.float32
+
+
+auto_dtype = recommended_dtype  # the name the example trainer looks for
 
 
 def recommended_backends(device: DeviceLike = None) -> list[str]:

@@ -25,8 +25,9 @@ def import_optional(name: str) -> tuple[Optional[object], Optional[str]]:
     try:
         return importlib.import_module(name), None
     except ImportError as exc:
-        if getattr(exc, "name", None) == name or f"'{name}'" in str(exc):
-            return None, f"{name} is not installed"
+        missing = getattr(exc, "name", None)
+        if missing and (name == missing or name.startswith(missing + ".")):
+            return None, f"{missing} is not installed"
         return None, f"{name} failed to import ({type(exc).__name__}: {exc})"
     except Exception as exc:  # a broken install (bad .so, ABI mismatch) must not break selection
         return None, f"{name} failed to import ({type(exc).__name__}: {exc})"

@@ -29,9 +29,15 @@ class ManualBackend(GatheredBackend):
     )
 
     def reasons(self, request: BackendRequest) -> list[str]:
+        from .. import hardware
+
+        why = []
+        unavailable = hardware.device_unavailable(request.device)
+        if unavailable:
+            why.append(unavailable)
         if not request.dtype.is_floating_point:
-            return [f"manual needs a floating dtype, got {request.dtype}"]
-        return []
+            why.append(f"manual needs a floating dtype, got {request.dtype}")
+        return why
 
     def native_gqa(self, device: torch.device) -> bool:
         return True

@@ -38,6 +38,12 @@ class NativeBackend(Backend):
             return [f"native has kernels for cpu and cuda only, got {request.device}"]
         if not _ops.has_kernel(dev):
             why.append(f"the extension was built without {dev.upper()} kernels")
+        else:
+            from .. import hardware
+
+            unavailable = hardware.device_unavailable(request.device)
+            if unavailable:
+                why.append(unavailable)
         why += check_device_dtype(request, "native", _DTYPES)
         if request.dropout:
             why.append("the fused kernels have no attention dropout (dropout_p > 0 requested)")

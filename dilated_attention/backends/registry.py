@@ -191,7 +191,9 @@ class BackendSelector:
         sels = self.selections()
         if not sels:
             return "not selected yet"
-        return ", ".join(f"{s.name} ({s.request.device} {dtype_name(s.request.dtype)})" for s in sels)
+        return ", ".join(
+            f"{s.name} ({s.request.device} {dtype_name(s.request.dtype)}{', dropout' if s.request.dropout else ''})"
+            for s in sels)
 
     def clear(self) -> None:
         """Forget the choices (the next call chooses and logs again)."""

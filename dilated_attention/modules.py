@@ -1,0 +1,294 @@
+"""``nn.Module`` classes: :class:`DilatedAttention` and :class:`MultiheadDilatedAttention`.
+
+Both choose their attention backend once per device and dtype (see
+:mod:`dilated_attention.backends`) and can run the tokens of a 2-D grid in Hilbert-curve order
+(``ordering="hilbert", grid=(height, width)``): q, k and v are permuted into curve order before
+the attention and the output is permuted back, so that each segment is a compact patch of the
+image rather than a thin strip of rows.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from . import _validation as V
+from . import hardware
+from .backends import BackendSelector, check_backend_name
+from .functional import _attention
+
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
+
+ORDERINGS = ("sequence", "hilbert")
+_DTYPE_NAMES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "double": torch.float64, "fp64": torch.float64,
+}
+
+
+def _check_ordering(ordering: Any, grid: Any) -> tuple[str, Optional[tuple[int, int]]]:
+    if not isinstance(ordering, str) or ordering not in ORDERINGS:
+        raise ValueError(f"ordering must be one of {', '.join(map(repr, ORDERINGS))}, got {ordering!r}")
+    if ordering == "sequence":
+        if grid is not None:
+            raise ValueError(f"grid={grid!r} is only used with ordering='hilbert' (ordering is 'sequence')")
+        return ordering, None
+    if grid is None:
+        raise ValueError("ordering='hilbert' needs grid=(height, width), got grid=None")
+    try:
+        items = list(grid)
+    except TypeError:
+        raise ValueError(f"grid must be a pair (height, width) of ints >= 1, got {grid!r}") from None
+    if len(items) != 2 or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1 for x in items):
+        raise ValueError(f"grid must be a pair (height, width) of ints >= 1, got {grid!r}")
+    return ordering, (int(items[0]), int(items[1]))
+
+
+def _hilbert_permutation(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        from .hilbert import hilbert_permutation
+    except ImportError as exc:  # pragma: no cover - the module ships with the package
+        raise RuntimeError(f"ordering='hilbert' needs dilated_attention.hilbert, which failed to import: {exc}") from exc
+    return hilbert_permutation(height, width)
+
+
+class DilatedAttention(nn.Module):
+    """LongNet dilated attention on already projected heads (no parameters).
+
+    Args:
+        segment_lengths: ``[w_1, ..., w_k]``, one per branch.
+        dilation_rates: ``[r_1, ..., r_k]``, ``1 <= r_i <= w_i``.
+        softmax_scale: multiplies the scores; ``1/sqrt(D)`` when None.
+        attention_dropout: dropout on the attention weights, applied in training mode only.
+        attention_backend: ``"auto"``, ``"native"``, ``"flash_attn_3"``, ``"flash_attn_2"``,
+            ``"xformers"``, ``"sdpa"`` or ``"manual"``; chosen once per device and dtype, with the
+            fallback rules of :mod:`dilated_attention.backends`.
+        ordering: ``"sequence"`` (tokens as given) or ``"hilbert"`` (tokens of a ``grid`` in
+            row-major order are attended in Hilbert-curve order; the output is in row-major order).
+        grid: ``(height, width)`` of the token grid, with ``ordering="hilbert"`` only.
+
+    ``forward(q, k, v, is_causal=False)``: q (B, N, Hq, D), k and v (B, N, Hkv, D) with
+    ``Hq % Hkv == 0``; returns (B, N, Hq, D).
+    """
+
+    def __init__(self, segment_lengths: Union[int, Sequence[int]], dilation_rates: Union[int, Sequence[int]],
+                 softmax_scale: Optional[float] = None, attention_dropout: float = 0.0,
+                 attention_backend: str = "auto", ordering: str = "sequence",
+                 grid: Optional[Sequence[int]] = None) -> None:
+        super().__init__()
+        self.segment_lengths, self.dilation_rates = V.normalize_branches(segment_lengths, dilation_rates)
+        self.softmax_scale = None if softmax_scale is None else V.resolve_scale(softmax_scale, 1)
+        self.attention_dropout = V.check_dropout(attention_dropout)
+        self.attention_backend = check_backend_name(attention_backend)
+        self.ordering, self.grid = _check_ordering(ordering, grid)
+        self._selector = BackendSelector(type(self).__name__)
+        self._curves: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _curve(self, N: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        H, W = self.grid
+        if N != H * W:
+            raise ValueError(
+                f"ordering='hilbert' with grid=(height={H}, width={W}) needs sequence length height * width = "
+                f"{H * W}, got N={N}")
+        curve = self._curves.get(device)
+        if curve is None:
+            perm, inv = _hilbert_permutation(H, W)
+            curve = self._curves[device] = (perm.to(device), inv.to(device))
+        return curve
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if self.ordering == "hilbert":
+            V.check_qkv(q, k, v)
+            perm, inv = self._curve(q.shape[1], q.device)
+            q, k, v = (t.index_select(1, perm) for t in (q, k, v))  # (B, N, H, D) in curve order
+        out = _attention(q, k, v, self.segment_lengths, self.dilation_rates, is_causal=is_causal,
+                         softmax_scale=self.softmax_scale, dropout_p=dropout_p, backend=self.attention_backend,
+                         selector=self._selector)
+        if self.ordering == "hilbert":
+            out = out.index_select(1, inv)  # back to row-major order
+        return out
+
+    @property
+    def selected_backends(self) -> str:
+        """The backends chosen so far, e.g. ``"native (cpu float32)"``."""
+        return self._selector.describe()
+
+    def extra_repr(self) -> str:
+        s = f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}"
+        if self.softmax_scale is not None:
+            s += f", softmax_scale={self.softmax_scale}"
+        s += f", attention_dropout={self.attention_dropout}, attention_backend={self.attention_backend!r}"
+        s += f" (in use: {self._selector.describe()})"
+        if self.ordering != "sequence":
+            s += f", ordering={self.ordering!r}, grid={self.grid}"
+        return s
+
+
+def _pick(name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    if value is not None and alias_value is not None and value != alias_value:
+        raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} disagree; give one of them")
+    chosen = value if value is not None else alias_value
+    if chosen is None:
+        raise TypeError(f"{name} (or {alias}) is required")
+    if isinstance(chosen, bool) or not isinstance(chosen, numbers.Integral) or chosen < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {chosen!r}")
+    return int(chosen)
+
+
+def _resolve_dtype(dtype: Any, device: Any) -> Optional[torch.dtype]:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            return hardware.recommended_dtype(device)
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be a floating torch.dtype, 'auto' or one of {sorted(_DTYPE_NAMES)}, "
+                             f"got {dtype!r}")
+        return _DTYPE_NAMES[dtype]
+    if not isinstance(dtype, torch.dtype) or dtype not in V.FLOAT_DTYPES:
+        raise ValueError(f"dtype must be float16, bfloat16, float32, float64 or 'auto', got {dtype!r}")
+    return dtype
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """Multi-head dilated attention in the manner of ``nn.MultiheadAttention(batch_first=True)``.
+
+    LongNet/torchscale layout: q, k, v projections, dilated attention over the heads, a sub-layer
+    LayerNorm before the output projection (``layer_norm=True``, MAGNETO/torchscale "subln"), and
+    the output projection. Weights are Xavier-normal initialised, with gain ``gamma_init`` on the
+    value and output projections (MAGNETO); biases are zero.
+
+    Args:
+        embed_dim (or ``dim``): model width E, a multiple of ``num_heads``.
+        num_heads (or ``heads``): number of heads H; head dim ``E // H`` must be <= 256.
+        segment_lengths, dilation_rates: the branches (see :class:`DilatedAttention`).
+        dropout: dropout on the attention weights, in training mode only.
+        bias: biases in the projections.
+        layer_norm: the sub-layer LayerNorm before ``out_proj``.
+        gamma_init: Xavier gain of ``v_proj`` and ``out_proj``.
+        device, dtype: of the parameters; ``dtype="auto"`` takes
+            :func:`dilated_attention.hardware.recommended_dtype` of ``device``.
+        attention_backend, ordering, grid: see :class:`DilatedAttention`.
+        layer_norm_eps: epsilon of the LayerNorm.
+
+    Both spellings of the width and head count are accepted (``embed_dim``/``dim``,
+    ``num_heads``/``heads``); giving both with different values is an error.
+
+    ``forward(query, key=None, value=None, is_causal=False) -> (out, None)``: query, key and
+    value (B, N, E) (or (N, E) unbatched), all of the same length N; ``forward(x)`` is
+    self-attention. The second result stands where ``nn.MultiheadAttention`` returns its attention
+    weights, which dilated attention never forms.
+    """
+
+    batch_first = True
+
+    def __init__(self, embed_dim: Optional[int] = None, num_heads: Optional[int] = None,
+                 segment_lengths: Optional[Union[int, Sequence[int]]] = None,
+                 dilation_rates: Optional[Union[int, Sequence[int]]] = None, dropout: float = 0.0,
+                 bias: bool = True, layer_norm: bool = True, gamma_init: float = 1.0,
+                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[Union[str, torch.dtype]] = None,
+                 attention_backend: str = "auto", ordering: str = "sequence",
+                 grid: Optional[Sequence[int]] = None, *, dim: Optional[int] = None, heads: Optional[int] = None,
+                 layer_norm_eps: float = 1e-5) -> None:
+        super().__init__()
+        E = _pick("embed_dim", embed_dim, "dim", dim)
+        H = _pick("num_heads", num_heads, "heads", heads)
+        if E % H:
+            raise ValueError(f"embed_dim ({E}) must be divisible by num_heads ({H})")
+        if E // H > V.MAX_HEAD_DIM:
+            raise ValueError(f"head dim embed_dim // num_heads = {E // H} exceeds {V.MAX_HEAD_DIM} "
+                             f"(embed_dim={E}, num_heads={H})")
+        if segment_lengths is None or dilation_rates is None:
+            raise TypeError("segment_lengths and dilation_rates are required")
+        bias = V.check_bool(bias, "bias")
+        layer_norm = V.check_bool(layer_norm, "layer_norm")
+        if isinstance(gamma_init, bool) or not isinstance(gamma_init, numbers.Real) or not math.isfinite(gamma_init) \
+                or gamma_init <= 0:
+            raise ValueError(f"gamma_init must be a finite number > 0, got {gamma_init!r}")
+        if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real) or not layer_norm_eps > 0:
+            raise ValueError(f"layer_norm_eps must be a number > 0, got {layer_norm_eps!r}")
+        param_dtype = _resolve_dtype(dtype, device)
+        factory = {"device": device, "dtype": param_dtype}
+
+        self.embed_dim, self.num_heads, self.head_dim = E, H, E // H
+        self.dropout = V.check_dropout(dropout)
+        self.gamma_init = float(gamma_init)
+        self.attention = DilatedAttention(segment_lengths, dilation_rates, attention_dropout=self.dropout,
+                                          attention_backend=attention_backend, ordering=ordering, grid=grid)
+        self.q_proj = nn.Linear(E, E, bias=bias, **factory)
+        self.k_proj = nn.Linear(E, E, bias=bias, **factory)
+        self.v_proj = nn.Linear(E, E, bias=bias, **factory)
+        self.norm = nn.LayerNorm(E, eps=float(layer_norm_eps), **factory) if layer_norm else None
+        self.out_proj = nn.Linear(E, E, bias=bias, **factory)
+        self._reset_parameters()
+
+    # Names that users of LongNet-style code know.
+    @property
+    def dim(self) -> int:
+        return self.embed_dim
+
+    @property
+    def heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def segment_lengths(self) -> list[int]:
+        return self.attention.segment_lengths
+
+    @property
+    def dilation_rates(self) -> list[int]:
+        return self.attention.dilation_rates
+
+    @property
+    def attention_backend(self) -> str:
+        return self.attention.attention_backend
+
+    def _reset_parameters(self) -> None:
+        nn.init.xavier_normal_(self.q_proj.weight)
+        nn.init.xavier_normal_(self.k_proj.weight)
+        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
+        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> tuple[torch.Tensor, None]:
+        if (key is None) != (value is None):
+            raise ValueError("give both key and value, or neither (self-attention), got only "
+                             f"{'key' if value is None else 'value'}")
+        if key is None:
+            key = value = query
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() not in (2, 3) or t.shape[-1] != self.embed_dim:
+                raise ValueError(f"{name} must be (B, N, {self.embed_dim}) or (N, {self.embed_dim}), "
+                                 f"got shape {tuple(t.shape)}")
+        if not query.shape == key.shape == value.shape:
+            raise ValueError(f"query, key and value must have the same shape (dilated attention needs one "
+                             f"sequence length), got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        B, N, _ = query.shape
+        q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)  # (B, N, H, D)
+        k = self.k_proj(key).view(B, N, self.num_heads, self.head_dim)
+        v = self.v_proj(value).view(B, N, self.num_heads, self.head_dim)
+        x = self.attention(q, k, v, is_causal=is_causal).reshape(B, N, self.embed_dim)  # (B, N, E)
+        if self.norm is not None:
+            x = self.norm(x)
+        x = self.out_proj(x)
+        return (x.squeeze(0) if unbatched else x), None
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
+                f"gamma_init={self.gamma_init}, attention_backend={self.attention_backend!r} "
+                f"(in use: {self.attention.selected_backends})")
