@@ -1,186 +1,462 @@
 // CPU implementation of dilated_attention::fwd and dilated_attention::bwd.
 //
-// Fused: no N x N matrix, no gathered copies of q/k/v, no per-branch outputs. Work is split over
-// (batch, head, block of QB consecutive positions). A query block keeps one online-softmax state
-// per query (running max m, denominator l, fp32/fp64 accumulator acc[D]) that every branch adds
-// its keys to, so all branches of a query share one softmax (SPEC section 3).
+// Fused: no N x N matrix and no per-branch outputs. For one head, one branch and one segment, the
+// covered positions form an arithmetic progression (dilated index j, position seg_first + j * r),
+// and the covered queries attend densely to the covered keys of the same progression. The kernels
+// read those rows in place through a stride of r rows, in tiles:
 //
-// Inside a block, branch (w, r) and phase o = h % r select the covered queries of each segment;
-// those queries share the segment's covered keys (an arithmetic progression read by strided
-// addressing), which are visited in tiles of KB keys packed into small contiguous buffers.
+//   forward  (b, h, block of QB positions): for every branch and segment the block's covered
+//            queries go in tiles of QT (queries in vector lanes, transposed into a small buffer),
+//            against key tiles of KB with an online softmax; each tile's result is merged into the
+//            block's per-position state (max m, denominator l, unnormalised output), so all
+//            branches of a query share one softmax (SPEC section 3).
+//   backward (branch, b, key/value head, segment, phase): FlashAttention-2 order, key tiles outer
+//            (K, V transposed into small buffers, keys in vector lanes), query tiles inner; dk and
+//            dv accumulate in registers/tiles, dq in the output. Tasks of one branch touch disjoint
+//            rows, so they run in parallel without atomics; branches run one after another.
 //
-// Cost: forward 2 * D multiply-adds per (query, key) pair with multiplicity; backward recomputes
-// the scores twice (once for dq, once for dk/dv) for 5 * D multiply-adds per pair. Memory: the
-// outputs plus O(threads * QB * D) scratch.
+// All products go through one register-blocked micro-kernel (gemm below) written with GCC vector
+// extensions, 64-byte vectors (16 float / 8 double lanes). The entry points are compiled for
+// x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA) and the baseline ISA (target_clones; chosen once at load
+// time), so the build stays portable. exp for float is a vectorised Cody-Waite + degree-6
+// polynomial (about 1 ulp); float64 calls libm's exp. NaN propagates, -inf scores add nothing, a
+// row that no branch covers gets out = 0 and lse = -inf.
+//
+// float16/bfloat16 inputs, and float32 inputs whose head dim is not a multiple of 16, are converted
+// once to float32 rows padded to a multiple of the vector width (Dp); float32 (and float64) inputs
+// with D a multiple of the width are read in place.
+//
+// Cost: forward 2 * D multiply-adds per (query, key) pair with multiplicity, backward 5 * D (S, dP,
+// dV, dK, dQ; no recomputation). Memory: the outputs, the (B, Hq, N) delta of the backward, and
+// O(threads * (QB + QT + KB) * Dp) scratch; the converted copies above when they are needed.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <math.h>
+#include <stdint.h>
 
+#include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
 #include "../checks.h"
 #include "../dilated_attention.h"
 
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(DA_NO_CLONES)
+#define DA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), noinline))
+#else
+#define DA_CLONES __attribute__((noinline))
+#endif
+#define DA_INLINE static inline __attribute__((always_inline))
+
 namespace dilated_attention {
 namespace {
 
-enum { QB = 64, KB = 64 };
+// Tile sizes: QT queries (forward: vector lanes), KB keys (backward: vector lanes); MR rows of the
+// micro-kernel's register block; a forward block spans QB positions (see block_size()).
+enum { QT = 64, KB = 64, MR = 4, NVMAX = 4 };
 
-// A (B, N, H, D) tensor with a contiguous last dimension, read through its strides.
+/* ------------------------------------------------------------------------------------------ */
+/* Vectors                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
 template <typename T>
-struct View {
-  T* data;
-  int64_t sb, sn, sh;
-  T* at(int64_t b, int64_t n, int64_t h) const { return data + b * sb + n * sn + h * sh; }
+struct Vec;
+template <>
+struct Vec<float> {
+  typedef float v __attribute__((vector_size(64)));
+  typedef float vu __attribute__((vector_size(64), aligned(4), may_alias));
+  typedef uint32_t vi __attribute__((vector_size(64)));
+  enum { W = 16 };
+};
+template <>
+struct Vec<double> {
+  typedef double v __attribute__((vector_size(64)));
+  typedef double vu __attribute__((vector_size(64), aligned(8), may_alias));
+  typedef uint64_t vi __attribute__((vector_size(64)));
+  enum { W = 8 };
 };
 
 template <typename T>
-static View<T> view_of(const at::Tensor& t) {
-  return View<T>{(T*)t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+DA_INLINE typename Vec<T>::v vload(const T* p) {
+  return *(const typename Vec<T>::vu*)p;
+}
+template <typename T>
+DA_INLINE void vstore(T* p, typename Vec<T>::v x) {
+  *(typename Vec<T>::vu*)p = x;
+}
+template <typename T>
+DA_INLINE typename Vec<T>::v vset(T x) {
+  return typename Vec<T>::v{} + x;
+}
+template <typename T>
+DA_INLINE typename Vec<T>::v viota() {
+  typename Vec<T>::v x;
+  for (int i = 0; i < Vec<T>::W; ++i) x[i] = (T)i;
+  return x;
 }
 
-template <typename acc_t>
-static inline acc_t neg_inf() {
+template <typename T>
+DA_INLINE T neg_inf() {
   return -INFINITY;
 }
 
-/* Copy one row of D values into acc_t, multiplied by s. */
-template <typename scalar_t, typename acc_t>
-static inline void load_row(acc_t* dst, const scalar_t* src, int64_t D, acc_t s) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = (acc_t)src[d] * s;
+/* exp of 16 floats: n = round(x / ln2), r = x - n ln2 (two-constant Cody-Waite), exp(r) by the
+ * Cephes degree-6 polynomial, times 2^n built in the exponent bits. x < -88 gives 0 (so -inf gives
+ * 0), NaN stays NaN. About 15 vector operations. */
+DA_INLINE Vec<float>::v vexp(Vec<float>::v x) {
+  typedef Vec<float>::v V;
+  typedef Vec<float>::vi VI;
+  const V lo = vset(-88.0f), hi = vset(88.0f), magic = vset(12582912.0f);  // 1.5 * 2^23
+  x = x < lo ? lo : x;  // NaN compares false and stays NaN
+  x = x > hi ? hi : x;
+  V n = x * 1.44269504088896341f + magic;  // round(x / ln2) in the low mantissa bits
+  const VI e = (VI)n - 0x4B400000u;
+  n = n - magic;
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V p = vset(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  return p * (V)((e + 127u) << 23);
 }
 
-/* Copy one row of D values into column jj of a (D, ld) transposed tile, multiplied by s. */
-template <typename scalar_t, typename acc_t>
-static inline void load_col(acc_t* dst, int64_t ld, int64_t jj, const scalar_t* src, int64_t D,
-                            acc_t s) {
-  for (int64_t d = 0; d < D; ++d) dst[d * ld + jj] = (acc_t)src[d] * s;
+/* float64 is for gradcheck: libm's exp, lane by lane. */
+DA_INLINE Vec<double>::v vexp(Vec<double>::v x) {
+  for (int i = 0; i < Vec<double>::W; ++i) x[i] = exp(x[i]);
+  return x;
 }
 
-/* out[j] = sum_d x[d] * tile[d * ld + j] for j in [j0, j1): one row against a transposed tile. */
-template <typename acc_t>
-static inline void row_times_tile(acc_t* out, const acc_t* x, const acc_t* tile, int64_t ld,
-                                  int64_t D, int64_t j0, int64_t j1) {
-  for (int64_t j = j0; j < j1; ++j) out[j] = 0;
-  for (int64_t d = 0; d < D; ++d) {
-    const acc_t xd = x[d];
-    const acc_t* t = tile + d * ld;
-#pragma omp simd
-    for (int64_t j = j0; j < j1; ++j) out[j] += xd * t[j];
+/* ------------------------------------------------------------------------------------------ */
+/* The micro-kernel                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+/*
+ * C[i][0 : R*W] (+)= sum_{k < K} A[i * as + k * ak] * B[k * ldb + 0 : R*W]  for i < M.
+ * A register block of M x R vectors: per k, R vector loads of B's row k and M broadcasts of A.
+ * Cost: M * R * K vector multiply-adds.
+ */
+template <typename T, int M, int R>
+DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B,
+                     int64_t ldb, int64_t K, bool accumulate) {
+  typedef typename Vec<T>::v V;
+  const int W = Vec<T>::W;
+  V c[M][R];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) c[i][j] = accumulate ? vload(C + i * ldc + j * W) : V{};
+  for (int64_t k = 0; k < K; ++k) {
+    V b[R];
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) b[j] = vload(B + k * ldb + j * W);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const T a = A[i * as + k * ak];
+#pragma GCC unroll 8
+      for (int j = 0; j < R; ++j) c[i][j] += a * b[j];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) vstore(C + i * ldc + j * W, c[i][j]);
+}
+
+template <typename T, int R>
+DA_INLINE void gemm_rows(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B,
+                         int64_t ldb, int64_t m, int64_t K, bool accumulate) {
+  int64_t i = 0;
+  for (; i + MR <= m; i += MR)
+    micro<T, MR, R>(C + i * ldc, ldc, A + i * as, as, ak, B, ldb, K, accumulate);
+  for (; i < m; ++i) micro<T, 1, R>(C + i * ldc, ldc, A + i * as, as, ak, B, ldb, K, accumulate);
+}
+
+/*
+ * C (m x nv*W) (+)= A (m x K) * B (K x nv*W): rows of C at stride ldc, A[i][k] = A[i*as + k*ak],
+ * rows of B at stride ldb. Every product of the kernels is one of these. Cost: m * K * nv * W
+ * multiply-adds.
+ */
+template <typename T>
+DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B, int64_t ldb,
+                    int64_t m, int64_t nv, int64_t K, bool accumulate) {
+  const int W = Vec<T>::W;
+  for (int64_t v0 = 0; v0 < nv; v0 += NVMAX) {
+    T* c = C + v0 * W;
+    const T* bb = B + v0 * W;
+    switch (std::min<int64_t>(NVMAX, nv - v0)) {
+      case 1: gemm_rows<T, 1>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate); break;
+      case 2: gemm_rows<T, 2>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate); break;
+      case 3: gemm_rows<T, 3>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate); break;
+      default: gemm_rows<T, 4>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate); break;
+    }
   }
 }
 
-/* y[d] += sum_j c[j] * rows[j * D + d] for j in [j0, j1). */
-template <typename acc_t>
-static inline void axpy_rows(acc_t* y, const acc_t* c, const acc_t* rows, int64_t D, int64_t j0,
-                             int64_t j1) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const acc_t cj = c[j];
-    if (cj == 0) continue;
-    const acc_t* row = rows + j * D;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) y[d] += cj * row[d];
+/* dst[d * ld + i] = src[i * stride + d] * s for i < n, d < D; lanes n..ld zeroed. */
+template <typename T>
+DA_INLINE void pack_transposed(T* dst, int64_t ld, const T* src, int64_t stride, int64_t n,
+                               int64_t D, T s) {
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t i = n; i < ld; ++i) dst[d * ld + i] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = src + i * stride;
+    for (int64_t d = 0; d < D; ++d) dst[d * ld + i] = row[d] * s;
   }
+}
+
+/* Scratch memory of one thread: slices of one 64-byte aligned buffer. */
+template <typename T>
+struct Arena {
+  std::vector<T> mem;
+  size_t used;
+  explicit Arena(size_t n) : mem(n + 64), used(0) {
+    const uintptr_t p = (uintptr_t)mem.data();
+    used = (size_t)(((p + 63) & ~(uintptr_t)63) - p) / sizeof(T);
+  }
+  T* take(size_t n) {
+    T* p = mem.data() + used;
+    used += (n + 15) & ~(size_t)15;
+    TORCH_INTERNAL_ASSERT(used <= mem.size());
+    return p;
+  }
+  static size_t need(std::initializer_list<size_t> sizes) {
+    size_t total = 0;
+    for (size_t s : sizes) total += (s + 15) & ~(size_t)15;
+    return total;
+  }
+};
+
+/* Run fn(task, scratch) for task in [0, n) on all threads, handing tasks out one at a time. */
+template <typename MakeScratch, typename Fn>
+static void parallel_tasks(int64_t n, const MakeScratch& make, const Fn& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    auto scratch = make();
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(t, scratch);
+  });
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* Forward                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 
-template <typename acc_t>
-struct FwdScratch {
-  std::vector<acc_t> m, l, acc, qp, kt, vr, sc;
-  explicit FwdScratch(int64_t D)
-      : m(QB), l(QB), acc(QB * D), qp(QB * D), kt(D * KB), vr(KB * D), sc(KB) {}
+template <typename T>
+struct Fwd {
+  const T *q, *k, *v;  // rows of Dp values (zero padded past D)
+  int64_t q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh;
+  int64_t N, Hq, Hkv, D, Dp, QB;
+  da_branches br;
+  int causal;
+  T scale;
 };
 
-/*
- * Online-softmax update of one query row with the scores sc[0..n) of keys whose values are the
- * rows of vr: m, l, acc hold the row's running max, denominator and unnormalised output.
- * NaN scores propagate into l and acc; -inf scores add nothing.
- */
-template <typename acc_t>
-static inline void softmax_update(acc_t* m, acc_t* l, acc_t* acc, acc_t* sc, const acc_t* vr,
-                                  int64_t n, int64_t D) {
-  acc_t mx = *m;
-  for (int64_t j = 0; j < n; ++j) mx = sc[j] > mx ? sc[j] : mx;
-  if (mx == neg_inf<acc_t>()) {  // every score is -inf or NaN: only NaN contributes
-    for (int64_t j = 0; j < n; ++j) sc[j] = sc[j] != sc[j] ? sc[j] : 0;
-  } else {
-    const acc_t corr = *m == neg_inf<acc_t>() ? 0 : exp(*m - mx);
-    if (corr != 1) {
-      *l *= corr;
-      for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
-    }
-    *m = mx;
-    for (int64_t j = 0; j < n; ++j) sc[j] = exp(sc[j] - mx);
+template <typename T>
+struct FwdScratch {
+  Arena<T> arena;
+  T *m, *l, *acc;      // block state per position: (QB), (QB), (QB, Dp)
+  T *qt, *st;          // (D, QT) scaled queries, transposed; (KB, QT) scores, then weights
+  T *mt, *lt, *corr;   // (QT) tile state
+  T *acct;             // (QT, Dp)
+  FwdScratch(int64_t QB, int64_t D, int64_t Dp)
+      : arena(Arena<T>::need({(size_t)QB, (size_t)QB, (size_t)(QB * Dp), (size_t)(D * QT),
+                              (size_t)(KB * QT), QT, QT, QT, (size_t)(QT * Dp)})) {
+    m = arena.take(QB);
+    l = arena.take(QB);
+    acc = arena.take(QB * Dp);
+    qt = arena.take(D * QT);
+    st = arena.take(KB * QT);
+    mt = arena.take(QT);
+    lt = arena.take(QT);
+    corr = arena.take(QT);
+    acct = arena.take(QT * Dp);
   }
-  acc_t sum = 0;
-  for (int64_t j = 0; j < n; ++j) sum += sc[j];
-  *l += sum;
-  axpy_rows(acc, sc, vr, D, 0, n);
+};
+
+/* Scores of key j against query lane i get -inf where key index kt0 + j > query index jq0 + i,
+ * i.e. for lanes i < off + j with off = kt0 - jq0. */
+template <typename T>
+DA_INLINE void mask_future(T* st, int64_t ld, int64_t nk, int64_t nv, int64_t off) {
+  typedef typename Vec<T>::v V;
+  const int W = Vec<T>::W;
+  const V iota = viota<T>(), ninf = vset(neg_inf<T>());
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t thr = off + j;
+    if (thr <= 0) continue;
+    for (int64_t u = 0; u < nv && u * W < thr; ++u) {
+      V s = vload(st + j * ld + u * W);
+      s = iota + (T)(u * W) < (T)thr ? ninf : s;
+      vstore(st + j * ld + u * W, s);
+    }
+  }
 }
 
-/* One (batch b, head h, block [a0, a1)) of the forward: out and lse for those positions. */
-template <typename scalar_t, typename acc_t>
-static void fwd_block(const Problem& P, View<const scalar_t> q, View<const scalar_t> k,
-                      View<const scalar_t> v, View<scalar_t> out, acc_t* lse, int64_t b,
-                      int64_t h, int64_t a0, int64_t a1, FwdScratch<acc_t>* s) {
-  const int64_t D = P.D, hk = h / (P.Hq / P.Hkv);
-  const acc_t scale = (acc_t)P.scale;
-  for (int64_t i = 0; i < a1 - a0; ++i) {
-    s->m[i] = neg_inf<acc_t>();
+/*
+ * Online softmax over a (nk keys x lanes) score tile, queries in lanes: updates the running max
+ * mt and denominator lt, replaces scores by exp(score - max) and leaves in corr the factor the
+ * previous accumulator must be multiplied by. Cost: 2 * nk * nv vector passes, nk * nv exps.
+ */
+template <typename T>
+DA_INLINE void online_softmax(T* st, int64_t ld, int64_t nk, int64_t nv, T* mt, T* lt, T* corr) {
+  typedef typename Vec<T>::v V;
+  const int W = Vec<T>::W;
+  const V ninf = vset(neg_inf<T>()), zero = V{};
+  for (int64_t u = 0; u < nv; ++u) {
+    const V m_old = vload(mt + u * W);
+    V mx = m_old;
+    for (int64_t j = 0; j < nk; ++j) {
+      const V s = vload(st + j * ld + u * W);
+      mx = s > mx ? s : mx;  // ignores NaN, which then propagates through exp
+    }
+    const V mu = mx == ninf ? zero : mx;  // a lane with only -inf scores: exp(-inf - 0) = 0
+    const V c = vexp(m_old - mu);
+    V sum = zero;
+    for (int64_t j = 0; j < nk; ++j) {
+      const V p = vexp(vload(st + j * ld + u * W) - mu);
+      vstore(st + j * ld + u * W, p);
+      sum += p;
+    }
+    vstore(lt + u * W, vload(lt + u * W) * c + sum);
+    vstore(mt + u * W, mx);
+    vstore(corr + u * W, c);
+  }
+}
+
+/* Merge a query tile's state (m2, l2, acc2) into the block's rows row0 + i * step. */
+template <typename T>
+DA_INLINE void merge_tile(T* m, T* l, T* acc, const T* m2, const T* l2, const T* acc2, int64_t n,
+                          int64_t row0, int64_t step, int64_t Dp) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (l2[i] == 0) continue;  // only -inf scores: nothing to add
+    const int64_t row = row0 + i * step;
+    T* a = acc + row * Dp;
+    const T* b = acc2 + i * Dp;
+    if (l[row] == 0) {
+      m[row] = m2[i];
+      l[row] = l2[i];
+      for (int64_t d = 0; d < Dp; ++d) a[d] = b[d];
+      continue;
+    }
+    const T mx = m[row] > m2[i] ? m[row] : m2[i];
+    const T ca = exp(m[row] - mx), cb = exp(m2[i] - mx);
+    m[row] = mx;
+    l[row] = l[row] * ca + l2[i] * cb;
+    for (int64_t d = 0; d < Dp; ++d) a[d] = a[d] * ca + b[d] * cb;
+  }
+}
+
+/*
+ * Forward of one (batch b, head h, block [a0, a1) of positions): leaves the block's max,
+ * denominator and unnormalised output per position in s (rows a0..a1). Cost: 2 * D multiply-adds
+ * and one exp per (query, key) pair of the block's queries, all branches.
+ */
+template <typename T>
+DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
+                              FwdScratch<T>* s) {
+  const int W = Vec<T>::W;
+  const int64_t D = P.D, Dp = P.Dp, hk = h / (P.Hq / P.Hkv), rows = a1 - a0;
+  for (int64_t i = 0; i < rows; ++i) {
+    s->m[i] = neg_inf<T>();
     s->l[i] = 0;
   }
-  for (int64_t i = 0; i < (a1 - a0) * D; ++i) s->acc[i] = 0;
+  for (int64_t i = 0; i < rows * Dp; ++i) s->acc[i] = 0;
 
-  for (int64_t bi = 0; bi < P.branches.n; ++bi) {
-    const int64_t w = P.branches.w[bi], r = P.branches.r[bi], o = h % r;
+  for (int64_t bi = 0; bi < P.br.n; ++bi) {
+    const int64_t w = P.br.w[bi], r = P.br.r[bi], o = h % r;
     for (int64_t seg = da_first_segment(a0, w); seg <= da_last_segment(a1, w); ++seg) {
       da_group g;
       da_group_at(seg, a0, a1, P.N, w, r, o, &g);
-      if (g.count == 0) continue;
-      for (int64_t qi = 0; qi < g.count; ++qi)
-        load_row(&s->qp[qi * D], q.at(b, g.first + qi * r, h), D, scale);
-      const int64_t nk_total =
-          P.is_causal ? da_min64(g.seg_count, g.j0 + g.count) : g.seg_count;
-      for (int64_t kt0 = 0; kt0 < nk_total; kt0 += KB) {
-        const int64_t nk = da_min64(KB, nk_total - kt0);
-        for (int64_t jj = 0; jj < nk; ++jj) {
-          const int64_t x = g.seg_first + (kt0 + jj) * r;
-          load_col(s->kt.data(), KB, jj, k.at(b, x, hk), D, (acc_t)1);
-          load_row(&s->vr[jj * D], v.at(b, x, hk), D, (acc_t)1);
+      const T* kp = P.k + b * P.k_sb + g.seg_first * P.k_sn + hk * P.k_sh;
+      const T* vp = P.v + b * P.v_sb + g.seg_first * P.v_sn + hk * P.v_sh;
+      const int64_t ks = r * P.k_sn, vs = r * P.v_sn;
+      for (int64_t q0 = 0; q0 < g.count; q0 += QT) {
+        const int64_t nq = da_min64(QT, g.count - q0), nv = da_ceil_div(nq, W), ld = nv * W;
+        const int64_t jq0 = g.j0 + q0;  // dilated index of the tile's first query
+        const T* qp = P.q + b * P.q_sb + (g.first + q0 * r) * P.q_sn + h * P.q_sh;
+        pack_transposed(s->qt, ld, qp, r * P.q_sn, nq, D, P.scale);
+        for (int64_t i = 0; i < ld; ++i) {
+          s->mt[i] = neg_inf<T>();
+          s->lt[i] = 0;
         }
-        for (int64_t qi = 0; qi < g.count; ++qi) {
-          const int64_t jq = g.j0 + qi;
-          const int64_t lim = P.is_causal ? da_min64(nk, jq + 1 - kt0) : nk;
-          if (lim <= 0) continue;
-          const int64_t row = g.first + qi * r - a0;
-          row_times_tile(s->sc.data(), &s->qp[qi * D], s->kt.data(), KB, D, 0, lim);
-          softmax_update(&s->m[row], &s->l[row], &s->acc[row * D], s->sc.data(), s->vr.data(),
-                         lim, D);
+        for (int64_t i = 0; i < nq * Dp; ++i) s->acct[i] = 0;
+        const int64_t nk_all = P.causal ? da_min64(g.seg_count, jq0 + nq) : g.seg_count;
+        for (int64_t kt0 = 0; kt0 < nk_all; kt0 += KB) {
+          const int64_t nk = da_min64(KB, nk_all - kt0);
+          gemm(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false);  // S^T = K Q^T
+          if (P.causal && kt0 + nk - 1 > jq0) mask_future(s->st, ld, nk, nv, kt0 - jq0);
+          online_softmax(s->st, ld, nk, nv, s->mt, s->lt, s->corr);
+          for (int64_t i = 0; i < nq; ++i) {
+            const T c = s->corr[i];
+            if (c != 1)
+              for (int64_t d = 0; d < Dp; ++d) s->acct[i * Dp + d] *= c;
+          }
+          gemm(s->acct, Dp, s->st, 1, ld, vp + kt0 * vs, vs, nq, Dp / W, nk, true);  // += P V
         }
+        merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acct, nq, g.first + q0 * r - a0, r, Dp);
       }
     }
   }
+}
 
+DA_CLONES static void fwd_block(const Fwd<float>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
+                                FwdScratch<float>* s) {
+  fwd_block_impl<float>(P, b, h, a0, a1, s);
+}
+DA_CLONES static void fwd_block(const Fwd<double>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
+                                FwdScratch<double>* s) {
+  fwd_block_impl<double>(P, b, h, a0, a1, s);
+}
+
+/* out = acc / l and lse = m + log(l) for the block's rows; uncovered rows: 0 and -inf. */
+template <typename scalar_t, typename T>
+static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* lse, int64_t a0,
+                      int64_t a1, int64_t D, int64_t Dp) {
   for (int64_t p = a0; p < a1; ++p) {
     const int64_t row = p - a0;
-    const acc_t l = s->l[row];
-    scalar_t* o = out.at(b, p, h);
-    if (l == 0) {  // covered by no branch
+    const T l = s.l[row];
+    scalar_t* o = out + p * out_sn;
+    if (l == 0) {
       for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)0;
-      lse[p] = neg_inf<acc_t>();
+      lse[p] = neg_inf<T>();
     } else {
-      const acc_t inv = (acc_t)1 / l;
-      for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s->acc[row * D + d] * inv);
-      lse[p] = s->m[row] + log(l);
+      const T inv = (T)1 / l;
+      for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s.acc[row * Dp + d] * inv);
+      lse[p] = s.m[row] + log(l);
     }
   }
+}
+
+/* Positions per forward block: enough that the most dilated branch still has QT queries in it,
+ * but small enough to give every thread several blocks. */
+static int64_t block_size(const Problem& P) {
+  int64_t rmax = 1;
+  for (int64_t i = 0; i < P.branches.n; ++i) rmax = da_max64(rmax, P.branches.r[i]);
+  int64_t qb = da_min64(QT * rmax, 1024);
+  const int64_t want = 8 * (int64_t)at::get_num_threads();
+  while (qb > QT && P.B * P.Hq * da_ceil_div(P.N, qb) < want) qb /= 2;
+  return da_max64(qb, 1);
+}
+
+/* t as rows of Dp values of type st (zero padded), reading t in place when it already is. */
+static at::Tensor padded_rows(const at::Tensor& t, at::ScalarType st, int64_t Dp) {
+  if (t.scalar_type() == st && t.size(3) == Dp) return last_dim_contiguous(t);
+  return at::constant_pad_nd(t.to(st), {0, Dp - t.size(3)}, 0);
+}
+
+template <typename T>
+static void set_strides(const at::Tensor& t, int64_t* sb, int64_t* sn, int64_t* sh) {
+  *sb = t.stride(0);
+  *sn = t.stride(1);
+  *sh = t.stride(2);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -191,29 +467,46 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
       check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ",
               q_in.device());
-  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
-                   v = last_dim_contiguous(v_in);
-  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
+  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q_in.options());
+  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
   if (P.B == 0 || P.N == 0) return {out, lse};
-  const int64_t nblocks = da_ceil_div(P.N, QB);
+  const int64_t QB = block_size(P), nblocks = da_ceil_div(P.N, QB);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "dilated_attention_fwd",
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_fwd",
                                   [&] {
-    using acc_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
-    const auto qv = view_of<const scalar_t>(q), kv = view_of<const scalar_t>(k),
-               vv = view_of<const scalar_t>(v);
-    const auto ov = view_of<scalar_t>(out);
-    acc_t* lse_p = lse.data_ptr<acc_t>();
-    at::parallel_for(0, P.B * P.Hq * nblocks, 1, [&](int64_t begin, int64_t end) {
-      FwdScratch<acc_t> s(P.D);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t blk = task % nblocks, bh = task / nblocks;
-        const int64_t h = bh % P.Hq, b = bh / P.Hq;
-        const int64_t a0 = blk * QB, a1 = da_min64(a0 + QB, P.N);
-        fwd_block<scalar_t, acc_t>(P, qv, kv, vv, ov, lse_p + bh * P.N, b, h, a0, a1, &s);
-      }
-    });
+    using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
+    const int64_t W = Vec<T>::W, Dp = da_ceil_div(P.D, W) * W;
+    const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
+    const at::Tensor q = padded_rows(q_in, st, Dp), k = padded_rows(k_in, st, Dp),
+                     v = padded_rows(v_in, st, Dp);
+    Fwd<T> F;
+    F.q = q.data_ptr<T>();
+    F.k = k.data_ptr<T>();
+    F.v = v.data_ptr<T>();
+    set_strides<T>(q, &F.q_sb, &F.q_sn, &F.q_sh);
+    set_strides<T>(k, &F.k_sb, &F.k_sn, &F.k_sh);
+    set_strides<T>(v, &F.v_sb, &F.v_sn, &F.v_sh);
+    F.N = P.N;
+    F.Hq = P.Hq;
+    F.Hkv = P.Hkv;
+    F.D = P.D;
+    F.Dp = Dp;
+    F.QB = QB;
+    F.br = P.branches;
+    F.causal = P.is_causal;
+    F.scale = (T)P.scale;
+    scalar_t* out_p = out.data_ptr<scalar_t>();
+    T* lse_p = lse.data_ptr<T>();
+    parallel_tasks(
+        P.B * P.Hq * nblocks, [&] { return FwdScratch<T>(QB, P.D, Dp); },
+        [&](int64_t task, FwdScratch<T>& s) {
+          const int64_t blk = task % nblocks, bh = task / nblocks;
+          const int64_t h = bh % P.Hq, b = bh / P.Hq;
+          const int64_t a0 = blk * QB, a1 = da_min64(a0 + QB, P.N);
+          fwd_block(F, b, h, a0, a1, &s);
+          fwd_write<scalar_t, T>(s, out_p + b * out.stride(0) + h * out.stride(2), out.stride(1),
+                                 lse_p + bh * P.N, a0, a1, P.D, Dp);
+        });
   });
   return {out, lse};
 }
@@ -224,164 +517,154 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
 /*   dq = scale * dS k,  dk = scale * dS^T q,  dv = P^T dout                                   */
 /* ------------------------------------------------------------------------------------------ */
 
-/* delta[b, h, p] = sum_d dout * out - dlse, one value per query row. */
-template <typename scalar_t, typename acc_t>
-static void compute_delta(const Problem& P, View<const scalar_t> dout, View<const scalar_t> out,
-                          const acc_t* dlse, acc_t* delta) {
+/* delta[b, h, p] = sum_d dout * out - dlse, one value per query row. Cost: B * Hq * N * D. */
+template <typename scalar_t, typename T>
+static void compute_delta(const Problem& P, const at::Tensor& dout, const at::Tensor& out,
+                          const T* dlse, T* delta) {
+  const scalar_t* dp = dout.data_ptr<scalar_t>();
+  const scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, P.B * P.Hq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / P.Hq, h = bh % P.Hq;
       for (int64_t p = 0; p < P.N; ++p) {
-        const scalar_t* x = dout.at(b, p, h);
-        const scalar_t* y = out.at(b, p, h);
-        acc_t sum = 0;
-        for (int64_t d = 0; d < P.D; ++d) sum += (acc_t)x[d] * (acc_t)y[d];
-        delta[bh * P.N + p] = sum - (dlse ? dlse[bh * P.N + p] : (acc_t)0);
+        const scalar_t* x = dp + b * dout.stride(0) + p * dout.stride(1) + h * dout.stride(2);
+        const scalar_t* y = op + b * out.stride(0) + p * out.stride(1) + h * out.stride(2);
+        T sum = 0;
+        for (int64_t d = 0; d < P.D; ++d) sum += (T)x[d] * (T)y[d];
+        delta[bh * P.N + p] = sum - (dlse ? dlse[bh * P.N + p] : (T)0);
       }
     }
   });
 }
 
-/* dS for one query row against n keys: sc holds scores in, dS out; dp holds dout . v. */
-template <typename acc_t>
-static inline void row_ds(acc_t* sc, const acc_t* dp, acc_t lse, acc_t delta, int64_t j0,
-                          int64_t j1, acc_t* p_out) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const acc_t p = lse == neg_inf<acc_t>() ? 0 : exp(sc[j] - lse);
-    if (p_out) p_out[j] = p;
-    sc[j] = p * (dp[j] - delta);
+template <typename T>
+struct Bwd {
+  const T *q, *k, *v, *dout;  // rows of Dp values (zero padded past D)
+  T *dq, *dk, *dv;            // accumulators, rows of Dp values
+  int64_t q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, do_sb, do_sn, do_sh;
+  int64_t dq_sb, dq_sn, dq_sh, dk_sb, dk_sn, dk_sh, dv_sb, dv_sn, dv_sh;
+  const T *lse, *delta;  // (B, Hq, N)
+  int64_t N, Hq, Hkv, D, Dp;
+  da_branches br;
+  int causal;
+  T scale;
+};
+
+template <typename T>
+struct BwdScratch {
+  Arena<T> arena;
+  T *kt, *vt;     // (D, KB) keys and values of the tile, transposed
+  T *dkt, *dvt;   // (KB, Dp) their gradients
+  T *s, *dp;      // (QT, KB): scores then P; dout . v then dS
+  T *lse, *delta; // (QT)
+  BwdScratch(int64_t D, int64_t Dp)
+      : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp),
+                              (size_t)(KB * Dp), QT * KB, QT * KB, QT, QT})) {
+    kt = arena.take(D * KB);
+    vt = arena.take(D * KB);
+    dkt = arena.take(KB * Dp);
+    dvt = arena.take(KB * Dp);
+    s = arena.take(QT * KB);
+    dp = arena.take(QT * KB);
+    lse = arena.take(QT);
+    delta = arena.take(QT);
+  }
+};
+
+/*
+ * From scores s and dP (nq rows x ld key lanes): s <- P = exp(scale * s - lse), dp <- dS =
+ * scale * P * (dP - delta), with P = dS = 0 for key lanes past nk and, when causal, for keys after
+ * the query (key kt0 + j > query qt0 + i, off = qt0 - kt0). Cost: nq * ld exps.
+ */
+template <typename T>
+DA_INLINE void ds_tile(T* s, T* dp, int64_t ld, int64_t nq, int64_t nk, int causal, int64_t off,
+                       const T* lse, const T* delta, T scale) {
+  typedef typename Vec<T>::v V;
+  const int W = Vec<T>::W;
+  const V iota = viota<T>(), zero = V{};
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t last = causal ? da_min64(nk - 1, off + i) : nk - 1;  // last key lane it sees
+    const T l = lse[i], dl = delta[i];
+    for (int64_t u = 0; u * W < ld; ++u) {
+      T* sp = s + i * ld + u * W;
+      T* dpp = dp + i * ld + u * W;
+      V p = l == neg_inf<T>() ? zero : vexp(vload(sp) * scale - l);
+      if ((u + 1) * W - 1 > last) p = iota + (T)(u * W) > (T)last ? zero : p;
+      vstore(sp, p);
+      vstore(dpp, p * scale * (vload(dpp) - dl));
+    }
   }
 }
 
-template <typename acc_t>
-struct DqScratch {
-  std::vector<acc_t> qp, dop, dq, kt, vt, kr, sc, dp;
-  explicit DqScratch(int64_t D)
-      : qp(QB * D), dop(QB * D), dq(QB * D), kt(D * KB), vt(D * KB), kr(KB * D), sc(KB), dp(KB) {}
-};
+/* rows[j * stride] += t[j * Dp] for j < n (Dp values each). */
+template <typename T>
+DA_INLINE void add_rows(T* rows, int64_t stride, const T* t, int64_t n, int64_t Dp) {
+  typedef typename Vec<T>::v V;
+  const int W = Vec<T>::W;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < Dp; d += W)
+      vstore(rows + j * stride + d, vload(rows + j * stride + d) + vload(t + j * Dp + d));
+}
 
-/* dq for one (batch b, head h, block [a0, a1)). */
-template <typename scalar_t, typename acc_t>
-static void dq_block(const Problem& P, View<const scalar_t> q, View<const scalar_t> k,
-                     View<const scalar_t> v, View<const scalar_t> dout, const acc_t* lse,
-                     const acc_t* delta, View<scalar_t> dq, int64_t b, int64_t h, int64_t a0,
-                     int64_t a1, DqScratch<acc_t>* s) {
-  const int64_t D = P.D, hk = h / (P.Hq / P.Hkv);
-  const acc_t scale = (acc_t)P.scale;
-  for (int64_t i = 0; i < (a1 - a0) * D; ++i) s->dq[i] = 0;
-
-  for (int64_t bi = 0; bi < P.branches.n; ++bi) {
-    const int64_t w = P.branches.w[bi], r = P.branches.r[bi], o = h % r;
-    for (int64_t seg = da_first_segment(a0, w); seg <= da_last_segment(a1, w); ++seg) {
-      da_group g;
-      da_group_at(seg, a0, a1, P.N, w, r, o, &g);
-      if (g.count == 0) continue;
-      for (int64_t qi = 0; qi < g.count; ++qi) {
-        const int64_t p = g.first + qi * r;
-        load_row(&s->qp[qi * D], q.at(b, p, h), D, scale);
-        load_row(&s->dop[qi * D], dout.at(b, p, h), D, (acc_t)1);
-      }
-      const int64_t nk_total =
-          P.is_causal ? da_min64(g.seg_count, g.j0 + g.count) : g.seg_count;
-      for (int64_t kt0 = 0; kt0 < nk_total; kt0 += KB) {
-        const int64_t nk = da_min64(KB, nk_total - kt0);
-        for (int64_t jj = 0; jj < nk; ++jj) {
-          const int64_t x = g.seg_first + (kt0 + jj) * r;
-          load_col(s->kt.data(), KB, jj, k.at(b, x, hk), D, (acc_t)1);
-          load_row(&s->kr[jj * D], k.at(b, x, hk), D, (acc_t)1);
-          load_col(s->vt.data(), KB, jj, v.at(b, x, hk), D, (acc_t)1);
+/*
+ * Backward of branch bi for one (batch b, key/value head hk, segment seg) and the query heads of
+ * the group whose phase h % r is that of head hk * G + ph: adds this branch's share of dq, dk and
+ * dv for the segment's covered rows. Cost: 5 * D multiply-adds and one exp per (query, key) pair.
+ */
+template <typename T>
+DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
+                             int64_t ph, BwdScratch<T>* s) {
+  const int W = Vec<T>::W;
+  const int64_t w = P.br.w[bi], r = P.br.r[bi], G = P.Hq / P.Hkv, D = P.D, Dp = P.Dp;
+  const int64_t h0 = hk * G + ph;
+  da_group g;
+  da_group_at(seg, seg * w, da_min64(seg * w + w, P.N), P.N, w, r, h0 % r, &g);
+  const int64_t c = g.seg_count;
+  const T* kp = P.k + b * P.k_sb + g.seg_first * P.k_sn + hk * P.k_sh;
+  const T* vp = P.v + b * P.v_sb + g.seg_first * P.v_sn + hk * P.v_sh;
+  T* dkp = P.dk + b * P.dk_sb + g.seg_first * P.dk_sn + hk * P.dk_sh;
+  T* dvp = P.dv + b * P.dv_sb + g.seg_first * P.dv_sn + hk * P.dv_sh;
+  const int64_t ks = r * P.k_sn, vs = r * P.v_sn, qs = r * P.q_sn, dos = r * P.do_sn,
+                dqs = r * P.dq_sn;
+  for (int64_t kt0 = 0; kt0 < c; kt0 += KB) {
+    const int64_t nk = da_min64(KB, c - kt0), nv = da_ceil_div(nk, W), ld = nv * W;
+    pack_transposed(s->kt, ld, kp + kt0 * ks, ks, nk, D, (T)1);
+    pack_transposed(s->vt, ld, vp + kt0 * vs, vs, nk, D, (T)1);
+    for (int64_t i = 0; i < nk * Dp; ++i) s->dkt[i] = s->dvt[i] = 0;
+    for (int64_t h = h0; h < (hk + 1) * G; h += r) {
+      const T* qp = P.q + b * P.q_sb + g.seg_first * P.q_sn + h * P.q_sh;
+      const T* dop = P.dout + b * P.do_sb + g.seg_first * P.do_sn + h * P.do_sh;
+      T* dqp = P.dq + b * P.dq_sb + g.seg_first * P.dq_sn + h * P.dq_sh;
+      const T* lse_h = P.lse + (b * P.Hq + h) * P.N + g.seg_first;
+      const T* delta_h = P.delta + (b * P.Hq + h) * P.N + g.seg_first;
+      for (int64_t qt0 = P.causal ? kt0 : 0; qt0 < c; qt0 += QT) {
+        const int64_t nq = da_min64(QT, c - qt0);
+        for (int64_t i = 0; i < nq; ++i) {
+          s->lse[i] = lse_h[(qt0 + i) * r];
+          s->delta[i] = delta_h[(qt0 + i) * r];
         }
-        for (int64_t qi = 0; qi < g.count; ++qi) {
-          const int64_t jq = g.j0 + qi;
-          const int64_t lim = P.is_causal ? da_min64(nk, jq + 1 - kt0) : nk;
-          if (lim <= 0) continue;
-          const int64_t p = g.first + qi * r, row = p - a0;
-          row_times_tile(s->sc.data(), &s->qp[qi * D], s->kt.data(), KB, D, 0, lim);
-          row_times_tile(s->dp.data(), &s->dop[qi * D], s->vt.data(), KB, D, 0, lim);
-          row_ds(s->sc.data(), s->dp.data(), lse[p], delta[p], 0, lim, (acc_t*)nullptr);
-          axpy_rows(&s->dq[row * D], s->sc.data(), s->kr.data(), D, 0, lim);
-        }
+        const T* qi = qp + qt0 * qs;
+        const T* doi = dop + qt0 * dos;
+        gemm(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false);    // S = Q K^T
+        gemm(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false); // dP = dO V^T
+        ds_tile(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale);
+        gemm(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);   // dV += P^T dO
+        gemm(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);    // dK += dS^T Q
+        gemm(dqp + qt0 * dqs, dqs, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk, true);  // dQ += dS K
       }
     }
-  }
-  for (int64_t p = a0; p < a1; ++p) {
-    scalar_t* o = dq.at(b, p, h);
-    for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s->dq[(p - a0) * D + d] * scale);
+    add_rows(dkp + kt0 * r * P.dk_sn, r * P.dk_sn, s->dkt, nk, Dp);
+    add_rows(dvp + kt0 * r * P.dv_sn, r * P.dv_sn, s->dvt, nk, Dp);
   }
 }
 
-template <typename acc_t>
-struct DkvScratch {
-  std::vector<acc_t> dk, dv, kp, vp, qt, qr, dot, dor, lse, delta, sc, dp, pr;
-  explicit DkvScratch(int64_t D)
-      : dk(QB * D), dv(QB * D), kp(QB * D), vp(QB * D), qt(D * KB), qr(KB * D), dot(D * KB),
-        dor(KB * D), lse(KB), delta(KB), sc(KB), dp(KB), pr(KB) {}
-};
-
-/* dk and dv for one (batch b, key/value head hk, block [x0, x1) of key positions). */
-template <typename scalar_t, typename acc_t>
-static void dkv_block(const Problem& P, View<const scalar_t> q, View<const scalar_t> k,
-                      View<const scalar_t> v, View<const scalar_t> dout, const acc_t* lse,
-                      const acc_t* delta, View<scalar_t> dk, View<scalar_t> dv, int64_t b,
-                      int64_t hk, int64_t x0, int64_t x1, DkvScratch<acc_t>* s) {
-  const int64_t D = P.D, G = P.Hq / P.Hkv;
-  const acc_t scale = (acc_t)P.scale;
-  for (int64_t i = 0; i < (x1 - x0) * D; ++i) s->dk[i] = s->dv[i] = 0;
-
-  for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
-    const acc_t* lse_h = lse + (b * P.Hq + h) * P.N;
-    const acc_t* delta_h = delta + (b * P.Hq + h) * P.N;
-    for (int64_t bi = 0; bi < P.branches.n; ++bi) {
-      const int64_t w = P.branches.w[bi], r = P.branches.r[bi], o = h % r;
-      for (int64_t seg = da_first_segment(x0, w); seg <= da_last_segment(x1, w); ++seg) {
-        da_group g;
-        da_group_at(seg, x0, x1, P.N, w, r, o, &g);
-        if (g.count == 0) continue;
-        for (int64_t kk = 0; kk < g.count; ++kk) {
-          const int64_t x = g.first + kk * r;
-          load_row(&s->kp[kk * D], k.at(b, x, hk), D, (acc_t)1);
-          load_row(&s->vp[kk * D], v.at(b, x, hk), D, (acc_t)1);
-        }
-        for (int64_t qt0 = da_first_query_for_key(g.j0, P.is_causal); qt0 < g.seg_count;
-             qt0 += KB) {
-          const int64_t nq = da_min64(KB, g.seg_count - qt0);
-          for (int64_t jj = 0; jj < nq; ++jj) {
-            const int64_t p = g.seg_first + (qt0 + jj) * r;
-            load_col(s->qt.data(), KB, jj, q.at(b, p, h), D, scale);
-            load_row(&s->qr[jj * D], q.at(b, p, h), D, scale);
-            load_col(s->dot.data(), KB, jj, dout.at(b, p, h), D, (acc_t)1);
-            load_row(&s->dor[jj * D], dout.at(b, p, h), D, (acc_t)1);
-            s->lse[jj] = lse_h[p];
-            s->delta[jj] = delta_h[p];
-          }
-          for (int64_t kk = 0; kk < g.count; ++kk) {
-            const int64_t jk = g.j0 + kk;
-            const int64_t start =
-                P.is_causal ? da_max64(0, da_first_query_for_key(jk, 1) - qt0) : 0;
-            if (start >= nq) continue;
-            const int64_t row = g.first + kk * r - x0;
-            row_times_tile(s->sc.data(), &s->kp[kk * D], s->qt.data(), KB, D, start, nq);
-            row_times_tile(s->dp.data(), &s->vp[kk * D], s->dot.data(), KB, D, start, nq);
-            for (int64_t jj = start; jj < nq; ++jj) {
-              const acc_t p = s->lse[jj] == neg_inf<acc_t>() ? 0 : exp(s->sc[jj] - s->lse[jj]);
-              s->pr[jj] = p;
-              s->sc[jj] = p * (s->dp[jj] - s->delta[jj]);
-            }
-            axpy_rows(&s->dv[row * D], s->pr.data(), s->dor.data(), D, start, nq);
-            axpy_rows(&s->dk[row * D], s->sc.data(), s->qr.data(), D, start, nq);
-          }
-        }
-      }
-    }
-  }
-  for (int64_t x = x0; x < x1; ++x) {
-    scalar_t* a = dk.at(b, x, hk);
-    scalar_t* c = dv.at(b, x, hk);
-    for (int64_t d = 0; d < D; ++d) {
-      a[d] = (scalar_t)s->dk[(x - x0) * D + d];
-      c[d] = (scalar_t)s->dv[(x - x0) * D + d];
-    }
-  }
+DA_CLONES static void bwd_task(const Bwd<float>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
+                               int64_t ph, BwdScratch<float>* s) {
+  bwd_task_impl<float>(P, bi, b, hk, seg, ph, s);
+}
+DA_CLONES static void bwd_task(const Bwd<double>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
+                               int64_t ph, BwdScratch<double>* s) {
+  bwd_task_impl<double>(P, bi, b, hk, seg, ph, s);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
@@ -395,52 +678,78 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ",
               q_in.device());
-  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
-                   v = last_dim_contiguous(v_in), dout = last_dim_contiguous(dout_in),
-                   out = last_dim_contiguous(out_in);
+  const at::Tensor dout_c = last_dim_contiguous(dout_in), out_c = last_dim_contiguous(out_in);
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor dlse;
   if (dlse_in.has_value() && dlse_in->defined())
     dlse = dlse_in->to(lse.scalar_type()).contiguous();
-  at::Tensor dq = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
-  at::Tensor dk = at::empty({P.B, P.N, P.Hkv, P.D}, q.options());
-  at::Tensor dv = at::empty({P.B, P.N, P.Hkv, P.D}, q.options());
-  if (P.B == 0 || P.N == 0) return {dq, dk, dv};
+  if (P.B == 0 || P.N == 0)
+    return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
   at::Tensor delta = at::empty_like(lse);
-  const int64_t nblocks = da_ceil_div(P.N, QB);
+  at::Tensor dq, dk, dv;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "dilated_attention_bwd",
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_bwd",
                                   [&] {
-    using acc_t = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
-    const auto qv = view_of<const scalar_t>(q), kv = view_of<const scalar_t>(k),
-               vv = view_of<const scalar_t>(v), dov = view_of<const scalar_t>(dout),
-               outv = view_of<const scalar_t>(out);
-    const auto dqv = view_of<scalar_t>(dq), dkv = view_of<scalar_t>(dk),
-               dvv = view_of<scalar_t>(dv);
-    const acc_t* lse_p = lse.data_ptr<acc_t>();
-    acc_t* delta_p = delta.data_ptr<acc_t>();
-    compute_delta<scalar_t, acc_t>(P, dov, outv, dlse.defined() ? dlse.data_ptr<acc_t>() : nullptr,
-                                   delta_p);
-    at::parallel_for(0, P.B * P.Hq * nblocks, 1, [&](int64_t begin, int64_t end) {
-      DqScratch<acc_t> s(P.D);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t blk = task % nblocks, bh = task / nblocks;
-        const int64_t h = bh % P.Hq, b = bh / P.Hq;
-        const int64_t a0 = blk * QB, a1 = da_min64(a0 + QB, P.N);
-        dq_block<scalar_t, acc_t>(P, qv, kv, vv, dov, lse_p + bh * P.N, delta_p + bh * P.N, dqv,
-                                  b, h, a0, a1, &s);
-      }
-    });
-    at::parallel_for(0, P.B * P.Hkv * nblocks, 1, [&](int64_t begin, int64_t end) {
-      DkvScratch<acc_t> s(P.D);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t blk = task % nblocks, bh = task / nblocks;
-        const int64_t hk = bh % P.Hkv, b = bh / P.Hkv;
-        const int64_t x0 = blk * QB, x1 = da_min64(x0 + QB, P.N);
-        dkv_block<scalar_t, acc_t>(P, qv, kv, vv, dov, lse_p, delta_p, dkv, dvv, b, hk, x0, x1,
-                                   &s);
-      }
-    });
+    using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
+    const int64_t W = Vec<T>::W, Dp = da_ceil_div(P.D, W) * W;
+    const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
+    compute_delta<scalar_t, T>(P, dout_c, out_c, dlse.defined() ? dlse.data_ptr<T>() : nullptr,
+                               delta.data_ptr<T>());
+    const at::Tensor q = padded_rows(q_in, st, Dp), k = padded_rows(k_in, st, Dp),
+                     v = padded_rows(v_in, st, Dp), dout = padded_rows(dout_c, st, Dp);
+    // Accumulators: the outputs themselves when they hold rows of Dp values of type T.
+    const bool direct = q_in.scalar_type() == st && P.D == Dp;
+    const at::TensorOptions opt = q_in.options().dtype(st);
+    at::Tensor dq_acc = direct ? at::zeros({P.B, P.N, P.Hq, P.D}, opt) : at::zeros({P.B, P.N, P.Hq, Dp}, opt);
+    at::Tensor dk_acc = direct ? at::zeros({P.B, P.N, P.Hkv, P.D}, opt) : at::zeros({P.B, P.N, P.Hkv, Dp}, opt);
+    at::Tensor dv_acc = direct ? at::zeros({P.B, P.N, P.Hkv, P.D}, opt) : at::zeros({P.B, P.N, P.Hkv, Dp}, opt);
+    Bwd<T> A;
+    A.q = q.data_ptr<T>();
+    A.k = k.data_ptr<T>();
+    A.v = v.data_ptr<T>();
+    A.dout = dout.data_ptr<T>();
+    A.dq = dq_acc.data_ptr<T>();
+    A.dk = dk_acc.data_ptr<T>();
+    A.dv = dv_acc.data_ptr<T>();
+    set_strides<T>(q, &A.q_sb, &A.q_sn, &A.q_sh);
+    set_strides<T>(k, &A.k_sb, &A.k_sn, &A.k_sh);
+    set_strides<T>(v, &A.v_sb, &A.v_sn, &A.v_sh);
+    set_strides<T>(dout, &A.do_sb, &A.do_sn, &A.do_sh);
+    set_strides<T>(dq_acc, &A.dq_sb, &A.dq_sn, &A.dq_sh);
+    set_strides<T>(dk_acc, &A.dk_sb, &A.dk_sn, &A.dk_sh);
+    set_strides<T>(dv_acc, &A.dv_sb, &A.dv_sn, &A.dv_sh);
+    A.lse = lse.data_ptr<T>();
+    A.delta = delta.data_ptr<T>();
+    A.N = P.N;
+    A.Hq = P.Hq;
+    A.Hkv = P.Hkv;
+    A.D = P.D;
+    A.Dp = Dp;
+    A.br = P.branches;
+    A.causal = P.is_causal;
+    A.scale = (T)P.scale;
+    const int64_t G = P.Hq / P.Hkv;
+    // Branch by branch: within one, tasks (b, hk, segment, phase) write disjoint rows.
+    for (int64_t bi = 0; bi < P.branches.n; ++bi) {
+      const int64_t nseg = da_ceil_div(P.N, P.branches.w[bi]);
+      const int64_t nph = da_min64(G, P.branches.r[bi]);
+      parallel_tasks(
+          P.B * P.Hkv * nseg * nph, [&] { return BwdScratch<T>(P.D, Dp); },
+          [&](int64_t task, BwdScratch<T>& s) {
+            const int64_t ph = task % nph, seg = (task / nph) % nseg;
+            const int64_t bh = task / (nph * nseg), hk = bh % P.Hkv, b = bh / P.Hkv;
+            bwd_task(A, bi, b, hk, seg, ph, &s);
+          });
+    }
+    if (direct) {
+      dq = dq_acc;
+      dk = dk_acc;
+      dv = dv_acc;
+    } else {
+      dq = dq_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
+      dk = dk_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
+      dv = dv_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
+    }
   });
   return {dq, dk, dv};
 }
