@@ -141,8 +141,10 @@ def _curve_cells(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         _fill_free_end(0, 0, 0, height, width, 0, runs)  # major side along the rows
     table = torch.tensor(runs, dtype=torch.int64)  # (R, 5): x, y, dx, dy, n
     x0, y0, dx, dy, n = table.unbind(1)
-    leaf = torch.repeat_interleave(torch.arange(len(runs)), n)  # (N,) run of each cell
-    first = torch.cumsum(n, 0) - n  # (R,) curve index of each run's first cell
+    first = torch.cumsum(n, 0) - n  # (R,) curve index of each run's first cell (runs are non-empty)
+    starts = torch.zeros(height * width, dtype=torch.int64)
+    starts[first[1:]] = 1
+    leaf = torch.cumsum(starts, 0)  # (N,) run of each cell (cheaper than repeat_interleave on CPU)
     step = torch.arange(height * width) - first[leaf]  # (N,) position inside its run
     cols = x0[leaf] + dx[leaf] * step
     rows = y0[leaf] + dy[leaf] * step

@@ -317,3 +317,103 @@ def test_curve_order_changes_the_result():
     curve = from_curve_order(dattn(to_curve_order(q, perm), to_curve_order(k, perm), to_curve_order(v, perm), [16],
                                    [1]), inv)
     assert (row_major - curve).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# The ordering="hilbert", grid=(H, W) option of the modules, against the reference on
+# pre-permuted inputs, forward and backward, for each backend that can run on this machine.
+
+MODULE_BACKENDS = ["native", "sdpa", "manual"]
+
+
+def modules_or_skip():
+    return pytest.importorskip("dilated_attention.modules", reason="dilated_attention.modules is not available")
+
+
+def runnable_backend_or_skip(name: str, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Skips unless the backend exists and can run these inputs itself (no fallback)."""
+    backends = pytest.importorskip("dilated_attention.backends")
+    if name not in getattr(backends, "BACKEND_NAMES", ()):
+        pytest.skip(f"backend {name!r} is not registered")
+    reasons = backends.get_backend(name).reasons(backends.BackendRequest.from_tensors(q, k))
+    if reasons:
+        pytest.skip(f"backend {name!r} cannot run here: {'; '.join(reasons)}")
+
+
+MODULE_CONFIGS = [
+    # (B, grid, Hq, Hkv, D, segment_lengths, dilation_rates)
+    pytest.param(2, (6, 7), 4, 2, 8, [8, 16], [1, 2], id="6x7-gqa"),
+    pytest.param(1, (5, 9), 4, 4, 16, [4, 12, 45], [1, 2, 4], id="5x9-three-branches"),
+]
+
+
+@pytest.mark.parametrize("backend", MODULE_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,grid,Hq,Hkv,D,segs,rates", MODULE_CONFIGS)
+def test_dilated_attention_module_hilbert_matches_reference(B, grid, Hq, Hkv, D, segs, rates, is_causal, dtype,
+                                                            backend):
+    modules = modules_or_skip()
+    N = grid[0] * grid[1]
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype)
+    runnable_backend_or_skip(backend, q, k)
+    module = modules.DilatedAttention(segs, rates, attention_backend=backend, ordering="hilbert", grid=grid)
+    out = module(q, k, v, is_causal=is_causal)
+    assert backend in module.selected_backends, module.selected_backends
+    assert out.shape == q.shape and out.dtype == dtype
+
+    perm, inv = hilbert_permutation(*grid)
+    ref_out, _ = reference_in_curve_order(q, k, v, perm, inv, segs, rates, is_causal)
+    plain_out, _ = reference_in_curve_order(q, k, v, perm, inv, segs, rates, is_causal, dtype=dtype)
+    assert_within_rule("out", out, ref_out, plain_out, dtype)
+
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * dout).sum(), (q, k, v))
+    want = torch.autograd.grad((ref_out * dout).sum(), (q, k, v))
+    plain = torch.autograd.grad((plain_out.double() * dout).sum(), (q, k, v))
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, want, plain):
+        assert_within_rule(name, a, e, p, dtype)
+
+
+@pytest.mark.parametrize("backend", MODULE_BACKENDS)
+def test_multihead_module_hilbert_matches_reference(backend):
+    modules = modules_or_skip()
+    torch.manual_seed(0)
+    grid, E, heads, segs, rates = (7, 5), 32, 4, [8, 20], [1, 2]
+    B, N = 2, grid[0] * grid[1]
+    mha = modules.MultiheadDilatedAttention(E, heads, segs, rates, dtype=torch.float64, attention_backend=backend,
+                                            ordering="hilbert", grid=grid)
+    x = torch.randn(B, N, E, dtype=torch.float64, requires_grad=True)
+    probe = x.detach().view(B, N, heads, E // heads)
+    runnable_backend_or_skip(backend, probe, probe)
+    out, weights = mha(x)
+    assert weights is None and out.shape == x.shape
+    assert backend in mha.attention.selected_backends, mha.attention.selected_backends
+
+    # The same layer written out by hand around the reference, on pre-permuted heads.
+    perm, inv = hilbert_permutation(*grid)
+    q, k, v = (proj(x).view(B, N, heads, E // heads) for proj in (mha.q_proj, mha.k_proj, mha.v_proj))
+    attn, _ = reference_in_curve_order(q, k, v, perm, inv, segs, rates, is_causal=False)
+    attn = attn.reshape(B, N, E)
+    if mha.norm is not None:
+        attn = torch.nn.functional.layer_norm(attn, (E,), mha.norm.weight, mha.norm.bias, mha.norm.eps)
+    expected = mha.out_proj(attn)
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-10)
+
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    params = (x, mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight)
+    got = torch.autograd.grad((out * dout).sum(), params)
+    want = torch.autograd.grad((expected * dout).sum(), params)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10)
+
+
+def test_modules_reject_a_length_that_does_not_match_the_grid():
+    modules = modules_or_skip()
+    module = modules.DilatedAttention([8], [1], ordering="hilbert", grid=(4, 5))
+    q = torch.randn(1, 21, 2, 8)
+    with pytest.raises(ValueError, match=r"height=4, width=5.*20.*21"):
+        module(q, q, q)
+    mha = modules.MultiheadDilatedAttention(16, 2, [8], [1], ordering="hilbert", grid=(4, 5))
+    with pytest.raises(ValueError, match=r"height=4, width=5.*20.*21"):
+        mha(torch.randn(1, 21, 16))
