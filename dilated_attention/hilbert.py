@@ -78,9 +78,11 @@ def _fill(x: int, y: int, ax: int, ay: int, bx: int, by: int, runs: list[_Run]) 
     (the major side, along which the path travels) and ``b = (bx, by)`` from the corner cell
     ``(x, y)``; exactly one of ``ax, ay`` and one of ``bx, by`` is non-zero.
 
-    When ``|a|`` is even, or both ``|a|`` and ``|b|`` are odd, the path ends at the corner
-    ``(x, y) + a - sign(a)`` and all its steps are unit moves. Linear in the number of cells,
-    recursion depth logarithmic.
+    The path is meant to end at the corner ``(x, y) + a - sign(a)``, next to where the caller
+    continues. With unit steps that is impossible when ``|a|`` is odd and ``|b|`` even (see the
+    module doc), and this construction then makes one diagonal step; it also cannot when
+    ``|a| == 1 < |b|`` (a single column). Linear in the number of cells, recursion depth
+    logarithmic.
     """
     w, h = abs(ax + ay), abs(bx + by)
     dax, day = _sign(ax), _sign(ay)  # unit vector along a
@@ -91,7 +93,7 @@ def _fill(x: int, y: int, ax: int, ay: int, bx: int, by: int, runs: list[_Run]) 
     if w == 1:  # a single column along b
         runs.append((x, y, dbx, dby, h))
         return
-    # Halves, rounded towards -inf as the reference construction does (this matters for the
+    # Halves, rounded towards -inf as the published construction does (this matters for the
     # sub-rectangles walked backwards, whose vectors are negative).
     ax2, ay2 = ax // 2, ay // 2
     bx2, by2 = bx // 2, by // 2
@@ -156,13 +158,13 @@ def _cached_permutation(height: int, width: int) -> tuple[torch.Tensor, torch.Te
     start = time.perf_counter()
     rows, cols = _curve_cells(height, width)
     n = height * width
-    perm = rows * width + cols  # (N,) row-major index of the i-th cell along the curve
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(n)
     # Cheap self-checks (linear): a bijection onto the grid whose steps are all unit moves.
     in_grid = bool(((rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)).all())
-    if not in_grid or not torch.equal(perm[inv], torch.arange(n)):
+    perm = rows * width + cols  # (N,) row-major index of the i-th cell along the curve
+    if rows.numel() != n or not in_grid or not bool((torch.bincount(perm, minlength=n) == 1).all()):
         raise RuntimeError(f"internal error: the Hilbert curve for height={height}, width={width} is not a permutation")
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(n)
     steps = (rows.diff().abs() + cols.diff().abs()) if n > 1 else rows.new_ones(0)
     if not bool((steps == 1).all()):
         bad = int((steps != 1).sum())
