@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["hilbert_permutation", "to_curve_order", "from_curve_order", "segment_locality"]
+__all__ = ["from_curve_order", "hilbert_permutation", "segment_locality", "to_curve_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,9 @@ def _check_size(value: Any, name: str) -> int:
     try:
         as_int = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int >= 1, got {name}={value!r} of type {type(value).__name__}") from None
+        raise TypeError(
+            f"{name} must be an int >= 1, got {name}={value!r} of type {type(value).__name__}"
+        ) from None
     if as_int < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={as_int}")
     return as_int
@@ -112,7 +114,15 @@ def _fill(x: int, y: int, ax: int, ay: int, bx: int, by: int, runs: list[_Run]) 
             bx2, by2 = bx2 + dbx, by2 + dby
         _fill(x, y, bx2, by2, ax2, ay2, runs)
         _fill(x + bx2, y + by2, ax, ay, bx - bx2, by - by2, runs)
-        _fill(x + (ax - dax) + (bx2 - dbx), y + (ay - day) + (by2 - dby), -bx2, -by2, -(ax - ax2), -(ay - ay2), runs)
+        _fill(
+            x + (ax - dax) + (bx2 - dbx),
+            y + (ay - day) + (by2 - dby),
+            -bx2,
+            -by2,
+            -(ax - ax2),
+            -(ay - ay2),
+            runs,
+        )
 
 
 def _fill_free_end(x: int, y: int, ax: int, ay: int, bx: int, by: int, runs: list[_Run]) -> None:
@@ -162,13 +172,17 @@ def _cached_permutation(height: int, width: int) -> tuple[torch.Tensor, torch.Te
     in_grid = bool(((rows >= 0) & (rows < height) & (cols >= 0) & (cols < width)).all())
     perm = rows * width + cols  # (N,) row-major index of the i-th cell along the curve
     if rows.numel() != n or not in_grid or not bool((torch.bincount(perm, minlength=n) == 1).all()):
-        raise RuntimeError(f"internal error: the Hilbert curve for height={height}, width={width} is not a permutation")
+        raise RuntimeError(
+            f"internal error: the Hilbert curve for height={height}, width={width} is not a permutation"
+        )
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(n)
     steps = (rows.diff().abs() + cols.diff().abs()) if n > 1 else rows.new_ones(0)
     if not bool((steps == 1).all()):
         bad = int((steps != 1).sum())
-        raise RuntimeError(f"internal error: the Hilbert curve for height={height}, width={width} has {bad} non-unit steps")
+        raise RuntimeError(
+            f"internal error: the Hilbert curve for height={height}, width={width} has {bad} non-unit steps"
+        )
     logger.debug("Hilbert curve %dx%d computed in %.3f s", height, width, time.perf_counter() - start)
     return perm, inv
 
@@ -204,10 +218,16 @@ def _check_reorder(x: torch.Tensor, index: torch.Tensor, dim: int, what: str) ->
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype != torch.int64:
-        got = f"{index.dtype} tensor of shape {tuple(index.shape)}" if isinstance(index, torch.Tensor) else type(index).__name__
+        got = (
+            f"{index.dtype} tensor of shape {tuple(index.shape)}"
+            if isinstance(index, torch.Tensor)
+            else type(index).__name__
+        )
         raise TypeError(f"{what} must be a 1-D int64 tensor (from hilbert_permutation), got {got}")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got dim={dim!r}")
+        raise ValueError(
+            f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got dim={dim!r}"
+        )
     dim = dim % x.dim()
     if x.shape[dim] != index.numel():
         raise ValueError(
@@ -253,7 +273,11 @@ def segment_locality(perm: torch.Tensor, height: int, width: int, segment_length
     seg = _check_size(segment_length, "segment_length")
     n = h * w
     if not isinstance(perm, torch.Tensor) or perm.dim() != 1 or perm.dtype not in (torch.int32, torch.int64):
-        got = f"{perm.dtype} tensor of shape {tuple(perm.shape)}" if isinstance(perm, torch.Tensor) else type(perm).__name__
+        got = (
+            f"{perm.dtype} tensor of shape {tuple(perm.shape)}"
+            if isinstance(perm, torch.Tensor)
+            else type(perm).__name__
+        )
         raise TypeError(f"perm must be a 1-D integer tensor, got {got}")
     perm = perm.detach().to("cpu", torch.int64)
     if perm.numel() != n or not torch.equal(torch.sort(perm).values, torch.arange(n)):

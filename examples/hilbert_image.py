@@ -29,7 +29,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--segment-lengths", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--plot", default=None, help="write a picture of the curve and its first segments to this PNG")
+    p.add_argument(
+        "--plot", default=None, help="write a picture of the curve and its first segments to this PNG"
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -66,7 +68,9 @@ def main() -> None:
         out = from_curve_order(out, inv)  # back to row-major
         elapsed = time.perf_counter() - start
     result = out.reshape(B, H, W, C).permute(0, 3, 1, 2)  # (B, C, H, W)
-    print(f"\nattention in curve order: {tuple(image.shape)} -> {tuple(result.shape)} in {1e3 * elapsed:.1f} ms")
+    print(
+        f"\nattention in curve order: {tuple(image.shape)} -> {tuple(result.shape)} in {1e3 * elapsed:.1f} ms"
+    )
 
     if args.plot:
         plot(perm, H, W, args.segment_lengths[0], args.plot)

@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
+from reference import reference_attention
+from tolerance import assert_within_rule
 
 from dilated_attention import dilated_attention as dattn
 from dilated_attention import hilbert as hb
 from dilated_attention.hilbert import from_curve_order, hilbert_permutation, segment_locality, to_curve_order
-from reference import reference_attention
-from tolerance import assert_within_rule
 
 SLOW = os.environ.get("DILATED_ATTENTION_SLOW") == "1"
 
@@ -57,9 +57,34 @@ def classic_hilbert_d2xy(order: int, d: int) -> tuple[int, int]:
 
 
 SIZES = [
-    (1, 1), (1, 2), (2, 1), (1, 1000), (1000, 1), (2, 2), (2, 999), (999, 2), (3, 3), (3, 200),
-    (5, 4), (4, 5), (7, 2), (9, 8), (8, 9), (97, 89), (89, 97), (101, 4), (4, 101), (127, 64),
-    (64, 127), (128, 128), (255, 256), (257, 129), (224, 224), (14, 14), (16, 9), (480, 640),
+    (1, 1),
+    (1, 2),
+    (2, 1),
+    (1, 1000),
+    (1000, 1),
+    (2, 2),
+    (2, 999),
+    (999, 2),
+    (3, 3),
+    (3, 200),
+    (5, 4),
+    (4, 5),
+    (7, 2),
+    (9, 8),
+    (8, 9),
+    (97, 89),
+    (89, 97),
+    (101, 4),
+    (4, 101),
+    (127, 64),
+    (64, 127),
+    (128, 128),
+    (255, 256),
+    (257, 129),
+    (224, 224),
+    (14, 14),
+    (16, 9),
+    (480, 640),
 ]
 
 
@@ -77,7 +102,9 @@ def test_every_size_up_to_48():
             assert_unit_step_bijection(perm, inv, height, width)
 
 
-@pytest.mark.skipif(not SLOW, reason="set DILATED_ATTENTION_SLOW=1 for the sweep over all sizes up to 128 x 128")
+@pytest.mark.skipif(
+    not SLOW, reason="set DILATED_ATTENTION_SLOW=1 for the sweep over all sizes up to 128 x 128"
+)
 def test_every_size_up_to_128():
     for height in range(1, 129):
         for width in range(1, 129):
@@ -94,8 +121,14 @@ def test_powers_of_two_give_the_classic_hilbert_curve(order):
     classic = [classic_hilbert_d2xy(order, d) for d in range(order * order)]
     m = order - 1
     symmetries = [
-        lambda x, y: (x, y), lambda x, y: (y, x), lambda x, y: (m - x, y), lambda x, y: (x, m - y),
-        lambda x, y: (m - x, m - y), lambda x, y: (m - y, x), lambda x, y: (y, m - x), lambda x, y: (m - y, m - x),
+        lambda x, y: (x, y),
+        lambda x, y: (y, x),
+        lambda x, y: (m - x, y),
+        lambda x, y: (x, m - y),
+        lambda x, y: (m - x, m - y),
+        lambda x, y: (m - y, x),
+        lambda x, y: (y, m - x),
+        lambda x, y: (m - y, m - x),
     ]
     ours = list(zip(rows, cols))
     assert any([f(x, y) for x, y in classic] == ours for f in symmetries)
@@ -103,7 +136,7 @@ def test_powers_of_two_give_the_classic_hilbert_curve(order):
     while block * block <= order * order:
         run = block * block
         for start in range(0, order * order, run):
-            r, c = rows[start:start + run], cols[start:start + run]
+            r, c = rows[start : start + run], cols[start : start + run]
             assert max(r) - min(r) == block - 1 and max(c) - min(c) == block - 1
             assert min(r) % block == 0 and min(c) % block == 0
         block *= 2
@@ -214,7 +247,7 @@ def test_reorder_rejects_a_wrong_length():
 def naive_locality(order: list[int], width: int, segment_length: int) -> float:
     total = 0.0
     for start in range(0, len(order), segment_length):
-        cells = [(t // width, t % width) for t in order[start:start + segment_length]]
+        cells = [(t // width, t % width) for t in order[start : start + segment_length]]
         cr = sum(r for r, _ in cells) / len(cells)
         cc = sum(c for _, c in cells) / len(cells)
         total += sum(math.hypot(r - cr, c - cc) for r, c in cells)
@@ -247,8 +280,16 @@ def test_segment_locality_bad_inputs():
 
 @pytest.mark.parametrize(
     "height,width,segment_length",
-    [(64, 64, 16), (64, 64, 64), (37, 53, 64), (53, 37, 32), (17, 120, 64), (31, 31, 16), (9, 8, 8),
-     (256, 256, 1024)],
+    [
+        (64, 64, 16),
+        (64, 64, 64),
+        (37, 53, 64),
+        (53, 37, 32),
+        (17, 120, 64),
+        (31, 31, 16),
+        (9, 8, 8),
+        (256, 256, 1024),
+    ],
 )
 def test_hilbert_segments_are_more_compact_than_row_major(height, width, segment_length):
     perm, _ = hilbert_permutation(height, width)
@@ -272,7 +313,9 @@ def make_inputs(B, N, Hq, Hkv, D, dtype, seed=0):
 
 def reference_in_curve_order(q, k, v, perm, inv, segs, rates, is_causal, dtype=None):
     """The dense reference on inputs permuted by plain indexing, its outputs un-permuted."""
-    out, lse = reference_attention(q[:, perm], k[:, perm], v[:, perm], segs, rates, is_causal=is_causal, dtype=dtype)
+    out, lse = reference_attention(
+        q[:, perm], k[:, perm], v[:, perm], segs, rates, is_causal=is_causal, dtype=dtype
+    )
     return out[:, inv], lse[:, :, inv]  # (B, N, Hq, D), (B, Hq, N)
 
 
@@ -288,12 +331,21 @@ ATTN_CONFIGS = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("B,grid,Hq,Hkv,D,segs,rates", ATTN_CONFIGS)
-def test_functional_attention_in_curve_order_matches_reference(B, grid, Hq, Hkv, D, segs, rates, is_causal, dtype):
+def test_functional_attention_in_curve_order_matches_reference(
+    B, grid, Hq, Hkv, D, segs, rates, is_causal, dtype
+):
     perm, inv = hilbert_permutation(*grid)
     N = grid[0] * grid[1]
     q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype)
-    out_c, lse_c = dattn(to_curve_order(q, perm), to_curve_order(k, perm), to_curve_order(v, perm), segs, rates,
-                         is_causal=is_causal, return_lse=True)
+    out_c, lse_c = dattn(
+        to_curve_order(q, perm),
+        to_curve_order(k, perm),
+        to_curve_order(v, perm),
+        segs,
+        rates,
+        is_causal=is_causal,
+        return_lse=True,
+    )
     out, lse = from_curve_order(out_c, inv), from_curve_order(lse_c, inv, dim=2)
     ref_out, ref_lse = reference_in_curve_order(q, k, v, perm, inv, segs, rates, is_causal)
     plain_out, plain_lse = reference_in_curve_order(q, k, v, perm, inv, segs, rates, is_causal, dtype=dtype)
@@ -314,8 +366,9 @@ def test_curve_order_changes_the_result():
     perm, inv = hilbert_permutation(8, 8)
     q, k, v = (t.detach() for t in make_inputs(1, 64, 2, 2, 8, torch.float64))
     row_major = dattn(q, k, v, [16], [1])
-    curve = from_curve_order(dattn(to_curve_order(q, perm), to_curve_order(k, perm), to_curve_order(v, perm), [16],
-                                   [1]), inv)
+    curve = from_curve_order(
+        dattn(to_curve_order(q, perm), to_curve_order(k, perm), to_curve_order(v, perm), [16], [1]), inv
+    )
     assert (row_major - curve).abs().max() > 1e-3
 
 
@@ -327,7 +380,9 @@ MODULE_BACKENDS = ["native", "sdpa", "manual"]
 
 
 def modules_or_skip():
-    return pytest.importorskip("dilated_attention.modules", reason="dilated_attention.modules is not available")
+    return pytest.importorskip(
+        "dilated_attention.modules", reason="dilated_attention.modules is not available"
+    )
 
 
 def runnable_backend_or_skip(name: str, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -351,8 +406,9 @@ MODULE_CONFIGS = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("B,grid,Hq,Hkv,D,segs,rates", MODULE_CONFIGS)
-def test_dilated_attention_module_hilbert_matches_reference(B, grid, Hq, Hkv, D, segs, rates, is_causal, dtype,
-                                                            backend):
+def test_dilated_attention_module_hilbert_matches_reference(
+    B, grid, Hq, Hkv, D, segs, rates, is_causal, dtype, backend
+):
     modules = modules_or_skip()
     N = grid[0] * grid[1]
     q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype)
@@ -381,8 +437,9 @@ def test_multihead_module_hilbert_matches_reference(backend):
     torch.manual_seed(0)
     grid, E, heads, segs, rates = (7, 5), 32, 4, [8, 20], [1, 2]
     B, N = 2, grid[0] * grid[1]
-    mha = modules.MultiheadDilatedAttention(E, heads, segs, rates, dtype=torch.float64, attention_backend=backend,
-                                            ordering="hilbert", grid=grid)
+    mha = modules.MultiheadDilatedAttention(
+        E, heads, segs, rates, dtype=torch.float64, attention_backend=backend, ordering="hilbert", grid=grid
+    )
     x = torch.randn(B, N, E, dtype=torch.float64, requires_grad=True)
     probe = x.detach().view(B, N, heads, E // heads)
     runnable_backend_or_skip(backend, probe, probe)
