@@ -43,7 +43,6 @@ timeout.
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import struct
 from dataclasses import dataclass
