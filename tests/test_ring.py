@@ -40,7 +40,7 @@ from dilated_attention.ring import (
 RUN_DEADLINE_S = 180.0  # a whole multi-process run; the processes are killed after it
 PG_TIMEOUT_S = 60.0  # the process group's timeout in the correctness runs
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,8 +225,8 @@ BASE_4 = [
     ("span4-gqa", 1, 32, 4, 2, 8, [8, 16, 64], [1, 2, 4]),  # l=8: local, 2-rank and 4-rank segments
     ("straddle4", 1, 36, 4, 4, 8, [6, 12], [1, 3]),  # l=9: every segment boundary straddles
 ]
-CASES_2 = _grid(BASE_2) + _grid([BASE_2[1], BASE_2[3]], causals=(True,), dtypes=("bfloat16",))
-CASES_4 = _grid(BASE_4)
+CASES_2 = _grid(BASE_2, dtypes=tuple(DTYPES))
+CASES_4 = _grid(BASE_4, dtypes=("float64", "float32", "bfloat16"))
 
 
 def _merge_reports(reports: list[dict[str, str | None]]) -> dict[str, str | None]:
