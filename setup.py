@@ -10,11 +10,13 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import subprocess
 
 from setuptools import setup
 
 import torch
+import torch.utils.cpp_extension as cpp_extension
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +45,31 @@ def _default_arch_list() -> str:
     return "6.0;6.1;7.0;7.5;8.0;8.6;8.9;9.0"
 
 
+def _toolkit_root() -> str | None:
+    """The CUDA toolkit directory that holds the headers (include/cuda_runtime_api.h).
+
+    torch takes the parent of the ``nvcc`` found on PATH, which is wrong when that ``nvcc`` is a
+    wrapper script outside the toolkit (``/usr/local/bin/nvcc`` -> CUDA_HOME=/usr/local); the C++
+    sources of the CUDA half then miss the CUDA headers. Ask nvcc where it lives instead.
+    """
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOME]
+    nvcc = shutil.which("nvcc") or (os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None)
+    if nvcc:
+        try:
+            dry = subprocess.run([nvcc, "-v", "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                                 capture_output=True, text=True, timeout=60)
+            m = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.MULTILINE)
+            if m:
+                candidates.append(os.path.normpath(m.group(1).strip()))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    candidates.append("/usr/local/cuda")
+    for root in candidates:
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime_api.h")):
+            return root
+    return CUDA_HOME
+
+
 def _want_cuda() -> bool:
     if _flag("DILATED_ATTENTION_CPU_ONLY"):
         return False
@@ -58,12 +85,17 @@ def _extension():
     if _want_cuda():
         if CUDA_HOME is None:
             raise RuntimeError("FORCE_CUDA=1 was given but no CUDA toolkit (nvcc) was found; set CUDA_HOME")
+        root = _toolkit_root()
+        if root and root != CUDA_HOME:
+            cpp_extension.CUDA_HOME = root  # read by CUDAExtension and BuildExtension at build time
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list())
         print(f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
+        # csrc/cuda: the op's CUDA half (host code in .cpp, kernels in .cu; see docs/readme/cuda.md).
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+        cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
         return CUDAExtension(
             "dilated_attention._C",
-            sources + sorted(glob.glob("csrc/cuda/*.cu")),
+            sources + cuda_sources,
             include_dirs=include,
             define_macros=[("DILATED_ATTENTION_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},

@@ -1,0 +1,326 @@
+// Device helpers shared by the CUDA kernels: warp reductions, the walk over (head, branch,
+// segment, tile of the other side) that every kernel runs, and the sm80 primitives (cp.async,
+// ldmatrix, mma.sync) of the tensor-core kernels, written as inline PTX.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <climits>
+
+#include "launch.h"
+#include "tiling.h"
+
+namespace dilated_attention {
+namespace cuda {
+
+#define DA_FULL_MASK 0xffffffffu
+#define DA_LOG2E 1.4426950408889634
+#define DA_LN2 0.6931471805599453
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define DA_SM80 1
+#else
+#define DA_SM80 0
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Math and warp reductions                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t da_inf() {
+  return (acc_t)INFINITY;
+}
+
+__device__ __forceinline__ float da_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double da_exp2(double x) { return exp2(x); }
+__device__ __forceinline__ float da_log2(float x) { return log2f(x); }
+__device__ __forceinline__ double da_log2(double x) { return log2(x); }
+// Maximum that ignores NaN (like the CPU kernel's `a > b ? a : b` scan from -inf).
+__device__ __forceinline__ float da_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double da_max(double a, double b) { return fmax(a, b); }
+
+template <typename V>
+__device__ __forceinline__ V warp_sum(V v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(DA_FULL_MASK, v, off);
+  return v;
+}
+
+template <typename V>
+__device__ __forceinline__ V warp_max(V v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = da_max(v, __shfl_xor_sync(DA_FULL_MASK, v, off));
+  return v;
+}
+
+__device__ __forceinline__ int warp_min_int(int v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = min(v, __shfl_xor_sync(DA_FULL_MASK, v, off));
+  return v;
+}
+
+__device__ __forceinline__ int warp_max_int(int v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(DA_FULL_MASK, v, off));
+  return v;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The walk                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+/*
+ * A thread block's walk over its work: for each query head of the group (dk/dv only: G heads; the
+ * forward and dq walk their one head), each branch, each segment that the block's rows touch and
+ * that holds at least one active row, and each chunk of `other_tile` indices of the other side.
+ * Every decision is the same in all threads of the block (it depends on block-wide values and on
+ * __syncthreads_or), so the walk may be advanced between barriers by all threads together.
+ *
+ * ROWS is the number of rows each thread follows (the rows whose results it holds); pos[] are
+ * their positions (>= N for padding rows). After each step, jrow[i] is the dilated index of row i
+ * in the current segment or -1, and the warp_* fields summarise the warp's rows.
+ */
+template <int ROWS>
+struct Walk {
+  // Fixed for the block.
+  int64_t N, base, last, h0;
+  int G, is_causal, rows_are, other_tile;
+  int64_t pos[ROWS];
+  // Where the walk is (tiling.h).
+  da_walk st;
+  int o_end, o0;  // dilated indices of the other side: < N < 2^30
+  int jrow[ROWS];
+  bool warp_any, warp_all;
+  int warp_jmin, warp_jmax;
+  bool done;
+
+  __device__ __forceinline__ void start(const da_branches& br) {
+    da_walk_begin(&st);
+    done = false;
+    find(br);
+  }
+
+  // Next chunk of the other side, or the next (head, branch, segment) with an active row.
+  __device__ __forceinline__ void next(const da_branches& br) {
+    o0 += other_tile;
+    if (o0 < o_end) return;
+    ++st.s;
+    find(br);
+  }
+
+  // Position of the other side's index j in the current segment.
+  __device__ __forceinline__ int64_t other_position(int j) const {
+    return st.seg_first + (int64_t)j * st.r;
+  }
+
+  // Current query head (dk/dv walk) or the block's head (forward, dq).
+  __device__ __forceinline__ int64_t head() const { return h0 + st.gi; }
+
+  // Whether this warp skips the current chunk / must mask it (tiling.h).
+  __device__ __forceinline__ bool skip_chunk() const {
+    return da_chunk_skip(rows_are, is_causal, o0, other_tile, warp_any, warp_jmin, warp_jmax);
+  }
+  __device__ __forceinline__ bool chunk_needs_mask() const {
+    return da_chunk_needs_mask(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin,
+                               warp_jmax);
+  }
+
+  // From the walk's position on, the first segment with an active row in this block.
+  __device__ void find(const da_branches& br) {
+    for (;;) {
+      if (!da_walk_candidate(&st, &br, G, h0, base, last, N, is_causal, rows_are)) {
+        done = true;
+        return;
+      }
+      bool mine = false, all = true;
+      int jmin = INT_MAX, jmax = -1;
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        const int j = (int)da_row_index(pos[i], N, st.s, st.w, st.r, st.o);
+        jrow[i] = j;
+        if (j >= 0) {
+          mine = true;
+          jmin = min(jmin, j);
+          jmax = max(jmax, j);
+        } else {
+          all = false;
+        }
+      }
+      if (__syncthreads_or(mine)) {  // the same answer in every thread
+        warp_any = __any_sync(DA_FULL_MASK, mine);
+        warp_all = __all_sync(DA_FULL_MASK, all);
+        warp_jmin = warp_min_int(jmin);
+        warp_jmax = warp_max_int(jmax);
+        o0 = (int)st.o_begin;
+        o_end = (int)st.o_end;
+        return;
+      }
+      ++st.s;
+    }
+  }
+};
+
+// Whether row index jrow (-1: inactive) meets index j of the other side (32-bit form of
+// da_pair_active).
+__device__ __forceinline__ bool pair_active(int jrow, int j, int o_end, int is_causal, int rows_are) {
+  if (jrow < 0 || j >= o_end) return false;
+  if (!is_causal) return true;
+  return rows_are == DA_ROWS_ARE_QUERIES ? j <= jrow : jrow <= j;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* sm80 primitives                                                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+// 16-byte asynchronous copy global -> shared; zero-fills the destination when !valid (src is then
+// not read but must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#if DA_SM80
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if DA_SM80
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if DA_SM80
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// Four 8x8 b16 matrices; thread t gives the address of row t % 8 of matrix t / 8.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* smem) {
+#if DA_SM80
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+#endif
+}
+
+// The same, each matrix transposed.
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* smem) {
+#if DA_SM80
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+#endif
+}
+
+// c (16x8, f32) += a (16x16) * b (16x8) for T = __half or __nv_bfloat16.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                 uint32_t b1) {
+#if DA_SM80
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                        uint32_t b0, uint32_t b1) {
+#if DA_SM80
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats as one register of two T (lo in the low half: the lower column index).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 t = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&t);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 t = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&t);
+}
+
+// Store two adjacent values (4-byte aligned destination).
+template <typename T>
+__device__ __forceinline__ void store2(T* dst, float a, float b) {
+  *reinterpret_cast<uint32_t*>(dst) = pack2<T>(a, b);
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+/*
+ * The m16n8k16 fragment layouts used below (g = lane / 4, t = lane % 4):
+ *   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+ *   B (16x8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+ *   C (16x8, f32):        c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
+ * The C fragments of two adjacent n8 tiles are the A fragment of one k16 step (FlashAttention 2's
+ * register reuse), see c_to_a.
+ */
+
+// Shared-memory address for the A fragment (rows r0..r0+15, columns k0..k0+15) of a row-major
+// tile with row stride lds, as ldsm_x4 wants it.
+template <typename T>
+__device__ __forceinline__ const T* a_frag_addr(const T* tile, int lds, int r0, int k0, int lane) {
+  return tile + (r0 + (lane & 15)) * lds + k0 + ((lane >> 4) << 3);
+}
+
+// Address for two B fragments (n-tiles n0..n0+7 and n0+8..n0+15, k0..k0+15) when B[k][n] is
+// stored as rows n of a row-major tile (B = X^T): ldsm_x4 then gives {b0, b1} of n-tile n0 in
+// r[0], r[1] and of n-tile n0+8 in r[2], r[3].
+template <typename T>
+__device__ __forceinline__ const T* bt_frag_addr(const T* tile, int lds, int n0, int k0, int lane) {
+  return tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * lds + k0 + (((lane >> 3) & 1) << 3);
+}
+
+// Address for two B fragments (k0..k0+15, n-tiles n0..n0+7 and n0+8..n0+15) when B[k][n] is
+// stored row-major as rows k: ldsm_x4_t gives {b0, b1} of n-tile n0 in r[0], r[1] and of n0+8
+// in r[2], r[3].
+template <typename T>
+__device__ __forceinline__ const T* b_frag_addr(const T* tile, int lds, int k0, int n0, int lane) {
+  return tile + (k0 + (lane & 15)) * lds + n0 + ((lane >> 4) << 3);
+}
+
+// The A fragment of k16 step kk from the f32 C fragments c[2kk] and c[2kk+1].
+template <typename T>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = pack2<T>(c0[0], c0[1]);
+  a[1] = pack2<T>(c0[2], c0[3]);
+  a[2] = pack2<T>(c1[0], c1[1]);
+  a[3] = pack2<T>(c1[2], c1[3]);
+}
+
+}  // namespace cuda
+}  // namespace dilated_attention

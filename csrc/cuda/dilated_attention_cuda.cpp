@@ -1,0 +1,299 @@
+// CUDA implementation of dilated_attention::fwd and dilated_attention::bwd: argument checks, the
+// choice between the tensor-core and the SIMT kernels, and their launch on the current stream under
+// a device guard. The kernels are in tc_kernels.cuh (float16/bfloat16 on sm80+) and simt.cu
+// (everything else); tiling.h says how the work is cut into thread blocks.
+//
+// Semantics are those of the CPU kernel (csrc/cpu/dilated_attention_cpu.cpp, SPEC sections 2-3):
+// out (B, N, Hq, D) contiguous in the input dtype, lse (B, Hq, N) float32 (float64 for float64
+// inputs); rows that no branch covers get out = 0 and lse = -inf.
+//
+// The backward is deterministic whatever `deterministic` says: dq and dk/dv are computed by two
+// passes that each own their output rows, without atomics (bitwise reproducible run to run).
+//
+// Two environment variables change how (never what) the kernels compute, for tests and tuning:
+//   DILATED_ATTENTION_CUDA_SIMT=1       use the SIMT kernels for float16/bfloat16 too;
+//   DILATED_ATTENTION_CUDA_TILING=R[,I] rows of a thread block at stride R, interleaved over the
+//                                       warps if I is 1 (tiling.h); default: chosen per call.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "../checks.h"
+#include "launch.h"
+
+namespace dilated_attention {
+namespace {
+
+using cuda::DType;
+using cuda::Params;
+using cuda::Tensor4;
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return DType::kHalf;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat: return DType::kFloat;
+    default: return DType::kDouble;
+  }
+}
+
+Tensor4 tensor4(const at::Tensor& t) {
+  return Tensor4{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return false;
+  const std::string s(v);
+  if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
+  if (s.empty() || s == "0" || s == "false" || s == "no" || s == "off") return false;
+  TORCH_CHECK(false, "dilated_attention: environment variable ", name, " must be 0 or 1, got '", s, "'");
+}
+
+// DILATED_ATTENTION_CUDA_TILING=R or R,I: a forced tiling, or false when unset.
+bool env_tiling(int64_t* R, int64_t* interleaved) {
+  const char* v = std::getenv("DILATED_ATTENTION_CUDA_TILING");
+  if (v == nullptr || *v == '\0') return false;
+  char* end = nullptr;
+  const long long r = std::strtoll(v, &end, 10);
+  long long il = 0;
+  bool ok = end != v && r >= 1 && r <= (1LL << 30);
+  if (ok && *end == ',') {
+    const char* s = end + 1;
+    il = std::strtoll(s, &end, 10);
+    ok = end != s && (il == 0 || il == 1);
+  }
+  ok = ok && *end == '\0';
+  TORCH_CHECK(ok, "dilated_attention: DILATED_ATTENTION_CUDA_TILING must be 'R' or 'R,I' with an "
+              "integer stride 1 <= R <= 2^30 and I in {0, 1}, got '", v, "'");
+  *R = r;
+  *interleaved = il;
+  return true;
+}
+
+da_tiling make_tiling(int64_t N, const da_branches& br, int64_t rows_per_warp) {
+  int64_t R = 1, il = 0;
+  if (env_tiling(&R, &il)) return da_make_tiling(N, R, il, 4, rows_per_warp);
+  return da_choose_tiling(N, &br, 4, rows_per_warp);
+}
+
+// Limits of the launch grid and of the kernels' 32-bit indices.
+void check_sizes(const Problem& P) {
+  TORCH_CHECK(P.N <= std::numeric_limits<int32_t>::max() / 2,
+              "dilated_attention: on CUDA the sequence length must be below 2^30, got N = ", P.N);
+  TORCH_CHECK(P.B <= 65535, "dilated_attention: on CUDA the batch size must be at most 65535, got ",
+              P.B);
+  TORCH_CHECK(P.Hq <= 32767, "dilated_attention: on CUDA the number of heads must be at most 32767, got ",
+              P.Hq);
+}
+
+Params base_params(const Problem& P) {
+  Params p;
+  std::memset(&p, 0, sizeof(p));
+  p.B = P.B;
+  p.N = P.N;
+  p.Hq = P.Hq;
+  p.Hkv = P.Hkv;
+  p.D = P.D;
+  p.G = P.Hq / P.Hkv;
+  p.br = P.branches;
+  p.is_causal = P.is_causal ? 1 : 0;
+  p.scale = P.scale;
+  return p;
+}
+
+// What the kernels need to know of the device (only c10/cuda and the CUDA runtime are used, so
+// that the build needs no CUDA library headers beyond the runtime's).
+struct Device {
+  int major;     // compute capability
+  int max_smem;  // opt-in shared memory per block, bytes
+};
+
+Device device_info(int index) {
+  Device d;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, index));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, index));
+  return d;
+}
+
+// Whether the tensor-core kernels can run these inputs on this device.
+bool tc_eligible(const Problem& P, DType t, const Device& prop) {
+  if (t != DType::kHalf && t != DType::kBFloat16) return false;
+  if (prop.major < 8) return false;
+  if (P.D < 32 || P.D > 256 || P.D % 8 != 0) return false;
+  return !env_flag("DILATED_ATTENTION_CUDA_SIMT");
+}
+
+// The tensor-core kernels copy 16-byte chunks: every stride that is used must be a multiple of 8
+// elements and the data 16-byte aligned. Returns t itself or an aligned contiguous copy.
+at::Tensor tc_ready(const at::Tensor& t) {
+  bool ok = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3 && ok; ++d) ok = t.size(d) <= 1 || t.stride(d) % 8 == 0;
+  if (ok) return t;
+  return at::empty(t.sizes(), t.options()).copy_(t);
+}
+
+// SIMT: the largest rows per warp and keys per step whose shared memory fits the device.
+void simt_plan(const Problem& P, DType t, const Device& prop, int kernel, int64_t* rpw,
+               int* other_tile) {
+  static const int kPlans[][2] = {{4, 32}, {2, 32}, {4, 16}, {2, 16}, {1, 16}, {1, 8}};
+  for (const auto& plan : kPlans) {
+    if (t == DType::kDouble && plan[0] > 2) continue;  // keeps the double accumulators in registers
+    if (cuda::simt_smem_bytes(P.D, t, plan[0], plan[1], kernel) <= prop.max_smem) {
+      *rpw = plan[0];
+      *other_tile = plan[1];
+      return;
+    }
+  }
+  TORCH_CHECK(false, "dilated_attention: head dim ", P.D, " with dtype needs more shared memory than the "
+              "device offers (", prop.max_smem, " bytes per block)");
+}
+
+cuda::TcConfig tc_call(int kernel, DType t, const Params& p, bool launch, cudaStream_t stream) {
+  const bool half = t == DType::kHalf;
+  switch (kernel) {
+    case cuda::kSimtFwd: return half ? cuda::tc_fwd_f16(p, launch, stream) : cuda::tc_fwd_bf16(p, launch, stream);
+    case cuda::kSimtDq: return half ? cuda::tc_dq_f16(p, launch, stream) : cuda::tc_dq_bf16(p, launch, stream);
+    default: return half ? cuda::tc_dkv_f16(p, launch, stream) : cuda::tc_dkv_bf16(p, launch, stream);
+  }
+}
+
+// Whether the tensor-core kernel `kernel` fits in the device's shared memory (it always does on
+// sm80/sm90; the check keeps other parts safe).
+bool tc_fits(int kernel, DType t, const Params& p, const Device& prop) {
+  const cuda::TcConfig cfg = tc_call(kernel, t, p, false, nullptr);
+  if (cfg.smem_bytes <= prop.max_smem) return true;
+  TORCH_WARN_ONCE("dilated_attention: the tensor-core CUDA kernel for head dim ", p.D, " needs ",
+                  cfg.smem_bytes, " bytes of shared memory per block, the device offers ", prop.max_smem,
+                  "; using the SIMT kernel instead (slower)");
+  return false;
+}
+
+// Launches kernel `kernel` (forward, dq or dk/dv) with the tensor cores or SIMT.
+void run(int kernel, const Problem& P, DType t, Params p, bool use_tc, const Device& prop,
+         cudaStream_t stream) {
+  if (use_tc) {
+    p.tiling = make_tiling(P.N, P.branches, 16);
+    TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
+                "dilated_attention: too many thread blocks for N = ", P.N);
+    tc_call(kernel, t, p, true, stream);
+  } else {
+    int64_t rpw = 4;
+    simt_plan(P, t, prop, kernel, &rpw, &p.other_tile);
+    p.tiling = make_tiling(P.N, P.branches, rpw);
+    TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
+                "dilated_attention: too many thread blocks for N = ", P.N);
+    if (kernel == cuda::kSimtFwd) cuda::simt_fwd(p, t, stream);
+    else if (kernel == cuda::kSimtDq) cuda::simt_dq(p, t, stream);
+    else cuda::simt_dkv(p, t, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                            const at::Tensor& v_in, at::IntArrayRef segment_lengths,
+                                            at::IntArrayRef dilation_rates, bool is_causal,
+                                            double softmax_scale) {
+  const Problem P =
+      check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
+  check_sizes(P);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+             v = last_dim_contiguous(v_in);
+  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
+  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (P.B == 0 || P.N == 0) return {out, lse};
+
+  const DType t = dtype_of(q);
+  const Device prop = device_info(q.device().index());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  Params p = base_params(P);
+  bool use_tc = tc_eligible(P, t, prop);
+  if (use_tc) {
+    q = tc_ready(q);
+    k = tc_ready(k);
+    v = tc_ready(v);
+  }
+  p.q = tensor4(q);
+  p.k = tensor4(k);
+  p.v = tensor4(v);
+  p.out = tensor4(out);
+  p.lse = lse.data_ptr();
+  use_tc = use_tc && tc_fits(cuda::kSimtFwd, t, p, prop);
+  run(cuda::kSimtFwd, P, t, p, use_tc, prop, stream);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
+    const c10::optional<at::Tensor>& dlse_in, at::IntArrayRef segment_lengths,
+    at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale, bool deterministic) {
+  (void)deterministic;  // both passes are deterministic by construction (see the top of the file)
+  const Problem P =
+      check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
+  check_sizes(P);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+             v = last_dim_contiguous(v_in), dout = last_dim_contiguous(dout_in);
+  const at::Tensor out = last_dim_contiguous(out_in);
+  const at::Tensor lse = lse_in.contiguous();
+  at::Tensor dlse;
+  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse.scalar_type()).contiguous();
+  at::Tensor dq = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
+  at::Tensor dk = at::empty({P.B, P.N, P.Hkv, P.D}, q.options());
+  at::Tensor dv = at::empty({P.B, P.N, P.Hkv, P.D}, q.options());
+  if (P.B == 0 || P.N == 0) return {dq, dk, dv};
+  at::Tensor delta = at::empty_like(lse);
+
+  const DType t = dtype_of(q);
+  const Device prop = device_info(q.device().index());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  Params p = base_params(P);
+  p.out = tensor4(out);
+  p.dout = tensor4(dout);
+  p.lse = lse.data_ptr();
+  p.delta = delta.data_ptr();
+  p.dlse = dlse.defined() ? dlse.data_ptr() : nullptr;
+  cuda::delta_kernel(p, t, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  bool use_tc = tc_eligible(P, t, prop);
+  if (use_tc) {
+    q = tc_ready(q);
+    k = tc_ready(k);
+    v = tc_ready(v);
+    dout = tc_ready(dout);
+  }
+  p.q = tensor4(q);
+  p.k = tensor4(k);
+  p.v = tensor4(v);
+  p.dout = tensor4(dout);
+  p.dq = tensor4(dq);
+  p.dk = tensor4(dk);
+  p.dv = tensor4(dv);
+  const bool tc_dq = use_tc && tc_fits(cuda::kSimtDq, t, p, prop);
+  const bool tc_dkv = use_tc && tc_fits(cuda::kSimtDkv, t, p, prop);
+  run(cuda::kSimtDq, P, t, p, tc_dq, prop, stream);
+  run(cuda::kSimtDkv, P, t, p, tc_dkv, prop, stream);
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dilated_attention, CUDA, m) {
+  m.impl("fwd", &fwd_cuda);
+  m.impl("bwd", &bwd_cuda);
+}
+
+}  // namespace dilated_attention

@@ -1,0 +1,65 @@
+// What the host side of the CUDA op passes to the kernels, and the launchers that each .cu file
+// defines. Plain structs, passed to the kernels by value.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "../dilated_attention.h"
+#include "tiling.h"
+
+namespace dilated_attention {
+namespace cuda {
+
+// A (B, N, H, D) tensor whose last dimension is contiguous, read through its strides (elements).
+struct Tensor4 {
+  void* data;
+  int64_t sb, sn, sh;
+};
+
+// Everything one launch needs. acc_t below is float for float16/bfloat16/float32 inputs and
+// double for float64 inputs; lse and delta are (B, Hq, N) contiguous arrays of acc_t.
+struct Params {
+  Tensor4 q, k, v;   // inputs; (B, N, Hq, D) and (B, N, Hkv, D)
+  Tensor4 out;       // forward: written; backward (delta kernel): the forward's output, read
+  Tensor4 dout;      // backward: gradient of out
+  Tensor4 dq, dk, dv;
+  void* lse;         // forward: written; backward: read
+  void* delta;       // backward: rowsum(dout * out) - dlse
+  const void* dlse;  // backward: gradient of lse, or nullptr
+  int64_t B, N, Hq, Hkv, D, G;  // G = Hq / Hkv
+  da_branches br;
+  int is_causal;
+  double scale;      // softmax scale
+  da_tiling tiling;  // how rows are cut into thread blocks (tiling.h)
+  int other_tile;    // SIMT kernels: keys (or queries) per step, <= 32
+};
+
+enum class DType { kHalf, kBFloat16, kFloat, kDouble };
+
+// Tensor-core kernels (sm80+, float16/bfloat16, D % 8 == 0, 32 <= D <= 256; tc_kernels.cuh).
+// Each returns its launch configuration; nothing runs unless `launch` is true.
+struct TcConfig {
+  int rows_per_warp;  // 16
+  int warps;          // 4
+  int smem_bytes;     // dynamic shared memory per thread block
+  int d_chunks;       // dk/dv: thread blocks per (tile, kv head) along the head dim
+};
+TcConfig tc_fwd_f16(const Params& p, bool launch, cudaStream_t stream);
+TcConfig tc_fwd_bf16(const Params& p, bool launch, cudaStream_t stream);
+TcConfig tc_dq_f16(const Params& p, bool launch, cudaStream_t stream);
+TcConfig tc_dq_bf16(const Params& p, bool launch, cudaStream_t stream);
+TcConfig tc_dkv_f16(const Params& p, bool launch, cudaStream_t stream);
+TcConfig tc_dkv_bf16(const Params& p, bool launch, cudaStream_t stream);
+
+// SIMT kernels (any arch, every dtype, 1 <= D <= 256; simt.cu). rows_per_warp (<= 4) comes from
+// the tiling and other_tile (<= 32) from the params; simt_smem_bytes says what they need.
+enum { kSimtFwd = 0, kSimtDq = 1, kSimtDkv = 2 };
+int simt_smem_bytes(int64_t D, DType t, int64_t rows_per_warp, int other_tile, int kernel);
+void simt_fwd(const Params& p, DType t, cudaStream_t stream);
+void simt_dq(const Params& p, DType t, cudaStream_t stream);
+void simt_dkv(const Params& p, DType t, cudaStream_t stream);
+void delta_kernel(const Params& p, DType t, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace dilated_attention

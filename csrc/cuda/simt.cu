@@ -1,0 +1,499 @@
+// SIMT kernels (any architecture, every dtype, 1 <= D <= 256): forward, dq, dk/dv, and the
+// backward's delta = rowsum(dout * out) - dlse.
+//
+// A thread block has 4 warps; a warp follows rows_per_warp (<= 4) rows of one head, one at a time,
+// and a lane takes one of `other_tile` (<= 32) keys (queries for dk/dv) of the current step: it
+// computes that pair's score with a dot product over D from shared memory, the warp combines the
+// lanes' values with shuffles, and each lane accumulates output columns d = lane + 32 t. The rows'
+// tiles and the other side's tiles are read from their dilated positions (strided addressing) and
+// converted to the accumulation type acc_t (float, or double for float64) in shared memory.
+// Pairs with probability 0 are skipped, as in the CPU kernel, so non-finite values only reach the
+// rows that read them.
+//
+// Cost per (query, key) pair: forward 2 D multiply-adds; backward (dq pass + dk/dv pass) 5 D.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "common.cuh"
+
+namespace dilated_attention {
+namespace cuda {
+namespace {
+
+constexpr int kSimtThreads = 128;
+constexpr int kSimtWarps = 4;
+constexpr int kMaxRowsPerWarp = 4;
+constexpr int kMaxCols = DA_MAX_HEAD_DIM / 32;  // accumulator columns per lane
+
+// Shared-memory row stride for tiles read one row per lane: odd, so that the lanes' rows fall in
+// different banks.
+__host__ __device__ inline int simt_lds(int64_t D) { return (int)(D % 2 == 0 ? D + 1 : D); }
+
+template <typename acc_t>
+__host__ __device__ inline int64_t simt_smem_elems(int64_t D, int64_t rpw, int ot, int kernel) {
+  const int64_t M = kSimtWarps * rpw, ld = simt_lds(D);
+  switch (kernel) {
+    case kSimtFwd: return M * D + ot * ld + ot * D;          // Q rows, K tile, V tile
+    case kSimtDq: return 2 * M * D + 2 * ot * ld;            // Q, dO rows; K, V tiles
+    default: return 2 * M * D + 2 * ot * ld + 2 * ot;       // K, V rows; Q, dO tiles; lse, delta
+  }
+}
+
+// Dot product of two rows of D values in shared memory.
+template <typename acc_t>
+__device__ __forceinline__ acc_t simt_dot(const acc_t* a, const acc_t* b, int64_t D) {
+  acc_t s = 0;
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// Fills the fixed fields of a SIMT walk; the warp's rows are its rows_per_warp rows.
+template <typename W>
+__device__ __forceinline__ void simt_walk_init(W& w, const Params& p, int64_t base, int64_t last, int64_t h0,
+                                               int G, int rows_are, int warp) {
+  w.N = p.N;
+  w.base = base;
+  w.last = last;
+  w.h0 = h0;
+  w.G = G;
+  w.is_causal = p.is_causal;
+  w.rows_are = rows_are;
+  w.other_tile = p.other_tile;
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i)
+    w.pos[i] = i < p.tiling.rows_per_warp ? da_row_position(&p.tiling, base, warp, i) : p.N;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
+  const int KT = p.other_tile, ld = simt_lds(D);
+  acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
+  acc_t* sK = sQ + M * D;                          // [KT][ld]
+  acc_t* sV = sK + KT * ld;                        // [KT][D]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.G;
+  const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
+  if (base >= p.N) return;
+  const int64_t last = da_tile_last(&p.tiling, base, p.N);
+  const scalar_t* q = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + h * p.q.sh;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E);
+
+  for (int64_t row = warp; row < M; row += kSimtWarps) {
+    const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
+    const scalar_t* src = x < p.N ? q + x * p.q.sn : nullptr;
+    for (int64_t d = lane; d < D; d += 32) sQ[row * D + d] = src ? (acc_t)src[d] * sl2 : (acc_t)0;
+  }
+
+  Walk<kMaxRowsPerWarp> cur;
+  simt_walk_init(cur, p, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
+  cur.start(p.br);
+
+  acc_t m[kMaxRowsPerWarp], l[kMaxRowsPerWarp], acc[kMaxRowsPerWarp][kMaxCols];
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+    m[i] = -da_inf<acc_t>();
+    l[i] = 0;
+#pragma unroll
+    for (int t = 0; t < kMaxCols; ++t) acc[i][t] = 0;
+  }
+
+  while (!cur.done) {
+    __syncthreads();  // the previous step's tiles are no longer read
+    for (int64_t idx = threadIdx.x; idx < (int64_t)KT * D; idx += kSimtThreads) {
+      const int jj = (int)(idx / D);
+      const int64_t d = idx % D;
+      const int j = cur.o0 + jj;
+      acc_t kv = 0, vv = 0;
+      if (j < cur.o_end) {
+        const int64_t x = cur.other_position(j);
+        kv = (acc_t)k[x * p.k.sn + d];
+        vv = (acc_t)v[x * p.v.sn + d];
+      }
+      sK[jj * ld + d] = kv;
+      sV[jj * D + d] = vv;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+      if (cur.jrow[i] < 0) continue;  // same for the whole warp
+      const int j = cur.o0 + lane;
+      const bool ok = lane < KT && pair_active(cur.jrow[i], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES);
+      const acc_t s = ok ? simt_dot(sQ + (warp * rpw + i) * D, sK + lane * ld, D) : -da_inf<acc_t>();
+      const acc_t m_new = da_max(m[i], warp_max(s));
+      const acc_t m_use = m_new == -da_inf<acc_t>() ? (acc_t)0 : m_new;
+      const acc_t corr = da_exp2(m[i] - m_use);
+      m[i] = m_new;
+      const acc_t pr = da_exp2(s - m_use);
+      l[i] = l[i] * corr + warp_sum(pr);
+#pragma unroll
+      for (int t = 0; t < kMaxCols; ++t) acc[i][t] *= corr;
+      for (int jj = 0; jj < KT; ++jj) {
+        const acc_t pj = __shfl_sync(DA_FULL_MASK, pr, jj);
+        if (pj == (acc_t)0) continue;
+#pragma unroll
+        for (int t = 0; t < kMaxCols; ++t) {
+          const int64_t d = lane + 32 * t;
+          if (d < D) acc[i][t] += pj * sV[jj * D + d];
+        }
+      }
+    }
+    cur.next(p.br);
+  }
+
+  scalar_t* out = static_cast<scalar_t*>(p.out.data) + b * p.out.sb + h * p.out.sh;
+  acc_t* lse = static_cast<acc_t*>(p.lse) + (b * p.Hq + h) * p.N;
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+    const int64_t x = cur.pos[i];
+    if (x >= p.N) continue;
+    const bool empty = l[i] == (acc_t)0;
+    const acc_t inv = empty ? (acc_t)0 : (acc_t)1 / l[i];
+#pragma unroll
+    for (int t = 0; t < kMaxCols; ++t) {
+      const int64_t d = lane + 32 * t;
+      if (d < D) out[x * p.out.sn + d] = (scalar_t)(empty ? (acc_t)0 : acc[i][t] * inv);
+    }
+    if (lane == 0) lse[x] = empty ? -da_inf<acc_t>() : (m[i] + da_log2(l[i])) * (acc_t)DA_LN2;
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward: delta, dq, dk/dv                                                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+// delta[b, h, n] = sum_d dout * out - dlse, one warp per row.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kSimtThreads) delta_kernel_impl(const Params p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t rows = p.B * p.N * p.Hq;
+  const scalar_t* dout = static_cast<const scalar_t*>(p.dout.data);
+  const scalar_t* out = static_cast<const scalar_t*>(p.out.data);
+  const acc_t* dlse = static_cast<const acc_t*>(p.dlse);
+  acc_t* delta = static_cast<acc_t*>(p.delta);
+  for (int64_t row = (int64_t)blockIdx.x * kSimtWarps + warp; row < rows;
+       row += (int64_t)gridDim.x * kSimtWarps) {
+    const int64_t h = row % p.Hq, n = (row / p.Hq) % p.N, b = row / (p.Hq * p.N);
+    const scalar_t* x = dout + b * p.dout.sb + n * p.dout.sn + h * p.dout.sh;
+    const scalar_t* y = out + b * p.out.sb + n * p.out.sn + h * p.out.sh;
+    acc_t s = 0;
+    for (int64_t d = lane; d < p.D; d += 32) s += (acc_t)x[d] * (acc_t)y[d];
+    s = warp_sum(s);
+    const int64_t at = (b * p.Hq + h) * p.N + n;
+    if (lane == 0) delta[at] = s - (dlse ? dlse[at] : (acc_t)0);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
+  const int KT = p.other_tile, ld = simt_lds(D);
+  acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
+  acc_t* sdO = sQ + M * D;                         // [M][D]
+  acc_t* sK = sdO + M * D;                         // [KT][ld]
+  acc_t* sV = sK + KT * ld;                        // [KT][ld]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.G;
+  const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
+  if (base >= p.N) return;
+  const int64_t last = da_tile_last(&p.tiling, base, p.N);
+  const scalar_t* q = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + h * p.q.sh;
+  const scalar_t* dout = static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const acc_t* lse = static_cast<const acc_t*>(p.lse) + (b * p.Hq + h) * p.N;
+  const acc_t* delta = static_cast<const acc_t*>(p.delta) + (b * p.Hq + h) * p.N;
+  const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E), log2e = (acc_t)DA_LOG2E;
+
+  for (int64_t row = warp; row < M; row += kSimtWarps) {
+    const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
+    const bool ok = x < p.N;
+    for (int64_t d = lane; d < D; d += 32) {
+      sQ[row * D + d] = ok ? (acc_t)q[x * p.q.sn + d] * sl2 : (acc_t)0;
+      sdO[row * D + d] = ok ? (acc_t)dout[x * p.dout.sn + d] : (acc_t)0;
+    }
+  }
+
+  Walk<kMaxRowsPerWarp> cur;
+  simt_walk_init(cur, p, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
+  cur.start(p.br);
+
+  acc_t lse2[kMaxRowsPerWarp], dl[kMaxRowsPerWarp], dq[kMaxRowsPerWarp][kMaxCols];
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+    const int64_t x = cur.pos[i];
+    const acc_t L = x < p.N ? lse[x] : (acc_t)0;
+    lse2[i] = L == -da_inf<acc_t>() ? da_inf<acc_t>() : L * log2e;
+    dl[i] = x < p.N ? delta[x] : (acc_t)0;
+#pragma unroll
+    for (int t = 0; t < kMaxCols; ++t) dq[i][t] = 0;
+  }
+
+  while (!cur.done) {
+    __syncthreads();
+    for (int64_t idx = threadIdx.x; idx < (int64_t)KT * D; idx += kSimtThreads) {
+      const int jj = (int)(idx / D);
+      const int64_t d = idx % D;
+      const int j = cur.o0 + jj;
+      acc_t kv = 0, vv = 0;
+      if (j < cur.o_end) {
+        const int64_t x = cur.other_position(j);
+        kv = (acc_t)k[x * p.k.sn + d];
+        vv = (acc_t)v[x * p.v.sn + d];
+      }
+      sK[jj * ld + d] = kv;
+      sV[jj * ld + d] = vv;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+      if (cur.jrow[i] < 0) continue;
+      const int j = cur.o0 + lane;
+      const bool ok = lane < KT && pair_active(cur.jrow[i], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES);
+      acc_t ds = 0;
+      if (ok) {
+        const int64_t row = warp * rpw + i;
+        const acc_t s = simt_dot(sQ + row * D, sK + lane * ld, D);
+        const acc_t dp = simt_dot(sdO + row * D, sV + lane * ld, D);
+        const acc_t pr = da_exp2(s - lse2[i]);
+        ds = pr * (dp - dl[i]);
+      }
+      for (int jj = 0; jj < KT; ++jj) {
+        const acc_t c = __shfl_sync(DA_FULL_MASK, ds, jj);
+        if (c == (acc_t)0) continue;
+#pragma unroll
+        for (int t = 0; t < kMaxCols; ++t) {
+          const int64_t d = lane + 32 * t;
+          if (d < D) dq[i][t] += c * sK[jj * ld + d];
+        }
+      }
+    }
+    cur.next(p.br);
+  }
+
+  scalar_t* dqp = static_cast<scalar_t*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh;
+  const acc_t scale = (acc_t)p.scale;
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+    const int64_t x = cur.pos[i];
+    if (x >= p.N) continue;
+#pragma unroll
+    for (int t = 0; t < kMaxCols; ++t) {
+      const int64_t d = lane + 32 * t;
+      if (d < D) dqp[x * p.dq.sn + d] = (scalar_t)(dq[i][t] * scale);
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
+  const int QT = p.other_tile, ld = simt_lds(D);
+  acc_t* sK = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
+  acc_t* sV = sK + M * D;                          // [M][D]
+  acc_t* sQ = sV + M * D;                          // [QT][ld]
+  acc_t* sdO = sQ + QT * ld;                       // [QT][ld]
+  acc_t* sL = sdO + QT * ld;                       // [QT] lse, log2 domain
+  acc_t* sDl = sL + QT;                            // [QT] delta
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.z, hk = blockIdx.y;
+  const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
+  if (base >= p.N) return;
+  const int64_t last = da_tile_last(&p.tiling, base, p.N);
+  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const scalar_t* q_all = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb;
+  const scalar_t* do_all = static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb;
+  const acc_t* lse_all = static_cast<const acc_t*>(p.lse) + b * p.Hq * p.N;
+  const acc_t* delta_all = static_cast<const acc_t*>(p.delta) + b * p.Hq * p.N;
+  const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E), log2e = (acc_t)DA_LOG2E;
+
+  for (int64_t row = warp; row < M; row += kSimtWarps) {
+    const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
+    const bool ok = x < p.N;
+    for (int64_t d = lane; d < D; d += 32) {
+      sK[row * D + d] = ok ? (acc_t)k[x * p.k.sn + d] * sl2 : (acc_t)0;
+      sV[row * D + d] = ok ? (acc_t)v[x * p.v.sn + d] : (acc_t)0;
+    }
+  }
+
+  Walk<kMaxRowsPerWarp> cur;
+  simt_walk_init(cur, p, base, last, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, warp);
+  cur.start(p.br);
+
+  acc_t dk[kMaxRowsPerWarp][kMaxCols], dv[kMaxRowsPerWarp][kMaxCols];
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i)
+#pragma unroll
+    for (int t = 0; t < kMaxCols; ++t) dk[i][t] = dv[i][t] = 0;
+
+  while (!cur.done) {
+    __syncthreads();
+    const int64_t h = cur.head();
+    const scalar_t* q = q_all + h * p.q.sh;
+    const scalar_t* dout = do_all + h * p.dout.sh;
+    for (int64_t idx = threadIdx.x; idx < (int64_t)QT * D; idx += kSimtThreads) {
+      const int jj = (int)(idx / D);
+      const int64_t d = idx % D;
+      const int j = cur.o0 + jj;
+      acc_t qv = 0, dv_ = 0;
+      if (j < cur.o_end) {
+        const int64_t x = cur.other_position(j);
+        qv = (acc_t)q[x * p.q.sn + d];
+        dv_ = (acc_t)dout[x * p.dout.sn + d];
+      }
+      sQ[jj * ld + d] = qv;
+      sdO[jj * ld + d] = dv_;
+    }
+    for (int jj = threadIdx.x; jj < QT; jj += kSimtThreads) {
+      const int j = cur.o0 + jj;
+      acc_t L = da_inf<acc_t>(), dlt = 0;
+      if (j < cur.o_end) {
+        const int64_t x = cur.other_position(j);
+        L = lse_all[h * p.N + x];
+        L = L == -da_inf<acc_t>() ? da_inf<acc_t>() : L * log2e;
+        dlt = delta_all[h * p.N + x];
+      }
+      sL[jj] = L;
+      sDl[jj] = dlt;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+      if (cur.jrow[i] < 0) continue;
+      const int j = cur.o0 + lane;
+      const bool ok = lane < QT && pair_active(cur.jrow[i], j, cur.o_end, p.is_causal, DA_ROWS_ARE_KEYS);
+      acc_t pr = 0, ds = 0;
+      if (ok) {
+        const int64_t row = warp * rpw + i;
+        const acc_t s = simt_dot(sK + row * D, sQ + lane * ld, D);
+        const acc_t dp = simt_dot(sV + row * D, sdO + lane * ld, D);
+        pr = da_exp2(s - sL[lane]);
+        ds = pr * (dp - sDl[lane]);
+      }
+      for (int jj = 0; jj < QT; ++jj) {
+        const acc_t a = __shfl_sync(DA_FULL_MASK, pr, jj);
+        const acc_t c = __shfl_sync(DA_FULL_MASK, ds, jj);
+        if (a != (acc_t)0) {
+#pragma unroll
+          for (int t = 0; t < kMaxCols; ++t) {
+            const int64_t d = lane + 32 * t;
+            if (d < D) dv[i][t] += a * sdO[jj * ld + d];
+          }
+        }
+        if (c != (acc_t)0) {
+#pragma unroll
+          for (int t = 0; t < kMaxCols; ++t) {
+            const int64_t d = lane + 32 * t;
+            if (d < D) dk[i][t] += c * sQ[jj * ld + d];
+          }
+        }
+      }
+    }
+    cur.next(p.br);
+  }
+
+  scalar_t* dkp = static_cast<scalar_t*>(p.dk.data) + b * p.dk.sb + hk * p.dk.sh;
+  scalar_t* dvp = static_cast<scalar_t*>(p.dv.data) + b * p.dv.sb + hk * p.dv.sh;
+  const acc_t scale = (acc_t)p.scale;
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+    const int64_t x = cur.pos[i];
+    if (x >= p.N) continue;
+#pragma unroll
+    for (int t = 0; t < kMaxCols; ++t) {
+      const int64_t d = lane + 32 * t;
+      if (d < D) {
+        dkp[x * p.dk.sn + d] = (scalar_t)(dk[i][t] * scale);
+        dvp[x * p.dv.sn + d] = (scalar_t)dv[i][t];
+      }
+    }
+  }
+}
+
+template <typename Kernel>
+void simt_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream) {
+  if (smem > 48 * 1024) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+      return;  // the launch below then reports the error
+  }
+  kernel<<<grid, kSimtThreads, smem, stream>>>(p);
+}
+
+template <typename scalar_t, typename acc_t>
+void simt_run(const Params& p, int kernel, cudaStream_t stream) {
+  const int smem = (int)(simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kernel) *
+                         (int64_t)sizeof(acc_t));
+  const unsigned tiles = (unsigned)da_num_tiles(&p.tiling);
+  switch (kernel) {
+    case kSimtFwd:
+      simt_launch(simt_fwd_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.B), smem, p,
+                  stream);
+      break;
+    case kSimtDq:
+      simt_launch(simt_dq_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.B), smem, p,
+                  stream);
+      break;
+    default:
+      simt_launch(simt_dkv_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hkv, (unsigned)p.B), smem, p,
+                  stream);
+      break;
+  }
+}
+
+template <typename F>
+void dispatch_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::kHalf: f(c10::Half(), float()); break;
+    case DType::kBFloat16: f(c10::BFloat16(), float()); break;
+    case DType::kFloat: f(float(), float()); break;
+    default: f(double(), double()); break;
+  }
+}
+
+}  // namespace
+
+int simt_smem_bytes(int64_t D, DType t, int64_t rows_per_warp, int other_tile, int kernel) {
+  const int64_t elems = t == DType::kDouble
+                            ? simt_smem_elems<double>(D, rows_per_warp, other_tile, kernel) * 8
+                            : simt_smem_elems<float>(D, rows_per_warp, other_tile, kernel) * 4;
+  return (int)elems;
+}
+
+void simt_fwd(const Params& p, DType t, cudaStream_t stream) {
+  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kSimtFwd, stream); });
+}
+
+void simt_dq(const Params& p, DType t, cudaStream_t stream) {
+  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kSimtDq, stream); });
+}
+
+void simt_dkv(const Params& p, DType t, cudaStream_t stream) {
+  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kSimtDkv, stream); });
+}
+
+void delta_kernel(const Params& p, DType t, cudaStream_t stream) {
+  const int64_t rows = p.B * p.N * p.Hq;
+  const unsigned blocks = (unsigned)da_min64(da_ceil_div(rows, kSimtWarps), (int64_t)1 << 20);
+  dispatch_dtype(t, [&](auto s, auto a) {
+    delta_kernel_impl<decltype(s), decltype(a)><<<blocks, kSimtThreads, 0, stream>>>(p);
+  });
+}
+
+}  // namespace cuda
+}  // namespace dilated_attention

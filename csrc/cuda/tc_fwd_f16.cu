@@ -1,0 +1,12 @@
+// Tensor-core forward kernels for __half (see tc_kernels.cuh), one instantiation per padded head dim.
+#include "tc_kernels.cuh"
+
+namespace dilated_attention {
+namespace cuda {
+
+TcConfig tc_fwd_f16(const Params& p, bool launch, cudaStream_t stream) {
+  DA_TC_DISPATCH_DP(p.D, tc_fwd_dp, __half, p, launch, stream)
+}
+
+}  // namespace cuda
+}  // namespace dilated_attention

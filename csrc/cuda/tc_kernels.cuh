@@ -1,0 +1,649 @@
+// Tensor-core kernels (sm80+, float16 and bfloat16): forward, dq, and dk/dv.
+//
+// Each thread block has 4 warps and owns 64 rows of one head (see tiling.h): queries for the
+// forward and dq, keys for dk/dv. A warp computes 16 rows with mma.sync m16n8k16 (f32
+// accumulators) from shared-memory tiles read by ldmatrix; tiles of the other side (keys, or
+// queries) are read from their dilated positions by cp.async straight from q/k/v (strided
+// addressing, no gathered copies) into a double buffer, so that the next tile loads while the
+// current one is computed. The head dimension is padded to DP (a multiple of 32) with zeros.
+//
+// Forward: one online softmax per row over every key of every branch (FlashAttention 2's loop,
+// run over the walk of tiling.h instead of one key range): S = Q K^T, P = exp2(S * scale * log2 e
+// - m), O += P V; out = O / l, lse = (m + log2 l) ln 2.
+//   Cost: 4 * DP * (pairs, rounded up to the 64 x KT tiles of the active warps) FLOPs.
+// Backward, deterministic by construction (no atomics):
+//   dq pass (rows = queries): P = exp(S - lse), dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+//   dk/dv pass (rows = keys, over the G query heads of the key's group): the same P and dS,
+//   transposed, dV += P^T dO, dK += dS^T Q. Head dims above 128 split the dK/dV columns over
+//   two thread blocks (each recomputes P and dS) to keep the accumulators in registers.
+//   Cost: 7 / 4 of the forward's tensor-core work for the two passes together.
+//
+// Masking: a pair is computed only if the branch contains it (pair_active). Tiles where every row
+// of a warp is active, the tile is full and causal order holds everywhere skip the mask; a warp
+// with no active row skips the tile. Masked probabilities are exactly 0; as in FlashAttention, a
+// non-finite value in a k/v row that shares a tile with a row which does not read it can still
+// turn that row's result into NaN through 0 * inf in the matrix product.
+#pragma once
+
+#include "common.cuh"
+
+namespace dilated_attention {
+namespace cuda {
+
+constexpr int kTcWarps = 4;
+constexpr int kTcThreads = 128;
+constexpr int kTcRows = 64;  // rows per thread block, 16 per warp
+
+// Padded head dimension of the tensor-core kernels.
+inline int tc_padded_dim(int64_t D) {
+  return D <= 32 ? 32 : D <= 64 ? 64 : D <= 96 ? 96 : D <= 128 ? 128 : D <= 192 ? 192 : 256;
+}
+
+template <int DP>
+struct TcFwdCfg {
+  static constexpr int LDS = DP + 8;  // shared-memory row stride (elements): conflict-free ldmatrix
+  static constexpr int KT = DP <= 128 ? 64 : (DP <= 192 ? 32 : 16);  // keys per step
+  static constexpr int STAGES = 2;
+  static constexpr int SMEM = (kTcRows * LDS + STAGES * 2 * KT * LDS) * 2;
+};
+
+template <int DP>
+struct TcDqCfg {
+  static constexpr int LDS = DP + 8;
+  static constexpr int KT = DP <= 96 ? 64 : (DP <= 128 ? 32 : 16);
+  static constexpr int STAGES = DP <= 192 ? 2 : 1;
+  static constexpr int SMEM = (2 * kTcRows * LDS + STAGES * 2 * KT * LDS) * 2;
+};
+
+template <int DP>
+struct TcDkvCfg {
+  static constexpr int LDS = DP + 8;
+  static constexpr int QT = DP <= 64 ? 64 : (DP <= 128 ? 32 : 16);  // queries per step
+  static constexpr int STAGES = DP <= 192 ? 2 : 1;
+  static constexpr int DC = DP <= 128 ? DP : DP / 2;  // accumulator columns per thread block
+  static constexpr int CHUNKS = DP / DC;
+  static constexpr int SMEM =
+      (2 * kTcRows * LDS + STAGES * 2 * QT * LDS) * 2 + STAGES * 2 * QT * (int)sizeof(float);
+};
+
+// Loads `rows` rows of DP columns (D of them real) into a shared tile of stride LDS with
+// cp.async; row_offset(i) gives the element offset of row i in src or -1 for a zero row.
+template <typename T, int DP, int LDS, typename RowOffset>
+__device__ __forceinline__ void tc_load_rows(T* dst, const T* src, int rows, int64_t D,
+                                             RowOffset row_offset) {
+  constexpr int CH = DP / 8;  // 16-byte chunks per row
+  for (int idx = threadIdx.x; idx < rows * CH; idx += kTcThreads) {
+    const int row = idx / CH, ch = idx % CH;
+    const int64_t off = row_offset(row);
+    const bool ok = off >= 0 && ch * 8 < D;
+    cp_async16(dst + row * LDS + ch * 8, ok ? src + off + ch * 8 : src, ok);
+  }
+}
+
+// The thread's two rows: row g and g + 8 of its warp's 16.
+__device__ __forceinline__ void tc_thread_rows(const da_tiling& tl, int64_t base, int warp, int lane,
+                                               int64_t (&pos)[2]) {
+  pos[0] = da_row_position(&tl, base, warp, lane >> 2);
+  pos[1] = da_row_position(&tl, base, warp, (lane >> 2) + 8);
+}
+
+// S (16 x 8*NT per warp) = A_rows (16 x DP, from sA at warp rows) * B^T (B rows = sB rows).
+template <typename T, int DP, int LDS, int NT>
+__device__ __forceinline__ void tc_gemm_abt(float (&S)[NT][4], const T* sA, const T* sB, int warp,
+                                            int lane, int64_t D) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    if (kk * 16 < D) {  // columns past D are zero padding
+      uint32_t a[4];
+      ldsm_x4(a, a_frag_addr(sA, LDS, warp * 16, kk * 16, lane));
+#pragma unroll
+      for (int nn = 0; nn < NT / 2; ++nn) {
+        uint32_t b[4];
+        ldsm_x4(b, bt_frag_addr(sB, LDS, nn * 16, kk * 16, lane));
+        mma16816<T>(S[2 * nn], a, b[0], b[1]);
+        mma16816<T>(S[2 * nn + 1], a, b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc (16 x 8*CT per warp) += P (16 x 8*NT, f32 C fragments) * sB[rows 0..8*NT, cols c0..c0+8*CT]
+template <typename T, int LDS, int NT, int CT>
+__device__ __forceinline__ void tc_gemm_pb(float (&acc)[CT][4], const float (&P)[NT][4], const T* sB,
+                                           int c0, int lane, int64_t D) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    uint32_t a[4];
+    c_to_a<T>(a, P[2 * kk], P[2 * kk + 1]);
+#pragma unroll
+    for (int dn = 0; dn < CT / 2; ++dn) {
+      if (c0 + dn * 16 < D) {
+        uint32_t b[4];
+        ldsm_x4_t(b, b_frag_addr(sB, LDS, kk * 16, c0 + dn * 16, lane));
+        mma16816<T>(acc[2 * dn], a, b[0], b[1]);
+        mma16816<T>(acc[2 * dn + 1], a, b[2], b[3]);
+      }
+    }
+  }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
+#if DA_SM80
+  using Cfg = TcFwdCfg<DP>;
+  constexpr int LDS = Cfg::LDS, KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [64][LDS]
+  T* sK = sQ + kTcRows * LDS;              // [STAGES][KT][LDS]
+  T* sV = sK + Cfg::STAGES * KT * LDS;     // [STAGES][KT][LDS]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.G;
+  const da_tiling tl = p.tiling;
+  const int64_t base = da_tile_base(&tl, blockIdx.x);
+  if (base >= p.N) return;
+  const int64_t last = da_tile_last(&tl, base, p.N);
+
+  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh;
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+
+  tc_load_rows<T, DP, LDS>(sQ, q, kTcRows, p.D, [&](int row) -> int64_t {
+    const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
+    return x < p.N ? x * p.q.sn : -1;
+  });
+  cp_async_commit();
+
+  Walk<2> cur;
+  cur.N = p.N;
+  cur.base = base;
+  cur.last = last;
+  cur.h0 = h;
+  cur.G = 1;
+  cur.is_causal = p.is_causal;
+  cur.rows_are = DA_ROWS_ARE_QUERIES;
+  cur.other_tile = KT;
+  tc_thread_rows(tl, base, warp, lane, cur.pos);
+  cur.start(p.br);
+
+  auto load_kv = [&](const Walk<2>& w, int stage) {
+    auto off_k = [&](int jj) -> int64_t {
+      const int j = w.o0 + jj;
+      return j < w.o_end ? w.other_position(j) * p.k.sn : -1;
+    };
+    auto off_v = [&](int jj) -> int64_t {
+      const int j = w.o0 + jj;
+      return j < w.o_end ? w.other_position(j) * p.v.sn : -1;
+    };
+    tc_load_rows<T, DP, LDS>(sK + stage * KT * LDS, k, KT, p.D, off_k);
+    tc_load_rows<T, DP, LDS>(sV + stage * KT * LDS, v, KT, p.D, off_v);
+  };
+
+  const float sl2 = (float)(p.scale * DA_LOG2E);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float O[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) O[dt][0] = O[dt][1] = O[dt][2] = O[dt][3] = 0.f;
+
+  int stage = 0;
+  if (!cur.done) load_kv(cur, 0);
+  cp_async_commit();
+  while (!cur.done) {
+    Walk<2> nxt = cur;
+    nxt.next(p.br);  // block-wide: may synchronise
+    if (!nxt.done) load_kv(nxt, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the prefetch just issued has landed
+    __syncthreads();
+
+    if (!cur.skip_chunk()) {
+      const T* sKs = sK + stage * KT * LDS;
+      const T* sVs = sV + stage * KT * LDS;
+      float S[NT][4];
+      tc_gemm_abt<T, DP, LDS, NT>(S, sQ, sKs, warp, lane, p.D);
+
+      const bool need_mask = cur.chunk_needs_mask();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float s = S[nt][e] * sl2;
+          if (need_mask) {
+            const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
+            if (!pair_active(cur.jrow[e >> 1], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES))
+              s = -INFINITY;
+          }
+          S[nt][e] = s;
+        }
+      }
+
+      // Online softmax of this warp's two row slots (each row's values live in a quad).
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(S[nt][2 * ri], S[nt][2 * ri + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(DA_FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(DA_FULL_MASK, mx, 2));
+        const float m_new = fmaxf(m[ri], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked: exp2(-inf) = 0
+        const float corr = exp2f(m[ri] - m_use);
+        m[ri] = m_new;
+        l[ri] *= corr;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          O[dt][2 * ri] *= corr;
+          O[dt][2 * ri + 1] *= corr;
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          S[nt][2 * ri] = exp2f(S[nt][2 * ri] - m_use);
+          S[nt][2 * ri + 1] = exp2f(S[nt][2 * ri + 1] - m_use);
+          sum += S[nt][2 * ri] + S[nt][2 * ri + 1];
+        }
+        l[ri] += sum;  // this thread's columns; the quad is summed at the end
+      }
+      tc_gemm_pb<T, LDS, NT, DT>(O, S, sVs, 0, lane, p.D);
+    }
+    __syncthreads();  // the buffer of `stage` is free for the prefetch of the next iteration
+    cur = nxt;
+    stage ^= 1;
+  }
+  cp_async_wait<0>();
+
+  T* out = static_cast<T*>(p.out.data) + b * p.out.sb + h * p.out.sh;
+  float* lse = static_cast<float*>(p.lse) + (b * p.Hq + h) * p.N;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    float lsum = l[ri];
+    lsum += __shfl_xor_sync(DA_FULL_MASK, lsum, 1);
+    lsum += __shfl_xor_sync(DA_FULL_MASK, lsum, 2);
+    const int64_t x = cur.pos[ri];
+    if (x >= p.N) continue;
+    const bool empty = lsum == 0.f;  // no branch covers the row (or every score was -inf)
+    const float inv = empty ? 0.f : 1.f / lsum;
+    T* o = out + x * p.out.sn;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      const int d = dt * 8 + 2 * tq;
+      if (d < p.D)
+        store2<T>(o + d, empty ? 0.f : O[dt][2 * ri] * inv, empty ? 0.f : O[dt][2 * ri + 1] * inv);
+    }
+    if (tq == 0) lse[x] = empty ? -INFINITY : (m[ri] + log2f(lsum)) * (float)DA_LN2;
+  }
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward: dq                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
+#if DA_SM80
+  using Cfg = TcDqCfg<DP>;
+  constexpr int LDS = Cfg::LDS, KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
+  constexpr int STAGES = Cfg::STAGES;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);  // [64][LDS]
+  T* sdO = sQ + kTcRows * LDS;             // [64][LDS]
+  T* sK = sdO + kTcRows * LDS;             // [STAGES][KT][LDS]
+  T* sV = sK + STAGES * KT * LDS;          // [STAGES][KT][LDS]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.G;
+  const da_tiling tl = p.tiling;
+  const int64_t base = da_tile_base(&tl, blockIdx.x);
+  if (base >= p.N) return;
+  const int64_t last = da_tile_last(&tl, base, p.N);
+
+  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh;
+  const T* dout = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh;
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+
+  tc_load_rows<T, DP, LDS>(sQ, q, kTcRows, p.D, [&](int row) -> int64_t {
+    const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
+    return x < p.N ? x * p.q.sn : -1;
+  });
+  tc_load_rows<T, DP, LDS>(sdO, dout, kTcRows, p.D, [&](int row) -> int64_t {
+    const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
+    return x < p.N ? x * p.dout.sn : -1;
+  });
+  cp_async_commit();
+
+  Walk<2> cur;
+  cur.N = p.N;
+  cur.base = base;
+  cur.last = last;
+  cur.h0 = h;
+  cur.G = 1;
+  cur.is_causal = p.is_causal;
+  cur.rows_are = DA_ROWS_ARE_QUERIES;
+  cur.other_tile = KT;
+  tc_thread_rows(tl, base, warp, lane, cur.pos);
+  cur.start(p.br);
+
+  // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
+  const float* lse = static_cast<const float*>(p.lse) + (b * p.Hq + h) * p.N;
+  const float* delta = static_cast<const float*>(p.delta) + (b * p.Hq + h) * p.N;
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t x = cur.pos[ri];
+    const float L = x < p.N ? lse[x] : 0.f;
+    lse2[ri] = L == -INFINITY ? INFINITY : L * (float)DA_LOG2E;
+    dl[ri] = x < p.N ? delta[x] : 0.f;
+  }
+
+  auto load_kv = [&](const Walk<2>& w, int stage) {
+    auto off_k = [&](int jj) -> int64_t {
+      const int j = w.o0 + jj;
+      return j < w.o_end ? w.other_position(j) * p.k.sn : -1;
+    };
+    auto off_v = [&](int jj) -> int64_t {
+      const int j = w.o0 + jj;
+      return j < w.o_end ? w.other_position(j) * p.v.sn : -1;
+    };
+    tc_load_rows<T, DP, LDS>(sK + stage * KT * LDS, k, KT, p.D, off_k);
+    tc_load_rows<T, DP, LDS>(sV + stage * KT * LDS, v, KT, p.D, off_v);
+  };
+
+  const float sl2 = (float)(p.scale * DA_LOG2E);
+  float dQ[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) dQ[dt][0] = dQ[dt][1] = dQ[dt][2] = dQ[dt][3] = 0.f;
+
+  int stage = 0;
+  if (!cur.done) load_kv(cur, 0);
+  cp_async_commit();
+  while (!cur.done) {
+    Walk<2> nxt = cur;
+    if (STAGES == 2) {
+      nxt.next(p.br);
+      if (!nxt.done) load_kv(nxt, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    if (!cur.skip_chunk()) {
+      const T* sKs = sK + stage * KT * LDS;
+      const T* sVs = sV + stage * KT * LDS;
+      float S[NT][4], dP[NT][4];
+      tc_gemm_abt<T, DP, LDS, NT>(S, sQ, sKs, warp, lane, p.D);
+      tc_gemm_abt<T, DP, LDS, NT>(dP, sdO, sVs, warp, lane, p.D);
+      const bool need_mask = cur.chunk_needs_mask();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ri = e >> 1;
+          bool ok = true;
+          if (need_mask) {
+            const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
+            ok = pair_active(cur.jrow[ri], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES);
+          }
+          const float pr = ok ? exp2f(S[nt][e] * sl2 - lse2[ri]) : 0.f;
+          S[nt][e] = ok ? pr * (dP[nt][e] - dl[ri]) : 0.f;  // dS
+        }
+      }
+      tc_gemm_pb<T, LDS, NT, DT>(dQ, S, sKs, 0, lane, p.D);
+    }
+    __syncthreads();
+    if (STAGES == 1) {
+      nxt.next(p.br);
+      if (!nxt.done) load_kv(nxt, 0);
+      cp_async_commit();
+    } else {
+      stage ^= 1;
+    }
+    cur = nxt;
+  }
+  cp_async_wait<0>();
+
+  T* dq = static_cast<T*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh;
+  const float scale = (float)p.scale;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t x = cur.pos[ri];
+    if (x >= p.N) continue;
+    T* o = dq + x * p.dq.sn;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      const int d = dt * 8 + 2 * tq;
+      if (d < p.D) store2<T>(o + d, dQ[dt][2 * ri] * scale, dQ[dt][2 * ri + 1] * scale);
+    }
+  }
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward: dk, dv                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename T, int DP>
+__global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
+#if DA_SM80
+  using Cfg = TcDkvCfg<DP>;
+  constexpr int LDS = Cfg::LDS, QT = Cfg::QT, NT = QT / 8, DC = Cfg::DC, CT = DC / 8;
+  constexpr int STAGES = Cfg::STAGES;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);  // [64][LDS]
+  T* sV = sK + kTcRows * LDS;              // [64][LDS]
+  T* sQ = sV + kTcRows * LDS;              // [STAGES][QT][LDS]
+  T* sdO = sQ + STAGES * QT * LDS;         // [STAGES][QT][LDS]
+  float* sL = reinterpret_cast<float*>(sdO + STAGES * QT * LDS);  // [STAGES][QT] lse, log2 domain
+  float* sDl = sL + STAGES * QT;                                  // [STAGES][QT] delta
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+  const int64_t b = blockIdx.z, hk = blockIdx.y / Cfg::CHUNKS;
+  const int c0 = (int)(blockIdx.y % Cfg::CHUNKS) * DC;  // first accumulator column
+  const da_tiling tl = p.tiling;
+  const int64_t base = da_tile_base(&tl, blockIdx.x);
+  if (base >= p.N) return;
+  const int64_t last = da_tile_last(&tl, base, p.N);
+
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  tc_load_rows<T, DP, LDS>(sK, k, kTcRows, p.D, [&](int row) -> int64_t {
+    const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
+    return x < p.N ? x * p.k.sn : -1;
+  });
+  tc_load_rows<T, DP, LDS>(sV, v, kTcRows, p.D, [&](int row) -> int64_t {
+    const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
+    return x < p.N ? x * p.v.sn : -1;
+  });
+  cp_async_commit();
+
+  Walk<2> cur;
+  cur.N = p.N;
+  cur.base = base;
+  cur.last = last;
+  cur.h0 = hk * p.G;
+  cur.G = (int)p.G;
+  cur.is_causal = p.is_causal;
+  cur.rows_are = DA_ROWS_ARE_KEYS;
+  cur.other_tile = QT;
+  tc_thread_rows(tl, base, warp, lane, cur.pos);
+  cur.start(p.br);
+
+  const T* q_all = static_cast<const T*>(p.q.data) + b * p.q.sb;
+  const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb;
+  const float* lse_all = static_cast<const float*>(p.lse) + b * p.Hq * p.N;
+  const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N;
+
+  // Queries o0 .. o0+QT-1 of the walk's current head and segment: q and dout rows, lse, delta.
+  auto load_q = [&](const Walk<2>& w, int stage) {
+    const int64_t h = w.head();
+    const T* q = q_all + h * p.q.sh;
+    const T* dout = do_all + h * p.dout.sh;
+    tc_load_rows<T, DP, LDS>(sQ + stage * QT * LDS, q, QT, p.D, [&](int jj) -> int64_t {
+      const int j = w.o0 + jj;
+      return j < w.o_end ? w.other_position(j) * p.q.sn : -1;
+    });
+    tc_load_rows<T, DP, LDS>(sdO + stage * QT * LDS, dout, QT, p.D, [&](int jj) -> int64_t {
+      const int j = w.o0 + jj;
+      return j < w.o_end ? w.other_position(j) * p.dout.sn : -1;
+    });
+    for (int jj = threadIdx.x; jj < QT; jj += kTcThreads) {
+      const int j = w.o0 + jj;
+      float L = INFINITY, dlt = 0.f;
+      if (j < w.o_end) {
+        const int64_t x = w.other_position(j);
+        L = lse_all[h * p.N + x];
+        L = L == -INFINITY ? INFINITY : L * (float)DA_LOG2E;
+        dlt = delta_all[h * p.N + x];
+      }
+      sL[stage * QT + jj] = L;
+      sDl[stage * QT + jj] = dlt;
+    }
+  };
+
+  const float sl2 = (float)(p.scale * DA_LOG2E);
+  float dK[CT][4], dV[CT][4];
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+    dK[ct][0] = dK[ct][1] = dK[ct][2] = dK[ct][3] = 0.f;
+    dV[ct][0] = dV[ct][1] = dV[ct][2] = dV[ct][3] = 0.f;
+  }
+
+  int stage = 0;
+  if (!cur.done) load_q(cur, 0);
+  cp_async_commit();
+  while (!cur.done) {
+    Walk<2> nxt = cur;
+    if (STAGES == 2) {
+      nxt.next(p.br);
+      if (!nxt.done) load_q(nxt, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    if (!cur.skip_chunk()) {
+      const T* sQs = sQ + stage * QT * LDS;
+      const T* sdOs = sdO + stage * QT * LDS;
+      const float* sLs = sL + stage * QT;
+      const float* sDls = sDl + stage * QT;
+      float St[NT][4], dPt[NT][4];  // (this warp's 16 keys) x (QT queries)
+      tc_gemm_abt<T, DP, LDS, NT>(St, sK, sQs, warp, lane, p.D);
+      tc_gemm_abt<T, DP, LDS, NT>(dPt, sV, sdOs, warp, lane, p.D);
+      const bool need_mask = cur.chunk_needs_mask();
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qc = nt * 8 + 2 * tq + (e & 1);
+          bool ok = true;
+          if (need_mask)
+            ok = pair_active(cur.jrow[e >> 1], cur.o0 + qc, cur.o_end, p.is_causal,
+                             DA_ROWS_ARE_KEYS);
+          const float pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
+          St[nt][e] = pr;
+          dPt[nt][e] = ok ? pr * (dPt[nt][e] - sDls[qc]) : 0.f;  // dS^T
+        }
+      }
+      tc_gemm_pb<T, LDS, NT, CT>(dV, St, sdOs, c0, lane, p.D);
+      tc_gemm_pb<T, LDS, NT, CT>(dK, dPt, sQs, c0, lane, p.D);
+    }
+    __syncthreads();
+    if (STAGES == 1) {
+      nxt.next(p.br);
+      if (!nxt.done) load_q(nxt, 0);
+      cp_async_commit();
+    } else {
+      stage ^= 1;
+    }
+    cur = nxt;
+  }
+  cp_async_wait<0>();
+
+  T* dk = static_cast<T*>(p.dk.data) + b * p.dk.sb + hk * p.dk.sh;
+  T* dv = static_cast<T*>(p.dv.data) + b * p.dv.sb + hk * p.dv.sh;
+  const float scale = (float)p.scale;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t x = cur.pos[ri];
+    if (x >= p.N) continue;
+#pragma unroll
+    for (int ct = 0; ct < CT; ++ct) {
+      const int d = c0 + ct * 8 + 2 * tq;
+      if (d < p.D) {
+        store2<T>(dk + x * p.dk.sn + d, dK[ct][2 * ri] * scale, dK[ct][2 * ri + 1] * scale);
+        store2<T>(dv + x * p.dv.sn + d, dV[ct][2 * ri], dV[ct][2 * ri + 1]);
+      }
+    }
+  }
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Launchers                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename Kernel>
+inline void tc_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream) {
+  if (smem > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return;  // the launch below then reports the error
+  }
+  kernel<<<grid, kTcThreads, smem, stream>>>(p);
+}
+
+template <typename T, int DP>
+TcConfig tc_fwd_dp(const Params& p, bool launch, cudaStream_t stream) {
+  const TcConfig cfg{16, kTcWarps, TcFwdCfg<DP>::SMEM, 1};
+  if (launch) {
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
+    tc_launch(tc_fwd_kernel<T, DP>, grid, cfg.smem_bytes, p, stream);
+  }
+  return cfg;
+}
+
+template <typename T, int DP>
+TcConfig tc_dq_dp(const Params& p, bool launch, cudaStream_t stream) {
+  const TcConfig cfg{16, kTcWarps, TcDqCfg<DP>::SMEM, 1};
+  if (launch) {
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
+    tc_launch(tc_dq_kernel<T, DP>, grid, cfg.smem_bytes, p, stream);
+  }
+  return cfg;
+}
+
+template <typename T, int DP>
+TcConfig tc_dkv_dp(const Params& p, bool launch, cudaStream_t stream) {
+  const TcConfig cfg{16, kTcWarps, TcDkvCfg<DP>::SMEM, TcDkvCfg<DP>::CHUNKS};
+  if (launch) {
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks),
+                    (unsigned)p.B);
+    tc_launch(tc_dkv_kernel<T, DP>, grid, cfg.smem_bytes, p, stream);
+  }
+  return cfg;
+}
+
+// Calls F<DP>() for the padded head dimension of D.
+#define DA_TC_DISPATCH_DP(D, FN, T, ...)                         \
+  switch (tc_padded_dim(D)) {                                    \
+    case 32: return FN<T, 32>(__VA_ARGS__);                      \
+    case 64: return FN<T, 64>(__VA_ARGS__);                      \
+    case 96: return FN<T, 96>(__VA_ARGS__);                      \
+    case 128: return FN<T, 128>(__VA_ARGS__);                    \
+    case 192: return FN<T, 192>(__VA_ARGS__);                    \
+    default: return FN<T, 256>(__VA_ARGS__);                     \
+  }
+
+}  // namespace cuda
+}  // namespace dilated_attention

@@ -1,0 +1,295 @@
+/*
+ * How the CUDA kernels cut the work into thread blocks, and the index arithmetic they use to walk
+ * the branches. Plain C with DA_HD functions: the kernels use it on the device, the host uses it to
+ * choose a tiling, and a CPU test (tests/test_cuda.py) compiles it with a C++ compiler to check,
+ * without a GPU, that the walk visits every (query, key) pair of every branch exactly once.
+ *
+ * Rows. A thread block owns M = warps * rows_per_warp "rows": positions of one head (queries in
+ * the forward and dq kernels, keys in the dk/dv kernel). They are the positions of residue c
+ * modulo a stride R inside an aligned block of span = M * R positions:
+ *     tile = c * tiles_per_residue + t,   base = t * span + c,   row j at base + j * R.
+ * Row j belongs to warp j / rows_per_warp (layout "contiguous") or to warp j % warps (layout
+ * "interleaved", each warp then holds the positions of one residue modulo warps * R). Every
+ * position of [0, N) belongs to exactly one row of one tile; rows at >= N are padding.
+ *
+ * The other side. For a branch (w, r), head phase o = h % r and a segment s that the tile's rows
+ * touch, the covered positions of the segment are seg_first + j * r, j < seg_count; a row is
+ * "active" when it is one of them (its dilated index j is then its row index in the branch). The
+ * kernels stream the "other" side (keys for a query tile, queries for a key tile) over a range of
+ * dilated indices [o_begin, o_end) in chunks, and mask the pairs that the branch does not contain
+ * (inactive row, index past the range, causal order).
+ *
+ * Why the layout matters: a warp's rows share the keys they read only when they are active in the
+ * same segment. For LongNet's branches (w = w0 * 2^i, r = 2^i) the interleaved layout with
+ * R = w0 / M puts a whole tile in one segment of every branch and gives each warp one residue
+ * modulo 4R, so every branch with r <= 4R keeps a warp fully active or fully idle.
+ * da_choose_tiling estimates the work of a few candidate tilings and keeps the cheapest; the
+ * result never changes what is computed, only how fast.
+ */
+#ifndef DILATED_ATTENTION_CUDA_TILING_H_
+#define DILATED_ATTENTION_CUDA_TILING_H_
+
+#include "../dilated_attention.h"
+
+/* The side of the attention matrix that a kernel's rows are. */
+#define DA_ROWS_ARE_QUERIES 0 /* forward and dq: rows are queries, the walk streams keys */
+#define DA_ROWS_ARE_KEYS 1    /* dk/dv: rows are keys, the walk streams queries */
+
+typedef struct {
+  int64_t R;                 /* stride between the positions of a tile's rows */
+  int64_t warps;             /* warps per thread block */
+  int64_t rows_per_warp;     /* rows per warp; M = warps * rows_per_warp */
+  int64_t interleaved;       /* 1: row j belongs to warp j % warps; 0: to warp j / rows_per_warp */
+  int64_t tiles_per_residue; /* ceil(N / (M * R)) */
+} da_tiling;
+
+/* Rows per thread block. */
+DA_HD int64_t da_tile_rows(const da_tiling* t) { return t->warps * t->rows_per_warp; }
+
+/* Number of thread blocks (tiles) for a sequence of N positions. */
+DA_HD int64_t da_num_tiles(const da_tiling* t) { return t->R * t->tiles_per_residue; }
+
+/* First row position of tile `tile` (may be >= N: an empty tile). */
+DA_HD int64_t da_tile_base(const da_tiling* t, int64_t tile) {
+  const int64_t c = tile / t->tiles_per_residue, i = tile % t->tiles_per_residue;
+  return i * da_tile_rows(t) * t->R + c;
+}
+
+/* Position of row `i` of warp `warp` in the tile whose first row is at `base` (may be >= N). */
+DA_HD int64_t da_row_position(const da_tiling* t, int64_t base, int64_t warp, int64_t i) {
+  const int64_t j = t->interleaved ? i * t->warps + warp : warp * t->rows_per_warp + i;
+  return base + j * t->R;
+}
+
+/* Position of the last row below N of the tile starting at base < N. */
+DA_HD int64_t da_tile_last(const da_tiling* t, int64_t base, int64_t N) {
+  const int64_t j = da_min64(da_tile_rows(t) - 1, (N - 1 - base) / t->R);
+  return base + j * t->R;
+}
+
+/* End of segment s of a branch of segment length w (the last segment may be shorter). */
+DA_HD int64_t da_segment_end(int64_t s, int64_t w, int64_t N) {
+  const int64_t start = s * w; /* <= N: s never exceeds (N - 1) / w */
+  return w >= N - start ? N : start + w;
+}
+
+/*
+ * The range [*o_begin, *o_end) of dilated indices of the other side that the rows of the tile
+ * [base, last] can meet in segment s of branch (w, r) at phase o; *seg_first receives the
+ * segment's first covered position. Returns 0 when the range is empty. Causal: for query rows it
+ * stops after the last row's index (keys beyond it are masked for every row); for key rows it
+ * starts at the first row's index.
+ */
+DA_HD int da_segment_range(int64_t base, int64_t last, int64_t N, int64_t w, int64_t r, int64_t o,
+                           int64_t s, int is_causal, int rows_are, int64_t* seg_first,
+                           int64_t* o_begin, int64_t* o_end) {
+  const int64_t seg_start = s * w, seg_end = da_segment_end(s, w, N);
+  const int64_t first = seg_start + o;
+  if (o >= w || first >= seg_end) return 0;
+  const int64_t count = da_ceil_div(seg_end - first, r);
+  int64_t lo = 0, hi = count;
+  if (is_causal && rows_are == DA_ROWS_ARE_QUERIES) {
+    const int64_t top = da_min64(last, seg_end - 1); /* no row of this tile lies beyond top */
+    if (top < first) return 0;
+    hi = da_min64(count, (top - first) / r + 1);
+  } else if (is_causal) {
+    const int64_t bottom = da_max64(base, seg_start); /* no row of this tile lies below bottom */
+    lo = bottom > first ? (bottom - first) / r : 0;
+    if (lo >= count) return 0;
+  }
+  *seg_first = first;
+  *o_begin = lo;
+  *o_end = hi;
+  return 1;
+}
+
+/* Dilated index of position p in segment s of branch (w, r) at phase o, or -1 when the branch
+ * does not cover p there (p outside [0, N), in another segment, or at another phase). */
+DA_HD int64_t da_row_index(int64_t p, int64_t N, int64_t s, int64_t w, int64_t r, int64_t o) {
+  if (p < 0 || p >= N || p / w != s) return -1;
+  const int64_t rel = p - s * w - o;
+  if (rel < 0 || rel % r != 0) return -1;
+  return rel / r;
+}
+
+/* Whether the row of dilated index jrow (-1: inactive) meets the other side's index j. */
+DA_HD int da_pair_active(int64_t jrow, int64_t j, int64_t o_end, int is_causal, int rows_are) {
+  if (jrow < 0 || j >= o_end) return 0;
+  if (!is_causal) return 1;
+  return rows_are == DA_ROWS_ARE_QUERIES ? j <= jrow : jrow <= j;
+}
+
+/*
+ * The walk's position: (head of the group gi, branch bi, segment s) and, once da_walk_candidate
+ * has found a segment whose range is not empty, that segment's branch (w, r), phase o, first
+ * covered position and range of the other side.
+ */
+typedef struct {
+  int64_t gi, bi, s, s_end;
+  int64_t w, r, o;
+  int64_t seg_first, o_begin, o_end;
+} da_walk;
+
+DA_HD void da_walk_begin(da_walk* st) {
+  st->gi = 0;
+  st->bi = 0;
+  st->s = -1;
+}
+
+/*
+ * Moves the walk to the first segment at or after its position (heads h0 .. h0+G-1 in order, then
+ * branches, then the segments that the rows [base, last] touch) whose range is not empty, and
+ * fills its fields; returns 0 when nothing is left. The caller then checks whether any row of the
+ * block is active there (da_row_index) and, if none is, increments s and calls again.
+ */
+DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64_t h0, int64_t base,
+                            int64_t last, int64_t N, int is_causal, int rows_are) {
+  for (;;) {
+    if (st->gi >= G) return 0;
+    if (st->bi >= br->n) {
+      ++st->gi;
+      st->bi = 0;
+      st->s = -1;
+      continue;
+    }
+    const int64_t w = br->w[st->bi], r = br->r[st->bi], o = (h0 + st->gi) % r;
+    if (st->s < 0) {
+      st->s = base / w;
+      st->s_end = last / w + 1;
+    }
+    if (st->s >= st->s_end) {
+      ++st->bi;
+      st->s = -1;
+      continue;
+    }
+    if (da_segment_range(base, last, N, w, r, o, st->s, is_causal, rows_are, &st->seg_first,
+                         &st->o_begin, &st->o_end)) {
+      st->w = w;
+      st->r = r;
+      st->o = o;
+      return 1;
+    }
+    ++st->s;
+  }
+}
+
+/*
+ * Per warp and chunk [o0, o0 + ot) of the other side, from the warp's active rows (any, all, and
+ * the least and largest dilated index among them): whether no pair of the warp can be active (the
+ * warp skips the chunk), and whether some pair may be inactive (the warp must mask).
+ */
+DA_HD int da_chunk_skip(int rows_are, int is_causal, int64_t o0, int64_t ot, int warp_any,
+                        int64_t warp_jmin, int64_t warp_jmax) {
+  if (!warp_any) return 1;
+  if (!is_causal) return 0;
+  return rows_are == DA_ROWS_ARE_QUERIES ? o0 > warp_jmax : o0 + ot - 1 < warp_jmin;
+}
+
+DA_HD int da_chunk_needs_mask(int rows_are, int is_causal, int64_t o0, int64_t ot, int64_t o_end,
+                              int warp_all, int64_t warp_jmin, int64_t warp_jmax) {
+  if (!warp_all || o0 + ot > o_end) return 1;
+  if (!is_causal) return 0;
+  return rows_are == DA_ROWS_ARE_QUERIES ? o0 + ot - 1 > warp_jmin : o0 < warp_jmax;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Choosing a tiling (host)                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+DA_HD int64_t da_gcd64(int64_t a, int64_t b) {
+  while (b != 0) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+/* Expected number of segments of length w that an aligned block of `span` positions meets. */
+DA_HD double da_segments_met(int64_t span, int64_t w, int64_t N) {
+  if (w >= N || span <= 1) return 1.0;
+  if (w % span == 0) return 1.0;
+  if (span % w == 0) return (double)(span / w);
+  return 1.0 + (double)span / (double)w;
+}
+
+/*
+ * Estimated cost of a tiling, in units of "one row meets one key on the tensor cores": for every
+ * branch, the warps that have an active row run all their rows against the keys of every segment
+ * they touch (inactive rows are computed and masked), and every thread block that has an active
+ * row loads those keys once (weighted as one warp's work on them) and walks the segment.
+ */
+static inline double da_tiling_cost(const da_tiling* t, int64_t N, const da_branches* br) {
+  const int64_t M = da_tile_rows(t), span = M * t->R;
+  const int64_t row_step = t->interleaved ? t->warps * t->R : t->R;      /* inside one warp */
+  const int64_t warp_span = t->interleaved ? span : t->rows_per_warp * t->R;
+  const double tiles = (double)(t->R * da_ceil_div(N, span));
+  double cost = 0.0;
+  for (int64_t i = 0; i < br->n; ++i) {
+    const int64_t w = br->w[i], r = br->r[i];
+    const int64_t weff = w < N ? w : N;
+    const double keys = (double)da_ceil_div(weff, r);
+    /* With w % r == 0 the phase of a position in its segment is p % r for every segment. */
+    const int regular = (w >= N) || (w % r == 0);
+    const int64_t gw = regular ? da_gcd64(row_step, r) : 1;
+    const int64_t gc = regular ? da_gcd64(t->R, r) : 1;
+    /* A warp's rows meet min(rows, r / g) of the r phases: the chance that one is the head's. */
+    const double p_warp = (double)da_min64(t->rows_per_warp, r / gw) / (double)r;
+    const double p_tile = (double)da_min64(M, r / gc) / (double)r;
+    const double compute = (double)t->warps * p_warp * da_segments_met(warp_span, weff, N) *
+                           keys * (double)t->rows_per_warp;
+    const double walk = p_tile * da_segments_met(span, weff, N) * (keys + 16.0) *
+                        (double)t->rows_per_warp;
+    cost += tiles * (compute + walk);
+  }
+  return cost;
+}
+
+/*
+ * The cheapest tiling among R in {1, 2, 4, ...} and the branches' dilation rates, in both layouts,
+ * for thread blocks of `warps` warps of `rows_per_warp` rows. Deterministic; ties keep the smaller
+ * R and the contiguous layout.
+ */
+static inline da_tiling da_choose_tiling(int64_t N, const da_branches* br, int64_t warps,
+                                         int64_t rows_per_warp) {
+  da_tiling best;
+  best.R = 1;
+  best.warps = warps;
+  best.rows_per_warp = rows_per_warp;
+  best.interleaved = 0;
+  best.tiles_per_residue = da_ceil_div(N, warps * rows_per_warp);
+  double best_cost = da_tiling_cost(&best, N, br);
+  int64_t cand[64];
+  int nc = 0;
+  for (int64_t R = 2; R <= N && R <= ((int64_t)1 << 20) && nc < 40; R *= 2) cand[nc++] = R;
+  for (int64_t i = 0; i < br->n && nc < 64; ++i)
+    if (br->r[i] > 1 && br->r[i] <= N && (br->r[i] & (br->r[i] - 1)) != 0) cand[nc++] = br->r[i];
+  for (int k = 0; k < nc; ++k) {
+    for (int64_t il = 0; il <= 1; ++il) {
+      da_tiling t = best;
+      t.R = cand[k];
+      t.interleaved = il;
+      t.tiles_per_residue = da_ceil_div(N, warps * rows_per_warp * t.R);
+      const double c = da_tiling_cost(&t, N, br);
+      if (c < best_cost * (1.0 - 1e-9)) {
+        best = t;
+        best_cost = c;
+      }
+    }
+  }
+  return best;
+}
+
+/* A tiling with a given R and layout (for tests and for the DILATED_ATTENTION_CUDA_TILING knob). */
+static inline da_tiling da_make_tiling(int64_t N, int64_t R, int64_t interleaved, int64_t warps,
+                                       int64_t rows_per_warp) {
+  da_tiling t;
+  t.R = R < 1 ? 1 : R;
+  t.warps = warps;
+  t.rows_per_warp = rows_per_warp;
+  t.interleaved = interleaved ? 1 : 0;
+  t.tiles_per_residue = da_ceil_div(N, warps * rows_per_warp * t.R);
+  return t;
+}
+
+#endif /* DILATED_ATTENTION_CUDA_TILING_H_ */

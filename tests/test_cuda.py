@@ -1,0 +1,570 @@
+"""The native op on CUDA (csrc/cuda) against the float64 dense reference (SPEC sections 1-4).
+
+Two parts:
+
+* Without a GPU: the index arithmetic that the CUDA kernels run (csrc/cuda/tiling.h: how rows are
+  cut into thread blocks, the walk over heads, branches, segments and chunks of the other side,
+  and the per-warp skip/mask decisions) is compiled with the host C++ compiler and replayed for
+  every thread block; the (query, key) pairs it visits must be exactly the reference's
+  multiplicity mask. This needs only a C++ compiler.
+* With a GPU (skipped otherwise): the CUDA op against the float64 reference in every dtype under
+  the tolerance rule, CPU and CUDA agreeing, opcheck, torch.compile, a bitwise reproducible
+  backward, grouped-query attention, causal masking, ragged segments, head dims 32-256, both
+  kernel families (tensor-core and SIMT) and several forced tilings.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import dilated_attention
+from dilated_attention import dilated_attention as dattn
+from dilated_attention._ops import has_kernel
+from reference import multiplicity, reference_attention
+from tolerance import assert_within_rule
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOW = os.environ.get("DILATED_ATTENTION_SLOW", "0") == "1"
+
+# ----------------------------------------------------------------------------------------------
+# The kernels' walk, replayed on the CPU
+# ----------------------------------------------------------------------------------------------
+
+_WALK_SOURCE = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <vector>
+#include "cuda/tiling.h"
+
+/* Replays, for every thread block, what the CUDA kernels do with their rows: the walk over
+ * (head, branch, segment, chunk), the block-wide "any row active" test, and each warp's skip and
+ * mask decisions; adds every pair that a warp computes unmasked or that passes the mask to
+ * mult[h][query][key]. Returns 0, or 1 with a message in err. */
+extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const int64_t* w,
+                         const int64_t* r, int causal, int rows_are, int64_t R, int64_t interleaved,
+                         int64_t rows_per_warp, int64_t other_tile, int64_t* mult, int64_t* chosen,
+                         char* err, int errlen) {
+  da_branches br;
+  br.n = nb;
+  for (int64_t i = 0; i < nb; ++i) { br.w[i] = w[i]; br.r[i] = r[i]; }
+  const int64_t warps = 4, G = Hq / Hkv;
+  const da_tiling t = R > 0 ? da_make_tiling(N, R, interleaved, warps, rows_per_warp)
+                            : da_choose_tiling(N, &br, warps, rows_per_warp);
+  chosen[0] = t.R;
+  chosen[1] = t.interleaved;
+  const int64_t M = da_tile_rows(&t);
+  std::vector<int64_t> seen(N, 0);
+  std::vector<int64_t> pos(M), jrow(M);
+  const int64_t groups = rows_are == DA_ROWS_ARE_QUERIES ? Hq : Hkv;
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const int64_t h0 = rows_are == DA_ROWS_ARE_QUERIES ? grp : grp * G;
+    const int64_t nh = rows_are == DA_ROWS_ARE_QUERIES ? 1 : G;
+    for (int64_t tile = 0; tile < da_num_tiles(&t); ++tile) {
+      const int64_t base = da_tile_base(&t, tile);
+      if (base >= N) continue;
+      const int64_t last = da_tile_last(&t, base, N);
+      for (int64_t wp = 0; wp < warps; ++wp)
+        for (int64_t i = 0; i < rows_per_warp; ++i) {
+          const int64_t p = da_row_position(&t, base, wp, i);
+          pos[wp * rows_per_warp + i] = p;
+          if (grp == 0 && p < N) seen[p] += 1;
+          if (p < N && (p < base || p > last)) {
+            snprintf(err, errlen, "row %lld outside [base %lld, last %lld]", (long long)p, (long long)base, (long long)last);
+            return 1;
+          }
+        }
+      da_walk st;
+      da_walk_begin(&st);
+      while (da_walk_candidate(&st, &br, nh, h0, base, last, N, causal, rows_are)) {
+        bool any = false;
+        for (int64_t m = 0; m < M; ++m) {
+          jrow[m] = da_row_index(pos[m], N, st.s, st.w, st.r, st.o);
+          any = any || jrow[m] >= 0;
+        }
+        if (!any) { ++st.s; continue; }
+        const int64_t h = h0 + st.gi;
+        for (int64_t o0 = st.o_begin; o0 < st.o_end; o0 += other_tile) {
+          for (int64_t wp = 0; wp < warps; ++wp) {
+            int wany = 0, wall = 1;
+            int64_t jmin = INT64_MAX, jmax = -1;
+            for (int64_t i = 0; i < rows_per_warp; ++i) {
+              const int64_t j = jrow[wp * rows_per_warp + i];
+              if (j >= 0) { wany = 1; jmin = j < jmin ? j : jmin; jmax = j > jmax ? j : jmax; }
+              else wall = 0;
+            }
+            const int skip = da_chunk_skip(rows_are, causal, o0, other_tile, wany, jmin, jmax);
+            const int mask = da_chunk_needs_mask(rows_are, causal, o0, other_tile, st.o_end, wall, jmin, jmax);
+            for (int64_t i = 0; i < rows_per_warp; ++i) {
+              const int64_t m = wp * rows_per_warp + i;
+              for (int64_t jj = 0; jj < other_tile; ++jj) {
+                const int64_t j = o0 + jj;
+                const int act = da_pair_active(jrow[m], j, st.o_end, causal, rows_are);
+                if (skip) {
+                  if (act) { snprintf(err, errlen, "warp skipped an active pair"); return 1; }
+                  continue;
+                }
+                if (!mask && !act) { snprintf(err, errlen, "an inactive pair was left unmasked"); return 1; }
+                if (!act) continue;
+                const int64_t x = st.seg_first + j * st.r;
+                if (x < 0 || x >= N) { snprintf(err, errlen, "other position %lld out of range", (long long)x); return 1; }
+                const int64_t qp = rows_are == DA_ROWS_ARE_QUERIES ? pos[m] : x;
+                const int64_t kp = rows_are == DA_ROWS_ARE_QUERIES ? x : pos[m];
+                mult[(h * N + qp) * N + kp] += 1;
+              }
+            }
+          }
+        }
+        ++st.s;
+      }
+    }
+  }
+  for (int64_t p = 0; p < N; ++p)
+    if (seen[p] != 1) {
+      snprintf(err, errlen, "position %lld belongs to %lld rows", (long long)p, (long long)seen[p]);
+      return 1;
+    }
+  return 0;
+}
+
+extern "C" double da_cost(int64_t N, int64_t nb, const int64_t* w, const int64_t* r, int64_t R,
+                          int64_t interleaved, int64_t rows_per_warp) {
+  da_branches br;
+  br.n = nb;
+  for (int64_t i = 0; i < nb; ++i) { br.w[i] = w[i]; br.r[i] = r[i]; }
+  const da_tiling t = R > 0 ? da_make_tiling(N, R, interleaved, 4, rows_per_warp)
+                            : da_choose_tiling(N, &br, 4, rows_per_warp);
+  return da_tiling_cost(&t, N, &br);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def walk_lib(tmp_path_factory):
+    """The replay of the kernels' walk, compiled with the host C++ compiler."""
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the replay of the CUDA kernels' walk")
+    d = tmp_path_factory.mktemp("walk")
+    src, lib = d / "walk.cpp", d / "walk.so"
+    src.write_text(_WALK_SOURCE)
+    cmd = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}", str(src), "-o", str(lib)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, f"compiling csrc/cuda/tiling.h failed:\n{res.stderr}"
+    so = ctypes.CDLL(str(lib))
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    so.da_replay.restype = ctypes.c_int
+    so.da_replay.argtypes = [ctypes.c_int64] * 4 + [i64p, i64p, ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 4 + [
+        i64p, i64p, ctypes.c_char_p, ctypes.c_int]
+    so.da_cost.restype = ctypes.c_double
+    so.da_cost.argtypes = [ctypes.c_int64, ctypes.c_int64, i64p, i64p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    return so
+
+
+def _i64(values):
+    arr = (ctypes.c_int64 * max(1, len(values)))(*values)
+    return ctypes.cast(arr, ctypes.POINTER(ctypes.c_int64)), arr
+
+
+def replay(lib, N, Hq, Hkv, segs, rates, causal, rows_are, R=0, interleaved=0, rows_per_warp=16, other_tile=64):
+    """(Hq, N, N) multiplicities visited by the kernels' walk, and the tiling (R, interleaved) used."""
+    mult = torch.zeros(Hq * N * N, dtype=torch.int64)
+    chosen = torch.zeros(2, dtype=torch.int64)
+    w, _w = _i64(segs)
+    r, _r = _i64(rates)
+    err = ctypes.create_string_buffer(256)
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    rc = lib.da_replay(N, Hq, Hkv, len(segs), w, r, int(causal), rows_are, R, interleaved, rows_per_warp, other_tile,
+                       ctypes.cast(mult.data_ptr(), i64p), ctypes.cast(chosen.data_ptr(), i64p), err, 256)
+    assert rc == 0, err.value.decode()
+    return mult.view(Hq, N, N), tuple(chosen.tolist())
+
+
+# (N, Hq, Hkv, segment_lengths, dilation_rates)
+WALK_CONFIGS = [
+    pytest.param(37, 4, 2, [8, 16], [1, 2], id="odd-N-gqa-ragged"),
+    pytest.param(50, 6, 3, [5, 10, 20, 40], [1, 2, 3, 4], id="four-branches-ragged"),
+    pytest.param(20, 2, 1, [32], [2], id="w-greater-than-N"),
+    pytest.param(30, 4, 2, [6, 12], [6, 3], id="r-equals-w"),
+    pytest.param(16, 2, 2, [8], [4], id="uncovered-rows"),
+    pytest.param(1, 2, 1, [1, 4], [1, 2], id="N-1"),
+    pytest.param(96, 4, 1, [8, 8], [1, 1], id="repeated-branch"),
+    pytest.param(300, 8, 2, [32, 64, 128, 256], [1, 2, 4, 8], id="longnet-shape"),
+    pytest.param(133, 3, 1, [7, 1000], [7, 9], id="huge-w-big-r"),
+    pytest.param(70, 1, 1, [1], [1], id="w-1"),
+]
+
+# Tilings: automatic choice, and forced (R, interleaved) that cut segments across blocks and warps.
+TILINGS = [(0, 0), (1, 0), (1, 1), (3, 0), (4, 1), (16, 1), (64, 0)]
+
+
+@pytest.mark.parametrize("rows_are", [0, 1], ids=["query-rows", "key-rows"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("N,Hq,Hkv,segs,rates", WALK_CONFIGS)
+def test_kernel_walk_visits_every_pair_once(walk_lib, N, Hq, Hkv, segs, rates, is_causal, rows_are):
+    """Tensor-core geometry (4 warps x 16 rows, 64 or 16 per chunk) and SIMT geometry (4 x 1..4
+    rows, 8..32 per chunk), for several tilings: the pairs visited are the reference's."""
+    expected = multiplicity(N, Hq, segs, rates, is_causal)
+    geometries = [(16, 64), (16, 16), (4, 32), (2, 16), (1, 8)]
+    for R, il in TILINGS:
+        for rpw, ot in geometries:
+            got, _ = replay(walk_lib, N, Hq, Hkv, segs, rates, is_causal, rows_are, R, il, rpw, ot)
+            assert torch.equal(got, expected), (R, il, rpw, ot, (got != expected).nonzero()[:5].tolist())
+
+
+def test_kernel_walk_random_configs(walk_lib):
+    """Random lengths, branches, heads and tilings."""
+    g = torch.Generator().manual_seed(7)
+
+    def ri(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    for _ in range(60 if SLOW else 25):
+        N = ri(1, 90)
+        Hkv = ri(1, 3)
+        Hq = Hkv * ri(1, 3)
+        nb = ri(1, 4)
+        segs = [ri(1, 120) for _ in range(nb)]
+        rates = [ri(1, s) for s in segs]
+        causal = bool(ri(0, 1))
+        rows_are = ri(0, 1)
+        R, il = ri(0, 9), ri(0, 1)
+        rpw, ot = [(16, 64), (16, 32), (4, 32), (1, 8), (3, 5)][ri(0, 4)]
+        got, _ = replay(walk_lib, N, Hq, Hkv, segs, rates, causal, rows_are, R, il, rpw, ot)
+        expected = multiplicity(N, Hq, segs, rates, causal)
+        assert torch.equal(got, expected), (N, Hq, Hkv, segs, rates, causal, rows_are, R, il, rpw, ot)
+
+
+def _cost(lib, N, segs, rates, R, il, rpw=16):
+    w, _w = _i64(segs)
+    r, _r = _i64(rates)
+    return lib.da_cost(N, len(segs), w, r, R, il, rpw)
+
+
+def test_tiling_choice_for_longnet_branches(walk_lib):
+    """LongNet's geometric branches: the chosen tiling is never worse than any candidate tried here,
+    and it avoids most of the masked work of consecutive-position blocks (R = 1)."""
+    N = 1 << 16
+    segs = [2048 << i for i in range(6)]
+    rates = [1 << i for i in range(6)]
+    chosen = _cost(walk_lib, N, segs, rates, 0, 0)
+    naive = _cost(walk_lib, N, segs, rates, 1, 0)
+    for R in (1, 2, 4, 8, 16, 32, 64, 128):
+        for il in (0, 1):
+            assert chosen <= _cost(walk_lib, N, segs, rates, R, il) * (1 + 1e-9)
+    assert chosen < 0.5 * naive
+    # The replay on a shorter sequence with the same shape of branches stays exact.
+    n_small = 4096
+    segs_s = [64 << i for i in range(5)]
+    rates_s = [1 << i for i in range(5)]
+    _, tiling = replay(walk_lib, n_small, 1, 1, segs_s, rates_s, True, 0)
+    assert tiling[0] >= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The op on a GPU
+# ----------------------------------------------------------------------------------------------
+
+HAS_GPU = torch.cuda.is_available()
+HAS_CUDA_KERNEL = has_kernel("cuda")
+needs_gpu = pytest.mark.skipif(
+    not (HAS_GPU and HAS_CUDA_KERNEL),
+    reason="needs a CUDA GPU and the extension built with its CUDA kernels"
+    + ("" if HAS_CUDA_KERNEL else " (this build has none: reinstall with nvcc present or FORCE_CUDA=1)"),
+)
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+# (B, N, Hq, Hkv, D, segment_lengths, dilation_rates)
+CONFIGS = [
+    pytest.param(1, 16, 1, 1, 32, [4], [1], id="one-branch"),
+    pytest.param(2, 37, 4, 2, 40, [8, 16], [1, 2], id="odd-N-gqa-ragged-D40"),
+    pytest.param(1, 64, 4, 4, 32, [16, 32, 64], [1, 2, 4], id="three-branches"),
+    pytest.param(2, 50, 6, 3, 24, [5, 10, 20, 40], [1, 2, 3, 4], id="four-branches-ragged-D24"),
+    pytest.param(1, 20, 2, 1, 64, [32], [2], id="w-greater-than-N"),
+    pytest.param(1, 30, 4, 2, 16, [6, 12], [6, 3], id="r-equals-w"),
+    pytest.param(1, 129, 8, 2, 64, [32, 64, 128], [1, 2, 4], id="blocks-span-segments"),
+    pytest.param(1, 16, 2, 2, 32, [8], [4], id="uncovered-rows"),
+    pytest.param(1, 9, 2, 1, 1, [4], [2], id="head-dim-1"),
+    pytest.param(1, 70, 1, 1, 256, [64], [1], id="head-dim-256"),
+    pytest.param(3, 200, 2, 1, 128, [64, 256], [2, 8], id="batch-3-long"),
+    pytest.param(1, 1, 2, 1, 32, [1, 4], [1, 2], id="N-1"),
+    pytest.param(2, 96, 4, 1, 96, [8, 8], [1, 1], id="repeated-branch-D96"),
+    pytest.param(1, 300, 8, 2, 64, [32, 64, 128, 256], [1, 2, 4, 8], id="longnet-shape"),
+]
+
+
+def make_inputs(B, N, Hq, Hkv, D, dtype, device="cuda", seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, Hq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, N, Hkv, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, N, Hkv, D, generator=g, dtype=torch.float64)
+    return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def grads(out, lse, inputs, dout, dlse):
+    """Gradients of <out, dout> + <lse, dlse> (lse's -inf entries excluded)."""
+    loss = (out.double() * dout).sum()
+    if dlse is not None:
+        finite = torch.isfinite(lse)
+        loss = loss + (torch.where(finite, lse.double(), torch.zeros_like(lse.double())) * dlse).sum()
+    return torch.autograd.grad(loss, inputs)
+
+
+def check_against_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, seed=0):
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed)
+    out, lse = dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="native")
+    assert out.is_cuda and out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == (B, Hq, N)
+
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, is_causal)
+    ql, kl, vl = (t.detach().cpu().clone().requires_grad_() for t in (q, k, v))
+    outl, lsel = reference_attention(ql, kl, vl, segs, rates, is_causal, dtype=dtype)
+    assert_within_rule("out", out.cpu(), out64, outl, dtype)
+    assert_within_rule("lse", lse.cpu(), lse64, lsel, dtype)
+
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64) if dtype != torch.float16 else None
+    got = grads(out, lse, (q, k, v), dout.cuda(), None if dlse is None else dlse.cuda())
+    ref = grads(out64, lse64, (q64, k64, v64), dout, dlse)
+    plain = grads(outl, lsel, (ql, kl, vl), dout, dlse)
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain):
+        assert a.is_cuda and a.dtype == dtype
+        assert_within_rule(name, a.cpu(), e, p, dtype)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", CONFIGS)
+def test_matches_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype):
+    check_against_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("D", [32, 48, 64, 80, 96, 128, 136, 160, 192, 200, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_head_dims(D, dtype):
+    check_against_reference(1, 75, 4, 2, D, [16, 32], [1, 2], True, dtype)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+@pytest.mark.parametrize("tiling", [None, "1,0", "1,1", "3,0", "4,1", "16,1", "64,0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_forced_tilings_and_kernels(monkeypatch, kernels, tiling, dtype):
+    """Tilings that cut segments across thread blocks and warps, on both kernel families."""
+    if tiling is not None:
+        monkeypatch.setenv("DILATED_ATTENTION_CUDA_TILING", tiling)
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_SIMT", "1" if kernels == "simt" else "0")
+    check_against_reference(2, 157, 4, 2, 64, [12, 48, 96], [1, 3, 4], True, dtype)
+    check_against_reference(1, 90, 2, 1, 32, [7, 200], [1, 5], False, dtype)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_and_cuda_agree(dtype):
+    B, N, Hq, Hkv, D, segs, rates = 2, 133, 8, 2, 64, [16, 32, 64], [1, 2, 4]
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, device="cpu")
+    qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    for causal in (False, True):
+        out, lse = dattn(q, k, v, segs, rates, is_causal=causal, return_lse=True)
+        outc, lsec = dattn(qc, kc, vc, segs, rates, is_causal=causal, return_lse=True)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        out64, lse64 = reference_attention(q64, k64, v64, segs, rates, causal)
+        ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        outl, lsel = reference_attention(ql, kl, vl, segs, rates, causal, dtype=dtype)
+        # Both within the rule, so they agree to within twice the rule of each other.
+        assert_within_rule("cpu out", out, out64, outl, dtype)
+        assert_within_rule("cuda out", outc.cpu(), out64, outl, dtype)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(lsec.cpu()))
+        dout = torch.randn_like(out)
+        g_cpu = torch.autograd.grad(out, (q, k, v), dout)
+        g_gpu = torch.autograd.grad(outc, (qc, kc, vc), dout.cuda())
+        g_ref = torch.autograd.grad(out64, (q64, k64, v64), dout.double())
+        g_pl = torch.autograd.grad(outl, (ql, kl, vl), dout)
+        for name, a, b, e, p in zip(("dq", "dk", "dv"), g_cpu, g_gpu, g_ref, g_pl):
+            assert_within_rule(f"cpu {name}", a, e, p, dtype)
+            assert_within_rule(f"cuda {name}", b.cpu(), e, p, dtype)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_opcheck(dtype):
+    q, k, v = make_inputs(2, 19, 4, 2, 32, dtype)
+    args = (q, k, v, [4, 8], [1, 2], True, 0.35)
+    torch.library.opcheck(torch.ops.dilated_attention.fwd.default, args)
+    out, lse = torch.ops.dilated_attention.fwd(*args)
+    dout = torch.randn_like(out)
+    bargs = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, [4, 8], [1, 2], True, 0.35)
+    torch.library.opcheck(torch.ops.dilated_attention.bwd.default, bargs)
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_gradcheck_float64():
+    q, k, v = make_inputs(1, 11, 4, 2, 3, torch.float64, seed=5)
+
+    def f(q, k, v):
+        return dattn(q, k, v, [4, 8], [1, 2], is_causal=True, return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_compile_fullgraph(dtype):
+    q, k, v = make_inputs(1, 65, 4, 2, 64, dtype)
+
+    def f(q, k, v):
+        return dattn(q, k, v, [16, 32], [1, 2], is_causal=True, backend="native").float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(q, k, v)
+    got = torch.autograd.grad(loss, (q, k, v))
+    loss_e = f(q, k, v)
+    expected = torch.autograd.grad(loss_e, (q, k, v))
+    torch.testing.assert_close(loss, loss_e)
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_is_bitwise_reproducible(dtype, deterministic):
+    """The backward owns every output row in one thread block: no atomics, same bits every run."""
+    q, k, v = make_inputs(2, 300, 8, 2, 64, dtype)
+    dout = torch.randn(q.shape, device="cuda", dtype=dtype)
+    dilated_attention._ops.set_deterministic_backward(deterministic)
+    try:
+        runs = []
+        for _ in range(3):
+            out = dattn(q, k, v, [32, 64, 128], [1, 2, 4], is_causal=True)
+            runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    finally:
+        dilated_attention._ops.set_deterministic_backward(False)
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_uncovered_rows_are_zero_with_neg_inf_lse():
+    q, k, v = make_inputs(1, 16, 2, 2, 32, torch.bfloat16)
+    out, lse = dattn(q, k, v, [8], [4], return_lse=True)
+    phase = (torch.arange(16, device="cuda") % 8) % 4
+    for h in range(2):
+        covered = phase == h
+        assert torch.isfinite(lse[0, h, covered]).all()
+        assert torch.isneginf(lse[0, h, ~covered]).all()
+        assert (out[0, ~covered, h] == 0).all()
+    out.float().sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_non_contiguous_and_misaligned_inputs(dtype):
+    B, N, H, D = 2, 45, 4, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, N, D, generator=g).to("cuda", dtype).transpose(1, 2)  # (B, N, H, D) view
+    k = torch.randn(B, N, H, D + 1, generator=g).to("cuda", dtype)[..., 1:]  # misaligned rows
+    v = torch.randn(B, N, H, 2 * D, generator=g).to("cuda", dtype)[..., ::2]  # strided last dim
+    q.requires_grad_()
+    out, lse = dattn(q, k, v, [8, 32], [1, 4], softmax_scale=0.3, return_lse=True, is_causal=True)
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_attention(q64, k64, v64, [8, 32], [1, 4], True, softmax_scale=0.3)
+    outl, lsel = reference_attention(*(t.detach().cpu() for t in (q, k, v)), [8, 32], [1, 4], True,
+                                     softmax_scale=0.3, dtype=dtype)
+    assert_within_rule("out", out.cpu(), out64, outl, dtype)
+    assert_within_rule("lse", lse.cpu(), lse64, lsel, dtype)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+def test_nan_propagates_to_its_own_rows(monkeypatch, kernels):
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_SIMT", "1" if kernels == "simt" else "0")
+    q, k, v = make_inputs(1, 16, 2, 2, 32, torch.bfloat16, requires_grad=False)
+    q[0, 3, 0, 0] = float("nan")
+    k[0, 5, 1, 1] = float("inf")
+    out, lse = dattn(q, k, v, [8], [1], return_lse=True)
+    assert torch.isnan(out[0, 3, 0]).all()
+    assert torch.isfinite(out[0, 8:, 0]).all()  # another segment is untouched
+    assert not torch.isfinite(out[0, :8, 1]).all()
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_empty_inputs_and_errors():
+    q = torch.randn(0, 8, 2, 32, device="cuda")
+    out, lse = torch.ops.dilated_attention.fwd(q, q, q, [4], [1], False, 1.0)
+    assert out.shape == q.shape and lse.shape == (0, 2, 8)
+    q = torch.randn(1, 8, 2, 32, device="cuda")
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.ops.dilated_attention.fwd(q, q.cpu(), q, [4], [1], False, 1.0)
+    with pytest.raises(RuntimeError, match="head dim"):
+        x = torch.randn(1, 8, 2, 257, device="cuda")
+        torch.ops.dilated_attention.fwd(x, x, x, [4], [1], False, 1.0)
+    with pytest.raises(RuntimeError, match="DILATED_ATTENTION_CUDA_TILING"):
+        os.environ["DILATED_ATTENTION_CUDA_TILING"] = "zero"
+        try:
+            torch.ops.dilated_attention.fwd(q, q, q, [4], [1], False, 1.0)
+        finally:
+            del os.environ["DILATED_ATTENTION_CUDA_TILING"]
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_current_stream_and_other_device_index():
+    """Runs on the current stream of the tensors' device."""
+    q, k, v = make_inputs(1, 64, 2, 2, 64, torch.bfloat16, requires_grad=False)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = dattn(q, k, v, [16], [1])
+    s.synchronize()
+    ref = dattn(q, k, v, [16], [1])
+    assert torch.equal(out, ref)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.skipif(not SLOW, reason="long sweep: set DILATED_ATTENTION_SLOW=1")
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_longnet_branches_against_cpu_kernel(is_causal):
+    """A LongNet-shaped problem too long for the dense reference: CUDA (bf16) against the CPU
+    kernel in float64 (itself tested against the reference), with the bf16 tolerance."""
+    B, N, Hq, Hkv, D = 1, 8192, 8, 8, 64
+    segs, rates = [512, 1024, 2048, 4096, 8192], [1, 2, 4, 8, 16]
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, torch.bfloat16, requires_grad=True)
+    out, lse = dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True)
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = dattn(q64, k64, v64, segs, rates, is_causal=is_causal, return_lse=True)
+    torch.testing.assert_close(out.cpu().double(), out64, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.cpu().double(), lse64, atol=2e-2, rtol=1e-3)
+    dout = torch.randn(q.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), dout.cuda().bfloat16())
+    ref = torch.autograd.grad(out64, (q64, k64, v64), dout)
+    for a, e in zip(got, ref):
+        torch.testing.assert_close(a.cpu().double(), e, atol=5e-2, rtol=5e-2)
