@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import BackendRequest, Capabilities, check_device_dtype, import_optional
+from .base import BackendRequest, Capabilities, check_device_dtype, import_optional, lse_dtype
 from .gathered import GatheredBackend, lse_with_grad
 
 __all__ = ["FlashAttn2Backend", "FlashAttn3Backend"]
@@ -103,7 +103,7 @@ class _FlashBackend(GatheredBackend):
             if need_grad:
                 out_k, _ = self._call(q.detach(), k.detach(), k, is_causal=is_causal, scale=scale, dropout_p=0.0,
                                       with_lse=False)
-        lse = lse.detach()[..., :m].float()
+        lse = lse.detach()[..., :m].to(lse_dtype(q.dtype))
         if need_grad:
             lse = lse_with_grad(lse, q, out_k, scale)
         return out, lse

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .base import BackendRequest, Capabilities, check_device_dtype, import_optional
+from .base import BackendRequest, Capabilities, check_device_dtype, import_optional, lse_dtype
 from .gathered import GatheredBackend, lse_with_grad
 
 __all__ = ["XformersBackend"]
@@ -97,7 +97,7 @@ class XformersBackend(GatheredBackend):
         out = xops.memory_efficient_attention(q, k, v, attn_bias=bias, p=dropout_p, scale=scale)
         _, lse = xops.fmha.memory_efficient_attention_forward_requires_grad(
             q.detach(), k.detach(), k.detach(), attn_bias=bias, p=0.0, scale=scale)
-        lse = lse.detach()[..., :m].float()
+        lse = lse.detach()[..., :m].to(lse_dtype(q.dtype))
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             out_k = xops.memory_efficient_attention(q.detach(), k.detach(), k, attn_bias=bias, p=0.0, scale=scale)
             lse = lse_with_grad(lse, q, out_k, scale)
