@@ -171,8 +171,9 @@ def _reference(q, k, v, dout, dlse, segs, rates, causal, dtype):
     return (out.detach(), lse.detach(), *grads)
 
 
-def check_cases(rank: int, P: int, cases: list[tuple]) -> dict[str, str | None]:
-    """Run every case on this rank; map its id to None (pass) or the failure message."""
+def check_cases(rank: int, P: int, cases: list[tuple], backend: str = "auto") -> dict[str, str | None]:
+    """Run every case on this rank (the local pieces on ``backend``); map its id to None (pass) or
+    the failure message."""
     report: dict[str, str | None] = {}
     for case_id, B, N, Hq, Hkv, D, segs, rates, causal, comm, dtype_name in cases:
         try:
@@ -183,7 +184,7 @@ def check_cases(rank: int, P: int, cases: list[tuple]) -> dict[str, str | None]:
             l = N // P
             sl = slice(rank * l, (rank + 1) * l)
             mine = [t[:, sl].to(dtype).requires_grad_() for t in (q, k, v)]
-            module = RingDilatedAttention(segs, rates, comm=comm)
+            module = RingDilatedAttention(segs, rates, comm=comm, attention_backend=backend)
             out, lse = module(*mine, is_causal=causal, return_lse=True)
             assert out.dtype == dtype and out.shape == mine[0].shape
             assert lse.shape == (B, Hq, l)
@@ -270,6 +271,14 @@ def chunked_scores(rank: int, P: int, cases: list[tuple]) -> dict[str, str | Non
 def test_chunked_score_blocks_match_reference(cluster2):
     cases = [c for c in CASES_2 if c[0].startswith(("span-w-gt-l", "straddle-gqa")) and c[-1] == "float64"]
     report = _merge_reports(cluster2.run(chunked_scores, cases))
+    assert len(report) == len(cases)
+    assert all(err is None for err in report.values()), report
+
+
+@pytest.mark.parametrize("backend", ["manual", "sdpa"])
+def test_other_local_backends_match_reference(cluster2, backend):
+    cases = [c for c in CASES_2 if c[0].startswith("mixed-w-gt-N") and c[-1] in ("float64", "float32")]
+    report = _merge_reports(cluster2.run(check_cases, cases, backend))
     assert len(report) == len(cases)
     assert all(err is None for err in report.values()), report
 
