@@ -1,0 +1,67 @@
+"""``python -m dilated_attention``: the environment report runs and says what it should."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dilated_attention
+from dilated_attention import __main__ as report
+
+
+def test_report_runs_as_a_module():
+    res = subprocess.run([sys.executable, "-m", "dilated_attention"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    assert f"dilated-attention {dilated_attention.__version__}" in text
+    assert f"torch            {torch.__version__}" in text
+    assert "CPU kernels: yes" in text
+    for name in dilated_attention.BACKEND_NAMES:
+        assert f"\n  {name} " in text
+    if not torch.cuda.is_available():
+        assert "GPU              none" in text
+        assert "recommended      dtype float32, backend native" in text
+        assert "flash_attn is not installed" in text or "flash_attn_2  available" in text
+
+
+def test_json_report(capsys):
+    assert report.main(["--json", "--dtype", "float64", "--head-dim", "32"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["torch"] == torch.__version__ and data["dtype"] == "float64" and data["head_dim"] == 32
+    assert data["extension"]["cpu_kernels"] is True
+    assert set(data["backends"]) == set(dilated_attention.BACKEND_NAMES)
+    for name, b in data["backends"].items():
+        assert b["available"] == (not b["reasons"])
+        assert {"needs", "devices", "dtypes", "dropout", "gqa"} <= set(b["capabilities"])
+    assert data["auto_order"] == dilated_attention.recommended_backends(data["device"])
+
+
+def test_report_for_another_device_and_dropout(capsys):
+    assert report.main(["--device", "meta", "--dropout"]) == 0
+    text = capsys.readouterr().out
+    assert "backends for meta, float32, head dim 64, dropout:" in text
+    assert "  manual        available" in text
+    assert "recommended      dtype float32, backend manual" in text
+
+
+def test_report_with_a_fake_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "FAKE H100")
+    r = report.environment_report(device="cpu")
+    assert r["gpus"] == [{"index": 0, "name": "FAKE H100", "capability": "9.0", "architecture": "sm_90 (Hopper)"}]
+    assert "GPU 0            FAKE H100, compute capability 9.0 sm_90 (Hopper)" in report.format_report(r)
+
+
+@pytest.mark.parametrize("argv", [["--device", "nope"], ["--head-dim", "300"], ["--dtype", "int8"]])
+def test_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        report.main(argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
