@@ -19,11 +19,17 @@ from . import __version__, _ops, hardware
 from .backends import BACKEND_NAMES, BackendRequest, backend_reasons, get_backend, get_pattern_cache, resolve
 from .backends.base import dtype_name
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 
 
-def environment_report(device: Optional[str] = None, dtype: Optional[str] = None, head_dim: int = 64,
-                       dropout: bool = False) -> dict[str, Any]:
+def environment_report(
+    device: Optional[str] = None, dtype: Optional[str] = None, head_dim: int = 64, dropout: bool = False
+) -> dict[str, Any]:
     """The report as a dictionary (what ``python -m dilated_attention --json`` prints)."""
     dev = hardware.as_device(device)
     dt = hardware.recommended_dtype(dev) if dtype in (None, "auto") else _DTYPES[dtype]
@@ -31,8 +37,14 @@ def environment_report(device: Optional[str] = None, dtype: Optional[str] = None
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = hardware.compute_capability(i)
-            gpus.append({"index": i, "name": hardware.device_name(i), "capability": f"{cap[0]}.{cap[1]}",
-                         "architecture": hardware.hardware_info(i).architecture})
+            gpus.append(
+                {
+                    "index": i,
+                    "name": hardware.device_name(i),
+                    "capability": f"{cap[0]}.{cap[1]}",
+                    "architecture": hardware.hardware_info(i).architecture,
+                }
+            )
     request = BackendRequest(dev, dt, head_dim, dropout)
     reasons = backend_reasons(request)
     try:
@@ -47,14 +59,19 @@ def environment_report(device: Optional[str] = None, dtype: Optional[str] = None
         "torch_cuda_build": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "gpus": gpus,
-        "extension": {"file": getattr(_ops._C, "__file__", None), "cpu_kernels": _ops.has_kernel("cpu"),
-                      "cuda_kernels": _ops.has_kernel("cuda")},
+        "extension": {
+            "file": getattr(_ops._C, "__file__", None),
+            "cpu_kernels": _ops.has_kernel("cpu"),
+            "cuda_kernels": _ops.has_kernel("cuda"),
+        },
         "device": str(dev),
         "dtype": dtype_name(dt),
         "head_dim": head_dim,
         "dropout": dropout,
-        "backends": {name: {"available": not why, "reasons": why,
-                            "capabilities": vars(get_backend(name).capabilities)} for name, why in reasons.items()},
+        "backends": {
+            name: {"available": not why, "reasons": why, "capabilities": vars(get_backend(name).capabilities)}
+            for name, why in reasons.items()
+        },
         "auto_order": hardware.recommended_backends(dev),
         "recommended_dtype": dtype_name(hardware.recommended_dtype(dev)),
         "recommended_backend": chosen,
@@ -71,13 +88,17 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if r["gpus"]:
         for g in r["gpus"]:
-            lines.append(f"GPU {g['index']}            {g['name']}, compute capability {g['capability']} "
-                         f"{g['architecture']}")
+            lines.append(
+                f"GPU {g['index']}            {g['name']}, compute capability {g['capability']} "
+                f"{g['architecture']}"
+            )
     else:
         lines.append("GPU              none")
     ext = r["extension"]
-    lines.append(f"extension        CPU kernels: {yes[ext['cpu_kernels']]}, CUDA kernels: {yes[ext['cuda_kernels']]}"
-                 f"  ({ext['file']})")
+    lines.append(
+        f"extension        CPU kernels: {yes[ext['cpu_kernels']]}, CUDA kernels: {yes[ext['cuda_kernels']]}"
+        f"  ({ext['file']})"
+    )
     lines.append("")
     what = f"{r['device']}, {r['dtype']}, head dim {r['head_dim']}" + (", dropout" if r["dropout"] else "")
     lines.append(f"backends for {what}:")
@@ -87,16 +108,25 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  {name:<{width}}  {state}")
     lines.append("")
     lines.append(f"auto order       {' -> '.join(r['auto_order'])}")
-    lines.append(f"recommended      dtype {r['recommended_dtype']}, backend {r['recommended_backend'] or 'none can run'}")
+    backend = r["recommended_backend"] or "none can run"
+    lines.append(f"recommended      dtype {r['recommended_dtype']}, backend {backend}")
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dilated_attention", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default=None, help="device to report on (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
-                        help="dtype to check the backends with (default: the recommended one)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dim to check the backends with (default 64)")
+    parser.add_argument(
+        "--device", default=None, help="device to report on (default: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *_DTYPES],
+        help="dtype to check the backends with (default: the recommended one)",
+    )
+    parser.add_argument(
+        "--head-dim", type=int, default=64, help="head dim to check the backends with (default 64)"
+    )
     parser.add_argument("--dropout", action="store_true", help="check the backends for attention dropout")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)

@@ -49,8 +49,8 @@ def dilated_attention(
     Returns:
         ``out`` (B, N, Hq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
     """
-    return _attention(q, k, v, segment_lengths, dilation_rates, is_causal=is_causal, softmax_scale=softmax_scale,
-                      dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+    return _attention(q, k, v, segment_lengths, dilation_rates, is_causal=is_causal,
+                      softmax_scale=softmax_scale, dropout_p=dropout_p, return_lse=return_lse, backend=backend)
 
 
 def _attention(

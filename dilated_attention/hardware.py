@@ -148,11 +148,19 @@ class HardwareInfo:
         if self.capability is None:
             return "-"
         major = self.capability[0]
-        names = {6: "Pascal", 7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}
+        names = {
+            6: "Pascal",
+            7: "Volta/Turing",
+            8: "Ampere/Ada",
+            9: "Hopper",
+            10: "Blackwell",
+            12: "Blackwell",
+        }
         return f"sm_{major}{self.capability[1]} ({names.get(major, 'unknown')})"
 
 
 def hardware_info(device: DeviceLike = None) -> HardwareInfo:
     dev = as_device(device)
-    return HardwareInfo(str(dev), device_name(dev), compute_capability(dev), recommended_dtype(dev),
-                        recommended_backends(dev))
+    return HardwareInfo(
+        str(dev), device_name(dev), compute_capability(dev), recommended_dtype(dev), recommended_backends(dev)
+    )

@@ -25,10 +25,17 @@ __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
 ORDERINGS = ("sequence", "hilbert")
 _DTYPE_NAMES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float64": torch.float64, "double": torch.float64, "fp64": torch.float64,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "fp64": torch.float64,
 }
 
 
@@ -45,7 +52,9 @@ def _check_ordering(ordering: Any, grid: Any) -> tuple[str, Optional[tuple[int, 
         items = list(grid)
     except TypeError:
         raise ValueError(f"grid must be a pair (height, width) of ints >= 1, got {grid!r}") from None
-    if len(items) != 2 or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1 for x in items):
+    if len(items) != 2 or any(
+        isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1 for x in items
+    ):
         raise ValueError(f"grid must be a pair (height, width) of ints >= 1, got {grid!r}")
     return ordering, (int(items[0]), int(items[1]))
 
@@ -54,7 +63,9 @@ def _hilbert_permutation(height: int, width: int) -> tuple[torch.Tensor, torch.T
     try:
         from .hilbert import hilbert_permutation
     except ImportError as exc:  # pragma: no cover - the module ships with the package
-        raise RuntimeError(f"ordering='hilbert' needs dilated_attention.hilbert, which failed to import: {exc}") from exc
+        raise RuntimeError(
+            f"ordering='hilbert' needs dilated_attention.hilbert, which failed to import: {exc}"
+        ) from exc
     return hilbert_permutation(height, width)
 
 
@@ -77,10 +88,16 @@ class DilatedAttention(nn.Module):
     ``Hq % Hkv == 0``; returns (B, N, Hq, D).
     """
 
-    def __init__(self, segment_lengths: Union[int, Sequence[int]], dilation_rates: Union[int, Sequence[int]],
-                 softmax_scale: Optional[float] = None, attention_dropout: float = 0.0,
-                 attention_backend: str = "auto", ordering: str = "sequence",
-                 grid: Optional[Sequence[int]] = None) -> None:
+    def __init__(
+        self,
+        segment_lengths: Union[int, Sequence[int]],
+        dilation_rates: Union[int, Sequence[int]],
+        softmax_scale: Optional[float] = None,
+        attention_dropout: float = 0.0,
+        attention_backend: str = "auto",
+        ordering: str = "sequence",
+        grid: Optional[Sequence[int]] = None,
+    ) -> None:
         super().__init__()
         self.segment_lengths, self.dilation_rates = V.normalize_branches(segment_lengths, dilation_rates)
         self.softmax_scale = None if softmax_scale is None else V.resolve_scale(softmax_scale, 1)
@@ -94,23 +111,35 @@ class DilatedAttention(nn.Module):
         H, W = self.grid
         if N != H * W:
             raise ValueError(
-                f"ordering='hilbert' with grid=(height={H}, width={W}) needs sequence length height * width = "
-                f"{H * W}, got N={N}")
+                f"ordering='hilbert' with grid=(height={H}, width={W}) needs sequence length "
+                f"height * width = {H * W}, got N={N}"
+            )
         curve = self._curves.get(device)
         if curve is None:
             perm, inv = _hilbert_permutation(H, W)
             curve = self._curves[device] = (perm.to(device), inv.to(device))
         return curve
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+    ) -> torch.Tensor:
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.ordering == "hilbert":
             V.check_qkv(q, k, v)
             perm, inv = self._curve(q.shape[1], q.device)
             q, k, v = (t.index_select(1, perm) for t in (q, k, v))  # (B, N, H, D) in curve order
-        out = _attention(q, k, v, self.segment_lengths, self.dilation_rates, is_causal=is_causal,
-                         softmax_scale=self.softmax_scale, dropout_p=dropout_p, backend=self.attention_backend,
-                         selector=self._selector)
+        out = _attention(
+            q,
+            k,
+            v,
+            self.segment_lengths,
+            self.dilation_rates,
+            is_causal=is_causal,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            backend=self.attention_backend,
+            selector=self._selector,
+        )
         if self.ordering == "hilbert":
             out = out.index_select(1, inv)  # back to row-major order
         return out
@@ -149,8 +178,10 @@ def _resolve_dtype(dtype: Any, device: Any) -> Optional[torch.dtype]:
         if dtype == "auto":
             return hardware.recommended_dtype(device)
         if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"dtype must be a floating torch.dtype, 'auto' or one of {sorted(_DTYPE_NAMES)}, "
-                             f"got {dtype!r}")
+            raise ValueError(
+                f"dtype must be a floating torch.dtype, 'auto' or one of {sorted(_DTYPE_NAMES)}, "
+                f"got {dtype!r}"
+            )
         return _DTYPE_NAMES[dtype]
     if not isinstance(dtype, torch.dtype) or dtype not in V.FLOAT_DTYPES:
         raise ValueError(f"dtype must be float16, bfloat16, float32, float64 or 'auto', got {dtype!r}")
@@ -189,30 +220,52 @@ class MultiheadDilatedAttention(nn.Module):
 
     batch_first = True
 
-    def __init__(self, embed_dim: Optional[int] = None, num_heads: Optional[int] = None,
-                 segment_lengths: Optional[Union[int, Sequence[int]]] = None,
-                 dilation_rates: Optional[Union[int, Sequence[int]]] = None, dropout: float = 0.0,
-                 bias: bool = True, layer_norm: bool = True, gamma_init: float = 1.0,
-                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[Union[str, torch.dtype]] = None,
-                 attention_backend: str = "auto", ordering: str = "sequence",
-                 grid: Optional[Sequence[int]] = None, *, dim: Optional[int] = None, heads: Optional[int] = None,
-                 layer_norm_eps: float = 1e-5) -> None:
+    def __init__(
+        self,
+        embed_dim: Optional[int] = None,
+        num_heads: Optional[int] = None,
+        segment_lengths: Optional[Union[int, Sequence[int]]] = None,
+        dilation_rates: Optional[Union[int, Sequence[int]]] = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_norm: bool = True,
+        gamma_init: float = 1.0,
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[Union[str, torch.dtype]] = None,
+        attention_backend: str = "auto",
+        ordering: str = "sequence",
+        grid: Optional[Sequence[int]] = None,
+        *,
+        dim: Optional[int] = None,
+        heads: Optional[int] = None,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
         super().__init__()
         E = _pick("embed_dim", embed_dim, "dim", dim)
         H = _pick("num_heads", num_heads, "heads", heads)
         if E % H:
             raise ValueError(f"embed_dim ({E}) must be divisible by num_heads ({H})")
         if E // H > V.MAX_HEAD_DIM:
-            raise ValueError(f"head dim embed_dim // num_heads = {E // H} exceeds {V.MAX_HEAD_DIM} "
-                             f"(embed_dim={E}, num_heads={H})")
+            raise ValueError(
+                f"head dim embed_dim // num_heads = {E // H} exceeds {V.MAX_HEAD_DIM} "
+                f"(embed_dim={E}, num_heads={H})"
+            )
         if segment_lengths is None or dilation_rates is None:
             raise TypeError("segment_lengths and dilation_rates are required")
         bias = V.check_bool(bias, "bias")
         layer_norm = V.check_bool(layer_norm, "layer_norm")
-        if isinstance(gamma_init, bool) or not isinstance(gamma_init, numbers.Real) or not math.isfinite(gamma_init) \
-                or gamma_init <= 0:
+        if (
+            isinstance(gamma_init, bool)
+            or not isinstance(gamma_init, numbers.Real)
+            or not math.isfinite(gamma_init)
+            or gamma_init <= 0
+        ):
             raise ValueError(f"gamma_init must be a finite number > 0, got {gamma_init!r}")
-        if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real) or not layer_norm_eps > 0:
+        if (
+            isinstance(layer_norm_eps, bool)
+            or not isinstance(layer_norm_eps, numbers.Real)
+            or not layer_norm_eps > 0
+        ):
             raise ValueError(f"layer_norm_eps must be a number > 0, got {layer_norm_eps!r}")
         param_dtype = _resolve_dtype(dtype, device)
         factory = {"device": device, "dtype": param_dtype}
@@ -220,8 +273,14 @@ class MultiheadDilatedAttention(nn.Module):
         self.embed_dim, self.num_heads, self.head_dim = E, H, E // H
         self.dropout = V.check_dropout(dropout)
         self.gamma_init = float(gamma_init)
-        self.attention = DilatedAttention(segment_lengths, dilation_rates, attention_dropout=self.dropout,
-                                          attention_backend=attention_backend, ordering=ordering, grid=grid)
+        self.attention = DilatedAttention(
+            segment_lengths,
+            dilation_rates,
+            attention_dropout=self.dropout,
+            attention_backend=attention_backend,
+            ordering=ordering,
+            grid=grid,
+        )
         self.q_proj = nn.Linear(E, E, bias=bias, **factory)
         self.k_proj = nn.Linear(E, E, bias=bias, **factory)
         self.v_proj = nn.Linear(E, E, bias=bias, **factory)
@@ -259,22 +318,33 @@ class MultiheadDilatedAttention(nn.Module):
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
 
-    def forward(self, query: torch.Tensor, key: Optional[torch.Tensor] = None, value: Optional[torch.Tensor] = None,
-                is_causal: bool = False) -> tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor] = None,
+        value: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
         if (key is None) != (value is None):
-            raise ValueError("give both key and value, or neither (self-attention), got only "
-                             f"{'key' if value is None else 'value'}")
+            raise ValueError(
+                "give both key and value, or neither (self-attention), got only "
+                f"{'key' if value is None else 'value'}"
+            )
         if key is None:
             key = value = query
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() not in (2, 3) or t.shape[-1] != self.embed_dim:
-                raise ValueError(f"{name} must be (B, N, {self.embed_dim}) or (N, {self.embed_dim}), "
-                                 f"got shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name} must be (B, N, {self.embed_dim}) or (N, {self.embed_dim}), "
+                    f"got shape {tuple(t.shape)}"
+                )
         if not query.shape == key.shape == value.shape:
-            raise ValueError(f"query, key and value must have the same shape (dilated attention needs one "
-                             f"sequence length), got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+            raise ValueError(
+                f"query, key and value must have the same shape (dilated attention needs one "
+                f"sequence length), got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            )
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -289,6 +359,8 @@ class MultiheadDilatedAttention(nn.Module):
         return (x.squeeze(0) if unbatched else x), None
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
-                f"gamma_init={self.gamma_init}, attention_backend={self.attention_backend!r} "
-                f"(in use: {self.attention.selected_backends})")
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
+            f"gamma_init={self.gamma_init}, attention_backend={self.attention_backend!r} "
+            f"(in use: {self.attention.selected_backends})"
+        )

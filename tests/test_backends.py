@@ -107,6 +107,7 @@ def fresh_selection():
 # Every backend that runs here, against the reference
 # ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", CONFIGS)
@@ -157,7 +158,9 @@ def test_softmax_scale_and_strided_inputs():
     v = torch.randn(B, N, H, 2 * D, generator=g, dtype=torch.float64)[..., ::2]
     out64, lse64 = reference_attention(q, k, v, [8, 32], [1, 4], True, softmax_scale=0.3)
     for backend in RUNNABLE:
-        out, lse = dattn(q, k, v, [8, 32], [1, 4], softmax_scale=0.3, return_lse=True, is_causal=True, backend=backend)
+        out, lse = dattn(
+            q, k, v, [8, 32], [1, 4], softmax_scale=0.3, return_lse=True, is_causal=True, backend=backend
+        )
         torch.testing.assert_close(out, out64, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(lse, lse64, rtol=1e-10, atol=1e-10)
 
@@ -174,6 +177,7 @@ def test_no_grad_and_inference_mode():
 # ----------------------------------------------------------------------------------------------
 # Dropout
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", ["sdpa", "manual"])
 def test_dropout_backward_exact_for_a_fixed_mask(backend):
@@ -214,23 +218,33 @@ def test_native_declares_no_dropout():
     why = get_backend("native").reasons(BackendRequest(torch.device("cpu"), torch.float32, 8, dropout=True))
     assert any("dropout" in w for w in why)
     with pytest.raises(RuntimeError, match="dropout"):
-        get_backend("native").forward(*make_inputs(1, 8, 1, 1, 4, torch.float32), [4], [1], is_causal=False,
-                                      softmax_scale=0.5, dropout_p=0.1)
+        get_backend("native").forward(
+            *make_inputs(1, 8, 1, 1, 4, torch.float32),
+            [4],
+            [1],
+            is_causal=False,
+            softmax_scale=0.5,
+            dropout_p=0.1,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # Selection and fallback
 # ----------------------------------------------------------------------------------------------
 
+
 def _records(caplog, level):
     return [r for r in caplog.records if r.name == LOGGER and r.levelno == level]
 
 
-@pytest.mark.parametrize("asked,chain,runs", [
-    ("flash_attn_2", ["flash_attn_2"], "sdpa"),
-    ("flash_attn_3", ["flash_attn_3", "flash_attn_2"], "sdpa"),
-    ("xformers", ["xformers"], "sdpa"),
-])
+@pytest.mark.parametrize(
+    "asked,chain,runs",
+    [
+        ("flash_attn_2", ["flash_attn_2"], "sdpa"),
+        ("flash_attn_3", ["flash_attn_3", "flash_attn_2"], "sdpa"),
+        ("xformers", ["xformers"], "sdpa"),
+    ],
+)
 def test_fallback_chain_with_packages_absent(caplog, asked, chain, runs):
     """flash_attn and xformers are not installed here: the documented chains, one WARNING that
     names what was asked, why not and what runs instead, and one INFO, however many calls."""
@@ -369,6 +383,7 @@ def test_capability_declarations_give_reasons():
 # Test doubles of flash_attn and xformers, after their documented APIs
 # ----------------------------------------------------------------------------------------------
 
+
 def _dense(q, k, v, scale, causal, dropout_p=0.0):
     """Plain attention on (B, M, H, K), grouped-query (query head h reads k/v head h // G)."""
     assert q.dim() == 4 and k.dim() == 4 and q.shape[2] % k.shape[2] == 0
@@ -405,11 +420,30 @@ class FakeFlashAttn:
         self.calls = []
         self.lse_pad = lse_pad
 
-    def flash_attn_func(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    def flash_attn_func(
+        self,
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+    ):
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-        self.calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), dropout_p=dropout_p, causal=causal,
-                               return_attn_probs=return_attn_probs))
+        self.calls.append(
+            dict(
+                q=tuple(q.shape),
+                k=tuple(k.shape),
+                dropout_p=dropout_p,
+                causal=causal,
+                return_attn_probs=return_attn_probs,
+            )
+        )
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         out, lse, _ = _dense(q, k, v, scale, causal, dropout_p)
         if not return_attn_probs:
@@ -429,9 +463,26 @@ class FakeFlashAttn3:
         self.module.flash_attn_func = self.flash_attn_func
         self.calls = []
 
-    def flash_attn_func(self, q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
-                        v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                        pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    def flash_attn_func(
+        self,
+        q,
+        k,
+        v,
+        softmax_scale=None,
+        causal=False,
+        qv=None,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+        window_size=(-1, -1),
+        attention_chunk=0,
+        softcap=0.0,
+        num_splits=1,
+        pack_gqa=None,
+        deterministic=False,
+        sm_margin=0,
+        return_attn_probs=False,
+    ):
         self.calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), causal=causal))
         out, lse, _ = _dense(q, k, v, softmax_scale, causal)
         return (out, _lse_like_kernel(lse, q)) if return_attn_probs else out
@@ -467,7 +518,9 @@ class FakeXformers:
     def memory_efficient_attention(self, query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None):
         causal = self._check(query, key, value, attn_bias)
         self.calls.append(("mea", tuple(query.shape), p))
-        return _dense(query, key, value, scale if scale is not None else query.shape[-1] ** -0.5, causal, p)[0]
+        return _dense(query, key, value, scale if scale is not None else query.shape[-1] ** -0.5, causal, p)[
+            0
+        ]
 
     def forward_requires_grad(self, query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None):
         if p != 0.0:
@@ -527,7 +580,9 @@ def fake_gpu(monkeypatch):
     """Make the hardware module report one CUDA GPU of a chosen compute capability."""
     state = {"cap": (8, 0)}
     monkeypatch.setattr(hardware, "compute_capability", lambda device=None: state["cap"])
-    monkeypatch.setattr(hardware, "device_name", lambda device=None: f"FAKE sm_{state['cap'][0]}{state['cap'][1]}")
+    monkeypatch.setattr(
+        hardware, "device_name", lambda device=None: f"FAKE sm_{state['cap'][0]}{state['cap'][1]}"
+    )
     monkeypatch.setattr(hardware, "device_unavailable", lambda device=None: None)
     return state
 
@@ -545,12 +600,13 @@ ADAPTER_CONFIGS = [
 def test_adapter_with_double_matches_reference(request, name, B, N, Hq, Hkv, D, segs, rates, is_causal):
     """The adapters run on the doubles (plain PyTorch, so on this CPU in float64): layout and
     log-sum-exp handling must give the reference forward and backward, lse gradient included."""
-    fake = request.getfixturevalue({"flash_attn_2": "fake_flash", "flash_attn_3": "fake_flash3",
-                                    "xformers": "fake_xformers"}[name])
+    fake = request.getfixturevalue(
+        {"flash_attn_2": "fake_flash", "flash_attn_3": "fake_flash3", "xformers": "fake_xformers"}[name]
+    )
     impl = get_backend(name)
 
     def run(q, k, v):
-        return impl.forward(q, k, v, segs, rates, is_causal=is_causal, softmax_scale=D ** -0.5)
+        return impl.forward(q, k, v, segs, rates, is_causal=is_causal, softmax_scale=D**-0.5)
 
     check_against_reference(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float64)
     assert fake.calls
@@ -600,7 +656,9 @@ def test_selection_with_doubles_on_a_fake_gpu(fake_gpu, fake_flash, fake_flash3,
     assert "compute capability 9.x, got 8.0 (FAKE sm_80)" in sel.skipped[0][1][0]
     # auto on Hopper (native has no CUDA kernels in this build): FlashAttention-3.
     fake_gpu["cap"] = (9, 0)
-    assert resolve("auto", cuda_bf16).name == ("native" if get_backend("native").can_run(cuda_bf16) else "flash_attn_3")
+    assert resolve("auto", cuda_bf16).name == (
+        "native" if get_backend("native").can_run(cuda_bf16) else "flash_attn_3"
+    )
     # float32 is not a FlashAttention dtype; sdpa takes it.
     sel = resolve("flash_attn_2", BackendRequest(torch.device("cuda", 0), torch.float32, 64))
     assert sel.name == "sdpa" and "supports float16, bfloat16, got float32" in sel.skipped[0][1][0]
@@ -610,7 +668,10 @@ def test_selection_with_doubles_on_a_fake_gpu(fake_gpu, fake_flash, fake_flash3,
     # pre-Ampere: no FlashAttention-2.
     fake_gpu["cap"] = (7, 5)
     assert resolve("flash_attn_2", cuda_bf16).name == "sdpa"
-    assert resolve("auto", BackendRequest(torch.device("cuda", 0), torch.float16, 64)).name in ("native", "xformers")
+    assert resolve("auto", BackendRequest(torch.device("cuda", 0), torch.float16, 64)).name in (
+        "native",
+        "xformers",
+    )
 
 
 def test_wrong_flash_attn_version(monkeypatch, fake_gpu):
@@ -641,8 +702,11 @@ def test_broken_package_is_a_reason_not_a_crash(monkeypatch):
 # Pattern cache
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("N,w,r", [(1, 1, 1), (16, 4, 1), (37, 8, 2), (50, 40, 4), (20, 32, 2), (23, 6, 4),
-                                   (30, 6, 6), (9, 16, 16)])
+
+@pytest.mark.parametrize(
+    "N,w,r",
+    [(1, 1, 1), (16, 4, 1), (37, 8, 2), (50, 40, 4), (20, 32, 2), (23, 6, 4), (30, 6, 6), (9, 16, 16)],
+)
 def test_positions_cover_exactly_the_branch(N, w, r):
     pos_all = torch.arange(N)
     for o in range(r):

@@ -14,7 +14,9 @@ from dilated_attention import __main__ as report
 
 
 def test_report_runs_as_a_module():
-    res = subprocess.run([sys.executable, "-m", "dilated_attention"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "dilated_attention"], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     text = res.stdout
     assert f"dilated-attention {dilated_attention.__version__}" in text
@@ -34,7 +36,7 @@ def test_json_report(capsys):
     assert data["torch"] == torch.__version__ and data["dtype"] == "float64" and data["head_dim"] == 32
     assert data["extension"]["cpu_kernels"] is True
     assert set(data["backends"]) == set(dilated_attention.BACKEND_NAMES)
-    for name, b in data["backends"].items():
+    for b in data["backends"].values():
         assert b["available"] == (not b["reasons"])
         assert {"needs", "devices", "dtypes", "dropout", "gqa"} <= set(b["capabilities"])
     assert data["auto_order"] == dilated_attention.recommended_backends(data["device"])
@@ -55,7 +57,9 @@ def test_report_with_a_fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "FAKE H100")
     r = report.environment_report(device="cpu")
-    assert r["gpus"] == [{"index": 0, "name": "FAKE H100", "capability": "9.0", "architecture": "sm_90 (Hopper)"}]
+    assert r["gpus"] == [
+        {"index": 0, "name": "FAKE H100", "capability": "9.0", "architecture": "sm_90 (Hopper)"}
+    ]
     assert "GPU 0            FAKE H100, compute capability 9.0 sm_90 (Hopper)" in report.format_report(r)
 
 

@@ -21,17 +21,20 @@ def fake_cuda(monkeypatch):
     return state
 
 
-@pytest.mark.parametrize("cap,dtype,order", [
-    ((5, 2), torch.float32, ["native", "xformers", "sdpa", "manual"]),
-    ((6, 0), torch.float32, ["native", "xformers", "sdpa", "manual"]),
-    ((6, 1), torch.float32, ["native", "xformers", "sdpa", "manual"]),
-    ((7, 0), torch.float16, ["native", "xformers", "sdpa", "manual"]),
-    ((7, 5), torch.float16, ["native", "xformers", "sdpa", "manual"]),
-    ((8, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
-    ((8, 9), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
-    ((9, 0), torch.bfloat16, ["native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual"]),
-    ((10, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
-])
+@pytest.mark.parametrize(
+    "cap,dtype,order",
+    [
+        ((5, 2), torch.float32, ["native", "xformers", "sdpa", "manual"]),
+        ((6, 0), torch.float32, ["native", "xformers", "sdpa", "manual"]),
+        ((6, 1), torch.float32, ["native", "xformers", "sdpa", "manual"]),
+        ((7, 0), torch.float16, ["native", "xformers", "sdpa", "manual"]),
+        ((7, 5), torch.float16, ["native", "xformers", "sdpa", "manual"]),
+        ((8, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
+        ((8, 9), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
+        ((9, 0), torch.bfloat16, ["native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual"]),
+        ((10, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
+    ],
+)
 def test_recommendations_by_capability(fake_cuda, cap, dtype, order):
     fake_cuda["cap"] = cap
     assert hardware.compute_capability("cuda") == cap
@@ -68,11 +71,14 @@ def test_without_cuda():
     assert hardware.as_device(1) == torch.device("cuda", 1)
 
 
-@pytest.mark.parametrize("bad,exc,match", [
-    ("gpu", ValueError, "unknown device 'gpu'"),
-    (True, TypeError, "device must be"),
-    (2.5, TypeError, "device must be"),
-])
+@pytest.mark.parametrize(
+    "bad,exc,match",
+    [
+        ("gpu", ValueError, "unknown device 'gpu'"),
+        (True, TypeError, "device must be"),
+        (2.5, TypeError, "device must be"),
+    ],
+)
 def test_bad_devices(bad, exc, match):
     with pytest.raises(exc, match=match):
         hardware.recommended_dtype(bad)

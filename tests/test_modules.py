@@ -35,6 +35,7 @@ def rand(*shape, dtype=torch.float64, seed=0, requires_grad=False):
 # DilatedAttention
 # ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", ["auto", "native", "sdpa", "manual"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_dilated_attention_matches_reference(backend, is_causal):
@@ -100,18 +101,21 @@ def test_hilbert_ordering():
     assert "ordering='hilbert', grid=(5, 6)" in repr(attn)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(ordering="zorder"), ValueError, "ordering must be one of"),
-    (dict(grid=(4, 4)), ValueError, "only used with ordering='hilbert'"),
-    (dict(ordering="hilbert"), ValueError, "needs grid=\\(height, width\\)"),
-    (dict(ordering="hilbert", grid=(0, 4)), ValueError, "grid must be a pair"),
-    (dict(ordering="hilbert", grid=(4,)), ValueError, "grid must be a pair"),
-    (dict(ordering="hilbert", grid=4), ValueError, "grid must be a pair"),
-    (dict(attention_backend="flash"), ValueError, "unknown attention backend 'flash'"),
-    (dict(attention_dropout=1.0), ValueError, "dropout_p must be in"),
-    (dict(softmax_scale=float("inf")), ValueError, "finite"),
-    (dict(use_xpos=True), TypeError, "use_xpos"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(ordering="zorder"), ValueError, "ordering must be one of"),
+        (dict(grid=(4, 4)), ValueError, "only used with ordering='hilbert'"),
+        (dict(ordering="hilbert"), ValueError, "needs grid=\\(height, width\\)"),
+        (dict(ordering="hilbert", grid=(0, 4)), ValueError, "grid must be a pair"),
+        (dict(ordering="hilbert", grid=(4,)), ValueError, "grid must be a pair"),
+        (dict(ordering="hilbert", grid=4), ValueError, "grid must be a pair"),
+        (dict(attention_backend="flash"), ValueError, "unknown attention backend 'flash'"),
+        (dict(attention_dropout=1.0), ValueError, "dropout_p must be in"),
+        (dict(softmax_scale=float("inf")), ValueError, "finite"),
+        (dict(use_xpos=True), TypeError, "use_xpos"),
+    ],
+)
 def test_dilated_attention_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         DilatedAttention([8], [2], **kwargs)
@@ -129,8 +133,9 @@ def test_compiles_fullgraph():
     q = rand(1, 24, 2, 8, dtype=torch.float32, requires_grad=True)
     compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
     out = compiled(q, q, q, is_causal=True)
-    torch.testing.assert_close(out.double(), reference_attention(q, q, q, [8, 16], [1, 2], True)[0],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), reference_attention(q, q, q, [8, 16], [1, 2], True)[0], rtol=1e-5, atol=1e-5
+    )
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
 
@@ -139,8 +144,10 @@ def test_compiles_fullgraph():
 # MultiheadDilatedAttention
 # ----------------------------------------------------------------------------------------------
 
+
 def mhda_reference(m: MultiheadDilatedAttention, query, key, value, is_causal):
     """The module's computation written out in float64 from its parameters."""
+
     def lin(layer, x):
         y = x.double() @ layer.weight.double().T
         return y if layer.bias is None else y + layer.bias.double()
@@ -161,7 +168,9 @@ def mhda_reference(m: MultiheadDilatedAttention, query, key, value, is_causal):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_mhda_matches_reference(layer_norm, bias, is_causal):
     torch.manual_seed(0)
-    m = MultiheadDilatedAttention(32, 4, [8, 16], [1, 2], bias=bias, layer_norm=layer_norm, dtype=torch.float64)
+    m = MultiheadDilatedAttention(
+        32, 4, [8, 16], [1, 2], bias=bias, layer_norm=layer_norm, dtype=torch.float64
+    )
     if layer_norm:  # make the LayerNorm's affine part matter
         with torch.no_grad():
             m.norm.weight.uniform_(0.5, 1.5)
@@ -201,27 +210,40 @@ def test_both_spellings_of_width_and_heads():
     assert (b.dim, b.heads, b.embed_dim, b.num_heads, b.head_dim) == (32, 4, 32, 4, 8)
 
 
-@pytest.mark.parametrize("args,kwargs,exc,match", [
-    ((32, 4, [8], [1]), dict(dim=64), ValueError, "embed_dim=32 and dim=64 disagree"),
-    ((32, 4, [8], [1]), dict(heads=2), ValueError, "num_heads=4 and heads=2 disagree"),
-    ((), dict(num_heads=4, segment_lengths=[8], dilation_rates=[1]), TypeError, "embed_dim \\(or dim\\) is required"),
-    ((32,), dict(segment_lengths=[8], dilation_rates=[1]), TypeError, "num_heads \\(or heads\\) is required"),
-    ((32, 4), {}, TypeError, "segment_lengths and dilation_rates are required"),
-    ((30, 4, [8], [1]), {}, ValueError, "divisible by num_heads"),
-    ((1028, 4, [8], [1]), {}, ValueError, "exceeds 256"),
-    ((32, 0, [8], [1]), {}, ValueError, "num_heads must be an int >= 1, got 0"),
-    ((32.0, 4, [8], [1]), {}, ValueError, "embed_dim must be an int"),
-    ((32, 4, [8], [1]), dict(dropout=1.5), ValueError, "dropout_p must be in"),
-    ((32, 4, [8], [1]), dict(bias="yes"), ValueError, "bias must be a bool"),
-    ((32, 4, [8], [1]), dict(gamma_init=0.0), ValueError, "gamma_init must be a finite number > 0"),
-    ((32, 4, [8], [1]), dict(dtype=torch.int32), ValueError, "dtype must be"),
-    ((32, 4, [8], [1]), dict(dtype="float8"), ValueError, "dtype must be"),
-    ((32, 4, [8], [1]), dict(attention_backend="xformer"), ValueError, "unknown attention backend"),
-    ((32, 4, [8], [1]), dict(layer_norm_eps=0), ValueError, "layer_norm_eps"),
-    ((32, 4, [8], [16]), {}, ValueError, "must not exceed"),
-    ((32, 4, [8], [1]), dict(batch_first=True), TypeError, "batch_first"),
-    ((32, 4, [8], [1]), dict(use_rel_pos=True), TypeError, "use_rel_pos"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,exc,match",
+    [
+        ((32, 4, [8], [1]), dict(dim=64), ValueError, "embed_dim=32 and dim=64 disagree"),
+        ((32, 4, [8], [1]), dict(heads=2), ValueError, "num_heads=4 and heads=2 disagree"),
+        (
+            (),
+            dict(num_heads=4, segment_lengths=[8], dilation_rates=[1]),
+            TypeError,
+            "embed_dim \\(or dim\\) is required",
+        ),
+        (
+            (32,),
+            dict(segment_lengths=[8], dilation_rates=[1]),
+            TypeError,
+            "num_heads \\(or heads\\) is required",
+        ),
+        ((32, 4), {}, TypeError, "segment_lengths and dilation_rates are required"),
+        ((30, 4, [8], [1]), {}, ValueError, "divisible by num_heads"),
+        ((1028, 4, [8], [1]), {}, ValueError, "exceeds 256"),
+        ((32, 0, [8], [1]), {}, ValueError, "num_heads must be an int >= 1, got 0"),
+        ((32.0, 4, [8], [1]), {}, ValueError, "embed_dim must be an int"),
+        ((32, 4, [8], [1]), dict(dropout=1.5), ValueError, "dropout_p must be in"),
+        ((32, 4, [8], [1]), dict(bias="yes"), ValueError, "bias must be a bool"),
+        ((32, 4, [8], [1]), dict(gamma_init=0.0), ValueError, "gamma_init must be a finite number > 0"),
+        ((32, 4, [8], [1]), dict(dtype=torch.int32), ValueError, "dtype must be"),
+        ((32, 4, [8], [1]), dict(dtype="float8"), ValueError, "dtype must be"),
+        ((32, 4, [8], [1]), dict(attention_backend="xformer"), ValueError, "unknown attention backend"),
+        ((32, 4, [8], [1]), dict(layer_norm_eps=0), ValueError, "layer_norm_eps"),
+        ((32, 4, [8], [16]), {}, ValueError, "must not exceed"),
+        ((32, 4, [8], [1]), dict(batch_first=True), TypeError, "batch_first"),
+        ((32, 4, [8], [1]), dict(use_rel_pos=True), TypeError, "use_rel_pos"),
+    ],
+)
 def test_mhda_bad_arguments(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         MultiheadDilatedAttention(*args, **kwargs)
@@ -277,14 +299,31 @@ def test_mhda_dropout_and_repr(caplog):
     c, _ = m(x)
     torch.testing.assert_close(c, mhda_reference(m, x, x, x, False), rtol=1e-10, atol=1e-10)
     text = repr(m)
-    for part in ("embed_dim=16", "num_heads=2", "dropout=0.5", "segment_lengths=[4, 8]", "dilation_rates=[1, 2]",
-                 "attention_backend='auto'", "sdpa (cpu float64, dropout)", "native (cpu float64)", "(norm)"):
+    for part in (
+        "embed_dim=16",
+        "num_heads=2",
+        "dropout=0.5",
+        "segment_lengths=[4, 8]",
+        "dilation_rates=[1, 2]",
+        "attention_backend='auto'",
+        "sdpa (cpu float64, dropout)",
+        "native (cpu float64)",
+        "(norm)",
+    ):
         assert part in text, (part, text)
 
 
 def test_mhda_explicit_backend_and_hilbert():
-    m = MultiheadDilatedAttention(16, 4, [6, 12], [1, 2], attention_backend="manual", ordering="hilbert",
-                                  grid=(3, 8), dtype=torch.float64)
+    m = MultiheadDilatedAttention(
+        16,
+        4,
+        [6, 12],
+        [1, 2],
+        attention_backend="manual",
+        ordering="hilbert",
+        grid=(3, 8),
+        dtype=torch.float64,
+    )
     x = rand(2, 24, 16)
     out, _ = m(x, is_causal=True)
     perm, inv = hilbert_permutation(3, 8)
@@ -306,12 +345,22 @@ def test_copy_and_state_dict():
     fresh = MultiheadDilatedAttention(16, 2, [4, 8], [1, 2], dtype=torch.float64)
     fresh.load_state_dict(m.state_dict())
     torch.testing.assert_close(fresh(x)[0], a)
-    assert set(m.state_dict()) == {f"{n}.{p}" for n in ("q_proj", "k_proj", "v_proj", "out_proj", "norm")
-                                   for p in ("weight", "bias")}
+    assert set(m.state_dict()) == {
+        f"{n}.{p}" for n in ("q_proj", "k_proj", "v_proj", "out_proj", "norm") for p in ("weight", "bias")
+    }
 
 
 def test_exports():
-    for name in ("DilatedAttention", "MultiheadDilatedAttention", "dilated_attention", "hardware", "backends",
-                 "hilbert_permutation", "recommended_dtype", "recommended_backends", "select_backend"):
+    for name in (
+        "DilatedAttention",
+        "MultiheadDilatedAttention",
+        "dilated_attention",
+        "hardware",
+        "backends",
+        "hilbert_permutation",
+        "recommended_dtype",
+        "recommended_backends",
+        "select_backend",
+    ):
         assert hasattr(dilated_attention, name), name
         assert name in dilated_attention.__all__

@@ -84,9 +84,18 @@ class Backend:
     def can_run(self, request: BackendRequest) -> bool:
         return not self.reasons(request)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Sequence[int],
-                dilation_rates: Sequence[int], *, is_causal: bool, softmax_scale: float, dropout_p: float = 0.0,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        *,
+        is_causal: bool,
+        softmax_scale: float,
+        dropout_p: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dilated attention (SPEC sections 2-3): ``out`` (B, N, Hq, D) in q's dtype and ``lse``
         (B, Hq, N) in float32 (float64 for float64 inputs). Arguments are already validated."""
         raise NotImplementedError
@@ -95,8 +104,9 @@ class Backend:
         return f"<dilated attention backend {self.name!r}>"
 
 
-def check_device_dtype(request: BackendRequest, name: str, dtypes_by_device: dict[str, Sequence[torch.dtype]]
-                       ) -> list[str]:
+def check_device_dtype(
+    request: BackendRequest, name: str, dtypes_by_device: dict[str, Sequence[torch.dtype]]
+) -> list[str]:
     """Reasons from a table ``{device type: supported dtypes}``."""
     dev = request.device.type
     if dev not in dtypes_by_device:

@@ -63,8 +63,10 @@ class _FlashBackend(GatheredBackend):
             if cap is None:
                 why.append("CUDA is not available")
             elif cap < self.min_capability or cap[0] > self.max_capability_major:
-                why.append(f"{self.name} needs compute capability {self._capability_text()}, got "
-                           f"{cap[0]}.{cap[1]} ({hardware.device_name(request.device)})")
+                why.append(
+                    f"{self.name} needs compute capability {self._capability_text()}, got "
+                    f"{cap[0]}.{cap[1]} ({hardware.device_name(request.device)})"
+                )
             why += check_device_dtype(request, self.name, _HALF)
         if request.head_dim > 256:
             why.append(f"{self.name} supports head dims up to 256, got {request.head_dim}")
@@ -94,15 +96,19 @@ class _FlashBackend(GatheredBackend):
         m = q.shape[1]
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         if dropout_p > 0:
-            out, _ = self._call(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p, with_lse=False)
-            out_k, lse = self._call(q.detach(), k.detach(), k, is_causal=is_causal, scale=scale, dropout_p=0.0,
-                                    with_lse=True)
+            out, _ = self._call(
+                q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p, with_lse=False
+            )
+            out_k, lse = self._call(
+                q.detach(), k.detach(), k, is_causal=is_causal, scale=scale, dropout_p=0.0, with_lse=True
+            )
         else:
             out, lse = self._call(q, k, v, is_causal=is_causal, scale=scale, dropout_p=0.0, with_lse=True)
             out_k = None
             if need_grad:
-                out_k, _ = self._call(q.detach(), k.detach(), k, is_causal=is_causal, scale=scale, dropout_p=0.0,
-                                      with_lse=False)
+                out_k, _ = self._call(
+                    q.detach(), k.detach(), k, is_causal=is_causal, scale=scale, dropout_p=0.0, with_lse=False
+                )
         lse = lse.detach()[..., :m].to(lse_dtype(q.dtype))
         if need_grad:
             lse = lse_with_grad(lse, q, out_k, scale)

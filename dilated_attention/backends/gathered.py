@@ -59,8 +59,15 @@ class _Item:
         return int(self.pos.shape[1])
 
 
-def _plan(N: int, Hq: int, Hkv: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-          native_gqa: bool, device: torch.device) -> list[list[_Item]]:
+def _plan(
+    N: int,
+    Hq: int,
+    Hkv: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    native_gqa: bool,
+    device: torch.device,
+) -> list[list[_Item]]:
     plan = []
     for w, r in zip(segment_lengths, dilation_rates):
         items = []
@@ -111,8 +118,9 @@ def _add_heads_(dst: torch.Tensor, heads: Any, pos: torch.Tensor, val: torch.Ten
         dst.view(B, N * H, D).index_add_(1, idx, val.reshape(B, R * m * h, D).to(dst.dtype))
 
 
-def _merge_into_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-                 ) -> torch.Tensor:
+def _merge_into_(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
     """Merge branch (out_b, lse_b) into the accumulators in place; returns the new lse.
 
     out (B, N, Hq, D), lse (B, Hq, N). Rows covered by neither stay out = 0, lse = -inf.
@@ -125,8 +133,9 @@ def _merge_into_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tens
     return new
 
 
-def merge_branches(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_branches(
+    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable merge of branch results (SPEC section 3), free of NaN for uncovered rows.
 
     outs: (B, N, Hq, D) each, lses: (B, Hq, N) each, same float dtype.
@@ -182,7 +191,8 @@ class _MergedAttention(torch.autograd.Function):
                 og, lg, extra = backend.attn_forward(qg, kg, vg, is_causal=is_causal, scale=scale)
                 aux.append((lg.shape[-1], extra))
                 out_b[:, :, hg.q_heads].index_copy_(
-                    1, it.pos.reshape(-1), og.reshape(B, it.rows * it.m, hg.num_q_heads, D).to(acc))
+                    1, it.pos.reshape(-1), og.reshape(B, it.rows * it.m, hg.num_q_heads, D).to(acc)
+                )
                 _scatter_rows_(lse_b, hg.q_heads, it.pos, lg[..., : it.m])
             if out_acc is None:
                 out_acc, lse_acc = out_b, lse_b
@@ -222,8 +232,9 @@ class _MergedAttention(torch.autograd.Function):
                 if dout is not None:
                     og = _gather(out, hg.q_heads, it.pos)
                     dog = _gather(dout, hg.q_heads, it.pos)
-                    dqg, dkg, dvg = backend.attn_backward(dog, qg, kg, vg, og, lg, extra,
-                                                          is_causal=is_causal, scale=scale)
+                    dqg, dkg, dvg = backend.attn_backward(
+                        dog, qg, kg, vg, og, lg, extra, is_causal=is_causal, scale=scale
+                    )
                     _add_heads_(dq, hg.q_heads, it.pos, dqg)
                     _add_heads_(dk, hg.kv_heads, it.pos, dkg)
                     _add_heads_(dv, hg.kv_heads, it.pos, dvg)
@@ -233,16 +244,32 @@ class _MergedAttention(torch.autograd.Function):
                     unit_out[..., 0] = 1
                     d_unit = torch.zeros_like(qg)
                     d_unit[..., 0] = -dl.transpose(1, 2).to(q.dtype)
-                    dqg, dkg, _ = backend.attn_backward(d_unit, qg, kg, torch.zeros_like(vg), unit_out, lg, extra,
-                                                        is_causal=is_causal, scale=scale)
+                    dqg, dkg, _ = backend.attn_backward(
+                        d_unit,
+                        qg,
+                        kg,
+                        torch.zeros_like(vg),
+                        unit_out,
+                        lg,
+                        extra,
+                        is_causal=is_causal,
+                        scale=scale,
+                    )
                     _add_heads_(dq, hg.q_heads, it.pos, dqg)
                     _add_heads_(dk, hg.kv_heads, it.pos, dkg)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _autograd_attention(backend: "GatheredBackend", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        plan: list[list[_Item]], is_causal: bool, scale: float, dropout_p: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def _autograd_attention(
+    backend: "GatheredBackend",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: list[list[_Item]],
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, N, Hq, D = q.shape
     acc = lse_dtype(q.dtype)
     outs, lses = [], []
@@ -290,20 +317,39 @@ class GatheredBackend(Backend):
         """Whether to use the merged path (kernel backward fed the merged out/lse)."""
         return False
 
-    def attn_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def attn_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Returns ``out`` (Bb, m, h, D), ``lse`` (Bb, h, >= m) float32/64 and anything the
         backward needs."""
         raise NotImplementedError
 
-    def attn_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      out: torch.Tensor, lse: torch.Tensor, extra: Any, *, is_causal: bool, scale: float
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attn_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        extra: Any,
+        *,
+        is_causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Kernel backward with the given ``out`` and ``lse`` (shaped as attn_forward's)."""
         raise NotImplementedError
 
-    def attn_autograd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
-                      dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def attn_autograd(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        is_causal: bool,
+        scale: float,
+        dropout_p: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable ``out`` (Bb, m, h, D) and ``lse`` (Bb, h, m)."""
         raise NotImplementedError
 
@@ -312,4 +358,6 @@ class GatheredBackend(Backend):
         plan = _plan(N, Hq, k.shape[2], segment_lengths, dilation_rates, self.native_gqa(q.device), q.device)
         if self.merged_backward(q.device, dropout_p):
             return _MergedAttention.apply(q, k, v, self, plan, bool(is_causal), float(softmax_scale))
-        return _autograd_attention(self, q, k, v, plan, bool(is_causal), float(softmax_scale), float(dropout_p))
+        return _autograd_attention(
+            self, q, k, v, plan, bool(is_causal), float(softmax_scale), float(dropout_p)
+        )

@@ -142,8 +142,9 @@ class PatternCache:
 
     def info(self) -> CacheInfo:
         with self._lock:
-            return CacheInfo(self._hits, self._misses, len(self._data), self.max_entries, self._nbytes,
-                             self.max_bytes)
+            return CacheInfo(
+                self._hits, self._misses, len(self._data), self.max_entries, self._nbytes, self.max_bytes
+            )
 
     def __len__(self) -> int:
         with self._lock:

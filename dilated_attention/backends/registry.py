@@ -61,8 +61,14 @@ FALLBACKS: dict[str, tuple[str, ...]] = {
 
 _REGISTRY: dict[str, Backend] = {
     b.name: b
-    for b in (NativeBackend(), FlashAttn3Backend(), FlashAttn2Backend(), XformersBackend(), SdpaBackend(),
-              ManualBackend())
+    for b in (
+        NativeBackend(),
+        FlashAttn3Backend(),
+        FlashAttn2Backend(),
+        XformersBackend(),
+        SdpaBackend(),
+        ManualBackend(),
+    )
 }
 
 
@@ -121,10 +127,12 @@ def resolve(requested: str, request: BackendRequest) -> Selection:
         skipped.append((name, tuple(why)))
     table = "\n".join(
         f"  {name}: {', '.join(why) if why else 'can run, but is not on the path of this request'}"
-        for name, why in backend_reasons(request).items())
+        for name, why in backend_reasons(request).items()
+    )
     raise RuntimeError(
         f"no dilated attention backend can run {request.describe()} (requested {requested!r}, tried "
-        f"{' -> '.join(candidates)}). Every backend's reasons:\n{table}")
+        f"{' -> '.join(candidates)}). Every backend's reasons:\n{table}"
+    )
 
 
 class BackendSelector:
@@ -175,10 +183,20 @@ class BackendSelector:
         if sel.fell_back:
             logger.warning(
                 "%s: attention backend %r was requested but cannot run on %s (%s); using %r instead",
-                self.owner, sel.requested, sel.request.describe(), _reasons_text(sel.skipped), sel.name)
-        how = "requested" if sel.requested == sel.name else (
-            "auto" if sel.requested == "auto" else f"fallback from {sel.requested!r}")
-        extra = f"; passed over {_reasons_text(sel.skipped)}" if sel.skipped and sel.requested == "auto" else ""
+                self.owner,
+                sel.requested,
+                sel.request.describe(),
+                _reasons_text(sel.skipped),
+                sel.name,
+            )
+        how = (
+            "requested"
+            if sel.requested == sel.name
+            else ("auto" if sel.requested == "auto" else f"fallback from {sel.requested!r}")
+        )
+        extra = (
+            f"; passed over {_reasons_text(sel.skipped)}" if sel.skipped and sel.requested == "auto" else ""
+        )
         logger.info("%s: using attention backend %r on %s (%s%s)", self.owner, sel.name, where, how, extra)
 
     def selections(self) -> list[Selection]:
@@ -192,8 +210,10 @@ class BackendSelector:
         if not sels:
             return "not selected yet"
         return ", ".join(
-            f"{s.name} ({s.request.device} {dtype_name(s.request.dtype)}{', dropout' if s.request.dropout else ''})"
-            for s in sels)
+            f"{s.name} ({s.request.device} {dtype_name(s.request.dtype)}"
+            + (", dropout)" if s.request.dropout else ")")
+            for s in sels
+        )
 
     def clear(self) -> None:
         """Forget the choices (the next call chooses and logs again)."""
@@ -217,8 +237,14 @@ def default_selector() -> BackendSelector:
     return _DEFAULT
 
 
-def select_backend(name: str, q: torch.Tensor, k: torch.Tensor, *, dropout_p: float = 0.0,
-                   selector: Optional[BackendSelector] = None) -> Backend:
+def select_backend(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    selector: Optional[BackendSelector] = None,
+) -> Backend:
     """The backend that runs ``name`` for (q, k) and the dropout asked for (see module doc)."""
     check_backend_name(name)
     return (selector or _DEFAULT).select(name, q, k, dropout_p)

@@ -32,7 +32,10 @@ _DTYPES = {
     "cuda": (torch.float16, torch.bfloat16, torch.float32),
 }
 _OPS = {
-    "cpu": ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "cpu": (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    ),
     "cuda": ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
 }
 
@@ -80,29 +83,45 @@ class SdpaBackend(GatheredBackend):
     def attn_forward(self, q, k, v, *, is_causal, scale):
         if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                _t(q), _t(k), _t(v), 0.0, is_causal, scale=scale)
+                _t(q), _t(k), _t(v), 0.0, is_causal, scale=scale
+            )
             return _t(out), lse, None
         out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            _t(q), _t(k), _t(v), None, True, 0.0, is_causal, scale=scale)
+            _t(q), _t(k), _t(v), None, True, 0.0, is_causal, scale=scale
+        )
         return _t(out), lse, (seed, offset)
 
     def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale):
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, is_causal, scale=scale)
+                _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, is_causal, scale=scale
+            )
         else:
             seed, offset = extra
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                _t(dout), _t(q), _t(k), _t(v), None, _t(out), lse.contiguous(), seed, offset, 0.0,
-                [True, True, True, False], is_causal, scale=scale)
+                _t(dout),
+                _t(q),
+                _t(k),
+                _t(v),
+                None,
+                _t(out),
+                lse.contiguous(),
+                seed,
+                offset,
+                0.0,
+                [True, True, True, False],
+                is_causal,
+                scale=scale,
+            )
         return _t(dq), _t(dk), _t(dv)
 
     # -- autograd path (dropout) -------------------------------------------------------------------
     def attn_autograd(self, q, k, v, *, is_causal, scale, dropout_p):
         m = q.shape[1]
         gqa = q.shape[2] != k.shape[2]
-        out = F.scaled_dot_product_attention(_t(q), _t(k), _t(v), dropout_p=dropout_p, is_causal=is_causal,
-                                             scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            _t(q), _t(k), _t(v), dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
         out = _t(out)
         # The log-sum-exp does not depend on dropout: one call without it, keys as values.
         out_k, lse, _ = self.attn_forward(q.detach(), k.detach(), k, is_causal=is_causal, scale=scale)

@@ -81,13 +81,15 @@ class XformersBackend(GatheredBackend):
     def attn_forward(self, q, k, v, *, is_causal, scale):
         xops = self._ops()
         out, lse = xops.fmha.memory_efficient_attention_forward_requires_grad(
-            q, k, v, attn_bias=self._bias(xops, is_causal), p=0.0, scale=scale)
+            q, k, v, attn_bias=self._bias(xops, is_causal), p=0.0, scale=scale
+        )
         return out, lse, None
 
     def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale):
         xops = self._ops()
         dq, dk, dv = xops.fmha.memory_efficient_attention_backward(
-            dout, out, lse, q, k, v, attn_bias=self._bias(xops, is_causal), p=0.0, scale=scale)[:3]
+            dout, out, lse, q, k, v, attn_bias=self._bias(xops, is_causal), p=0.0, scale=scale
+        )[:3]
         return dq, dk, dv
 
     def attn_autograd(self, q, k, v, *, is_causal, scale, dropout_p):
@@ -96,9 +98,12 @@ class XformersBackend(GatheredBackend):
         bias = self._bias(xops, is_causal)
         out = xops.memory_efficient_attention(q, k, v, attn_bias=bias, p=dropout_p, scale=scale)
         _, lse = xops.fmha.memory_efficient_attention_forward_requires_grad(
-            q.detach(), k.detach(), k.detach(), attn_bias=bias, p=0.0, scale=scale)
+            q.detach(), k.detach(), k.detach(), attn_bias=bias, p=0.0, scale=scale
+        )
         lse = lse.detach()[..., :m].to(lse_dtype(q.dtype))
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            out_k = xops.memory_efficient_attention(q.detach(), k.detach(), k, attn_bias=bias, p=0.0, scale=scale)
+            out_k = xops.memory_efficient_attention(
+                q.detach(), k.detach(), k, attn_bias=bias, p=0.0, scale=scale
+            )
             lse = lse_with_grad(lse, q, out_k, scale)
         return out, lse
