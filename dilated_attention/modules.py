@@ -281,6 +281,7 @@ class MultiheadDilatedAttention(nn.Module):
             ordering=ordering,
             grid=grid,
         )
+        self.attention._selector.owner = type(self).__name__  # the name in the backend log lines
         self.q_proj = nn.Linear(E, E, bias=bias, **factory)
         self.k_proj = nn.Linear(E, E, bias=bias, **factory)
         self.v_proj = nn.Linear(E, E, bias=bias, **factory)
