@@ -19,6 +19,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -266,6 +267,35 @@ def test_tiling_choice_for_longnet_branches(walk_lib):
     rates_s = [1 << i for i in range(5)]
     _, tiling = replay(walk_lib, n_small, 1, 1, segs_s, rates_s, True, 0)
     assert tiling[0] >= 1
+
+
+def _load_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cuda", ROOT / "benchmarks" / "bench_cuda.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_cuda"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_benchmark_counts_useful_pairs_like_the_reference(is_causal):
+    """The GPU benchmark's FLOP count (SPEC section 3) uses the reference's pair multiplicities."""
+    bench = _load_bench()
+    for N, Hq, segs, rates in [(37, 4, [8, 16], [1, 2]), (100, 3, [7, 30, 64], [1, 3, 4]),
+                               (50, 6, [5, 10, 20, 40], [1, 2, 3, 4]), (300, 16, *bench.longnet_branches(300, 32))]:
+        assert bench.pair_count(N, Hq, segs, rates, is_causal) == int(multiplicity(N, Hq, segs, rates, is_causal).sum())
+    segs, rates = bench.longnet_branches(262144)
+    assert segs[0] == 2048 and segs[-1] == 262144 and rates == [2 ** i for i in range(len(segs))]
+
+
+def test_benchmark_without_gpu_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py"), "--quick"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "no CUDA GPU" in res.stderr
 
 
 # ----------------------------------------------------------------------------------------------

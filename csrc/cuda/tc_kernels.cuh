@@ -16,7 +16,8 @@
 //   dk/dv pass (rows = keys, over the G query heads of the key's group): the same P and dS,
 //   transposed, dV += P^T dO, dK += dS^T Q. Head dims above 128 split the dK/dV columns over
 //   two thread blocks (each recomputes P and dS) to keep the accumulators in registers.
-//   Cost: 7 / 4 of the forward's tensor-core work for the two passes together.
+//   Cost: 7 matrix products per (row tile, key tile) for the two passes together, against the
+//   forward's 2 (3.5 x; an atomic-dq backward would do 5 but would not be reproducible).
 //
 // Masking: a pair is computed only if the branch contains it (pair_active). Tiles where every row
 // of a warp is active, the tile is full and causal order holds everywhere skip the mask; a warp
