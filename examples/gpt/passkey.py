@@ -18,7 +18,7 @@ hidden further back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -99,6 +99,53 @@ def passkey_batch(batch_size: int, seq_len: int, n_digits: int = 5, generator: O
     y[:, -n_digits:] = tokens[:, -n_digits:]
     key_pos = torch.tensor([s.key_pos for s in samples], dtype=torch.int64)
     return x, y, key_pos
+
+
+def attention_graph(seq_len: int, n_head: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                    dense: bool = False) -> torch.Tensor:
+    """(T, T) bool: whether position ``p`` reads position ``x`` in one causal attention layer,
+    through any head (the heads are mixed by the output projection). SPEC section 2: branch
+    ``(w, r)`` links ``x <= p`` of one segment whose phases agree and are some head's offset."""
+    pos = torch.arange(seq_len)
+    causal = pos[None, :] <= pos[:, None]
+    if dense:
+        return causal
+    graph = torch.zeros(seq_len, seq_len, dtype=torch.bool)
+    for w, r in zip(segment_lengths, dilation_rates):
+        seg, phase = pos // w, (pos % w) % r
+        covered = phase < min(r, n_head)  # head h has offset h % r: offsets 0 .. min(r, H) - 1
+        graph |= (seg[:, None] == seg[None, :]) & (phase[:, None] == phase[None, :]) & covered[:, None]
+    return graph & causal
+
+
+def receptive_field(seq_len: int, n_layer: int, n_head: int, segment_lengths: Sequence[int],
+                    dilation_rates: Sequence[int], dense: bool = False) -> torch.Tensor:
+    """(T, T) bool: whether the output at ``p`` after ``n_layer`` layers can depend on the token at
+    ``x`` (attention paths, plus the residual stream that keeps each position's own token)."""
+    step = attention_graph(seq_len, n_head, segment_lengths, dilation_rates, dense)
+    step |= torch.eye(seq_len, dtype=torch.bool)
+    step_f = step.float()
+    field = step_f.clone()
+    for _ in range(n_layer - 1):
+        field = ((field @ step_f) > 0).float()
+    return field > 0
+
+
+def reachable_fraction(seq_len: int, n_layer: int, n_head: int, segment_lengths: Sequence[int],
+                       dilation_rates: Sequence[int], dense: bool = False, n_digits: int = 5,
+                       samples: int = 200, seed: int = 0) -> float:
+    """Fraction of passkey samples in which every answer digit's prediction can read the key digit
+    it must copy: an upper bound on the key accuracy any trained model of that shape can reach
+    (beyond guessing)."""
+    field = receptive_field(seq_len, n_layer, n_head, segment_lengths, dilation_rates, dense)
+    gen = torch.Generator().manual_seed(seed)
+    ok = 0
+    for _ in range(samples):
+        s = passkey_sample(seq_len, n_digits, gen)
+        # digit j of the answer is predicted at input position answer_pos - 1 + j and copies the
+        # key digit at position key_pos + j
+        ok += all(bool(field[s.answer_pos - 1 + j, s.key_pos + j]) for j in range(n_digits))
+    return ok / samples
 
 
 def answer_accuracy(logits: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:

@@ -181,14 +181,16 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
         a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    reps, t0 = 5, time.perf_counter()
-    for _ in range(reps):
+    best = float("inf")
+    for _ in range(8):  # the best of several: other work on the machine only slows a matmul down
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
         a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, given: float) -> tuple[float, str]:
@@ -402,6 +404,13 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
         f"{cfg.n_embd} dims, block {cfg.block_size} | attention {backend_name}{attn_note}")
     log(f"device {device} x{world} | dtype {str(ptdtype).replace('torch.', '')} | {tokens_per_iter:,} tokens/iter | "
         f"MFU peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
+
+    if cfg.dataset == "passkey" and master and cfg.block_size <= 8192:
+        frac = passkey.reachable_fraction(cfg.block_size, cfg.n_layer, cfg.n_head, gptconf.segment_lengths,
+                                          gptconf.dilation_rates, dense=cfg.attention_backend == "dense",
+                                          n_digits=cfg.passkey_digits)
+        log(f"passkey: the answer can read the key in {frac:.0%} of samples with this attention and "
+            f"{cfg.n_layer} layers (the ceiling of the key accuracy)")
 
     def save_checkpoint() -> None:
         state = {

@@ -1,0 +1,447 @@
+"""The example GPT (examples/gpt): model, KV cache, FLOP count, configurator, data, training loop.
+
+Attention inside the model is checked against the float64 dense reference (tests/reference.py);
+cached decoding against a full forward in float64; training runs a tiny model a few steps with
+each attention backend that can be constructed here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reference import multiplicity, reference_attention
+
+GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+sys.path.insert(0, str(GPT_DIR))
+
+import configurator  # noqa: E402
+import passkey  # noqa: E402
+import prepare  # noqa: E402
+import sample  # noqa: E402
+import train  # noqa: E402
+from model import DILATED_BACKENDS, GPT, GPTConfig, attention_pairs, decode_multiplicity  # noqa: E402
+
+SLOW = os.environ.get("DILATED_ATTENTION_SLOW") == "1"
+
+# (n_head, n_kv_head, block_size, segment_lengths, dilation_rates)
+MODEL_SHAPES = [
+    pytest.param(4, 4, 48, (8, 16, 32), (1, 2, 4), id="three-branches-ragged"),
+    pytest.param(4, 2, 40, (6, 12), (1, 3), id="gqa-ragged"),
+    pytest.param(2, 1, 24, (8,), (4,), id="uncovered-rows"),  # r > n_head: some (p, h) read nothing
+    pytest.param(2, 2, 20, (32, 4), (2, 1), id="w-greater-than-N"),
+]
+
+
+def tiny_config(n_head: int = 4, n_kv_head: int = 4, block_size: int = 48, segs=(8, 16, 32), rates=(1, 2, 4),
+                backend: str = "native") -> GPTConfig:
+    return GPTConfig(block_size=block_size, vocab_size=64, n_layer=2, n_head=n_head, n_kv_head=n_kv_head,
+                     n_embd=8 * n_head, dropout=0.0, bias=True, attention_backend=backend,
+                     segment_lengths=segs, dilation_rates=rates)
+
+
+def backend_can_run(name: str) -> bool:
+    """Whether the backend layer accepts this name (possibly falling back) on float64 CPU inputs."""
+    if name == "dense":
+        return True
+    from dilated_attention.backends import select_backend
+
+    q = torch.zeros(1, 8, 2, 4, dtype=torch.float64)
+    try:
+        select_backend(name, q, q)
+    except (ValueError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+ALL_BACKENDS = list(DILATED_BACKENDS) + ["dense"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models here are tiny: one thread is faster, and steady on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention inside the model, and what the KV cache reads
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_head,n_kv_head,T,segs,rates", MODEL_SHAPES)
+def test_attention_block_matches_reference(n_head, n_kv_head, T, segs, rates):
+    """The block's attention (q, k, v split, heads, causal dilated attention) against the float64
+    dense reference applied to the same projections."""
+    torch.manual_seed(0)
+    cfg = tiny_config(n_head, n_kv_head, T, segs, rates)
+    attn = GPT(cfg).double().transformer.h[0].attn
+    x = torch.randn(2, T, cfg.n_embd, dtype=torch.float64)
+    C, kvd = cfg.n_embd, n_kv_head * cfg.head_dim
+    q, k, v = attn.c_attn(x).split([C, kvd, kvd], dim=2)
+    ref, _ = reference_attention(q.reshape(2, T, n_head, -1), k.reshape(2, T, n_kv_head, -1),
+                                 v.reshape(2, T, n_kv_head, -1), segs, rates, is_causal=True)
+    expected = attn.c_proj(ref.reshape(2, T, C))
+    torch.testing.assert_close(attn(x), expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("n_head,n_kv_head,T,segs,rates", MODEL_SHAPES)
+def test_decode_multiplicity_is_the_reference_row(n_head, n_kv_head, T, segs, rates):
+    cfg = tiny_config(n_head, n_kv_head, T, segs, rates)
+    mult = multiplicity(T, n_head, segs, rates, is_causal=True)  # (H, T, T)
+    for p in range(T):
+        start, m = decode_multiplicity(p, n_head, cfg)
+        assert torch.equal(m, mult[:, p, start:p + 1]), f"position {p}"
+        assert mult[:, p, :start].sum() == 0, f"position {p}: keys before start={start} are read"
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("n_head,n_kv_head,T,segs,rates", MODEL_SHAPES)
+def test_kv_cache_decoding_equals_full_forward(backend, n_head, n_kv_head, T, segs, rates):
+    """Prefill a prompt, then decode token by token: the logits at every position equal those
+    of one full forward pass (float64)."""
+    if not backend_can_run(backend):
+        pytest.skip(f"the backend layer cannot run {backend!r} here")
+    torch.manual_seed(1)
+    model = GPT(tiny_config(n_head, n_kv_head, T, segs, rates, backend)).double().eval()
+    idx = torch.randint(0, 64, (2, T))
+    with torch.no_grad():
+        full = model.forward_all(idx)  # (B, T, V)
+        prompt = 5
+        cache = model_cache(model, 2)
+        logits, _ = model(idx[:, :prompt], kv_cache=cache)
+        cache.length = prompt
+        steps = [logits[:, 0]]
+        for p in range(prompt, T):
+            logits, _ = model(idx[:, p:p + 1], kv_cache=cache)
+            cache.length += 1
+            steps.append(logits[:, 0])
+    cached = torch.stack(steps, dim=1)  # (B, T - prompt + 1, V)
+    torch.testing.assert_close(cached, full[:, prompt - 1:], rtol=1e-10, atol=1e-10)
+
+
+def model_cache(model: GPT, batch_size: int):
+    from model import KVCache
+
+    c = model.config
+    return KVCache(c.n_layer, batch_size, c.block_size, c.n_kv_head, c.head_dim, torch.float64, "cpu")
+
+
+def test_generate_with_and_without_cache_agree():
+    torch.manual_seed(2)
+    model = GPT(tiny_config(block_size=64)).double().eval()
+    prompt = torch.randint(0, 64, (1, 3))
+    a = model.generate(prompt, 40, use_cache=True, generator=torch.Generator().manual_seed(7))
+    b = model.generate(prompt, 40, use_cache=False, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    # Past the block size the cache is rebuilt from the last half block; it still runs.
+    c = model.generate(prompt, 100, use_cache=True, generator=torch.Generator().manual_seed(7))
+    assert c.shape == (1, 103)
+
+
+def test_decode_rejects_more_than_one_token():
+    model = GPT(tiny_config()).eval()
+    cache = model_cache(model, 1)
+    model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache)
+    cache.length = 4
+    with pytest.raises(ValueError, match="one token at a time"):
+        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs (SPEC section 3)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N,H,segs,rates", [(48, 4, (8, 16, 32), (1, 2, 4)), (37, 3, (5, 64), (2, 4)),
+                                            (20, 2, (8,), (4,)), (1, 1, (4,), (2,))])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_pairs_count_the_reference_mask(N, H, segs, rates, causal):
+    expected = int(multiplicity(N, H, segs, rates, causal).sum())
+    assert attention_pairs(N, H, segs, rates, is_causal=causal) == expected
+    dense = H * (N * (N + 1) // 2 if causal else N * N)
+    assert attention_pairs(N, H, segs, rates, is_causal=causal, dense=True) == dense
+
+
+def test_flops_per_sequence():
+    cfg = tiny_config()
+    model = GPT(cfg)
+    T = cfg.block_size
+    pairs = int(multiplicity(T, cfg.n_head, cfg.segment_lengths, cfg.dilation_rates, True).sum())
+    n_params = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()
+    expected = 6 * n_params * T + 3.5 * 4 * cfg.head_dim * pairs * cfg.n_layer
+    assert model.flops_per_sequence(T) == pytest.approx(expected, rel=1e-12)
+
+
+def test_gpt_config_checks():
+    GPTConfig(attention_backend="flash_attn_2", n_layer=1, n_head=2, n_embd=16)  # the seeds' name, accepted
+    with pytest.raises(ValueError, match="attention_backend.*'bogus'"):
+        GPTConfig(attention_backend="bogus")
+    with pytest.raises(ValueError, match="dilation_rates"):
+        GPTConfig(segment_lengths=(8, 16), dilation_rates=(1,))
+    with pytest.raises(ValueError, match="n_embd"):
+        GPTConfig(n_embd=100, n_head=3)
+    with pytest.raises(ValueError, match="n_kv_head"):
+        GPTConfig(n_head=4, n_kv_head=3, n_embd=32)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(3)
+    cfg = tiny_config()
+    model = GPT(cfg).double()
+    idx = torch.randint(0, 64, (2, cfg.block_size))
+    grads = []
+    for ckpt in (False, True):
+        model.config.gradient_checkpointing = ckpt
+        model.zero_grad()
+        _, loss = model(idx, idx)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurator
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_file_and_typed_overrides(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("import math\nbatch_size = 3\nlearning_rate = 1\nsegment_lengths = [16, 32]\n_private = 5\n")
+    cfg = configurator.load_config(train.TrainConfig, [
+        str(f), "--batch_size=5", "--learning_rate=3e-4", "--compile=True", "--bias=false",
+        "--attention_backend=sdpa", "--out_dir='out x'", "--dilation_rates=1,2", "--segment_lengths=[8, 64]"])
+    assert cfg.batch_size == 5 and isinstance(cfg.batch_size, int)
+    assert cfg.learning_rate == 3e-4
+    assert cfg.compile is True and cfg.bias is False
+    assert cfg.attention_backend == "sdpa" and cfg.out_dir == "out x"
+    assert cfg.dilation_rates == (1, 2) and cfg.segment_lengths == (8, 64)
+    cfg = configurator.load_config(train.TrainConfig, [str(f), "--dilation_rates=(1, 2)"])
+    assert cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)  # int accepted for a float
+    assert cfg.segment_lengths == (16, 32) and cfg.dilation_rates == (1, 2)
+    cfg = configurator.load_config(train.TrainConfig, ["--segment_lengths=128", "--dilation_rates=2"])
+    assert cfg.segment_lengths == (128,) and cfg.dilation_rates == (2,)
+
+
+def test_config_files_resolve_relative_to_the_script(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    cfg = configurator.load_config(train.TrainConfig, ["config/train_gpt2.py"], base_dir=GPT_DIR)
+    assert cfg.n_layer == 12 and cfg.n_embd == 768
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("--batch_sise=4", r"unknown config key 'batch_sise'; did you mean 'batch_size'"),
+    ("--no_such_key=1", r"unknown config key 'no_such_key'"),
+    ("--batch_size=four", r"--batch_size=four: batch_size must be int, got 'four'"),
+    ("--batch_size=4.5", r"batch_size must be int, got 4.5"),
+    ("--batch_size=True", r"batch_size must be int, got True"),
+    ("--learning_rate=fast", r"learning_rate must be float, got 'fast'"),
+    ("--compile=maybe", r"compile must be a bool \(True/False\), got 'maybe'"),
+    ("--segment_lengths=[8, 1.5]", r"segment_lengths must be a tuple of ints, got \[8, 1.5\]"),
+    ("--segment_lengths=abc", r"segment_lengths must be a tuple of ints, got 'abc'"),
+    ("--batch_size", r"must have the form --key=value"),
+    ("no_such_file.py", r"config file 'no_such_file.py' not found"),
+])
+def test_config_errors_name_the_key_and_value(arg, message):
+    with pytest.raises(configurator.ConfigError, match=message):
+        configurator.load_config(train.TrainConfig, [arg], base_dir=GPT_DIR)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("batch_sise = 4\n", r"unknown config key 'batch_sise'"),
+    ("batch_size = '4'\n", r"batch_size must be int, got '4'"),
+    ("compile = 1\n", r"compile must be bool, got 1"),
+    ("dilation_rates = 'ab'\n", r"dilation_rates must be a tuple of ints"),
+])
+def test_config_file_errors(tmp_path, text, message):
+    f = tmp_path / "bad.py"
+    f.write_text(text)
+    with pytest.raises(configurator.ConfigError, match=message):
+        configurator.load_config(train.TrainConfig, [str(f)])
+
+
+def test_every_config_file_parses():
+    for f in sorted((GPT_DIR / "config").glob("*.py")):
+        cfg = configurator.load_config(train.TrainConfig, [str(f)])
+        cfg.validate()
+        GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
+                  block_size=cfg.block_size, attention_backend=cfg.attention_backend,
+                  segment_lengths=cfg.segment_lengths, dilation_rates=cfg.dilation_rates)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    prepare.prepare_stdlib(d / "stdlib", max_bytes=400_000)
+    return d
+
+
+def test_stdlib_corpus(data_dir):
+    import numpy as np
+
+    out = data_dir / "stdlib"
+    meta = prepare.load_meta(out)
+    train_tok = np.fromfile(out / "train.bin", dtype=np.uint8)
+    val_tok = np.fromfile(out / "val.bin", dtype=np.uint8)
+    assert meta["vocab_size"] == 256 and meta["tokenizer"] == "bytes"
+    assert len(train_tok) + len(val_tok) == 400_000 and len(val_tok) > 0
+    files = prepare.stdlib_sources()
+    first = files[0].read_bytes()  # file 0 goes to train, file VAL_EVERY-1 to val
+    assert bytes(train_tok[:len(first)]) == first[:len(train_tok)]
+    val_first = files[prepare.VAL_EVERY - 1].read_bytes()
+    assert bytes(val_tok[:min(len(val_first), len(val_tok))]) == val_first[:len(val_tok)]
+    mtime = (out / "train.bin").stat().st_mtime_ns
+    prepare.prepare_stdlib(out, max_bytes=400_000)  # cached: not rewritten
+    assert (out / "train.bin").stat().st_mtime_ns == mtime
+
+
+def test_passkey_sample():
+    gen = torch.Generator().manual_seed(0)
+    for seq_len in (passkey.min_seq_len(5), 300, 2048):
+        s = passkey.passkey_sample(seq_len, 5, gen)
+        text = bytes(s.tokens.tolist()).decode("ascii")
+        assert len(text) == seq_len + 1
+        assert text[s.key_pos:s.key_pos + 5] == s.key and s.key.isdigit()
+        assert text.endswith(passkey.QUESTION + s.key)
+        assert text[s.answer_pos:] == s.key
+        assert text.count(s.key) >= 3  # twice in the key sentence, once as the answer
+    ends = [passkey.passkey_sample(2000, 4, gen, depth=d).key_pos for d in (0.0, 0.5, 1.0)]
+    assert ends[0] < 30 and 900 < ends[1] < 1100 and ends[2] > 1800
+    depths = [passkey.passkey_sample(1000, 5, gen).key_pos for _ in range(50)]
+    assert min(depths) < 300 and max(depths) > 600  # spread over the filler
+    a = passkey.passkey_sample(500, 5, torch.Generator().manual_seed(9))
+    b = passkey.passkey_sample(500, 5, torch.Generator().manual_seed(9))
+    assert torch.equal(a.tokens, b.tokens)
+    with pytest.raises(ValueError, match="seq_len must be an int >="):
+        passkey.passkey_sample(20, 5, gen)
+    with pytest.raises(ValueError, match="depth"):
+        passkey.passkey_sample(500, 5, gen, depth=1.5)
+
+
+def test_passkey_batch_targets_only_the_answer():
+    x, y, key_pos = passkey.passkey_batch(3, 400, 6, torch.Generator().manual_seed(1))
+    assert x.shape == y.shape == (3, 400) and key_pos.shape == (3,)
+    assert (y[:, :-6] == -1).all() and (y[:, -6:] >= ord("0")).all() and (y[:, -6:] <= ord("9")).all()
+    for b in range(3):  # the answer is the key, and x is y shifted
+        assert torch.equal(y[b, -6:], x[b, key_pos[b]:key_pos[b] + 6])
+        assert torch.equal(x[b, -5:], y[b, -6:-1])
+    perfect = torch.nn.functional.one_hot(y.clamp(min=0), 256).float()
+    assert passkey.answer_accuracy(perfect, y) == (1.0, 1.0)
+    wrong = torch.nn.functional.one_hot(torch.zeros_like(y), 256).float()
+    assert passkey.answer_accuracy(wrong, y) == (0.0, 0.0)
+
+
+def test_passkey_receptive_field():
+    """One layer's graph is the reference mask (any head); short segments cannot reach far keys."""
+    T, H, segs, rates = 40, 2, (8, 16), (1, 4)
+    one = passkey.attention_graph(T, H, segs, rates)
+    assert torch.equal(one, multiplicity(T, H, segs, rates, True).sum(0) > 0)
+    field = passkey.receptive_field(T, 3, H, segs, rates)
+    ref = one | torch.eye(T, dtype=torch.bool)
+    reach = ref.clone()
+    for _ in range(2):  # paths of up to 3 steps, by explicit composition
+        reach = torch.einsum("px,xy->py", reach.long(), ref.long()) > 0
+    assert torch.equal(field, reach)
+    short = passkey.reachable_fraction(1024, 4, 4, (64, 256), (1, 2), samples=100)
+    full = passkey.reachable_fraction(1024, 4, 4, (64, 256, 1024), (1, 2, 4), samples=100)
+    dense = passkey.reachable_fraction(1024, 4, 4, (1,), (1,), dense=True, samples=100)
+    assert short < 0.5 and full == 1.0 and dense == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Training, checkpoints, sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_train_args(data_dir: Path, out_dir: Path, **overrides) -> list[str]:
+    args = dict(data_dir=str(data_dir), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32, block_size=64,
+                batch_size=4, segment_lengths="16,32,64", dilation_rates="1,2,2", learning_rate=1e-2,
+                warmup_iters=2, lr_decay_iters=30, min_lr=1e-3, max_iters=30, eval_interval=30, eval_iters=4,
+                log_interval=1, peak_flops=1e12, bias=True)
+    args.update(overrides)
+    return [f"--{k}={v}" for k, v in args.items()]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_tiny_model_trains(backend, data_dir, tmp_path):
+    if not backend_can_run(backend):
+        pytest.skip(f"the backend layer cannot run {backend!r} here")
+    out = train.main(tiny_train_args(data_dir, tmp_path, attention_backend=backend), log=lambda *_: None)
+    losses = [loss for _, loss in out["losses"]]
+    assert len(losses) == 30 and all(math.isfinite(v) for v in losses)
+    assert losses[0] > math.log(256) - 0.5  # starts near uniform over bytes
+    first, last = out["evals"][0], out["evals"][-1]
+    assert last["val"] < first["val"] - 1.0, out["evals"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
+    assert Path(out["ckpt_path"]).exists()
+
+
+def test_checkpoint_resume_round_trip(data_dir, tmp_path):
+    """3 steps, save, resume for 3 more = 6 steps straight: the same losses and weights."""
+    common = dict(max_iters=6, lr_decay_iters=6, eval_interval=3, always_save_checkpoint=True, dropout=0.1)
+    straight = train.main(tiny_train_args(data_dir, tmp_path / "a", **common), log=lambda *_: None)
+    first = train.main(tiny_train_args(data_dir, tmp_path / "b", **{**common, "max_iters": 3}), log=lambda *_: None)
+    assert first["iter_num"] == 3
+    resumed = train.main(tiny_train_args(data_dir, tmp_path / "b", **common, init_from="resume"),
+                         log=lambda *_: None)
+    assert [it for it, _ in resumed["losses"]] == [3, 4, 5]
+    assert resumed["losses"] == straight["losses"][3:]
+    a = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)
+    assert a["iter_num"] == b["iter_num"] == 6
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    # Sampling from the checkpoint: with and without the cache, the same text.
+    args = [f"--out_dir={tmp_path / 'b'}", f"--data_dir={data_dir}", "--num_samples=1", "--max_new_tokens=20",
+            "--start=def "]
+    with_cache = sample.main(args)
+    without = sample.main(args + ["--use_kv_cache=False"])
+    assert with_cache == without and with_cache[0].startswith("def ")
+
+
+def test_train_rejects_bad_settings(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="attention_backend must be one of .* got 'bogus'"):
+        train.main(tiny_train_args(data_dir, tmp_path, attention_backend="bogus"), log=lambda *_: None)
+    with pytest.raises(ValueError, match="init_from"):
+        train.main(tiny_train_args(data_dir, tmp_path, init_from="gpt2-xl"), log=lambda *_: None)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train.main(tiny_train_args(data_dir, tmp_path / "empty", init_from="resume"), log=lambda *_: None)
+    with pytest.raises(ValueError, match="block_size .* too short for the passkey"):
+        train.main(tiny_train_args(data_dir, tmp_path, dataset="passkey", block_size=16), log=lambda *_: None)
+
+
+def test_passkey_training_runs(tmp_path):
+    out = train.main(tiny_train_args(tmp_path, tmp_path, dataset="passkey", block_size=160, max_iters=4,
+                                     eval_interval=4, eval_iters=2), log=lambda *_: None)
+    ev = out["evals"][-1]
+    assert 0.0 <= ev["val_digit_acc"] <= 1.0 and 0.0 <= ev["val_key_acc"] <= 1.0
+    assert math.isfinite(ev["val"])
+
+
+def test_auto_dtype_on_cpu():
+    assert train.auto_dtype(torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.skipif(not SLOW, reason="DDP under torchrun: set DILATED_ATTENTION_SLOW=1")
+def test_ddp_under_torchrun(data_dir, tmp_path):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(GPT_DIR / "train.py"), *tiny_train_args(data_dir, tmp_path, max_iters=10, eval_interval=10,
+                                                      gradient_accumulation_steps=2)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "x2" in r.stdout and (tmp_path / "ckpt.pt").exists()
