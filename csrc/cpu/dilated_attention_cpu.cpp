@@ -55,9 +55,10 @@
 namespace dilated_attention {
 namespace {
 
-// Tile sizes: QT queries (forward: vector lanes), KB keys (backward: vector lanes); MR rows of the
-// micro-kernel's register block; a forward block spans QB positions (see block_size()).
-enum { QT = 64, KB = 64, MR = 4, NVMAX = 4 };
+// Tile sizes: QT queries (forward: vector lanes) against KF keys in the forward; KB keys (vector
+// lanes) against QT queries in the backward; MR rows of the micro-kernel's register block. A
+// forward block spans QB positions (see block_size()).
+enum { QT = 64, KB = 64, KF = 64, MR = 4, NVMAX = 4 };
 
 /* ------------------------------------------------------------------------------------------ */
 /* Vectors                                                                                      */
@@ -145,7 +146,7 @@ DA_INLINE Vec<double>::v vexp(Vec<double>::v x) {
  */
 template <typename T, int M, int R>
 DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B,
-                     int64_t ldb, int64_t K, bool accumulate) {
+                     int64_t ldb, int64_t K, bool accumulate, T* cmax) {
   typedef typename Vec<T>::v V;
   const int W = Vec<T>::W;
   V c[M][R];
@@ -168,15 +169,25 @@ DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, cons
   for (int i = 0; i < M; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < R; ++j) vstore(C + i * ldc + j * W, c[i][j]);
+  if (cmax) {  // running column max over the rows (NaN ignored)
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      V mx = vload(cmax + j * W);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) mx = c[i][j] > mx ? c[i][j] : mx;
+      vstore(cmax + j * W, mx);
+    }
+  }
 }
 
 template <typename T, int R>
 DA_INLINE void gemm_rows(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B,
-                         int64_t ldb, int64_t m, int64_t K, bool accumulate) {
+                         int64_t ldb, int64_t m, int64_t K, bool accumulate, T* cmax) {
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    micro<T, MR, R>(C + i * ldc, ldc, A + i * as, as, ak, B, ldb, K, accumulate);
-  for (; i < m; ++i) micro<T, 1, R>(C + i * ldc, ldc, A + i * as, as, ak, B, ldb, K, accumulate);
+    micro<T, MR, R>(C + i * ldc, ldc, A + i * as, as, ak, B, ldb, K, accumulate, cmax);
+  for (; i < m; ++i)
+    micro<T, 1, R>(C + i * ldc, ldc, A + i * as, as, ak, B, ldb, K, accumulate, cmax);
 }
 
 /*
@@ -186,16 +197,16 @@ DA_INLINE void gemm_rows(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, 
  */
 template <typename T>
 DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B, int64_t ldb,
-                    int64_t m, int64_t nv, int64_t K, bool accumulate) {
+                    int64_t m, int64_t nv, int64_t K, bool accumulate, T* cmax = nullptr) {
   const int W = Vec<T>::W;
   for (int64_t v0 = 0; v0 < nv; v0 += NVMAX) {
     T* c = C + v0 * W;
     const T* bb = B + v0 * W;
     switch (std::min<int64_t>(NVMAX, nv - v0)) {
-      case 1: gemm_rows<T, 1>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate); break;
-      case 2: gemm_rows<T, 2>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate); break;
-      case 3: gemm_rows<T, 3>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate); break;
-      default: gemm_rows<T, 4>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate); break;
+      case 1: gemm_rows<T, 1>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cmax ? cmax + v0 * W : nullptr); break;
+      case 2: gemm_rows<T, 2>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cmax ? cmax + v0 * W : nullptr); break;
+      case 3: gemm_rows<T, 3>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cmax ? cmax + v0 * W : nullptr); break;
+      default: gemm_rows<T, 4>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cmax ? cmax + v0 * W : nullptr); break;
     }
   }
 }
@@ -264,20 +275,21 @@ template <typename T>
 struct FwdScratch {
   Arena<T> arena;
   T *m, *l, *acc;      // block state per position: (QB), (QB), (QB, Dp)
-  T *qt, *st;          // (D, QT) scaled queries, transposed; (KB, QT) scores, then weights
-  T *mt, *lt, *corr;   // (QT) tile state
+  T *qt, *st;          // (D, QT) scaled queries, transposed; (KF, QT) scores, then weights
+  T *mt, *lt, *corr, *tmax;  // (QT) tile state
   T *acct;             // (QT, Dp)
   FwdScratch(int64_t QB, int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)QB, (size_t)QB, (size_t)(QB * Dp), (size_t)(D * QT),
-                              (size_t)(KB * QT), QT, QT, QT, (size_t)(QT * Dp)})) {
+                              (size_t)(KF * QT), QT, QT, QT, QT, (size_t)(QT * Dp)})) {
     m = arena.take(QB);
     l = arena.take(QB);
     acc = arena.take(QB * Dp);
     qt = arena.take(D * QT);
-    st = arena.take(KB * QT);
+    st = arena.take(KF * QT);
     mt = arena.take(QT);
     lt = arena.take(QT);
     corr = arena.take(QT);
+    tmax = arena.take(QT);
     acct = arena.take(QT * Dp);
   }
 };
@@ -306,16 +318,22 @@ DA_INLINE void mask_future(T* st, int64_t ld, int64_t nk, int64_t nv, int64_t of
  * previous accumulator must be multiplied by. Cost: 2 * nk * nv vector passes, nk * nv exps.
  */
 template <typename T>
-DA_INLINE void online_softmax(T* st, int64_t ld, int64_t nk, int64_t nv, T* mt, T* lt, T* corr) {
+DA_INLINE void online_softmax(T* st, int64_t ld, int64_t nk, int64_t nv, T* mt, T* lt, T* corr,
+                              const T* tmax) {
   typedef typename Vec<T>::v V;
   const int W = Vec<T>::W;
   const V ninf = vset(neg_inf<T>()), zero = V{};
   for (int64_t u = 0; u < nv; ++u) {
     const V m_old = vload(mt + u * W);
     V mx = m_old;
-    for (int64_t j = 0; j < nk; ++j) {
-      const V s = vload(st + j * ld + u * W);
-      mx = s > mx ? s : mx;  // ignores NaN, which then propagates through exp
+    if (tmax) {
+      const V t = vload(tmax + u * W);
+      mx = t > mx ? t : mx;
+    } else {
+      for (int64_t j = 0; j < nk; ++j) {
+        const V s = vload(st + j * ld + u * W);
+        mx = s > mx ? s : mx;  // ignores NaN, which then propagates through exp
+      }
     }
     const V mu = mx == ninf ? zero : mx;  // a lane with only -inf scores: exp(-inf - 0) = 0
     const V c = vexp(m_old - mu);
@@ -389,11 +407,14 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
         }
         for (int64_t i = 0; i < nq * Dp; ++i) s->acct[i] = 0;
         const int64_t nk_all = P.causal ? da_min64(g.seg_count, jq0 + nq) : g.seg_count;
-        for (int64_t kt0 = 0; kt0 < nk_all; kt0 += KB) {
-          const int64_t nk = da_min64(KB, nk_all - kt0);
-          gemm(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false);  // S^T = K Q^T
-          if (P.causal && kt0 + nk - 1 > jq0) mask_future(s->st, ld, nk, nv, kt0 - jq0);
-          online_softmax(s->st, ld, nk, nv, s->mt, s->lt, s->corr);
+        for (int64_t kt0 = 0; kt0 < nk_all; kt0 += KF) {
+          const int64_t nk = da_min64(KF, nk_all - kt0);
+          const bool diag = P.causal && kt0 + nk - 1 > jq0;
+          for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
+          gemm(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false,
+               diag ? nullptr : s->tmax);  // S^T = K Q^T and its column max
+          if (diag) mask_future(s->st, ld, nk, nv, kt0 - jq0);
+          online_softmax(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
           for (int64_t i = 0; i < nq; ++i) {
             const T c = s->corr[i];
             if (c != 1)
