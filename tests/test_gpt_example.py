@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from reference import multiplicity, reference_attention
 
 GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
@@ -38,11 +37,27 @@ MODEL_SHAPES = [
 ]
 
 
-def tiny_config(n_head: int = 4, n_kv_head: int = 4, block_size: int = 48, segs=(8, 16, 32), rates=(1, 2, 4),
-                backend: str = "native") -> GPTConfig:
-    return GPTConfig(block_size=block_size, vocab_size=64, n_layer=2, n_head=n_head, n_kv_head=n_kv_head,
-                     n_embd=8 * n_head, dropout=0.0, bias=True, attention_backend=backend,
-                     segment_lengths=segs, dilation_rates=rates)
+def tiny_config(
+    n_head: int = 4,
+    n_kv_head: int = 4,
+    block_size: int = 48,
+    segs=(8, 16, 32),
+    rates=(1, 2, 4),
+    backend: str = "native",
+) -> GPTConfig:
+    return GPTConfig(
+        block_size=block_size,
+        vocab_size=64,
+        n_layer=2,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        n_embd=8 * n_head,
+        dropout=0.0,
+        bias=True,
+        attention_backend=backend,
+        segment_lengths=segs,
+        dilation_rates=rates,
+    )
 
 
 def backend_can_run(name: str) -> bool:
@@ -86,8 +101,14 @@ def test_attention_block_matches_reference(n_head, n_kv_head, T, segs, rates):
     x = torch.randn(2, T, cfg.n_embd, dtype=torch.float64)
     C, kvd = cfg.n_embd, n_kv_head * cfg.head_dim
     q, k, v = attn.c_attn(x).split([C, kvd, kvd], dim=2)
-    ref, _ = reference_attention(q.reshape(2, T, n_head, -1), k.reshape(2, T, n_kv_head, -1),
-                                 v.reshape(2, T, n_kv_head, -1), segs, rates, is_causal=True)
+    ref, _ = reference_attention(
+        q.reshape(2, T, n_head, -1),
+        k.reshape(2, T, n_kv_head, -1),
+        v.reshape(2, T, n_kv_head, -1),
+        segs,
+        rates,
+        is_causal=True,
+    )
     expected = attn.c_proj(ref.reshape(2, T, C))
     torch.testing.assert_close(attn(x), expected, rtol=1e-10, atol=1e-10)
 
@@ -98,7 +119,7 @@ def test_decode_multiplicity_is_the_reference_row(n_head, n_kv_head, T, segs, ra
     mult = multiplicity(T, n_head, segs, rates, is_causal=True)  # (H, T, T)
     for p in range(T):
         start, m = decode_multiplicity(p, n_head, cfg)
-        assert torch.equal(m, mult[:, p, start:p + 1]), f"position {p}"
+        assert torch.equal(m, mult[:, p, start : p + 1]), f"position {p}"
         assert mult[:, p, :start].sum() == 0, f"position {p}: keys before start={start} are read"
 
 
@@ -120,11 +141,11 @@ def test_kv_cache_decoding_equals_full_forward(backend, n_head, n_kv_head, T, se
         cache.length = prompt
         steps = [logits[:, 0]]
         for p in range(prompt, T):
-            logits, _ = model(idx[:, p:p + 1], kv_cache=cache)
+            logits, _ = model(idx[:, p : p + 1], kv_cache=cache)
             cache.length += 1
             steps.append(logits[:, 0])
     cached = torch.stack(steps, dim=1)  # (B, T - prompt + 1, V)
-    torch.testing.assert_close(cached, full[:, prompt - 1:], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(cached, full[:, prompt - 1 :], rtol=1e-10, atol=1e-10)
 
 
 def model_cache(model: GPT, batch_size: int):
@@ -160,8 +181,10 @@ def test_decode_rejects_more_than_one_token():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("N,H,segs,rates", [(48, 4, (8, 16, 32), (1, 2, 4)), (37, 3, (5, 64), (2, 4)),
-                                            (20, 2, (8,), (4,)), (1, 1, (4,), (2,))])
+@pytest.mark.parametrize(
+    "N,H,segs,rates",
+    [(48, 4, (8, 16, 32), (1, 2, 4)), (37, 3, (5, 64), (2, 4)), (20, 2, (8,), (4,)), (1, 1, (4,), (2,))],
+)
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_pairs_count_the_reference_mask(N, H, segs, rates, causal):
     expected = int(multiplicity(N, H, segs, rates, causal).sum())
@@ -216,9 +239,20 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def test_config_file_and_typed_overrides(tmp_path):
     f = tmp_path / "c.py"
     f.write_text("import math\nbatch_size = 3\nlearning_rate = 1\nsegment_lengths = [16, 32]\n_private = 5\n")
-    cfg = configurator.load_config(train.TrainConfig, [
-        str(f), "--batch_size=5", "--learning_rate=3e-4", "--compile=True", "--bias=false",
-        "--attention_backend=sdpa", "--out_dir='out x'", "--dilation_rates=1,2", "--segment_lengths=[8, 64]"])
+    cfg = configurator.load_config(
+        train.TrainConfig,
+        [
+            str(f),
+            "--batch_size=5",
+            "--learning_rate=3e-4",
+            "--compile=True",
+            "--bias=false",
+            "--attention_backend=sdpa",
+            "--out_dir='out x'",
+            "--dilation_rates=1,2",
+            "--segment_lengths=[8, 64]",
+        ],
+    )
     assert cfg.batch_size == 5 and isinstance(cfg.batch_size, int)
     assert cfg.learning_rate == 3e-4
     assert cfg.compile is True and cfg.bias is False
@@ -237,30 +271,36 @@ def test_config_files_resolve_relative_to_the_script(monkeypatch, tmp_path):
     assert cfg.n_layer == 12 and cfg.n_embd == 768
 
 
-@pytest.mark.parametrize("arg,message", [
-    ("--batch_sise=4", r"unknown config key 'batch_sise'; did you mean 'batch_size'"),
-    ("--no_such_key=1", r"unknown config key 'no_such_key'"),
-    ("--batch_size=four", r"--batch_size=four: batch_size must be int, got 'four'"),
-    ("--batch_size=4.5", r"batch_size must be int, got 4.5"),
-    ("--batch_size=True", r"batch_size must be int, got True"),
-    ("--learning_rate=fast", r"learning_rate must be float, got 'fast'"),
-    ("--compile=maybe", r"compile must be a bool \(True/False\), got 'maybe'"),
-    ("--segment_lengths=[8, 1.5]", r"segment_lengths must be a tuple of ints, got \[8, 1.5\]"),
-    ("--segment_lengths=abc", r"segment_lengths must be a tuple of ints, got 'abc'"),
-    ("--batch_size", r"must have the form --key=value"),
-    ("no_such_file.py", r"config file 'no_such_file.py' not found"),
-])
+@pytest.mark.parametrize(
+    "arg,message",
+    [
+        ("--batch_sise=4", r"unknown config key 'batch_sise'; did you mean 'batch_size'"),
+        ("--no_such_key=1", r"unknown config key 'no_such_key'"),
+        ("--batch_size=four", r"--batch_size=four: batch_size must be int, got 'four'"),
+        ("--batch_size=4.5", r"batch_size must be int, got 4.5"),
+        ("--batch_size=True", r"batch_size must be int, got True"),
+        ("--learning_rate=fast", r"learning_rate must be float, got 'fast'"),
+        ("--compile=maybe", r"compile must be a bool \(True/False\), got 'maybe'"),
+        ("--segment_lengths=[8, 1.5]", r"segment_lengths must be a tuple of ints, got \[8, 1.5\]"),
+        ("--segment_lengths=abc", r"segment_lengths must be a tuple of ints, got 'abc'"),
+        ("--batch_size", r"must have the form --key=value"),
+        ("no_such_file.py", r"config file 'no_such_file.py' not found"),
+    ],
+)
 def test_config_errors_name_the_key_and_value(arg, message):
     with pytest.raises(configurator.ConfigError, match=message):
         configurator.load_config(train.TrainConfig, [arg], base_dir=GPT_DIR)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("batch_sise = 4\n", r"unknown config key 'batch_sise'"),
-    ("batch_size = '4'\n", r"batch_size must be int, got '4'"),
-    ("compile = 1\n", r"compile must be bool, got 1"),
-    ("dilation_rates = 'ab'\n", r"dilation_rates must be a tuple of ints"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("batch_sise = 4\n", r"unknown config key 'batch_sise'"),
+        ("batch_size = '4'\n", r"batch_size must be int, got '4'"),
+        ("compile = 1\n", r"compile must be bool, got 1"),
+        ("dilation_rates = 'ab'\n", r"dilation_rates must be a tuple of ints"),
+    ],
+)
 def test_config_file_errors(tmp_path, text, message):
     f = tmp_path / "bad.py"
     f.write_text(text)
@@ -272,9 +312,16 @@ def test_every_config_file_parses():
     for f in sorted((GPT_DIR / "config").glob("*.py")):
         cfg = configurator.load_config(train.TrainConfig, [str(f)])
         cfg.validate()
-        GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
-                  block_size=cfg.block_size, attention_backend=cfg.attention_backend,
-                  segment_lengths=cfg.segment_lengths, dilation_rates=cfg.dilation_rates)
+        GPTConfig(
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_kv_head=cfg.n_kv_head,
+            n_embd=cfg.n_embd,
+            block_size=cfg.block_size,
+            attention_backend=cfg.attention_backend,
+            segment_lengths=cfg.segment_lengths,
+            dilation_rates=cfg.dilation_rates,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,9 +347,9 @@ def test_stdlib_corpus(data_dir):
     assert len(train_tok) + len(val_tok) == 400_000 and len(val_tok) > 0
     files = prepare.stdlib_sources()
     first = files[0].read_bytes()  # file 0 goes to train, file VAL_EVERY-1 to val
-    assert bytes(train_tok[:len(first)]) == first[:len(train_tok)]
+    assert bytes(train_tok[: len(first)]) == first[: len(train_tok)]
     val_first = files[prepare.VAL_EVERY - 1].read_bytes()
-    assert bytes(val_tok[:min(len(val_first), len(val_tok))]) == val_first[:len(val_tok)]
+    assert bytes(val_tok[: min(len(val_first), len(val_tok))]) == val_first[: len(val_tok)]
     mtime = (out / "train.bin").stat().st_mtime_ns
     prepare.prepare_stdlib(out, max_bytes=400_000)  # cached: not rewritten
     assert (out / "train.bin").stat().st_mtime_ns == mtime
@@ -314,9 +361,9 @@ def test_passkey_sample():
         s = passkey.passkey_sample(seq_len, 5, gen)
         text = bytes(s.tokens.tolist()).decode("ascii")
         assert len(text) == seq_len + 1
-        assert text[s.key_pos:s.key_pos + 5] == s.key and s.key.isdigit()
+        assert text[s.key_pos : s.key_pos + 5] == s.key and s.key.isdigit()
         assert text.endswith(passkey.QUESTION + s.key)
-        assert text[s.answer_pos:] == s.key
+        assert text[s.answer_pos :] == s.key
         assert text.count(s.key) >= 3  # twice in the key sentence, once as the answer
     ends = [passkey.passkey_sample(2000, 4, gen, depth=d).key_pos for d in (0.0, 0.5, 1.0)]
     assert ends[0] < 30 and 900 < ends[1] < 1100 and ends[2] > 1800
@@ -336,7 +383,7 @@ def test_passkey_batch_targets_only_the_answer():
     assert x.shape == y.shape == (3, 400) and key_pos.shape == (3,)
     assert (y[:, :-6] == -1).all() and (y[:, -6:] >= ord("0")).all() and (y[:, -6:] <= ord("9")).all()
     for b in range(3):  # the answer is the key, and x is y shifted
-        assert torch.equal(y[b, -6:], x[b, key_pos[b]:key_pos[b] + 6])
+        assert torch.equal(y[b, -6:], x[b, key_pos[b] : key_pos[b] + 6])
         assert torch.equal(x[b, -5:], y[b, -6:-1])
     perfect = torch.nn.functional.one_hot(y.clamp(min=0), 256).float()
     assert passkey.answer_accuracy(perfect, y) == (1.0, 1.0)
@@ -367,10 +414,27 @@ def test_passkey_receptive_field():
 
 
 def tiny_train_args(data_dir: Path, out_dir: Path, **overrides) -> list[str]:
-    args = dict(data_dir=str(data_dir), out_dir=str(out_dir), n_layer=2, n_head=2, n_embd=32, block_size=64,
-                batch_size=4, segment_lengths="16,32,64", dilation_rates="1,2,2", learning_rate=1e-2,
-                warmup_iters=2, lr_decay_iters=30, min_lr=1e-3, max_iters=30, eval_interval=30, eval_iters=4,
-                log_interval=1, peak_flops=1e12, bias=True)
+    args = dict(
+        data_dir=str(data_dir),
+        out_dir=str(out_dir),
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=64,
+        batch_size=4,
+        segment_lengths="16,32,64",
+        dilation_rates="1,2,2",
+        learning_rate=1e-2,
+        warmup_iters=2,
+        lr_decay_iters=30,
+        min_lr=1e-3,
+        max_iters=30,
+        eval_interval=30,
+        eval_iters=4,
+        log_interval=1,
+        peak_flops=1e12,
+        bias=True,
+    )
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
 
@@ -393,10 +457,13 @@ def test_checkpoint_resume_round_trip(data_dir, tmp_path):
     """3 steps, save, resume for 3 more = 6 steps straight: the same losses and weights."""
     common = dict(max_iters=6, lr_decay_iters=6, eval_interval=3, always_save_checkpoint=True, dropout=0.1)
     straight = train.main(tiny_train_args(data_dir, tmp_path / "a", **common), log=lambda *_: None)
-    first = train.main(tiny_train_args(data_dir, tmp_path / "b", **{**common, "max_iters": 3}), log=lambda *_: None)
+    first = train.main(
+        tiny_train_args(data_dir, tmp_path / "b", **{**common, "max_iters": 3}), log=lambda *_: None
+    )
     assert first["iter_num"] == 3
-    resumed = train.main(tiny_train_args(data_dir, tmp_path / "b", **common, init_from="resume"),
-                         log=lambda *_: None)
+    resumed = train.main(
+        tiny_train_args(data_dir, tmp_path / "b", **common, init_from="resume"), log=lambda *_: None
+    )
     assert [it for it, _ in resumed["losses"]] == [3, 4, 5]
     assert resumed["losses"] == straight["losses"][3:]
     a = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
@@ -405,8 +472,13 @@ def test_checkpoint_resume_round_trip(data_dir, tmp_path):
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     # Sampling from the checkpoint: with and without the cache, the same text.
-    args = [f"--out_dir={tmp_path / 'b'}", f"--data_dir={data_dir}", "--num_samples=1", "--max_new_tokens=20",
-            "--start=def "]
+    args = [
+        f"--out_dir={tmp_path / 'b'}",
+        f"--data_dir={data_dir}",
+        "--num_samples=1",
+        "--max_new_tokens=20",
+        "--start=def ",
+    ]
     with_cache = sample.main(args)
     without = sample.main(args + ["--use_kv_cache=False"])
     assert with_cache == without and with_cache[0].startswith("def ")
@@ -424,8 +496,12 @@ def test_train_rejects_bad_settings(data_dir, tmp_path):
 
 
 def test_passkey_training_runs(tmp_path):
-    out = train.main(tiny_train_args(tmp_path, tmp_path, dataset="passkey", block_size=160, max_iters=4,
-                                     eval_interval=4, eval_iters=2), log=lambda *_: None)
+    out = train.main(
+        tiny_train_args(
+            tmp_path, tmp_path, dataset="passkey", block_size=160, max_iters=4, eval_interval=4, eval_iters=2
+        ),
+        log=lambda *_: None,
+    )
     ev = out["evals"][-1]
     assert 0.0 <= ev["val_digit_acc"] <= 1.0 and 0.0 <= ev["val_key_acc"] <= 1.0
     assert math.isfinite(ev["val"])
@@ -439,9 +515,15 @@ def test_auto_dtype_on_cpu():
 def test_ddp_under_torchrun(data_dir, tmp_path):
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(GPT_DIR / "train.py"), *tiny_train_args(data_dir, tmp_path, max_iters=10, eval_interval=10,
-                                                      gradient_accumulation_steps=2)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(GPT_DIR / "train.py"),
+        *tiny_train_args(data_dir, tmp_path, max_iters=10, eval_interval=10, gradient_accumulation_steps=2),
+    ]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "x2" in r.stdout and (tmp_path / "ckpt.pt").exists()

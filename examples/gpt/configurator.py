@@ -22,8 +22,9 @@ import difflib
 import numbers
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, TypeVar
+from typing import Any, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -48,13 +49,17 @@ def _type_name(tp: Any) -> str:
 def _is_int_tuple(tp: Any) -> bool:
     origin = typing.get_origin(tp)
     return origin in (tuple, list, Sequence, typing.Sequence) or (
-        origin is not None and getattr(origin, "__name__", "") == "Sequence")
+        origin is not None and getattr(origin, "__name__", "") == "Sequence"
+    )
 
 
 def coerce(key: str, value: Any, tp: Any, source: str) -> Any:
     """Check that a Python value (from a config file, or parsed) has the type of ``key``."""
+
     def fail() -> ConfigError:
-        return ConfigError(f"{source}: {key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        return ConfigError(
+            f"{source}: {key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})"
+        )
 
     if tp is bool:
         if not isinstance(value, bool):
@@ -76,7 +81,8 @@ def coerce(key: str, value: Any, tp: Any, source: str) -> Any:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             value = (value,)
         if not isinstance(value, (list, tuple)) or not all(
-                isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value
+        ):
             raise fail()
         return tuple(int(v) for v in value)
     raise TypeError(f"config key {key!r} has a type the configurator does not handle: {tp!r}")
@@ -128,12 +134,16 @@ def read_config_file(path: Path) -> dict[str, Any]:
     namespace: dict[str, Any] = {"__file__": str(path), "__name__": "__config__"}
     code = compile(path.read_text(), str(path), "exec")
     exec(code, namespace)  # noqa: S102  (config files are Python by design, as in nanoGPT)
-    return {k: v for k, v in namespace.items()
-            if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+    return {
+        k: v
+        for k, v in namespace.items()
+        if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))
+    }
 
 
-def load_config(cls: type[T], argv: Sequence[str], base_dir: Optional[Path] = None,
-                defaults: Optional[T] = None) -> T:
+def load_config(
+    cls: type[T], argv: Sequence[str], base_dir: Optional[Path] = None, defaults: Optional[T] = None
+) -> T:
     """Build an instance of the dataclass ``cls`` from config files and ``--key=value`` overrides,
     applied in order over ``defaults`` (or ``cls()``)."""
     types_ = _field_types(cls)

@@ -22,16 +22,16 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch import nn
 
-from dilated_attention import dilated_attention
-from dilated_attention import _validation
+from dilated_attention import _validation, dilated_attention
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class GPTConfig:
             self.n_kv_head = self.n_head
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(
-                f"GPTConfig.n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+                f"GPTConfig.n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})"
+            )
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if not 0.0 <= float(self.dropout) < 1.0:
@@ -80,7 +81,8 @@ class GPTConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"GPTConfig.attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
-                f"got {self.attention_backend!r}")
+                f"got {self.attention_backend!r}"
+            )
         segs, rates = _validation.normalize_branches(self.segment_lengths, self.dilation_rates)
         self.segment_lengths, self.dilation_rates = tuple(segs), tuple(rates)
 
@@ -100,8 +102,12 @@ class GPTConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_multiplicity(p: int, n_head: int, config: GPTConfig, device: torch.device | str = "cpu",
-                        ) -> tuple[int, torch.Tensor]:
+def decode_multiplicity(
+    p: int,
+    n_head: int,
+    config: GPTConfig,
+    device: torch.device | str = "cpu",
+) -> tuple[int, torch.Tensor]:
     """The keys that query position ``p`` reads, per head, as ``(start, mult)``.
 
     ``mult`` is (n_head, p + 1 - start): ``mult[h, j]`` is the number of branches through which
@@ -123,8 +129,14 @@ def decode_multiplicity(p: int, n_head: int, config: GPTConfig, device: torch.de
     return start, mult
 
 
-def attention_pairs(seq_len: int, n_head: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                    is_causal: bool = True, dense: bool = False) -> int:
+def attention_pairs(
+    seq_len: int,
+    n_head: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    is_causal: bool = True,
+    dense: bool = False,
+) -> int:
     """Number of (query, key) pairs, with multiplicity, summed over heads, for one sequence.
 
     Counted exactly from the branches (SPEC section 3), not as dense attention: in branch
@@ -132,6 +144,7 @@ def attention_pairs(seq_len: int, n_head: int, segment_lengths: Sequence[int], d
     t % r == h % r}``); they form ``m * (m + 1) / 2`` causal pairs (``m * m`` non-causal).
     ``dense=True`` counts plain attention over the whole sequence.
     """
+
     def pairs(m: int) -> int:
         return m * (m + 1) // 2 if is_causal else m * m
 
@@ -156,8 +169,16 @@ def attention_pairs(seq_len: int, n_head: int, segment_lengths: Sequence[int], d
 class KVCache:
     """Keys and values of every layer for positions ``[0, length)``: (B, max_len, Hkv, D) each."""
 
-    def __init__(self, n_layer: int, batch_size: int, max_len: int, n_kv_head: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        max_len: int,
+        n_kv_head: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         shape = (batch_size, max_len, n_kv_head, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
@@ -171,8 +192,8 @@ class KVCache:
         T = k.shape[1]
         if pos + T > self.max_len:
             raise RuntimeError(f"KV cache overflow: positions up to {pos + T} > max_len {self.max_len}")
-        self.k[layer][:, pos:pos + T] = k.to(self.k[layer].dtype)
-        self.v[layer][:, pos:pos + T] = v.to(self.v[layer].dtype)
+        self.k[layer][:, pos : pos + T] = k.to(self.k[layer].dtype)
+        self.v[layer][:, pos : pos + T] = v.to(self.v[layer].dtype)
 
 
 class LayerNorm(nn.Module):
@@ -187,8 +208,9 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
 
 
-def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mult: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def _cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mult: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One query against the cached keys with a multiplicity mask (SPEC section 3).
 
     q (B, 1, H, D); k, v (B, L, Hkv, D); mult (H, L) counts. Returns (B, 1, H, D).
@@ -251,16 +273,24 @@ class CausalSelfAttention(nn.Module):
             vt = v.repeat_interleave(G, dim=2).transpose(1, 2)
             y = F.scaled_dot_product_attention(qt, kt, vt, dropout_p=dropout_p, is_causal=True)
             return y.transpose(1, 2)  # (B, T, H, D)
-        return dilated_attention(q, k, v, cfg.segment_lengths, cfg.dilation_rates, is_causal=True,
-                                 dropout_p=dropout_p, backend=cfg.attention_backend)
+        return dilated_attention(
+            q,
+            k,
+            v,
+            cfg.segment_lengths,
+            cfg.dilation_rates,
+            is_causal=True,
+            dropout_p=dropout_p,
+            backend=cfg.attention_backend,
+        )
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """One new token at position ``kv_cache.length`` against the cached keys."""
         p = kv_cache.length
         kv_cache.store(self.layer_idx, p, k, v)
         start, mult = kv_cache.keys_read
-        ks = kv_cache.k[self.layer_idx][:, start:p + 1]  # (B, L, Hkv, D)
-        vs = kv_cache.v[self.layer_idx][:, start:p + 1]
+        ks = kv_cache.k[self.layer_idx][:, start : p + 1]  # (B, L, Hkv, D)
+        vs = kv_cache.v[self.layer_idx][:, start : p + 1]
         return _cached_attention(q, ks, vs, mult, 1.0 / math.sqrt(self.head_dim))
 
 
@@ -296,13 +326,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
@@ -327,8 +359,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                kv_cache: Optional[KVCache] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Logits and the loss.
 
         idx (B, T) token ids. With ``targets`` (B, T) (``-1`` = ignored) the logits of every
@@ -343,7 +376,8 @@ class GPT(nn.Module):
         start = 0 if kv_cache is None else kv_cache.length
         if start + T > self.config.block_size:
             raise ValueError(
-                f"cannot forward a sequence of length {start + T}: block size is only {self.config.block_size}")
+                f"cannot forward a sequence of length {start + T}: block size is only {self.config.block_size}"
+            )
         if kv_cache is not None and start > 0:
             if T != 1:
                 raise ValueError(f"decoding with a non-empty KV cache takes one token at a time, got T={T}")
@@ -359,7 +393,9 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)  # (B, T, V)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
+            )
         else:
             logits = self.lm_head(x[:, [-1], :])  # (B, 1, V)
             loss = None
@@ -381,16 +417,21 @@ class GPT(nn.Module):
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
-    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                             device_type: str) -> torch.optim.AdamW:
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
+    ) -> torch.optim.AdamW:
         """AdamW; weight decay on the 2-D weights (matmuls, embeddings), none on biases and norms."""
         params = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
         decay = [p for p in params.values() if p.dim() >= 2]
         no_decay = [p for p in params.values() if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        logger.info("decayed parameter tensors: %d (%d parameters); not decayed: %d (%d parameters)",
-                    len(decay), sum(p.numel() for p in decay), len(no_decay), sum(p.numel() for p in no_decay))
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        logger.info(
+            "decayed parameter tensors: %d (%d parameters); not decayed: %d (%d parameters)",
+            len(decay),
+            sum(p.numel() for p in decay),
+            len(no_decay),
+            sum(p.numel() for p in no_decay),
+        )
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
         extra = {"fused": True} if fused else {}
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
@@ -403,15 +444,27 @@ class GPT(nn.Module):
         from the branches (not as dense), backward ``2.5 x`` forward.
         """
         cfg = self.config
-        pairs = attention_pairs(seq_len, cfg.n_head, cfg.segment_lengths, cfg.dilation_rates, is_causal=True,
-                                dense=cfg.attention_backend == "dense")
+        pairs = attention_pairs(
+            seq_len,
+            cfg.n_head,
+            cfg.segment_lengths,
+            cfg.dilation_rates,
+            is_causal=True,
+            dense=cfg.attention_backend == "dense",
+        )
         attn_fwd = 4 * cfg.head_dim * pairs * cfg.n_layer
         return 6 * self.get_num_params() * seq_len + 3.5 * attn_fwd
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: Optional[int] = None, use_cache: bool = True,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        use_cache: bool = True,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` (B, T); returns (B, T + max_new_tokens).
 
         With ``use_cache`` the keys and values are cached; when the context reaches the block
@@ -426,9 +479,16 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             if use_cache:
                 if cache is None or cache.length >= bs:
-                    ctx = idx[:, -(bs // 2 if cache is not None else bs):]
-                    cache = KVCache(self.config.n_layer, idx.shape[0], bs, self.config.n_kv_head,
-                                    self.config.head_dim, p.dtype, p.device)
+                    ctx = idx[:, -(bs // 2 if cache is not None else bs) :]
+                    cache = KVCache(
+                        self.config.n_layer,
+                        idx.shape[0],
+                        bs,
+                        self.config.n_kv_head,
+                        self.config.head_dim,
+                        p.dtype,
+                        p.device,
+                    )
                     logits, _ = self(ctx, kv_cache=cache)
                     cache.length = ctx.shape[1]
                 else:

@@ -17,13 +17,19 @@ hidden further back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-FILLER = ("The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
-          "There and back again. ")
+FILLER = (
+    "The grass is green. ",
+    "The sky is blue. ",
+    "The sun is yellow. ",
+    "Here we go. ",
+    "There and back again. ",
+)
 QUESTION = "What is the pass key? The pass key is "
 
 
@@ -47,8 +53,12 @@ def min_seq_len(n_digits: int) -> int:
     return len(key_sentence("0" * n_digits)) + len(QUESTION) + n_digits - 1
 
 
-def passkey_sample(seq_len: int, n_digits: int = 5, generator: Optional[torch.Generator] = None,
-                   depth: Optional[float] = None) -> PasskeySample:
+def passkey_sample(
+    seq_len: int,
+    n_digits: int = 5,
+    generator: Optional[torch.Generator] = None,
+    depth: Optional[float] = None,
+) -> PasskeySample:
     """One sample of ``seq_len + 1`` tokens (inputs are ``tokens[:-1]``, targets ``tokens[1:]``).
 
     The key sentence starts at a sentence boundary of the filler, at a uniformly random one or,
@@ -57,7 +67,9 @@ def passkey_sample(seq_len: int, n_digits: int = 5, generator: Optional[torch.Ge
     if isinstance(n_digits, bool) or not isinstance(n_digits, int) or n_digits < 1:
         raise ValueError(f"n_digits must be a positive int, got {n_digits!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < min_seq_len(n_digits):
-        raise ValueError(f"seq_len must be an int >= {min_seq_len(n_digits)} for {n_digits} digits, got {seq_len!r}")
+        raise ValueError(
+            f"seq_len must be an int >= {min_seq_len(n_digits)} for {n_digits} digits, got {seq_len!r}"
+        )
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1] or None, got {depth!r}")
 
@@ -88,8 +100,12 @@ def passkey_sample(seq_len: int, n_digits: int = 5, generator: Optional[torch.Ge
     return PasskeySample(tokens=tokens, key=key, key_pos=key_pos, answer_pos=seq_len + 1 - n_digits)
 
 
-def passkey_batch(batch_size: int, seq_len: int, n_digits: int = 5, generator: Optional[torch.Generator] = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def passkey_batch(
+    batch_size: int,
+    seq_len: int,
+    n_digits: int = 5,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, y, key_pos)``: inputs x (B, T), targets y (B, T) that are ``-1`` (ignored) except at
     the answer's digits, and the position of each key's first digit (B,)."""
     samples = [passkey_sample(seq_len, n_digits, generator) for _ in range(batch_size)]
@@ -101,8 +117,13 @@ def passkey_batch(batch_size: int, seq_len: int, n_digits: int = 5, generator: O
     return x, y, key_pos
 
 
-def attention_graph(seq_len: int, n_head: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                    dense: bool = False) -> torch.Tensor:
+def attention_graph(
+    seq_len: int,
+    n_head: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    dense: bool = False,
+) -> torch.Tensor:
     """(T, T) bool: whether position ``p`` reads position ``x`` in one causal attention layer,
     through any head (the heads are mixed by the output projection). SPEC section 2: branch
     ``(w, r)`` links ``x <= p`` of one segment whose phases agree and are some head's offset."""
@@ -118,8 +139,14 @@ def attention_graph(seq_len: int, n_head: int, segment_lengths: Sequence[int], d
     return graph & causal
 
 
-def receptive_field(seq_len: int, n_layer: int, n_head: int, segment_lengths: Sequence[int],
-                    dilation_rates: Sequence[int], dense: bool = False) -> torch.Tensor:
+def receptive_field(
+    seq_len: int,
+    n_layer: int,
+    n_head: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    dense: bool = False,
+) -> torch.Tensor:
     """(T, T) bool: whether the output at ``p`` after ``n_layer`` layers can depend on the token at
     ``x`` (attention paths, plus the residual stream that keeps each position's own token)."""
     step = attention_graph(seq_len, n_head, segment_lengths, dilation_rates, dense)
@@ -131,9 +158,17 @@ def receptive_field(seq_len: int, n_layer: int, n_head: int, segment_lengths: Se
     return field > 0
 
 
-def reachable_fraction(seq_len: int, n_layer: int, n_head: int, segment_lengths: Sequence[int],
-                       dilation_rates: Sequence[int], dense: bool = False, n_digits: int = 5,
-                       samples: int = 200, seed: int = 0) -> float:
+def reachable_fraction(
+    seq_len: int,
+    n_layer: int,
+    n_head: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    dense: bool = False,
+    n_digits: int = 5,
+    samples: int = 200,
+    seed: int = 0,
+) -> float:
     """Fraction of passkey samples in which every answer digit's prediction can read the key digit
     it must copy: an upper bound on the key accuracy any trained model of that shape can reach
     (beyond guessing)."""

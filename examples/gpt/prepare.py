@@ -36,8 +36,11 @@ def stdlib_sources(stdlib_dir: Optional[Path] = None) -> list[Path]:
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise RuntimeError(f"the standard library directory {str(root)!r} does not exist")
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and "dist-packages" not in p.parts and p.is_file())
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "dist-packages" not in p.parts and p.is_file()
+    )
     if not files:
         raise RuntimeError(f"no .py files found under {str(root)!r}")
     return files
@@ -52,8 +55,12 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocab_size {vocab_size} does not fit uint16")
 
 
-def prepare_stdlib(data_dir: Optional[Path] = None, max_bytes: int = 0, force: bool = False,
-                   stdlib_dir: Optional[Path] = None) -> Path:
+def prepare_stdlib(
+    data_dir: Optional[Path] = None,
+    max_bytes: int = 0,
+    force: bool = False,
+    stdlib_dir: Optional[Path] = None,
+) -> Path:
     """Write ``train.bin``, ``val.bin`` and ``meta.json`` for the ``stdlib`` corpus; returns the directory.
 
     ``max_bytes`` > 0 caps the corpus (the first files in sorted order). Existing files are
@@ -86,7 +93,9 @@ def prepare_stdlib(data_dir: Optional[Path] = None, max_bytes: int = 0, force: b
     train = np.frombuffer(b"".join(train_parts), dtype=np.uint8)
     val = np.frombuffer(b"".join(val_parts), dtype=np.uint8)
     if len(val) == 0 or len(train) == 0:
-        raise RuntimeError(f"corpus too small: {len(train)} train and {len(val)} val bytes (max_bytes={max_bytes})")
+        raise RuntimeError(
+            f"corpus too small: {len(train)} train and {len(val)} val bytes (max_bytes={max_bytes})"
+        )
     out.mkdir(parents=True, exist_ok=True)
     # Write to temporary names, then rename: a concurrent reader never sees a half-written file.
     for name, arr in (("train", train), ("val", val)):
@@ -94,14 +103,26 @@ def prepare_stdlib(data_dir: Optional[Path] = None, max_bytes: int = 0, force: b
         arr.astype(token_dtype(256)).tofile(tmp)
         os.replace(tmp, out / f"{name}.bin")
     meta: dict[str, Any] = {
-        "vocab_size": 256, "dtype": "uint8", "tokenizer": "bytes", "source": str(sysconfig.get_paths()["stdlib"]),
-        "files": len(files), "train_tokens": int(len(train)), "val_tokens": int(len(val)), "max_bytes": max_bytes,
+        "vocab_size": 256,
+        "dtype": "uint8",
+        "tokenizer": "bytes",
+        "source": str(sysconfig.get_paths()["stdlib"]),
+        "files": len(files),
+        "train_tokens": len(train),
+        "val_tokens": len(val),
+        "max_bytes": max_bytes,
     }
     tmp = out / f"meta.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, meta_path)
-    logger.info("wrote %s: %d train and %d val tokens from %d files in %.1fs",
-                out, len(train), len(val), len(files), time.time() - t0)
+    logger.info(
+        "wrote %s: %d train and %d val tokens from %d files in %.1fs",
+        out,
+        len(train),
+        len(val),
+        len(files),
+        time.time() - t0,
+    )
     return out
 
 

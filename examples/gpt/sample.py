@@ -75,7 +75,9 @@ def encode_decode(train_config: dict, data_dir: Path):
         try:
             import tiktoken
         except ImportError:
-            raise RuntimeError("this checkpoint uses GPT-2 tokens; install tiktoken to sample from it") from None
+            raise RuntimeError(
+                "this checkpoint uses GPT-2 tokens; install tiktoken to sample from it"
+            ) from None
         enc = tiktoken.get_encoding("gpt2")
         return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
     raise ValueError(f"unknown tokenizer {tokenizer!r} in the dataset's meta.json")
@@ -85,18 +87,24 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
     argv = sys.argv[1:] if argv is None else argv
     cfg = configurator.load_config(SampleConfig, argv, base_dir=HERE)
     if cfg.attention_backend and cfg.attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)} or '', "
-                         f"got {cfg.attention_backend!r}")
+        raise ValueError(
+            f"attention_backend must be one of {list(ATTENTION_BACKENDS)} or '', "
+            f"got {cfg.attention_backend!r}"
+        )
     if cfg.dtype not in ("auto", *DTYPES):
         raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {cfg.dtype!r}")
     for name in ("num_samples", "max_new_tokens"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.top_k < 0 or cfg.temperature <= 0:
-        raise ValueError(f"need top_k >= 0 and temperature > 0, got top_k={cfg.top_k}, temperature={cfg.temperature}")
+        raise ValueError(
+            f"need top_k >= 0 and temperature > 0, got top_k={cfg.top_k}, temperature={cfg.temperature}"
+        )
     device = resolve_device(cfg.device)
     ptdtype = auto_dtype(device) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device.type, dtype=ptdtype)
+    ctx = (
+        nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device.type, dtype=ptdtype)
+    )
     torch.manual_seed(cfg.seed)
 
     model, train_config = load_model((HERE / cfg.out_dir) / "ckpt.pt", device, cfg.attention_backend)
@@ -116,15 +124,23 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
     with torch.no_grad(), ctx:
         for _ in range(cfg.num_samples):
             t0 = time.time()
-            y = model.generate(x, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k or None,
-                               use_cache=cfg.use_kv_cache, generator=gen)
+            y = model.generate(
+                x,
+                cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k or None,
+                use_cache=cfg.use_kv_cache,
+                generator=gen,
+            )
             dt = time.time() - t0
             text = decode(y[0].tolist())
             texts.append(text)
             print(text)
-            print(f"---------------  ({cfg.max_new_tokens} tokens in {dt:.2f}s, "
-                  f"{cfg.max_new_tokens / dt:.0f} tokens/s, kv cache {'on' if cfg.use_kv_cache else 'off'}, "
-                  f"attention {model.config.attention_backend})")
+            print(
+                f"---------------  ({cfg.max_new_tokens} tokens in {dt:.2f}s, "
+                f"{cfg.max_new_tokens / dt:.0f} tokens/s, kv cache {'on' if cfg.use_kv_cache else 'off'}, "
+                f"attention {model.config.attention_backend})"
+            )
     return texts
 
 

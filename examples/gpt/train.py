@@ -102,8 +102,15 @@ class TrainConfig:
                 if getattr(self, n) < 1:
                     raise ValueError(f"{n} must be >= 1, got {getattr(self, n)}")
 
-        positive("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                 "block_size", "passkey_digits")
+        positive(
+            "eval_interval",
+            "log_interval",
+            "eval_iters",
+            "gradient_accumulation_steps",
+            "batch_size",
+            "block_size",
+            "passkey_digits",
+        )
         for n in ("max_iters", "warmup_iters", "lr_decay_iters", "max_bytes", "num_threads"):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
@@ -118,10 +125,13 @@ class TrainConfig:
             raise ValueError(f"ddp_backend must be 'auto', 'nccl' or 'gloo', got {self.ddp_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
         if self.dataset == "passkey" and self.block_size < passkey.min_seq_len(self.passkey_digits):
-            raise ValueError(f"block_size {self.block_size} is too short for the passkey task "
-                             f"(at least {passkey.min_seq_len(self.passkey_digits)})")
+            raise ValueError(
+                f"block_size {self.block_size} is too short for the passkey task "
+                f"(at least {passkey.min_seq_len(self.passkey_digits)})"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,8 +180,18 @@ def auto_dtype(device: torch.device) -> torch.dtype:
 
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), FLOP/s.
-GPU_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12),
-                  ("A10", 125e12), ("4090", 165e12), ("3090", 71e12), ("V100", 125e12), ("T4", 65e12))
+GPU_PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("4090", 165e12),
+    ("3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -190,7 +210,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, given: float) -> tuple[float, str]:
@@ -227,8 +247,10 @@ class Batches:
                 raise FileNotFoundError(f"dataset {cfg.dataset!r}: {path} does not exist")
             n = path.stat().st_size // self.np_dtype.itemsize
             if n <= cfg.block_size:
-                raise ValueError(f"dataset {cfg.dataset!r}: {split} split has {n} tokens, fewer than "
-                                 f"block_size + 1 = {cfg.block_size + 1}")
+                raise ValueError(
+                    f"dataset {cfg.dataset!r}: {split} split has {n} tokens, fewer than "
+                    f"block_size + 1 = {cfg.block_size + 1}"
+                )
 
     def get(self, split: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -238,11 +260,16 @@ class Batches:
             # A new memmap every batch: numpy's memmap otherwise keeps growing resident memory.
             data = np.memmap(self.files[split], dtype=self.np_dtype, mode="r")
             ix = torch.randint(len(data) - cfg.block_size, (cfg.batch_size,), generator=generator)
-            x = torch.stack([torch.from_numpy(data[i:i + cfg.block_size].astype(np.int64)) for i in ix.tolist()])
-            y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + cfg.block_size].astype(np.int64))
-                             for i in ix.tolist()])
+            x = torch.stack(
+                [torch.from_numpy(data[i : i + cfg.block_size].astype(np.int64)) for i in ix.tolist()]
+            )
+            y = torch.stack(
+                [torch.from_numpy(data[i + 1 : i + 1 + cfg.block_size].astype(np.int64)) for i in ix.tolist()]
+            )
         if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
+                self.device, non_blocking=True
+            )
         return x.to(self.device), y.to(self.device)
 
 
@@ -316,15 +343,23 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
     # Processes: DDP under torchrun, else one.
     ddp = int(os.environ.get("RANK", -1)) != -1
     if ddp:
-        rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        rank, local_rank, world = (
+            int(os.environ["RANK"]),
+            int(os.environ["LOCAL_RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+        )
         device = resolve_device(cfg.device, local_rank if cfg.device in ("auto", "cuda") else None)
-        backend = cfg.ddp_backend if cfg.ddp_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        backend = (
+            cfg.ddp_backend if cfg.ddp_backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        )
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend)
         if cfg.gradient_accumulation_steps % world != 0:
-            raise ValueError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be a multiple "
-                             f"of the number of processes ({world})")
+            raise ValueError(
+                f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be a multiple "
+                f"of the number of processes ({world})"
+            )
         grad_accum = cfg.gradient_accumulation_steps // world
     else:
         rank, world, grad_accum = 0, 1, cfg.gradient_accumulation_steps
@@ -340,7 +375,9 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     ptdtype = auto_dtype(device) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device.type, dtype=ptdtype)
+    ctx = (
+        nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device.type, dtype=ptdtype)
+    )
 
     # Data
     if cfg.dataset == "stdlib":
@@ -352,10 +389,20 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
     data_gen = torch.Generator().manual_seed(cfg.seed + rank)
 
     # Model
-    model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, n_embd=cfg.n_embd,
-                      block_size=cfg.block_size, bias=cfg.bias, vocab_size=batches.vocab_size, dropout=cfg.dropout,
-                      attention_backend=cfg.attention_backend, segment_lengths=cfg.segment_lengths,
-                      dilation_rates=cfg.dilation_rates, gradient_checkpointing=cfg.gradient_checkpointing)
+    model_args = dict(
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_kv_head=cfg.n_kv_head,
+        n_embd=cfg.n_embd,
+        block_size=cfg.block_size,
+        bias=cfg.bias,
+        vocab_size=batches.vocab_size,
+        dropout=cfg.dropout,
+        attention_backend=cfg.attention_backend,
+        segment_lengths=cfg.segment_lengths,
+        dilation_rates=cfg.dilation_rates,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
     iter_num, best_val_loss, checkpoint = 0, 1e9, None
     ckpt_path = out_dir / "ckpt.pt"
     if cfg.init_from == "resume":
@@ -364,11 +411,15 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
         checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
         for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size"):
             if model_args[k] != checkpoint["model_args"][k] and not (k == "n_kv_head" and model_args[k] == 0):
-                log(f"resume: {k} = {checkpoint['model_args'][k]} from the checkpoint (config said {model_args[k]})")
+                log(
+                    f"resume: {k} = {checkpoint['model_args'][k]} from the checkpoint (config said {model_args[k]})"
+                )
             model_args[k] = checkpoint["model_args"][k]
         if cfg.block_size != model_args["block_size"]:
-            raise ValueError(f"resume: block_size {cfg.block_size} differs from the checkpoint's "
-                             f"{model_args['block_size']}")
+            raise ValueError(
+                f"resume: block_size {cfg.block_size} differs from the checkpoint's "
+                f"{model_args['block_size']}"
+            )
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     gptconf = GPTConfig(**model_args)
     model = GPT(gptconf)
@@ -376,7 +427,9 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
         model.load_state_dict(checkpoint["model"])
     model.to(device)
     scaler = torch.amp.GradScaler(device.type, enabled=(ptdtype == torch.float16))
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    optimizer = model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type
+    )
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         rng = checkpoint.get("rng", {})
@@ -396,27 +449,45 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     backend_name = backend_in_use(cfg, device, ptdtype)
-    attn_note = "" if cfg.attention_backend == "dense" else \
-        f" segments {list(gptconf.segment_lengths)} rates {list(gptconf.dilation_rates)}"
+    attn_note = (
+        ""
+        if cfg.attention_backend == "dense"
+        else f" segments {list(gptconf.segment_lengths)} rates {list(gptconf.dilation_rates)}"
+    )
     flops_per_iter = raw_model.flops_per_sequence(cfg.block_size) * cfg.batch_size * grad_accum * world
     peak, peak_src = peak_flops(device, ptdtype, cfg.peak_flops)
-    log(f"model {raw_model.get_num_params() / 1e6:.2f}M params | {cfg.n_layer} layers, {cfg.n_head} heads, "
-        f"{cfg.n_embd} dims, block {cfg.block_size} | attention {backend_name}{attn_note}")
-    log(f"device {device} x{world} | dtype {str(ptdtype).replace('torch.', '')} | {tokens_per_iter:,} tokens/iter | "
-        f"MFU peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})")
+    log(
+        f"model {raw_model.get_num_params() / 1e6:.2f}M params | {cfg.n_layer} layers, {cfg.n_head} heads, "
+        f"{cfg.n_embd} dims, block {cfg.block_size} | attention {backend_name}{attn_note}"
+    )
+    log(
+        f"device {device} x{world} | dtype {str(ptdtype).replace('torch.', '')} | {tokens_per_iter:,} tokens/iter | "
+        f"MFU peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})"
+    )
 
     if cfg.dataset == "passkey" and master and cfg.block_size <= 8192:
-        frac = passkey.reachable_fraction(cfg.block_size, cfg.n_layer, cfg.n_head, gptconf.segment_lengths,
-                                          gptconf.dilation_rates, dense=cfg.attention_backend == "dense",
-                                          n_digits=cfg.passkey_digits)
-        log(f"passkey: the answer can read the key in {frac:.0%} of samples with this attention and "
-            f"{cfg.n_layer} layers (the ceiling of the key accuracy)")
+        frac = passkey.reachable_fraction(
+            cfg.block_size,
+            cfg.n_layer,
+            cfg.n_head,
+            gptconf.segment_lengths,
+            gptconf.dilation_rates,
+            dense=cfg.attention_backend == "dense",
+            n_digits=cfg.passkey_digits,
+        )
+        log(
+            f"passkey: the answer can read the key in {frac:.0%} of samples with this attention and "
+            f"{cfg.n_layer} layers (the ceiling of the key accuracy)"
+        )
 
     def save_checkpoint() -> None:
         state = {
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": gptconf.to_dict(),
-            "iter_num": iter_num, "best_val_loss": best_val_loss, "config": {
-                k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "model_args": gptconf.to_dict(),
+            "iter_num": iter_num,
+            "best_val_loss": best_val_loss,
+            "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
             "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state()},
         }
         if device.type == "cuda":
@@ -427,8 +498,14 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
         os.replace(tmp, ckpt_path)
         log(f"saved checkpoint to {ckpt_path}")
 
-    summary: dict[str, Any] = {"losses": [], "evals": [], "backend": backend_name, "out_dir": str(out_dir),
-                               "ckpt_path": str(ckpt_path), "config": cfg}
+    summary: dict[str, Any] = {
+        "losses": [],
+        "evals": [],
+        "backend": backend_name,
+        "out_dir": str(out_dir),
+        "ckpt_path": str(ckpt_path),
+        "config": cfg,
+    }
     t_start = time.time()
     t0 = time.time()
     local_iter, running_mfu, tok_s = 0, -1.0, 0.0
@@ -476,8 +553,10 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
                 running_mfu = mfu if running_mfu < 0 else 0.9 * running_mfu + 0.1 * mfu
             tok_s = tokens_per_iter / dt
             mfu_text = f"{running_mfu * 100:.2f}%" if running_mfu >= 0 else "--"
-            log(f"iter {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | {dt * 1000:.0f} ms | {tok_s:,.0f} tok/s | "
-                f"mfu {mfu_text} | attn {backend_name}")
+            log(
+                f"iter {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | {dt * 1000:.0f} ms | {tok_s:,.0f} tok/s | "
+                f"mfu {mfu_text} | attn {backend_name}"
+            )
         iter_num += 1
         local_iter += 1
 

@@ -1,4 +1,5 @@
-# GPT-2 small (124M) shape with dilated attention, as nanoGPT's config/train_gpt2.py.
+# GPT-2 small shape (12 layers, 12 heads, 768 dims; 124M parameters with GPT-2's vocabulary,
+# 85M with bytes) with dilated attention, as nanoGPT's config/train_gpt2.py.
 # On a GPU: `python train.py config/train_gpt2.py` (torchrun for several; the batch below is
 # nanoGPT's ~0.5M tokens per step on 8 GPUs, 12 * 1024 * 40 = 491,520 tokens).
 # The default corpus is the byte-level stdlib (vocab 256); a directory data/<name>/ with
