@@ -25,5 +25,9 @@ test:
 test-slow:
 	DILATED_ATTENTION_SLOW=1 $(PYTHON) -m pytest -q
 
+train:
+	$(PYTHON) examples/gpt/train.py examples/gpt/config/train_stdlib.py
+	$(PYTHON) examples/gpt/sample.py --start="def " --num_samples=1 --max_new_tokens=500
+
 clean:
 	rm -rf build dilated_attention/_C*.so *.egg-info
