@@ -29,5 +29,11 @@ train:
 	$(PYTHON) examples/gpt/train.py examples/gpt/config/train_stdlib.py
 	$(PYTHON) examples/gpt/sample.py --start="def " --num_samples=1 --max_new_tokens=500
 
+bench:
+	$(PYTHON) benchmarks/bench.py
+
+cuda-check:
+	bash scripts/check_cuda_build.sh
+
 clean:
 	rm -rf build dilated_attention/_C*.so *.egg-info
