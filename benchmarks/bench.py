@@ -48,7 +48,8 @@ import re
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -166,6 +167,20 @@ def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return out, lse[..., : q.shape[2]]
 
 
+def _strided_take(t: torch.Tensor, S: int, c: int, r: int, o: int) -> torch.Tensor:
+    """(B, S*c*r, H, D) -> (B*S, heads o::r, c, D): phase o of every segment, as one copy."""
+    B, _, H, D = t.shape
+    x = t.view(B, S, c, r, H, D)[:, :, :, o, o::r]  # (B, S, c, nh, D)
+    return x.permute(0, 1, 3, 2, 4).reshape(B * S, x.shape[3], c, D)
+
+
+def _index_take(t: torch.Tensor, idx: torch.Tensor, heads: torch.Tensor, S: int, c: int) -> torch.Tensor:
+    """(B, N, H, D) -> (B*S, len(heads), c, D): positions idx (S*c of them) of the given heads."""
+    B, _, _, D = t.shape
+    x = t.index_select(1, idx).index_select(2, heads)  # (B, S*c, nh, D)
+    return x.view(B, S, c, len(heads), D).permute(0, 1, 3, 2, 4).reshape(B * S, len(heads), c, D)
+
+
 def gather_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: Sequence[int], rates: Sequence[int], causal: bool
 ) -> torch.Tensor:
@@ -173,31 +188,24 @@ def gather_sdpa(
 
     Where the segments tile the sequence (w | N, r | w) and there is no GQA, the covered positions of
     phase o are the strided view x.view(B, N/w, w/r, r, H, D)[:, :, :, o, o::r]; otherwise they are
-    gathered with index_select (ragged last segment included as its own call).
+    gathered with index_select (a ragged last segment is its own call).
     """
     B, N, H, D = q.shape
-    Hkv = k.shape[2]
-    G = H // Hkv
+    G = H // k.shape[2]
     dev = q.device
     outs, lses = [], []
-    for w, r in zip(segs, rates):
-        w = min(w, N)
+    for w_branch, r in zip(segs, rates):
+        w = min(w_branch, N)
         out_b = torch.zeros(B, N, H, D, device=dev, dtype=q.dtype)
         lse_b = torch.full((B, N, H), float("-inf"), device=dev, dtype=torch.float32)
         if N % w == 0 and w % r == 0 and G == 1:
             S, c = N // w, w // r
-
-            def view(t: torch.Tensor) -> torch.Tensor:  # (B, S, c, r, H, D)
-                return t.view(B, S, c, r, H, D)
-
             for o in range(min(r, H)):
                 nh = len(range(o, H, r))
-
-                def take(t: torch.Tensor) -> torch.Tensor:
-                    return view(t)[:, :, :, o, o::r].permute(0, 1, 3, 2, 4).reshape(B * S, nh, c, D)
-
-                o_g, l_g = _sdpa_with_lse(take(q), take(k), take(v), causal)
-                view(out_b)[:, :, :, o, o::r] = o_g.view(B, S, nh, c, D).permute(0, 1, 3, 2, 4)
+                o_g, l_g = _sdpa_with_lse(*(_strided_take(t, S, c, r, o) for t in (q, k, v)), causal)
+                out_b.view(B, S, c, r, H, D)[:, :, :, o, o::r] = o_g.view(B, S, nh, c, D).permute(
+                    0, 1, 3, 2, 4
+                )
                 lse_b.view(B, S, c, r, H)[:, :, :, o, o::r] = (
                     l_g.view(B, S, nh, c).permute(0, 1, 3, 2).float()
                 )
@@ -205,7 +213,6 @@ def gather_sdpa(
             nfull, rem = divmod(N, w)
             for o in range(min(r, H)):
                 heads = torch.arange(o, H, r, device=dev)
-                kv_heads = heads // G
                 pieces = []
                 if nfull and o < w:
                     pieces.append(torch.arange(nfull * w, device=dev).view(nfull, w)[:, o::r])
@@ -213,16 +220,13 @@ def gather_sdpa(
                     pieces.append(torch.arange(nfull * w + o, N, r, device=dev).view(1, -1))
                 for pos in pieces:  # (S, c): S segments of c covered positions
                     S, c = pos.shape
-                    idx = pos.reshape(-1)
-
-                    def take(t: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
-                        x = t.index_select(1, idx).index_select(2, hs)  # (B, S*c, h, D)
-                        return (
-                            x.view(B, S, c, len(hs), D).permute(0, 1, 3, 2, 4).reshape(B * S, len(hs), c, D)
-                        )
-
-                    o_g, l_g = _sdpa_with_lse(take(q, heads), take(k, kv_heads), take(v, kv_heads), causal)
-                    nh = len(heads)
+                    idx, nh = pos.reshape(-1), len(heads)
+                    o_g, l_g = _sdpa_with_lse(
+                        _index_take(q, idx, heads, S, c),
+                        _index_take(k, idx, heads // G, S, c),
+                        _index_take(v, idx, heads // G, S, c),
+                        causal,
+                    )
                     o_g = o_g.view(B, S, nh, c, D).permute(0, 1, 3, 2, 4).reshape(B, S * c, nh, D)
                     l_g = l_g.view(B, S, nh, c).permute(0, 1, 3, 2).reshape(B, S * c, nh)
                     out_b[:, idx[:, None], heads[None, :]] = o_g
@@ -246,7 +250,7 @@ def gather_sdpa(
 
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
     return int(m.group(1)) * 1024 if m else 0
 
 
@@ -364,7 +368,7 @@ def _worker_main(spec_json: str) -> None:
         res = {"ok": True, "results": run_case(spec)}
     except torch.OutOfMemoryError as exc:  # only CUDA raises this; CPU OOM kills the process
         res = {"ok": False, "error": f"out of memory: {exc}".splitlines()[0][:300]}
-    except Exception as exc:  # report, do not crash the sweep
+    except Exception as exc:  # noqa: BLE001  (report, do not crash the sweep)
         res = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -372,7 +376,7 @@ def _worker_main(spec_json: str) -> None:
 def run_in_subprocess(spec: dict, timeout: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
     for line in reversed(p.stdout.splitlines()):
@@ -431,13 +435,18 @@ def machine_info(device: torch.device) -> dict:
         import dilated_attention
 
         info["dilated_attention"] = dilated_attention.__version__
-    except Exception as exc:  # the alternatives still run without the package
+    except Exception as exc:  # noqa: BLE001  (the alternatives still run without the package)
         info["dilated_attention"] = f"unavailable ({type(exc).__name__})"
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         info["git_commit"] = (
             subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
             ).stdout.strip()
             or None
         )
@@ -446,9 +455,9 @@ def machine_info(device: torch.device) -> dict:
     try:
         with open("/proc/cpuinfo") as f:
             text = f.read()
-        m = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+        m = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
         info["cpu"] = m.group(1).strip() if m else platform.processor()
-        flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+        flags = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
         isa = [x for x in ("avx512f", "avx2", "fma") if flags and x in flags.group(1).split()]
         info["cpu_isa"] = ",".join(isa)
         with open("/proc/meminfo") as f:
@@ -513,7 +522,7 @@ def runnable_backends(device: torch.device, dtype: torch.dtype, cfg: dict) -> tu
         )
         reasons = backend_reasons(req)
         return [n for n in BACKEND_NAMES if not reasons[n]], {n: r for n, r in reasons.items() if r}
-    except Exception as exc:  # an older package without the registry: native only
+    except Exception as exc:  # noqa: BLE001  (an older package without the registry: native only)
         log.warning("cannot ask dilated_attention.backends which backends run (%s); trying native only", exc)
         return ["native"], {}
 
@@ -633,7 +642,7 @@ def run_sweep(
 # ------------------------------------------------------------------------------------------------
 
 
-def _get(rows: list[dict], method: str, N: int, mode: str, suite: Optional[str] = None) -> Optional[dict]:
+def _get(rows: list[dict], method: str, N: int, mode: str, suite: str | None = None) -> dict | None:
     for r in rows:
         if (
             r["method"] == method
@@ -792,7 +801,7 @@ CSV_FIELDS = [
 ]
 
 
-def write_outputs(path: str, rows: list[dict], meta: dict, checks: Optional[dict]) -> list[str]:
+def write_outputs(path: str, rows: list[dict], meta: dict, checks: dict | None) -> list[str]:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -882,7 +891,7 @@ def plot(path: str, rows: list[dict], meta: dict) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -940,7 +949,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         _worker_main(args.worker)
