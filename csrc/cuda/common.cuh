@@ -13,6 +13,11 @@
 #include "launch.h"
 #include "tiling.h"
 
+#if defined(DA_CUDA_EMULATION)
+// The kernels run on the CPU for tests (emulation/cuda_emulation.h); never part of the extension.
+#include "emulation/cuda_emulation.h"
+#endif
+
 namespace dilated_attention {
 namespace cuda {
 
@@ -20,10 +25,17 @@ namespace cuda {
 #define DA_LOG2E 1.4426950408889634
 #define DA_LN2 0.6931471805599453
 
+#if defined(DA_CUDA_EMULATION)
+#define DA_SM80 1
+#define DA_EXTERN_SMEM(name) unsigned char* name = da_emu::shared_memory()
+#else
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define DA_SM80 1
 #else
 #define DA_SM80 0
+#endif
+// The block's dynamic shared memory.
+#define DA_EXTERN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
 /* ------------------------------------------------------------------------------------------ */
@@ -179,7 +191,9 @@ __device__ __forceinline__ bool pair_active(int jrow, int j, int o_end, int is_c
 // 16-byte asynchronous copy global -> shared; zero-fills the destination when !valid (src is then
 // not read but must still be a valid address).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-#if DA_SM80
+#if defined(DA_CUDA_EMULATION)
+  da_emu::cp_async(smem, valid ? gmem : nullptr);
+#elif DA_SM80
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
@@ -187,21 +201,27 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 }
 
 __device__ __forceinline__ void cp_async_commit() {
-#if DA_SM80
+#if defined(DA_CUDA_EMULATION)
+  da_emu::cp_commit();
+#elif DA_SM80
   asm volatile("cp.async.commit_group;\n" ::);
 #endif
 }
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-#if DA_SM80
+#if defined(DA_CUDA_EMULATION)
+  da_emu::cp_wait(N);
+#elif DA_SM80
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 #endif
 }
 
 // Four 8x8 b16 matrices; thread t gives the address of row t % 8 of matrix t / 8.
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* smem) {
-#if DA_SM80
+#if defined(DA_CUDA_EMULATION)
+  da_emu::ldsm(r, smem, false);
+#elif DA_SM80
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -211,7 +231,9 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* smem) {
 
 // The same, each matrix transposed.
 __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* smem) {
-#if DA_SM80
+#if defined(DA_CUDA_EMULATION)
+  da_emu::ldsm(r, smem, true);
+#elif DA_SM80
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -227,7 +249,9 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 template <>
 __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                                  uint32_t b1) {
-#if DA_SM80
+#if defined(DA_CUDA_EMULATION)
+  da_emu::mma(c, a, b0, b1, false);
+#elif DA_SM80
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
@@ -239,7 +263,9 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
 template <>
 __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
                                                         uint32_t b0, uint32_t b1) {
-#if DA_SM80
+#if defined(DA_CUDA_EMULATION)
+  da_emu::mma(c, a, b0, b1, true);
+#elif DA_SM80
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"

@@ -70,7 +70,7 @@ __device__ __forceinline__ void simt_walk_init(W& w, const Params& p, int64_t ba
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DA_EXTERN_SMEM(smem_raw);
   const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
   const int KT = p.other_tile, ld = simt_lds(D);
   acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kSimtThreads) delta_kernel_impl(const Params p
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DA_EXTERN_SMEM(smem_raw);
   const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
   const int KT = p.other_tile, ld = simt_lds(D);
   acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DA_EXTERN_SMEM(smem_raw);
   const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
   const int QT = p.other_tile, ld = simt_lds(D);
   acc_t* sK = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
@@ -426,6 +426,8 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   }
 }
 
+#ifndef DA_CUDA_EMULATION  // the CPU emulation of the tests calls the kernels itself
+
 template <typename Kernel>
 void simt_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream) {
   if (smem > 48 * 1024) {
@@ -466,6 +468,8 @@ void dispatch_dtype(DType t, F&& f) {
   }
 }
 
+#endif  // DA_CUDA_EMULATION
+
 }  // namespace
 
 int simt_smem_bytes(int64_t D, DType t, int64_t rows_per_warp, int other_tile, int kernel) {
@@ -474,6 +478,8 @@ int simt_smem_bytes(int64_t D, DType t, int64_t rows_per_warp, int other_tile, i
                             : simt_smem_elems<float>(D, rows_per_warp, other_tile, kernel) * 4;
   return (int)elems;
 }
+
+#ifndef DA_CUDA_EMULATION
 
 void simt_fwd(const Params& p, DType t, cudaStream_t stream) {
   dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kSimtFwd, stream); });
@@ -494,6 +500,8 @@ void delta_kernel(const Params& p, DType t, cudaStream_t stream) {
     delta_kernel_impl<decltype(s), decltype(a)><<<blocks, kSimtThreads, 0, stream>>>(p);
   });
 }
+
+#endif  // DA_CUDA_EMULATION
 
 }  // namespace cuda
 }  // namespace dilated_attention

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
 #if DA_SM80
   using Cfg = TcFwdCfg<DP>;
   constexpr int LDS = Cfg::LDS, KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DA_EXTERN_SMEM(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem_raw);  // [64][LDS]
   T* sK = sQ + kTcRows * LDS;              // [STAGES][KT][LDS]
   T* sV = sK + Cfg::STAGES * KT * LDS;     // [STAGES][KT][LDS]
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   using Cfg = TcDqCfg<DP>;
   constexpr int LDS = Cfg::LDS, KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
   constexpr int STAGES = Cfg::STAGES;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DA_EXTERN_SMEM(smem_raw);
   T* sQ = reinterpret_cast<T*>(smem_raw);  // [64][LDS]
   T* sdO = sQ + kTcRows * LDS;             // [64][LDS]
   T* sK = sdO + kTcRows * LDS;             // [STAGES][KT][LDS]
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   using Cfg = TcDkvCfg<DP>;
   constexpr int LDS = Cfg::LDS, QT = Cfg::QT, NT = QT / 8, DC = Cfg::DC, CT = DC / 8;
   constexpr int STAGES = Cfg::STAGES;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DA_EXTERN_SMEM(smem_raw);
   T* sK = reinterpret_cast<T*>(smem_raw);  // [64][LDS]
   T* sV = sK + kTcRows * LDS;              // [64][LDS]
   T* sQ = sV + kTcRows * LDS;              // [STAGES][QT][LDS]
@@ -590,6 +590,8 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
 #endif
 }
 
+#ifndef DA_CUDA_EMULATION  // the CPU emulation of the tests calls the kernels itself
+
 /* ------------------------------------------------------------------------------------------ */
 /* Launchers                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
@@ -645,6 +647,8 @@ TcConfig tc_dkv_dp(const Params& p, bool launch, cudaStream_t stream) {
     case 192: return FN<T, 192>(__VA_ARGS__);                    \
     default: return FN<T, 256>(__VA_ARGS__);                     \
   }
+
+#endif  // DA_CUDA_EMULATION
 
 }  // namespace cuda
 }  // namespace dilated_attention

@@ -1,0 +1,460 @@
+// A CPU emulation of the few CUDA features the kernels of csrc/cuda use, so that the kernels
+// themselves (not a re-implementation) can be run and checked on a machine without a GPU. Test
+// tooling only: tests/test_cuda.py compiles run_kernels.cpp with the host C++ compiler and
+// -DDA_CUDA_EMULATION; nothing here is part of the extension.
+//
+// Every CUDA thread of a block is a fiber (ucontext) of one OS thread; the fibers of a block run
+// round-robin and switch only at synchronisation points:
+//   * __syncthreads / __syncthreads_or: a block barrier;
+//   * warp collectives (__shfl*_sync, __any_sync, __all_sync, ldmatrix, mma.sync): every lane posts
+//     its operand and waits; the last lane to arrive computes every lane's result. All lanes must
+//     issue the same collective (checked: a divergent warp aborts with a message).
+// cp.async copies land only when a cp.async.wait_group lets them (or at once, on request), and
+// the order in which threads run between synchronisation points can be reversed or shuffled, so
+// that a missing wait or barrier changes the results. Shared memory is filled with NaN bytes
+// before each block and global buffers are guarded by the caller, so reads of unwritten data and
+// stray writes show up too.
+//
+// ldmatrix and mma.sync follow the fragment layouts of the PTX ISA ("Matrix Fragments for
+// mma.m16n8k16 with floating point type", "Warp-level matrix load instruction: ldmatrix"); mma
+// accumulates in float.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+
+namespace da_emu {
+
+constexpr int kMaxThreads = 128;
+constexpr size_t kSharedBytes = 232448;  // sm90's opt-in maximum
+constexpr size_t kStackBytes = 256 * 1024;
+
+enum Op { kShflXor = 1, kShfl, kAny, kAll, kLdsm, kLdsmT, kMmaF16, kMmaBF16 };
+
+struct Slot {
+  int op;
+  uint64_t in[8];
+  uint64_t out[4];
+};
+
+struct Warp {
+  int arrived = 0;
+  unsigned gen = 0;
+  Slot slot[32];
+};
+
+struct Copy {
+  void* dst;
+  const void* src;  // nullptr: zero-fill
+};
+
+// Switching between fibers. On x86-64 a few instructions that save the callee-saved registers
+// and the stack pointer (ucontext's swapcontext makes a system call per switch, far slower);
+// elsewhere ucontext.
+#if defined(__x86_64__) && defined(__linux__)
+#define DA_EMU_FAST_SWITCH 1
+extern "C" void da_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl da_emu_switch
+    .hidden da_emu_switch
+    .type da_emu_switch, @function
+da_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size da_emu_switch, .-da_emu_switch
+)");
+#else
+#define DA_EMU_FAST_SWITCH 0
+#endif
+
+struct Fiber {
+  ucontext_t ctx;
+  void* sp = nullptr;  // saved stack pointer (fast switch)
+  std::vector<char> stack;
+  uint3 tid;
+  bool done = false;
+  std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
+  std::vector<Copy> open;                 // issued, not yet committed
+};
+
+// How the emulation schedules: the order in which fibers run between synchronisation points
+// (0: by thread index, 1: reversed, 2: a random permutation each round) and whether cp.async
+// copies land when issued (eager) or only when a cp.async.wait_group lets them (lazy, default).
+struct Options {
+  int order = 0;
+  unsigned seed = 1;
+  bool eager_copies = false;
+};
+
+inline Options& options() {
+  static Options o;
+  return o;
+}
+
+struct Block {
+  int nthreads = 0;
+  int current = 0;
+  ucontext_t sched;
+  std::vector<Fiber> fibers;
+  Warp warps[kMaxThreads / 32];
+  int bar_arrived = 0;
+  unsigned bar_gen = 0;
+  int bar_or = 0, bar_or_result = 0;
+  uint64_t progress = 0;
+  void* sched_sp = nullptr;
+  std::function<void()> body;
+  alignas(128) unsigned char shared[kSharedBytes];
+  uint3 block_idx;
+  dim3 grid_dim, block_dim;
+};
+
+inline Block& block() {
+  static Block* b = new Block();
+  return *b;
+}
+
+[[noreturn]] inline void fail(const char* what) {
+  fprintf(stderr, "cuda emulation: %s\n", what);
+  fflush(stderr);
+  abort();
+}
+
+inline Fiber& self() { return block().fibers[block().current]; }
+
+inline void yield() {
+#if DA_EMU_FAST_SWITCH
+  da_emu_switch(&self().sp, block().sched_sp);
+#else
+  swapcontext(&self().ctx, &block().sched);
+#endif
+}
+
+inline void entry() {
+  Block& b = block();
+  b.body();
+  b.fibers[b.current].done = true;
+  b.progress++;
+}
+
+#if DA_EMU_FAST_SWITCH
+[[noreturn]] inline void trampoline() {
+  entry();
+  for (;;) yield();  // a finished fiber is never resumed
+}
+
+// A fresh fiber's stack: six zero registers, then trampoline's address for `ret`, placed so that
+// trampoline starts with the stack alignment of a called function (rsp = 8 mod 16).
+inline void* initial_sp(std::vector<char>& stack) {
+  uintptr_t top = ((uintptr_t)stack.data() + stack.size()) & ~(uintptr_t)15;
+  uintptr_t* a = (uintptr_t*)(top - 16);
+  a[0] = (uintptr_t)&trampoline;
+  for (int i = 1; i <= 6; ++i) a[-i] = 0;
+  return (void*)(a - 6);
+}
+#endif
+
+// Runs body() once per thread of one block (grid position block_idx).
+inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::function<void()>& body) {
+  Block& b = block();
+  if (nthreads > kMaxThreads || nthreads % 32) fail("unsupported block size");
+  b.nthreads = nthreads;
+  b.body = body;
+  b.block_idx = make_uint3(block_idx.x, block_idx.y, block_idx.z);
+  b.grid_dim = grid;
+  b.block_dim = dim3(nthreads, 1, 1);
+  b.bar_arrived = 0;
+  b.bar_or = 0;
+  for (auto& w : b.warps) w.arrived = 0;
+  memset(b.shared, 0xff, sizeof(b.shared));  // NaN in every float type: unwritten reads show
+  b.fibers.resize(nthreads);
+  for (int t = 0; t < nthreads; ++t) {
+    Fiber& f = b.fibers[t];
+    f.stack.resize(kStackBytes);
+    f.tid = make_uint3(t, 0, 0);
+    f.done = false;
+    f.groups.clear();
+    f.open.clear();
+#if DA_EMU_FAST_SWITCH
+    f.sp = initial_sp(f.stack);
+#else
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &b.sched;
+    makecontext(&f.ctx, (void (*)())entry, 0);
+#endif
+  }
+  std::vector<int> order(nthreads);
+  for (int t = 0; t < nthreads; ++t) order[t] = options().order == 1 ? nthreads - 1 - t : t;
+  for (;;) {
+    bool live = false;
+    const uint64_t before = b.progress;
+    if (options().order == 2)
+      for (int i = nthreads - 1; i > 0; --i) {  // Fisher-Yates with a small LCG
+        options().seed = options().seed * 1103515245u + 12345u;
+        const int j = (int)((options().seed >> 8) % (unsigned)(i + 1));
+        const int tmp = order[i];
+        order[i] = order[j];
+        order[j] = tmp;
+      }
+    for (int t : order) {
+      if (b.fibers[t].done) continue;
+      live = true;
+      b.current = t;
+#if DA_EMU_FAST_SWITCH
+      da_emu_switch(&b.sched_sp, b.fibers[t].sp);
+#else
+      swapcontext(&b.sched, &b.fibers[t].ctx);
+#endif
+    }
+    if (!live) break;
+    if (b.progress == before) fail("deadlock: every thread waits at a barrier that nobody completes");
+  }
+}
+
+// Block barrier; returns the OR of pred over the block.
+inline int barrier(int pred) {
+  Block& b = block();
+  const unsigned gen = b.bar_gen;
+  b.bar_or |= pred ? 1 : 0;
+  if (++b.bar_arrived == b.nthreads) {
+    b.bar_arrived = 0;
+    b.bar_or_result = b.bar_or;
+    b.bar_or = 0;
+    b.bar_gen++;
+    b.progress++;
+  } else {
+    while (b.bar_gen == gen) yield();
+  }
+  return b.bar_or_result;
+}
+
+inline float bits_to_float(uint16_t h, bool bf16) {
+  if (bf16) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+  __half x;
+  memcpy(&x, &h, 2);
+  return __half2float(x);
+}
+
+inline uint16_t half_at(uint64_t reg, int which) { return (uint16_t)((uint32_t)reg >> (16 * which)); }
+
+// The results of one warp collective, for every lane, from the posted operands.
+inline void compute(Slot* s) {
+  const int op = s[0].op;
+  for (int l = 0; l < 32; ++l)
+    if (s[l].op != op) fail("divergent warp: lanes issued different collectives");
+  for (int l = 0; l < 32; ++l) {
+    Slot& o = s[l];
+    switch (op) {
+      case kShflXor: o.out[0] = s[l ^ (int)s[l].in[1]].in[0]; break;
+      case kShfl: o.out[0] = s[(int)s[l].in[1] & 31].in[0]; break;
+      case kAny: {
+        int any = 0;
+        for (int j = 0; j < 32; ++j) any |= s[j].in[0] != 0;
+        o.out[0] = any;
+        break;
+      }
+      case kAll: {
+        int all = 1;
+        for (int j = 0; j < 32; ++j) all &= s[j].in[0] != 0;
+        o.out[0] = all;
+        break;
+      }
+      case kLdsm:
+        for (int i = 0; i < 4; ++i) {
+          const unsigned char* row = (const unsigned char*)(uintptr_t)s[8 * i + l / 4].in[0];
+          uint32_t v;
+          memcpy(&v, row + (l % 4) * 4, 4);
+          o.out[i] = v;
+        }
+        break;
+      case kLdsmT:
+        for (int i = 0; i < 4; ++i) {
+          const unsigned char* r0 = (const unsigned char*)(uintptr_t)s[8 * i + 2 * (l % 4)].in[0];
+          const unsigned char* r1 = (const unsigned char*)(uintptr_t)s[8 * i + 2 * (l % 4) + 1].in[0];
+          uint16_t lo, hi;
+          memcpy(&lo, r0 + (l / 4) * 2, 2);
+          memcpy(&hi, r1 + (l / 4) * 2, 2);
+          o.out[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+        break;
+      case kMmaF16:
+      case kMmaBF16: {
+        const bool bf = op == kMmaBF16;
+        const int g = l / 4, t = l % 4;
+        for (int e = 0; e < 4; ++e) {
+          const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+          float acc = 0.f;
+          for (int k = 0; k < 16; ++k) {
+            // A (16x16): lane (row % 8) * 4 + (k % 8) / 2, register (row >= 8) + 2 (k >= 8).
+            const Slot& sa = s[(row % 8) * 4 + (k % 8) / 2];
+            const float a = bits_to_float(half_at(sa.in[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2), bf);
+            // B (16x8): lane col * 4 + (k % 8) / 2, register b0 (k < 8) or b1.
+            const Slot& sb = s[col * 4 + (k % 8) / 2];
+            const float b = bits_to_float(half_at(sb.in[4 + (k >= 8 ? 1 : 0)], k % 2), bf);
+            acc += a * b;
+          }
+          float c;  // the lane's accumulators, posted as 16 bytes from in[6]
+          memcpy(&c, (const char*)&s[l].in[6] + 4 * e, 4);
+          const float d = c + acc;
+          uint32_t u;
+          memcpy(&u, &d, 4);
+          o.out[e] = u;
+        }
+        break;
+      }
+      default: fail("unknown collective");
+    }
+  }
+}
+
+// Posts this lane's operands; returns this lane's results (slot.out).
+inline const Slot& collective(const Slot& mine) {
+  Block& b = block();
+  const int t = self().tid.x;
+  Warp& w = b.warps[t / 32];
+  w.slot[t % 32] = mine;
+  const unsigned gen = w.gen;
+  if (++w.arrived == 32) {
+    compute(w.slot);
+    w.arrived = 0;
+    w.gen++;
+    b.progress++;
+  } else {
+    while (w.gen == gen) yield();
+  }
+  return w.slot[t % 32];
+}
+
+template <typename V>
+inline uint64_t to_bits(V v) {
+  uint64_t u = 0;
+  memcpy(&u, &v, sizeof(V));
+  return u;
+}
+
+template <typename V>
+inline V from_bits(uint64_t u) {
+  V v;
+  memcpy(&v, &u, sizeof(V));
+  return v;
+}
+
+inline unsigned char* shared_memory() { return block().shared; }
+
+inline void land(const Copy& c) {
+  if (c.src) memcpy(c.dst, c.src, 16);
+  else memset(c.dst, 0, 16);
+}
+
+// cp.async of 16 bytes (zero-fill when src is null), commit_group and wait_group(n).
+inline void cp_async(void* dst, const void* src) {
+  if (options().eager_copies) land(Copy{dst, src});
+  else self().open.push_back(Copy{dst, src});
+}
+
+inline void cp_commit() {
+  Fiber& f = self();
+  f.groups.push_back(f.open);
+  f.open.clear();
+}
+
+inline void cp_wait(int n) {
+  Fiber& f = self();
+  while ((int)f.groups.size() > n) {
+    for (const Copy& c : f.groups.front()) land(c);
+    f.groups.erase(f.groups.begin());
+  }
+}
+
+template <typename V>
+inline V shfl(int op, V v, int arg) {
+  Slot s{};
+  s.op = op;
+  s.in[0] = to_bits(v);
+  s.in[1] = (uint64_t)arg;
+  return from_bits<V>(collective(s).out[0]);
+}
+
+inline bool vote(int op, bool pred) {
+  Slot s{};
+  s.op = op;
+  s.in[0] = pred ? 1 : 0;
+  return collective(s).out[0] != 0;
+}
+
+inline void ldsm(uint32_t (&r)[4], const void* p, bool trans) {
+  Slot s{};
+  s.op = trans ? kLdsmT : kLdsm;
+  s.in[0] = (uint64_t)(uintptr_t)p;
+  const Slot& o = collective(s);
+  for (int i = 0; i < 4; ++i) r[i] = (uint32_t)o.out[i];
+}
+
+inline void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16) {
+  Slot s{};
+  s.op = bf16 ? kMmaBF16 : kMmaF16;
+  for (int i = 0; i < 4; ++i) s.in[i] = a[i];
+  s.in[4] = b0;
+  s.in[5] = b1;
+  memcpy(&s.in[6], c, 16);
+  const Slot& o = collective(s);
+  for (int i = 0; i < 4; ++i) c[i] = from_bits<float>(o.out[i]);
+}
+
+}  // namespace da_emu
+
+// The CUDA names the kernels use.
+#define threadIdx (da_emu::self().tid)
+#define blockIdx (da_emu::block().block_idx)
+#define gridDim (da_emu::block().grid_dim)
+#define blockDim (da_emu::block().block_dim)
+
+inline void __syncthreads() { da_emu::barrier(0); }
+inline int __syncthreads_or(int pred) { return da_emu::barrier(pred); }
+inline bool __any_sync(unsigned, bool pred) { return da_emu::vote(da_emu::kAny, pred); }
+inline bool __all_sync(unsigned, bool pred) { return da_emu::vote(da_emu::kAll, pred); }
+template <typename V>
+inline V __shfl_xor_sync(unsigned, V v, int lane_mask) {
+  return da_emu::shfl(da_emu::kShflXor, v, lane_mask);
+}
+template <typename V>
+inline V __shfl_sync(unsigned, V v, int src) {
+  return da_emu::shfl(da_emu::kShfl, v, src);
+}

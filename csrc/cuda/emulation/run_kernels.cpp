@@ -1,0 +1,276 @@
+// Runs the CUDA kernels of csrc/cuda on the CPU through cuda_emulation.h, for tests without a GPU
+// (tests/test_cuda.py loads it with ctypes). It mirrors what dilated_attention_cuda.cpp does on the
+// host (tiling, the delta pass, the dq and dk/dv passes) for contiguous (B, N, H, D) tensors, and
+// guards every buffer: outputs start as NaN bytes and every buffer is fenced by canary bytes that
+// must survive the run. Build:
+//   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>
+//       csrc/cuda/emulation/run_kernels.cpp -o run_kernels.so
+#ifndef DA_CUDA_EMULATION
+#error "build with -DDA_CUDA_EMULATION"
+#endif
+
+#include <stdio.h>
+#include <string.h>
+
+#include <vector>
+
+#include "../simt.cu"
+#include "../tc_kernels.cuh"
+
+namespace dilated_attention {
+namespace cuda {
+namespace {
+
+constexpr size_t kFence = 4096;
+constexpr unsigned char kCanary = 0xA5;
+
+// A copy of a buffer between two fences of canary bytes.
+struct Guarded {
+  std::vector<unsigned char> mem;
+  size_t bytes;
+  Guarded(const void* src, size_t n, bool output) : mem(n + 2 * kFence, kCanary), bytes(n) {
+    if (output) memset(data(), 0xff, n);
+    else if (n) memcpy(data(), src, n);
+  }
+  unsigned char* data() { return mem.data() + kFence; }
+  bool fences_intact() const {
+    for (size_t i = 0; i < kFence; ++i)
+      if (mem[i] != kCanary || mem[kFence + bytes + i] != kCanary) return false;
+    return true;
+  }
+};
+
+Tensor4 contiguous4(void* data, int64_t N, int64_t H, int64_t D) { return Tensor4{data, N * H * D, H * D, D}; }
+
+template <typename Kernel>
+void run_grid(Kernel kernel, dim3 grid, size_t smem, const Params& p) {
+  if (smem > da_emu::kSharedBytes) da_emu::fail("kernel needs more shared memory than sm90 has");
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x)
+        da_emu::run_block(grid, dim3(x, y, z), 128, [&] { kernel(p); });
+}
+
+struct Problem4 {
+  int dtype;   // 0 float16, 1 bfloat16, 2 float32, 3 float64
+  int family;  // 0 tensor cores, 1 SIMT
+  int64_t B, N, Hq, Hkv, D;
+  da_branches br;
+  int causal;
+  double scale;
+  int64_t R, interleaved, rows_per_warp, other_tile;
+};
+
+size_t elem_size(int dtype) { return dtype == 0 || dtype == 1 ? 2 : dtype == 2 ? 4 : 8; }
+
+int setup(const Problem4& P, Params* p, char* err, int errlen) {
+  memset(p, 0, sizeof(*p));
+  p->B = P.B;
+  p->N = P.N;
+  p->Hq = P.Hq;
+  p->Hkv = P.Hkv;
+  p->D = P.D;
+  p->G = P.Hq / P.Hkv;
+  p->br = P.br;
+  p->is_causal = P.causal;
+  p->scale = P.scale;
+  const int64_t rpw = P.family == 0 ? 16 : P.rows_per_warp;
+  if (P.family == 0 && (P.dtype > 1 || P.D < 32 || P.D > 256 || P.D % 8)) {
+    snprintf(err, errlen, "the tensor-core kernels take float16/bfloat16 and D in 32..256, D %% 8 == 0");
+    return 1;
+  }
+  if (P.family == 1 && (rpw < 1 || rpw > 4 || P.other_tile < 1 || P.other_tile > 32)) {
+    snprintf(err, errlen, "SIMT: rows_per_warp in 1..4 and other_tile in 1..32");
+    return 1;
+  }
+  p->tiling = P.R > 0 ? da_make_tiling(P.N, P.R, P.interleaved, 4, rpw) : da_choose_tiling(P.N, &P.br, 4, rpw);
+  p->other_tile = (int)P.other_tile;
+  return 0;
+}
+
+template <typename T>
+void tc_forward(const Params& p) {
+  const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
+  switch (tc_padded_dim(p.D)) {
+    case 32: run_grid(tc_fwd_kernel<T, 32>, grid, TcFwdCfg<32>::SMEM, p); break;
+    case 64: run_grid(tc_fwd_kernel<T, 64>, grid, TcFwdCfg<64>::SMEM, p); break;
+    case 96: run_grid(tc_fwd_kernel<T, 96>, grid, TcFwdCfg<96>::SMEM, p); break;
+    case 128: run_grid(tc_fwd_kernel<T, 128>, grid, TcFwdCfg<128>::SMEM, p); break;
+    case 192: run_grid(tc_fwd_kernel<T, 192>, grid, TcFwdCfg<192>::SMEM, p); break;
+    default: run_grid(tc_fwd_kernel<T, 256>, grid, TcFwdCfg<256>::SMEM, p); break;
+  }
+}
+
+template <typename T, int DP>
+void tc_backward_dp(const Params& p) {
+  const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
+  run_grid(tc_dq_kernel<T, DP>, grid, TcDqCfg<DP>::SMEM, p);
+  const dim3 grid_kv((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS), (unsigned)p.B);
+  run_grid(tc_dkv_kernel<T, DP>, grid_kv, TcDkvCfg<DP>::SMEM, p);
+}
+
+template <typename T>
+void tc_backward(const Params& p) {
+  switch (tc_padded_dim(p.D)) {
+    case 32: tc_backward_dp<T, 32>(p); break;
+    case 64: tc_backward_dp<T, 64>(p); break;
+    case 96: tc_backward_dp<T, 96>(p); break;
+    case 128: tc_backward_dp<T, 128>(p); break;
+    case 192: tc_backward_dp<T, 192>(p); break;
+    default: tc_backward_dp<T, 256>(p); break;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void simt_forward(const Params& p) {
+  const size_t smem = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kSimtFwd) * sizeof(acc_t);
+  run_grid(simt_fwd_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B),
+           smem, p);
+}
+
+template <typename scalar_t, typename acc_t>
+void simt_backward(const Params& p) {
+  const size_t s_dq = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kSimtDq) * sizeof(acc_t);
+  const size_t s_kv = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kSimtDkv) * sizeof(acc_t);
+  run_grid(simt_dq_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B),
+           s_dq, p);
+  run_grid(simt_dkv_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hkv, (unsigned)p.B),
+           s_kv, p);
+}
+
+template <typename scalar_t, typename acc_t>
+void delta_pass(const Params& p) {
+  const int64_t rows = p.B * p.N * p.Hq;
+  run_grid(delta_kernel_impl<scalar_t, acc_t>, dim3((unsigned)da_ceil_div(rows, 4), 1, 1), 0, p);
+}
+
+Problem4 problem(int dtype, int family, int64_t B, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t nb,
+                 const int64_t* w, const int64_t* r, int causal, double scale, int64_t R, int64_t interleaved,
+                 int64_t rows_per_warp, int64_t other_tile) {
+  Problem4 P;
+  P.dtype = dtype;
+  P.family = family;
+  P.B = B;
+  P.N = N;
+  P.Hq = Hq;
+  P.Hkv = Hkv;
+  P.D = D;
+  P.br.n = nb;
+  for (int64_t i = 0; i < nb; ++i) {
+    P.br.w[i] = w[i];
+    P.br.r[i] = r[i];
+  }
+  P.causal = causal;
+  P.scale = scale;
+  P.R = R;
+  P.interleaved = interleaved;
+  P.rows_per_warp = rows_per_warp;
+  P.other_tile = other_tile;
+  return P;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace dilated_attention
+
+using namespace dilated_attention::cuda;
+
+// Scheduling of the emulation (cuda_emulation.h): order 0 by thread, 1 reversed, 2 shuffled with
+// `seed`; eager: cp.async copies land when issued instead of at wait_group.
+extern "C" void da_emu_options(int order, unsigned seed, int eager) {
+  da_emu::options().order = order;
+  da_emu::options().seed = seed;
+  da_emu::options().eager_copies = eager != 0;
+}
+
+// Forward: out (B, N, Hq, D) and lse (B, Hq, N) from contiguous q, k, v. Returns 0 or 1 (err set).
+extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
+                              int64_t nb, const int64_t* w, const int64_t* r, int causal, double scale, int64_t R,
+                              int64_t interleaved, int64_t rows_per_warp, int64_t other_tile, const void* q,
+                              const void* k, const void* v, void* out, void* lse, char* err, int errlen) {
+  const Problem4 P = problem(dtype, family, B, N, Hq, Hkv, D, nb, w, r, causal, scale, R, interleaved,
+                             rows_per_warp, other_tile);
+  Params p;
+  if (setup(P, &p, err, errlen)) return 1;
+  const size_t es = elem_size(dtype), ls = dtype == 3 ? 8 : 4;
+  Guarded gq(q, B * N * Hq * D * es, false), gk(k, B * N * Hkv * D * es, false), gv(v, B * N * Hkv * D * es, false);
+  Guarded go(nullptr, B * N * Hq * D * es, true), gl(nullptr, B * Hq * N * ls, true);
+  p.q = contiguous4(gq.data(), N, Hq, D);
+  p.k = contiguous4(gk.data(), N, Hkv, D);
+  p.v = contiguous4(gv.data(), N, Hkv, D);
+  p.out = contiguous4(go.data(), N, Hq, D);
+  p.lse = gl.data();
+  if (family == 0) {
+    if (dtype == 0) tc_forward<__half>(p);
+    else tc_forward<__nv_bfloat16>(p);
+  } else {
+    switch (dtype) {
+      case 0: simt_forward<c10::Half, float>(p); break;
+      case 1: simt_forward<c10::BFloat16, float>(p); break;
+      case 2: simt_forward<float, float>(p); break;
+      default: simt_forward<double, double>(p); break;
+    }
+  }
+  for (Guarded* g : {&gq, &gk, &gv, &go, &gl})
+    if (!g->fences_intact()) {
+      snprintf(err, errlen, "a kernel wrote outside its buffers");
+      return 1;
+    }
+  memcpy(out, go.data(), go.bytes);
+  memcpy(lse, gl.data(), gl.bytes);
+  return 0;
+}
+
+// Backward: dq, dk, dv from dout, q, k, v, out, lse and dlse (may be null).
+extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
+                               int64_t nb, const int64_t* w, const int64_t* r, int causal, double scale, int64_t R,
+                               int64_t interleaved, int64_t rows_per_warp, int64_t other_tile, const void* dout,
+                               const void* q, const void* k, const void* v, const void* out, const void* lse,
+                               const void* dlse, void* dq, void* dk, void* dv, char* err, int errlen) {
+  const Problem4 P = problem(dtype, family, B, N, Hq, Hkv, D, nb, w, r, causal, scale, R, interleaved,
+                             rows_per_warp, other_tile);
+  Params p;
+  if (setup(P, &p, err, errlen)) return 1;
+  const size_t es = elem_size(dtype), ls = dtype == 3 ? 8 : 4;
+  const size_t nq = B * N * Hq * D * es, nk = B * N * Hkv * D * es, nl = B * Hq * N * ls;
+  Guarded gdo(dout, nq, false), gq(q, nq, false), gk(k, nk, false), gv(v, nk, false), go(out, nq, false);
+  Guarded gl(lse, nl, false), gdl(dlse, dlse ? nl : 0, false), gdelta(nullptr, nl, true);
+  Guarded gdq(nullptr, nq, true), gdk(nullptr, nk, true), gdv(nullptr, nk, true);
+  p.q = contiguous4(gq.data(), N, Hq, D);
+  p.k = contiguous4(gk.data(), N, Hkv, D);
+  p.v = contiguous4(gv.data(), N, Hkv, D);
+  p.out = contiguous4(go.data(), N, Hq, D);
+  p.dout = contiguous4(gdo.data(), N, Hq, D);
+  p.dq = contiguous4(gdq.data(), N, Hq, D);
+  p.dk = contiguous4(gdk.data(), N, Hkv, D);
+  p.dv = contiguous4(gdv.data(), N, Hkv, D);
+  p.lse = gl.data();
+  p.delta = gdelta.data();
+  p.dlse = dlse ? gdl.data() : nullptr;
+  switch (dtype) {
+    case 0: delta_pass<c10::Half, float>(p); break;
+    case 1: delta_pass<c10::BFloat16, float>(p); break;
+    case 2: delta_pass<float, float>(p); break;
+    default: delta_pass<double, double>(p); break;
+  }
+  if (family == 0) {
+    if (dtype == 0) tc_backward<__half>(p);
+    else tc_backward<__nv_bfloat16>(p);
+  } else {
+    switch (dtype) {
+      case 0: simt_backward<c10::Half, float>(p); break;
+      case 1: simt_backward<c10::BFloat16, float>(p); break;
+      case 2: simt_backward<float, float>(p); break;
+      default: simt_backward<double, double>(p); break;
+    }
+  }
+  for (Guarded* g : {&gdo, &gq, &gk, &gv, &go, &gl, &gdl, &gdelta, &gdq, &gdk, &gdv})
+    if (!g->fences_intact()) {
+      snprintf(err, errlen, "a kernel wrote outside its buffers");
+      return 1;
+    }
+  memcpy(dq, gdq.data(), nq);
+  memcpy(dk, gdk.data(), nk);
+  memcpy(dv, gdv.data(), nk);
+  return 0;
+}
