@@ -1,12 +1,16 @@
 """The native op on CUDA (csrc/cuda) against the float64 dense reference (SPEC sections 1-4).
 
-Two parts:
+Three parts:
 
-* Without a GPU: the index arithmetic that the CUDA kernels run (csrc/cuda/tiling.h: how rows are
-  cut into thread blocks, the walk over heads, branches, segments and chunks of the other side,
-  and the per-warp skip/mask decisions) is compiled with the host C++ compiler and replayed for
-  every thread block; the (query, key) pairs it visits must be exactly the reference's
-  multiplicity mask. This needs only a C++ compiler.
+* Without a GPU, the walk: the index arithmetic that the CUDA kernels run (csrc/cuda/tiling.h: how
+  rows are cut into thread blocks, the walk over heads, branches, segments and chunks of the
+  other side, and the per-warp skip/mask decisions) is compiled with the host C++ compiler and
+  replayed for every thread block; the (query, key) pairs it visits must be exactly the
+  reference's multiplicity mask. Needs a C++ compiler.
+* Without a GPU, the kernels: the unchanged kernel sources run on the CPU through
+  csrc/cuda/emulation (threads as fibers; barriers, shuffles, ldmatrix, mma.sync and cp.async
+  emulated) and are compared with the float64 reference. Needs a C++ compiler and the CUDA
+  headers (no driver, no GPU).
 * With a GPU (skipped otherwise): the CUDA op against the float64 reference in every dtype under
   the tolerance rule, CPU and CUDA agreeing, opcheck, torch.compile, a bitwise reproducible
   backward, grouped-query attention, causal masking, ragged segments, head dims 32-256, both
