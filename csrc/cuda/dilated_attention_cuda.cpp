@@ -152,15 +152,16 @@ void simt_plan(const Problem& P, DType t, const Device& prop, int kernel, int64_
       return;
     }
   }
-  TORCH_CHECK(false, "dilated_attention: head dim ", P.D, " with dtype needs more shared memory than the "
-              "device offers (", prop.max_smem, " bytes per block)");
+  TORCH_CHECK(false, "dilated_attention: the SIMT CUDA kernel for head dim ", P.D, " in ",
+              t == DType::kDouble ? "float64" : "float32 accumulation",
+              " needs more shared memory than the device offers (", prop.max_smem, " bytes per block)");
 }
 
 cuda::TcConfig tc_call(int kernel, DType t, const Params& p, bool launch, cudaStream_t stream) {
   const bool half = t == DType::kHalf;
   switch (kernel) {
-    case cuda::kSimtFwd: return half ? cuda::tc_fwd_f16(p, launch, stream) : cuda::tc_fwd_bf16(p, launch, stream);
-    case cuda::kSimtDq: return half ? cuda::tc_dq_f16(p, launch, stream) : cuda::tc_dq_bf16(p, launch, stream);
+    case cuda::kFwd: return half ? cuda::tc_fwd_f16(p, launch, stream) : cuda::tc_fwd_bf16(p, launch, stream);
+    case cuda::kDq: return half ? cuda::tc_dq_f16(p, launch, stream) : cuda::tc_dq_bf16(p, launch, stream);
     default: return half ? cuda::tc_dkv_f16(p, launch, stream) : cuda::tc_dkv_bf16(p, launch, stream);
   }
 }
@@ -190,8 +191,8 @@ void run(int kernel, const Problem& P, DType t, Params p, bool use_tc, const Dev
     p.tiling = make_tiling(P.N, P.branches, rpw);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for N = ", P.N);
-    if (kernel == cuda::kSimtFwd) cuda::simt_fwd(p, t, stream);
-    else if (kernel == cuda::kSimtDq) cuda::simt_dq(p, t, stream);
+    if (kernel == cuda::kFwd) cuda::simt_fwd(p, t, stream);
+    else if (kernel == cuda::kDq) cuda::simt_dq(p, t, stream);
     else cuda::simt_dkv(p, t, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -227,8 +228,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   p.v = tensor4(v);
   p.out = tensor4(out);
   p.lse = lse.data_ptr();
-  use_tc = use_tc && tc_fits(cuda::kSimtFwd, t, p, prop);
-  run(cuda::kSimtFwd, P, t, p, use_tc, prop, stream);
+  use_tc = use_tc && tc_fits(cuda::kFwd, t, p, prop);
+  run(cuda::kFwd, P, t, p, use_tc, prop, stream);
   return {out, lse};
 }
 
@@ -282,10 +283,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   p.dq = tensor4(dq);
   p.dk = tensor4(dk);
   p.dv = tensor4(dv);
-  const bool tc_dq = use_tc && tc_fits(cuda::kSimtDq, t, p, prop);
-  const bool tc_dkv = use_tc && tc_fits(cuda::kSimtDkv, t, p, prop);
-  run(cuda::kSimtDq, P, t, p, tc_dq, prop, stream);
-  run(cuda::kSimtDkv, P, t, p, tc_dkv, prop, stream);
+  const bool tc_dq = use_tc && tc_fits(cuda::kDq, t, p, prop);
+  const bool tc_dkv = use_tc && tc_fits(cuda::kDkv, t, p, prop);
+  run(cuda::kDq, P, t, p, tc_dq, prop, stream);
+  run(cuda::kDkv, P, t, p, tc_dkv, prop, stream);
   return {dq, dk, dv};
 }
 

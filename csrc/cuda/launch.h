@@ -54,7 +54,8 @@ TcConfig tc_dkv_bf16(const Params& p, bool launch, cudaStream_t stream);
 
 // SIMT kernels (any arch, every dtype, 1 <= D <= 256; simt.cu). rows_per_warp (<= 4) comes from
 // the tiling and other_tile (<= 32) from the params; simt_smem_bytes says what they need.
-enum { kSimtFwd = 0, kSimtDq = 1, kSimtDkv = 2 };
+// The three kernels of the op: forward, the dq pass and the dk/dv pass of the backward.
+enum { kFwd = 0, kDq = 1, kDkv = 2 };
 int simt_smem_bytes(int64_t D, DType t, int64_t rows_per_warp, int other_tile, int kernel);
 void simt_fwd(const Params& p, DType t, cudaStream_t stream);
 void simt_dq(const Params& p, DType t, cudaStream_t stream);

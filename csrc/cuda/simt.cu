@@ -33,8 +33,8 @@ template <typename acc_t>
 __host__ __device__ inline int64_t simt_smem_elems(int64_t D, int64_t rpw, int ot, int kernel) {
   const int64_t M = kSimtWarps * rpw, ld = simt_lds(D);
   switch (kernel) {
-    case kSimtFwd: return M * D + ot * ld + ot * D;          // Q rows, K tile, V tile
-    case kSimtDq: return 2 * M * D + 2 * ot * ld;            // Q, dO rows; K, V tiles
+    case kFwd: return M * D + ot * ld + ot * D;          // Q rows, K tile, V tile
+    case kDq: return 2 * M * D + 2 * ot * ld;            // Q, dO rows; K, V tiles
     default: return 2 * M * D + 2 * ot * ld + 2 * ot;       // K, V rows; Q, dO tiles; lse, delta
   }
 }
@@ -443,11 +443,11 @@ void simt_run(const Params& p, int kernel, cudaStream_t stream) {
                          (int64_t)sizeof(acc_t));
   const unsigned tiles = (unsigned)da_num_tiles(&p.tiling);
   switch (kernel) {
-    case kSimtFwd:
+    case kFwd:
       simt_launch(simt_fwd_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.B), smem, p,
                   stream);
       break;
-    case kSimtDq:
+    case kDq:
       simt_launch(simt_dq_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.B), smem, p,
                   stream);
       break;
@@ -482,15 +482,15 @@ int simt_smem_bytes(int64_t D, DType t, int64_t rows_per_warp, int other_tile, i
 #ifndef DA_CUDA_EMULATION
 
 void simt_fwd(const Params& p, DType t, cudaStream_t stream) {
-  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kSimtFwd, stream); });
+  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kFwd, stream); });
 }
 
 void simt_dq(const Params& p, DType t, cudaStream_t stream) {
-  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kSimtDq, stream); });
+  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kDq, stream); });
 }
 
 void simt_dkv(const Params& p, DType t, cudaStream_t stream) {
-  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kSimtDkv, stream); });
+  dispatch_dtype(t, [&](auto s, auto a) { simt_run<decltype(s), decltype(a)>(p, kDkv, stream); });
 }
 
 void delta_kernel(const Params& p, DType t, cudaStream_t stream) {

@@ -123,15 +123,15 @@ void tc_backward(const Params& p) {
 
 template <typename scalar_t, typename acc_t>
 void simt_forward(const Params& p) {
-  const size_t smem = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kSimtFwd) * sizeof(acc_t);
+  const size_t smem = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kFwd) * sizeof(acc_t);
   run_grid(simt_fwd_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B),
            smem, p);
 }
 
 template <typename scalar_t, typename acc_t>
 void simt_backward(const Params& p) {
-  const size_t s_dq = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kSimtDq) * sizeof(acc_t);
-  const size_t s_kv = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kSimtDkv) * sizeof(acc_t);
+  const size_t s_dq = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kDq) * sizeof(acc_t);
+  const size_t s_kv = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kDkv) * sizeof(acc_t);
   run_grid(simt_dq_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B),
            s_dq, p);
   run_grid(simt_dkv_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hkv, (unsigned)p.B),
