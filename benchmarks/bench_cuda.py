@@ -38,7 +38,7 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -145,7 +145,6 @@ def matmul_tflops(n: int, iters: int) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     t = cuda_time(lambda: torch.matmul(a, b), warmup=3, iters=iters)
-    del a, b
     return 2.0 * n ** 3 / t / 1e12
 
 
@@ -158,14 +157,14 @@ class Row:
     causal: bool
     branches: int
     fwd_flops: float
-    native_fwd_s: Optional[float] = None
-    base_fwd_s: Optional[float] = None
-    native_fb_s: Optional[float] = None
-    base_fb_s: Optional[float] = None
-    max_abs_diff: Optional[float] = None
+    native_fwd_s: float | None = None
+    base_fwd_s: float | None = None
+    native_fb_s: float | None = None
+    base_fb_s: float | None = None
+    max_abs_diff: float | None = None
     notes: list[str] = field(default_factory=list)
 
-    def tflops(self, seconds: Optional[float], factor: float) -> Optional[float]:
+    def tflops(self, seconds: float | None, factor: float) -> float | None:
         return None if seconds is None else factor * self.fwd_flops / seconds / 1e12
 
 
@@ -229,8 +228,6 @@ def run_config(B: int, N: int, H: int, D: int, causal: bool, args, baseline) -> 
             row.notes.append("gather+flash fwd+bwd: out of memory")
         except RuntimeError as e:
             row.notes.append(f"gather+flash fwd+bwd: {str(e).splitlines()[0][:80]}")
-    del q, k, v, dout
-    torch.cuda.empty_cache()
     return row
 
 
@@ -238,11 +235,11 @@ def run_config(B: int, N: int, H: int, D: int, causal: bool, args, baseline) -> 
 # Report
 # ----------------------------------------------------------------------------------------------
 
-def _fmt(x: Optional[float], spec: str) -> str:
+def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None or math.isnan(x) else format(x, spec)
 
 
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
@@ -274,12 +271,12 @@ def write_results(rows: list[Row], mm: float, args, gpu: str) -> Path:
     lines = [
         f"# Native CUDA kernels vs gather + SDPA (flash) + LSE merge, bf16, on {gpu}",
         "",
-        f"Measured {stamp} by `benchmarks/bench_cuda.py` ({' '.join(sys.argv[1:]) or 'default sweep'}); torch "
-        f"{torch.__version__}, CUDA {torch.version.cuda}, {platform.node()}.",
+        (f"Measured {stamp} by `benchmarks/bench_cuda.py` ({' '.join(sys.argv[1:]) or 'default sweep'}); torch "
+         f"{torch.__version__}, CUDA {torch.version.cuda}, {platform.node()}."),
         f"Dense bf16 matmul ({args.matmul_size}^3) measured in the same run: **{mm:.1f} TFLOP/s**.",
-        "LongNet branches: w = 2048, 4096, ..., N; r = 1, 2, 4, ... . Useful FLOPs (SPEC section 3): forward "
-        "4 D x pairs, forward+backward 3.5 x that. speedup = gather+flash time / native time (target >= 1.3); "
-        "of matmul = native useful TFLOP/s / matmul TFLOP/s (target >= 40%).",
+        ("LongNet branches: w = 2048, 4096, ..., N; r = 1, 2, 4, ... . Useful FLOPs (SPEC section 3): forward "
+         "4 D x pairs, forward+backward 3.5 x that. speedup = gather+flash time / native time (target >= 1.3); "
+         "of matmul = native useful TFLOP/s / matmul TFLOP/s (target >= 40%)."),
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
@@ -329,7 +326,7 @@ def write_results(rows: list[Row], mm: float, args, gpu: str) -> Path:
 # Main
 # ----------------------------------------------------------------------------------------------
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[262144, 1048576], help="B * N per configuration")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None,
@@ -368,7 +365,7 @@ def configurations(args) -> list[tuple[int, int, int, int, bool]]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda: no CUDA GPU is available here (torch.cuda.is_available() is False); "
@@ -387,6 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = []
     for B, N, H, D, causal in tqdm(configurations(args), desc="configurations"):
         rows.append(run_config(B, N, H, D, causal, args, baseline))
+        torch.cuda.empty_cache()  # the configuration's tensors are gone with run_config's frame
         r = table_rows(rows[-1:], mm)
         for line in r:
             tqdm.write(" ".join(f"{h}={v}" for h, v in zip(HEADER, line)))
