@@ -79,8 +79,20 @@ def _want_cuda() -> bool:
     return CUDA_HOME is not None and torch.version.cuda is not None
 
 
+def _cxx_flags() -> list[str]:
+    """Host compiler flags. OpenMP (the runtime torch itself loads) makes at::parallel_for run on
+    torch's intra-op threads; without it the CPU kernels run on one thread. No -ffast-math: the
+    kernels keep IEEE NaN/inf semantics."""
+    cxx = ["-O3", "-fno-math-errno"]
+    if os.name == "posix" and os.uname().sysname == "Linux" and torch.backends.openmp.is_available():
+        cxx.append("-fopenmp")
+    else:
+        cxx.append("-fopenmp-simd")
+    return cxx
+
+
 def _extension():
-    cxx = ["-O3", "-fopenmp-simd", "-fno-math-errno"]
+    cxx = _cxx_flags()
     sources = ["csrc/dilated_attention.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     include = [os.path.join(HERE, "csrc")]
     if _want_cuda():
