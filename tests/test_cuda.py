@@ -20,6 +20,7 @@ Three parts:
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import subprocess
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from common import grads
+from common import make_inputs as _make_inputs
 from reference import multiplicity, reference_attention
 from tolerance import assert_within_rule
 
@@ -509,6 +512,9 @@ def test_benchmark_without_gpu_says_so():
 # The op on a GPU
 # ----------------------------------------------------------------------------------------------
 
+# The shared inputs, on the GPU unless a call says device="cpu".
+make_inputs = functools.partial(_make_inputs, device="cuda")
+
 HAS_GPU = torch.cuda.is_available()
 HAS_CUDA_KERNEL = has_kernel("cuda")
 needs_gpu = pytest.mark.skipif(
@@ -538,21 +544,8 @@ CONFIGS = [
 ]
 
 
-def make_inputs(B, N, Hq, Hkv, D, dtype, device="cuda", seed=0, requires_grad=True):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, N, Hq, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, N, Hkv, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, N, Hkv, D, generator=g, dtype=torch.float64)
-    return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
 
 
-def grads(out, lse, inputs, dout, dlse):
-    """Gradients of <out, dout> + <lse, dlse> (lse's -inf entries excluded)."""
-    loss = (out.double() * dout).sum()
-    if dlse is not None:
-        finite = torch.isfinite(lse)
-        loss = loss + (torch.where(finite, lse.double(), torch.zeros_like(lse.double())) * dlse).sum()
-    return torch.autograd.grad(loss, inputs)
 
 
 def check_against_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, seed=0):

@@ -9,6 +9,7 @@ import torch
 
 import dilated_attention
 from dilated_attention import dilated_attention as dattn
+from common import grads, make_inputs
 from reference import reference_attention
 from tolerance import assert_within_rule
 
@@ -32,22 +33,8 @@ CONFIGS = [
 ]
 
 
-def make_inputs(B, N, Hq, Hkv, D, dtype, seed=0, requires_grad=True):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, N, Hq, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, N, Hkv, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, N, Hkv, D, generator=g, dtype=torch.float64)
-    q, k, v = (t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
-    return q, k, v
 
 
-def grads(out, lse, inputs, dout, dlse):
-    """Gradients of <out, dout> + <lse, dlse> (lse's -inf entries excluded)."""
-    loss = (out.double() * dout).sum()
-    if dlse is not None:
-        finite = torch.isfinite(lse)
-        loss = loss + (torch.where(finite, lse.double(), torch.zeros_like(lse.double())) * dlse).sum()
-    return torch.autograd.grad(loss, inputs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,0 +1,29 @@
+"""Inputs and gradients shared by the tests that compare an implementation with the reference."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+def make_inputs(B: int, N: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype, seed: int = 0,
+                requires_grad: bool = True, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """q (B, N, Hq, D), k and v (B, N, Hkv, D): the same values for every dtype and device
+    (drawn in float64 on the CPU, then rounded)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, Hq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, N, Hkv, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, N, Hkv, D, generator=g, dtype=torch.float64)
+    return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def grads(out: torch.Tensor, lse: torch.Tensor, inputs: Sequence[torch.Tensor], dout: torch.Tensor,
+          dlse: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Gradients of <out, dout> + <lse, dlse> (lse's -inf entries excluded)."""
+    loss = (out.double() * dout.to(out.device)).sum()
+    if dlse is not None:
+        finite = torch.isfinite(lse)
+        masked = torch.where(finite, lse.double(), torch.zeros_like(lse.double()))
+        loss = loss + (masked * dlse.to(lse.device)).sum()
+    return torch.autograd.grad(loss, inputs)
