@@ -18,9 +18,10 @@
 // All products go through one register-blocked micro-kernel (gemm below) written with GCC vector
 // extensions, 64-byte vectors (16 float / 8 double lanes). The entry points are compiled for
 // x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA) and the baseline ISA (target_clones; chosen once at load
-// time), so the build stays portable. exp for float is a vectorised Cody-Waite + degree-6
-// polynomial (about 1 ulp); float64 calls libm's exp. NaN propagates, -inf scores add nothing, a
-// row that no branch covers gets out = 0 and lse = -inf.
+// time), so the build stays portable. Scores are kept in base 2 (q scaled by softmax_scale *
+// log2(e)) and exponentiated by a vectorised 2^x (degree-6 polynomial, relative error about 1e-7);
+// float64 calls libm's exp2. NaN propagates, -inf scores add nothing, a row that no branch covers
+// gets out = 0 and lse = -inf.
 //
 // float16/bfloat16 inputs, and float32 inputs whose head dim is not a multiple of 16, are converted
 // once to float32 rows padded to a multiple of the vector width (Dp); float32 (and float64) inputs
@@ -105,33 +106,31 @@ DA_INLINE T neg_inf() {
   return -INFINITY;
 }
 
-/* exp of 16 floats: n = round(x / ln2), r = x - n ln2 (two-constant Cody-Waite), exp(r) by the
- * Cephes degree-6 polynomial, times 2^n built in the exponent bits. x < -88 gives 0 (so -inf gives
- * 0), NaN stays NaN. About 15 vector operations. */
-DA_INLINE Vec<float>::v vexp(Vec<float>::v x) {
+/* 2^x for 16 floats: n = round(x) (x + 1.5 * 2^23 puts it in the low mantissa bits), f = x - n
+ * exactly, 2^f by a degree-6 polynomial (relative error about 1e-7 in float arithmetic), times 2^n
+ * built in the exponent bits. x <= -127 gives 0 (so -inf gives 0), NaN stays NaN. 15 vector
+ * operations. */
+DA_INLINE Vec<float>::v vexp2(Vec<float>::v x) {
   typedef Vec<float>::v V;
   typedef Vec<float>::vi VI;
-  const V lo = vset(-88.0f), hi = vset(88.0f), magic = vset(12582912.0f);  // 1.5 * 2^23
+  const V lo = vset(-127.0f), hi = vset(127.0f), magic = vset(12582912.0f);  // 1.5 * 2^23
   x = x < lo ? lo : x;  // NaN compares false and stays NaN
   x = x > hi ? hi : x;
-  V n = x * 1.44269504088896341f + magic;  // round(x / ln2) in the low mantissa bits
-  const VI e = (VI)n - 0x4B400000u;
-  n = n - magic;
-  V r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  V p = vset(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  return p * (V)((e + 127u) << 23);
+  const V t = x + magic;
+  const V f = x - (t - magic);
+  V p = vset(1.5353361959569156e-4f);
+  p = p * f + 1.3398875016719103e-3f;
+  p = p * f + 9.6184369176626205e-3f;
+  p = p * f + 5.5503323674201965e-2f;
+  p = p * f + 2.4022647738456726e-1f;
+  p = p * f + 6.9314718246459961e-1f;
+  p = p * f + 1.0f;
+  return p * (V)(((VI)t - 0x4B400000u + 127u) << 23);
 }
 
-/* float64 is for gradcheck: libm's exp, lane by lane. */
-DA_INLINE Vec<double>::v vexp(Vec<double>::v x) {
-  for (int i = 0; i < Vec<double>::W; ++i) x[i] = exp(x[i]);
+/* float64 is for gradcheck: libm's exp2, lane by lane. */
+DA_INLINE Vec<double>::v vexp2(Vec<double>::v x) {
+  for (int i = 0; i < Vec<double>::W; ++i) x[i] = exp2(x[i]);
   return x;
 }
 
@@ -268,7 +267,7 @@ struct Fwd {
   int64_t N, Hq, Hkv, D, Dp, QB;
   da_branches br;
   int causal;
-  T scale;
+  T scale2;  // softmax_scale * log2(e): the forward keeps scores, max and lse in base 2
 };
 
 template <typename T>
@@ -314,7 +313,7 @@ DA_INLINE void mask_future(T* st, int64_t ld, int64_t nk, int64_t nv, int64_t of
 
 /*
  * Online softmax over a (nk keys x lanes) score tile, queries in lanes: updates the running max
- * mt and denominator lt, replaces scores by exp(score - max) and leaves in corr the factor the
+ * mt and denominator lt, replaces scores by 2^(score - max) and leaves in corr the factor the
  * previous accumulator must be multiplied by. Cost: 2 * nk * nv vector passes, nk * nv exps.
  */
 template <typename T>
@@ -336,10 +335,10 @@ DA_INLINE void online_softmax(T* st, int64_t ld, int64_t nk, int64_t nv, T* mt, 
       }
     }
     const V mu = mx == ninf ? zero : mx;  // a lane with only -inf scores: exp(-inf - 0) = 0
-    const V c = vexp(m_old - mu);
+    const V c = vexp2(m_old - mu);
     V sum = zero;
     for (int64_t j = 0; j < nk; ++j) {
-      const V p = vexp(vload(st + j * ld + u * W) - mu);
+      const V p = vexp2(vload(st + j * ld + u * W) - mu);
       vstore(st + j * ld + u * W, p);
       sum += p;
     }
@@ -365,7 +364,7 @@ DA_INLINE void merge_tile(T* m, T* l, T* acc, const T* m2, const T* l2, const T*
       continue;
     }
     const T mx = m[row] > m2[i] ? m[row] : m2[i];
-    const T ca = exp(m[row] - mx), cb = exp(m2[i] - mx);
+    const T ca = exp2(m[row] - mx), cb = exp2(m2[i] - mx);
     m[row] = mx;
     l[row] = l[row] * ca + l2[i] * cb;
     for (int64_t d = 0; d < Dp; ++d) a[d] = a[d] * ca + b[d] * cb;
@@ -400,7 +399,7 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
         const int64_t nq = da_min64(QT, g.count - q0), nv = da_ceil_div(nq, W), ld = nv * W;
         const int64_t jq0 = g.j0 + q0;  // dilated index of the tile's first query
         const T* qp = P.q + b * P.q_sb + (g.first + q0 * r) * P.q_sn + h * P.q_sh;
-        pack_transposed(s->qt, ld, qp, r * P.q_sn, nq, D, P.scale);
+        pack_transposed(s->qt, ld, qp, r * P.q_sn, nq, D, P.scale2);
         for (int64_t i = 0; i < ld; ++i) {
           s->mt[i] = neg_inf<T>();
           s->lt[i] = 0;
@@ -437,7 +436,7 @@ DA_CLONES static void fwd_block(const Fwd<double>& P, int64_t b, int64_t h, int6
   fwd_block_impl<double>(P, b, h, a0, a1, s);
 }
 
-/* out = acc / l and lse = m + log(l) for the block's rows; uncovered rows: 0 and -inf. */
+/* out = acc / l and lse = (m + log2(l)) ln2 for the block's rows; uncovered rows: 0 and -inf. */
 template <typename scalar_t, typename T>
 static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* lse, int64_t a0,
                       int64_t a1, int64_t D, int64_t Dp) {
@@ -451,7 +450,7 @@ static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* 
     } else {
       const T inv = (T)1 / l;
       for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s.acc[row * Dp + d] * inv);
-      lse[p] = s.m[row] + log(l);
+      lse[p] = (s.m[row] + log2(l)) * (T)0.69314718055994530942;
     }
   }
 }
@@ -515,7 +514,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
     F.QB = QB;
     F.br = P.branches;
     F.causal = P.is_causal;
-    F.scale = (T)P.scale;
+    F.scale2 = (T)(P.scale * 1.44269504088896340736);
     scalar_t* out_p = out.data_ptr<scalar_t>();
     T* lse_p = lse.data_ptr<T>();
     parallel_tasks(
@@ -568,7 +567,7 @@ struct Bwd {
   int64_t N, Hq, Hkv, D, Dp;
   da_branches br;
   int causal;
-  T scale;
+  T scale, scale2;  // softmax_scale, and softmax_scale * log2(e)
 };
 
 template <typename T>
@@ -577,7 +576,7 @@ struct BwdScratch {
   T *kt, *vt;     // (D, KB) keys and values of the tile, transposed
   T *dkt, *dvt;   // (KB, Dp) their gradients
   T *s, *dp;      // (QT, KB): scores then P; dout . v then dS
-  T *lse, *delta; // (QT)
+  T *lse, *delta; // (QT): lse * log2(e), delta
   BwdScratch(int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp),
                               (size_t)(KB * Dp), QT * KB, QT * KB, QT, QT})) {
@@ -593,23 +592,23 @@ struct BwdScratch {
 };
 
 /*
- * From scores s and dP (nq rows x ld key lanes): s <- P = exp(scale * s - lse), dp <- dS =
- * scale * P * (dP - delta), with P = dS = 0 for key lanes past nk and, when causal, for keys after
+ * From scores s and dP (nq rows x ld key lanes): s <- P = exp(scale * s - lse) (as 2^(scale2 * s -
+ * lse2) with scale2 = scale log2(e), lse2 = lse log2(e)), dp <- dS = scale * P * (dP - delta), with P = dS = 0 for key lanes past nk and, when causal, for keys after
  * the query (key kt0 + j > query qt0 + i, off = qt0 - kt0). Cost: nq * ld exps.
  */
 template <typename T>
 DA_INLINE void ds_tile(T* s, T* dp, int64_t ld, int64_t nq, int64_t nk, int causal, int64_t off,
-                       const T* lse, const T* delta, T scale) {
+                       const T* lse2, const T* delta, T scale, T scale2) {
   typedef typename Vec<T>::v V;
   const int W = Vec<T>::W;
   const V iota = viota<T>(), zero = V{};
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t last = causal ? da_min64(nk - 1, off + i) : nk - 1;  // last key lane it sees
-    const T l = lse[i], dl = delta[i];
+    const T l = lse2[i], dl = delta[i];
     for (int64_t u = 0; u * W < ld; ++u) {
       T* sp = s + i * ld + u * W;
       T* dpp = dp + i * ld + u * W;
-      V p = l == neg_inf<T>() ? zero : vexp(vload(sp) * scale - l);
+      V p = l == neg_inf<T>() ? zero : vexp2(vload(sp) * scale2 - l);
       if ((u + 1) * W - 1 > last) p = iota + (T)(u * W) > (T)last ? zero : p;
       vstore(sp, p);
       vstore(dpp, p * scale * (vload(dpp) - dl));
@@ -661,14 +660,15 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
       for (int64_t qt0 = P.causal ? kt0 : 0; qt0 < c; qt0 += QT) {
         const int64_t nq = da_min64(QT, c - qt0);
         for (int64_t i = 0; i < nq; ++i) {
-          s->lse[i] = lse_h[(qt0 + i) * r];
+          s->lse[i] = lse_h[(qt0 + i) * r] * (T)1.44269504088896340736;
           s->delta[i] = delta_h[(qt0 + i) * r];
         }
         const T* qi = qp + qt0 * qs;
         const T* doi = dop + qt0 * dos;
         gemm(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false);    // S = Q K^T
         gemm(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false); // dP = dO V^T
-        ds_tile(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale);
+        ds_tile(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale,
+                P.scale2);
         gemm(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);   // dV += P^T dO
         gemm(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);    // dK += dS^T Q
         gemm(dqp + qt0 * dqs, dqs, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk, true);  // dQ += dS K
@@ -749,6 +749,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     A.br = P.branches;
     A.causal = P.is_causal;
     A.scale = (T)P.scale;
+    A.scale2 = (T)(P.scale * 1.44269504088896340736);
     const int64_t G = P.Hq / P.Hkv;
     // Branch by branch: within one, tasks (b, hk, segment, phase) write disjoint rows.
     for (int64_t bi = 0; bi < P.branches.n; ++bi) {
