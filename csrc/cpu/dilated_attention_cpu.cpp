@@ -244,15 +244,32 @@ struct Arena {
   }
 };
 
-/* Run fn(task, scratch) for task in [0, n) on all threads, handing tasks out one at a time. */
+/*
+ * Run fn(task, scratch) for task in [0, n) on all threads. Thread i owns the i-th contiguous
+ * share of the tasks (neighbouring tasks read the same keys and values, so threads that work on
+ * different shares touch different memory) and, when done, takes the remaining tasks of the
+ * other shares one at a time.
+ */
 template <typename MakeScratch, typename Fn>
 static void parallel_tasks(int64_t n, const MakeScratch& make, const Fn& fn) {
   if (n <= 0) return;
-  std::atomic<int64_t> next{0};
+  struct alignas(64) Share {
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  std::vector<Share> shares(workers);
+  for (int64_t i = 0; i < workers; ++i) {
+    shares[i].next.store(n * i / workers);
+    shares[i].end = n * (i + 1) / workers;
+  }
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     auto scratch = make();
-    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(t, scratch);
+    for (int64_t me = begin; me < end; ++me)
+      for (int64_t j = 0; j < workers; ++j) {
+        Share& sh = shares[(me + j) % workers];
+        for (int64_t t = sh.next.fetch_add(1); t < sh.end; t = sh.next.fetch_add(1)) fn(t, scratch);
+      }
   });
 }
 
