@@ -553,17 +553,65 @@ def _fmt_n(n: int) -> str:
     return str(n)
 
 
+def _skip_reason(
+    method: str, N: int, cfg: dict, args, budget: float, last: dict, dead: dict
+) -> tuple[str | None, float | None]:
+    """Why the method is not run at N (or None), and its predicted seconds per call."""
+    if method in dead:
+        return dead[method], None
+    if method in last:
+        n0, res0 = last[method]
+        scale = method_work(method, N, cfg) / method_work(method, n0, cfg)
+        predicted_s = max(r["ms_median"] for r in res0.values()) / 1e3 * scale
+        mem = max(r["peak_bytes"] for r in res0.values()) * (N / n0) ** memory_scaling(method)
+        if predicted_s > args.max_seconds:
+            return f"predicted {predicted_s:.0f} s per call > --max-seconds {args.max_seconds:g}", predicted_s
+        if mem > budget:
+            return f"predicted peak {mem / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB", predicted_s
+        return None, predicted_s
+    mem = max(memory_model(method, N, cfg, m) for m in MODES)
+    if mem > budget:
+        return f"estimated peak {mem / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB", None
+    return None, None
+
+
+def _combine(rounds: list[dict]) -> dict:
+    """Results of several rounds of one case: the median of the rounds' medians, the extremes."""
+    out = {}
+    for mode in rounds[0]:
+        rs = [r[mode] for r in rounds]
+        meds = sorted(r["ms_median"] for r in rs)
+        out[mode] = {
+            "ms_median": meds[len(meds) // 2],
+            "ms_min": min(r["ms_min"] for r in rs),
+            "ms_max": max(r["ms_max"] for r in rs),
+            "repeats": sum(r["repeats"] for r in rs),
+            "rounds": len(rs),
+            "peak_bytes": max(r["peak_bytes"] for r in rs),
+        }
+    return out
+
+
+def rounds_at(N: int, suite: str, args) -> int:
+    """Interleaved rounds of the cases at N: more where the targets are checked."""
+    return args.target_rounds if suite == "sweep" and 8 * K <= N <= 64 * K else args.rounds
+
+
 def run_sweep(
     suite: str, methods: list[str], ns: list[int], cfg: dict, args, budget: float, pbar
 ) -> list[dict]:
-    """Every method at every N (N outer, so that methods are measured side by side)."""
+    """Every method at every N. N is the outer loop and each round runs every method once, in a fresh
+    subprocess, so that methods are measured side by side and a passing load disturbs all of them."""
     rows: list[dict] = []
     last: dict[str, tuple[int, dict]] = {}  # method -> (N, results) of its last success
     dead: dict[str, str] = {}  # method -> why larger N are not tried
     for N in ns:
+        pairs = dilated_pairs(N, cfg["H"], cfg["segs"], cfg["rates"], cfg["causal"]) * cfg["B"]
+        rounds = rounds_at(N, suite, args)
+        todo: dict[str, dict] = {}
+        bases: dict[str, dict] = {}
         for method in methods:
-            pbar.set_description(f"{suite} {method} N={_fmt_n(N)}")
-            base = {
+            bases[method] = {
                 "suite": suite,
                 "method": method,
                 "kind": "backend" if method in BACKENDS else "alternative",
@@ -571,27 +619,13 @@ def run_sweep(
                 **{k_: cfg[k_] for k_ in ("device", "dtype", "B", "H", "Hkv", "D", "causal")},
                 "segments": "/".join(map(str, cfg["segs"])),
                 "rates": "/".join(map(str, cfg["rates"])),
+                "pairs": pairs,
             }
-            pairs = dilated_pairs(N, cfg["H"], cfg["segs"], cfg["rates"], cfg["causal"]) * cfg["B"]
-            reason = dead.get(method)
-            predicted_s = None
-            if reason is None and method in last:
-                n0, res0 = last[method]
-                scale = method_work(method, N, cfg) / method_work(method, n0, cfg)
-                predicted_s = max(r["ms_median"] for r in res0.values()) / 1e3 * scale
-                mem = max(r["peak_bytes"] for r in res0.values()) * (N / n0) ** memory_scaling(method)
-                if predicted_s > args.max_seconds:
-                    reason = f"predicted {predicted_s:.0f} s per call > --max-seconds {args.max_seconds:g}"
-                elif mem > budget:
-                    reason = f"predicted peak {mem / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB"
-            elif reason is None:
-                mem = max(memory_model(method, N, cfg, m) for m in MODES)
-                if mem > budget:
-                    reason = f"estimated peak {mem / 2**30:.1f} GiB > budget {budget / 2**30:.1f} GiB"
+            reason, predicted_s = _skip_reason(method, N, cfg, args, budget, last, dead)
             if reason is not None:
                 for mode in MODES:
-                    rows.append({**base, "mode": mode, "status": "skipped", "reason": reason, "pairs": pairs})
-                pbar.update(1)
+                    rows.append({**bases[method], "mode": mode, "status": "skipped", "reason": reason})
+                pbar.update(rounds)
                 continue
             slow = predicted_s is not None and predicted_s > args.slow_seconds
             spec = {
@@ -605,33 +639,42 @@ def run_sweep(
             }
             timeout = args.case_timeout
             if predicted_s is not None:
-                timeout = min(timeout, 120 + 4 * predicted_s * (spec["warmup"] + spec["repeats"]) * 2)
-            load0 = os.getloadavg()[0]
-            res = run_in_subprocess(spec, timeout)
-            pbar.update(1)
-            if not res["ok"]:
-                dead[method] = f"failed at N={_fmt_n(N)}: {res['error']}"
+                timeout = min(timeout, 120 + 8 * predicted_s * (spec["warmup"] + spec["repeats"]))
+            todo[method] = {"spec": spec, "timeout": timeout, "results": [], "loads": []}
+        for _ in range(rounds):
+            for method, job in todo.items():
+                if method in dead:
+                    pbar.update(1)
+                    continue
+                pbar.set_description(f"{suite} {method} N={_fmt_n(N)}")
+                job["loads"].append(os.getloadavg()[0])
+                res = run_in_subprocess(job["spec"], job["timeout"])
+                pbar.update(1)
+                if res["ok"]:
+                    job["results"].append(res["results"])
+                else:
+                    dead[method] = f"failed at N={_fmt_n(N)}: {res['error']}"
+                    log.warning("%s N=%d: %s", method, N, res["error"])
+        for method, job in todo.items():
+            if method in dead and not job["results"]:
                 for mode in MODES:
-                    rows.append(
-                        {**base, "mode": mode, "status": "error", "reason": res["error"], "pairs": pairs}
-                    )
-                log.warning("%s N=%d: %s", method, N, res["error"])
+                    rows.append({**bases[method], "mode": mode, "status": "error", "reason": dead[method]})
                 continue
-            last[method] = (N, res["results"])
-            for mode, r in res["results"].items():
+            combined = _combine(job["results"])
+            last[method] = (N, combined)
+            for mode, r in combined.items():
                 sec = r["ms_median"] / 1e3
                 rows.append(
                     {
-                        **base,
+                        **bases[method],
                         "mode": mode,
                         "status": "ok",
                         "reason": "",
                         **r,
-                        "pairs": pairs,
                         "tokens_per_s": cfg["B"] * N / sec,
                         "useful_tflops": useful_flops(pairs, cfg["D"], mode) / sec / 1e12,
                         "bytes_per_token": r["peak_bytes"] / (cfg["B"] * N),
-                        "load1": round(load0, 2),
+                        "load1": round(max(job["loads"]), 2),
                     }
                 )
     return rows
@@ -792,6 +835,7 @@ CSV_FIELDS = [
     "ms_min",
     "ms_max",
     "repeats",
+    "rounds",
     "tokens_per_s",
     "pairs",
     "useful_tflops",
@@ -917,7 +961,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"comma-separated subset of {', '.join(BACKENDS + ALTERNATIVES)} (default: all that run)",
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per case (median reported)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per case and round")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds per case (median of rounds)")
+    p.add_argument(
+        "--target-rounds", type=int, default=3, help="rounds for N in 8K..64K, where the targets are checked"
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument(
@@ -975,7 +1023,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "causal": args.causal,
     }
     if args.quick:
-        ns, scale_ns, args.repeats, args.warmup = [K, 2 * K, 4 * K, 8 * K], [], 1, 1
+        ns, scale_ns, args.repeats, args.warmup, args.target_rounds = [K, 2 * K, 4 * K, 8 * K], [], 1, 1, 1
     else:
         top = 4 * K * K if device.type == "cuda" else 256 * K
         ns = args.n or [2**i for i in range(10, int(math.log2(top)) + 1)]
@@ -1028,7 +1076,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     scale_cfg = {**cfg, "H": args.scale_heads, "Hkv": args.scale_heads}
-    total = len(ns) * len(methods) + (len(scale_ns) if "native" in methods else 0)
+    total = sum(rounds_at(n, "sweep", args) for n in ns) * len(methods)
+    total += sum(rounds_at(n, "scale", args) for n in scale_ns) if "native" in methods else 0
     with tqdm(total=total, unit="case", dynamic_ncols=True) as pbar:
         rows = run_sweep("sweep", methods, ns, cfg, args, budget, pbar)
         if "native" in methods and scale_ns:
