@@ -460,6 +460,7 @@ def machine_info(device: torch.device) -> dict:
         flags = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
         isa = [x for x in ("avx512f", "avx2", "fma") if flags and x in flags.group(1).split()]
         info["cpu_isa"] = ",".join(isa)
+        info["kernel_isa"] = os.environ.get("DILATED_ATTENTION_CPU_ISA", "auto")
         with open("/proc/meminfo") as f:
             mem = f.read()
         info["mem_total_gib"] = round(int(re.search(r"MemTotal:\s+(\d+)", mem).group(1)) / 2**20, 1)
@@ -481,6 +482,8 @@ def machine_tag(info: dict) -> str:
         name = f"{info.get('cpu', 'cpu')}-{info.get('cpu_count')}core"
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     slug = re.sub(r"-(processor|cpu)\b", "", slug)
+    if "gpu" not in info and info.get("cpu_isa"):
+        slug += "-" + info["cpu_isa"].split(",")[0].replace("avx512f", "avx512")  # the widest vector ISA
     return f"{info['device'].split(':')[0]}-{slug}"
 
 

@@ -16,9 +16,10 @@
 //            rows, so they run in parallel without atomics; branches run one after another.
 //
 // All products go through one register-blocked micro-kernel (gemm below) written with GCC vector
-// extensions, 64-byte vectors (16 float / 8 double lanes). The entry points are compiled for
-// x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA) and the baseline ISA (target_clones; chosen once at load
-// time), so the build stays portable. Scores are kept in base 2 (q scaled by softmax_scale *
+// extensions. The kernels are templates over the vector width and are compiled three times, each at
+// the width of one instruction set's registers: AVX-512 (64 bytes), AVX2 + FMA (32) and the
+// baseline (16: SSE2, or NEON on ARM). The widest set the CPU has is chosen once per process
+// (cpu_isa below), so one build runs well on every x86-64 CPU. Scores are kept in base 2 (q scaled by softmax_scale *
 // log2(e)) and exponentiated by a vectorised 2^x (degree-6 polynomial, relative error about 1e-7);
 // float64 calls libm's exp2. NaN propagates, -inf scores add nothing, a row that no branch covers
 // gets out = 0 and lse = -inf.
@@ -37,19 +38,26 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "../checks.h"
 #include "../dilated_attention.h"
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(DA_NO_CLONES)
-#define DA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), noinline))
-#else
-#define DA_CLONES __attribute__((noinline))
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(DA_NO_ISA_DISPATCH)
+#define DA_X86_DISPATCH 1
+#define DA_TARGET_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx2,fma,bmi2"), noinline))
+#define DA_TARGET_AVX2 __attribute__((target("avx2,fma,bmi2"), noinline))
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+// The vector helpers below are always inlined into the per-ISA entry points, so no vector crosses a
+// call boundary and the ABI note GCC gives for wide vector arguments does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 #define DA_INLINE static inline __attribute__((always_inline))
 
@@ -57,48 +65,76 @@ namespace dilated_attention {
 namespace {
 
 // Tile sizes: QT queries (forward: vector lanes) against KF keys in the forward; KB keys (vector
-// lanes) against QT queries in the backward; MR rows of the micro-kernel's register block. A
-// forward block spans QB positions (see block_size()).
-enum { QT = 64, KB = 64, KF = 64, MR = 4, NVMAX = 4 };
+// lanes) against QT queries in the backward. A forward block spans QB positions (see
+// block_size()). Rows are padded to PAD_BYTES, the widest vector, whatever width a call runs at.
+enum { QT = 64, KB = 64, KF = 64, PAD_BYTES = 64 };
 
 /* ------------------------------------------------------------------------------------------ */
 /* Vectors                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 
-template <typename T>
-struct Vec;
-template <>
-struct Vec<float> {
-  typedef float v __attribute__((vector_size(64)));
-  typedef float vu __attribute__((vector_size(64), aligned(4), may_alias));
-  typedef uint32_t vi __attribute__((vector_size(64)));
-  enum { W = 16 };
-};
-template <>
-struct Vec<double> {
-  typedef double v __attribute__((vector_size(64)));
-  typedef double vu __attribute__((vector_size(64), aligned(8), may_alias));
-  typedef uint64_t vi __attribute__((vector_size(64)));
-  enum { W = 8 };
+/*
+ * Vectors of B bytes (GCC vector extensions): 64 for AVX-512, 32 for AVX2, 16 for SSE2 and NEON.
+ * The kernels are templates over B, instantiated once per instruction set at the width of its
+ * registers (see the entry points at the end): a vector wider than the registers is split into
+ * pieces that spill, and broadcasts to it are built lane by lane. MR x NV is the micro-kernel's
+ * register block (MR rows of C, NV vectors each): MR * NV accumulators, NV loads of B and one
+ * broadcast of A about fill the 32 (AVX-512, NEON) or 16 (AVX2, SSE2) vector registers.
+ */
+template <typename T, int B>
+struct Vec {
+  enum { W = B / (int)sizeof(T) };
+  typedef T v __attribute__((vector_size(B)));
+  typedef T vu __attribute__((vector_size(B), aligned(sizeof(T)), may_alias));
+  typedef std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t> U;
+  typedef U vi __attribute__((vector_size(B)));
+#if defined(__x86_64__)
+  // AVX2: 3 x 4 (one spill at most) was the fastest of 2x4, 2x8, 3x4, 4x2, 4x3, 4x4, 6x2, 8x1 on a
+  // Zen 1 EPYC, by 15-25% over the next.
+  enum { MR = B == 64 ? 4 : B == 32 ? 3 : 4, NV = B == 64 ? 4 : B == 32 ? 4 : 2 };
+#else
+  enum { MR = 4, NV = B == 16 ? 4 : 2 };
+#endif
+
+  DA_INLINE v load(const T* p) { return *(const vu*)p; }
+  DA_INLINE void store(T* p, v x) { *(vu*)p = x; }
+  DA_INLINE v set(T x) { return v{} + x; }
+  DA_INLINE v iota() {
+    v x;
+    for (int i = 0; i < W; ++i) x[i] = (T)i;
+    return x;
+  }
+
+  /* 2^x. float: n = round(x) (x + 1.5 * 2^23 puts it in the low mantissa bits), f = x - n exactly,
+   * 2^f by a degree-6 polynomial (relative error about 1e-7 in float arithmetic), times 2^n built in
+   * the exponent bits; x <= -127 gives 0 (so -inf gives 0), NaN stays NaN; 15 vector operations.
+   * double (for gradcheck): libm's exp2, lane by lane. */
+  DA_INLINE v exp2v(v x) {
+    if constexpr (sizeof(T) == 4) {
+      const v lo = set(-127.0f), hi = set(127.0f), magic = set(12582912.0f);  // 1.5 * 2^23
+      x = x < lo ? lo : x;  // NaN compares false and stays NaN
+      x = x > hi ? hi : x;
+      const v t = x + magic;
+      const v f = x - (t - magic);
+      v p = set(1.5353361959569156e-4f);
+      p = p * f + 1.3398875016719103e-3f;
+      p = p * f + 9.6184369176626205e-3f;
+      p = p * f + 5.5503323674201965e-2f;
+      p = p * f + 2.4022647738456726e-1f;
+      p = p * f + 6.9314718246459961e-1f;
+      p = p * f + 1.0f;
+      return p * (v)(((vi)t - 0x4B400000u + 127u) << 23);
+    } else {
+      for (int i = 0; i < W; ++i) x[i] = ::exp2(x[i]);
+      return x;
+    }
+  }
 };
 
+/* Rows are padded to this many values of T (PAD_BYTES), a multiple of every vector width. */
 template <typename T>
-DA_INLINE typename Vec<T>::v vload(const T* p) {
-  return *(const typename Vec<T>::vu*)p;
-}
-template <typename T>
-DA_INLINE void vstore(T* p, typename Vec<T>::v x) {
-  *(typename Vec<T>::vu*)p = x;
-}
-template <typename T>
-DA_INLINE typename Vec<T>::v vset(T x) {
-  return typename Vec<T>::v{} + x;
-}
-template <typename T>
-DA_INLINE typename Vec<T>::v viota() {
-  typename Vec<T>::v x;
-  for (int i = 0; i < Vec<T>::W; ++i) x[i] = (T)i;
-  return x;
+constexpr int64_t pad_values() {
+  return PAD_BYTES / (int64_t)sizeof(T);
 }
 
 template <typename T>
@@ -106,32 +142,57 @@ DA_INLINE T neg_inf() {
   return -INFINITY;
 }
 
-/* 2^x for 16 floats: n = round(x) (x + 1.5 * 2^23 puts it in the low mantissa bits), f = x - n
- * exactly, 2^f by a degree-6 polynomial (relative error about 1e-7 in float arithmetic), times 2^n
- * built in the exponent bits. x <= -127 gives 0 (so -inf gives 0), NaN stays NaN. 15 vector
- * operations. */
-DA_INLINE Vec<float>::v vexp2(Vec<float>::v x) {
-  typedef Vec<float>::v V;
-  typedef Vec<float>::vi VI;
-  const V lo = vset(-127.0f), hi = vset(127.0f), magic = vset(12582912.0f);  // 1.5 * 2^23
-  x = x < lo ? lo : x;  // NaN compares false and stays NaN
-  x = x > hi ? hi : x;
-  const V t = x + magic;
-  const V f = x - (t - magic);
-  V p = vset(1.5353361959569156e-4f);
-  p = p * f + 1.3398875016719103e-3f;
-  p = p * f + 9.6184369176626205e-3f;
-  p = p * f + 5.5503323674201965e-2f;
-  p = p * f + 2.4022647738456726e-1f;
-  p = p * f + 6.9314718246459961e-1f;
-  p = p * f + 1.0f;
-  return p * (V)(((VI)t - 0x4B400000u + 127u) << 23);
+/* ------------------------------------------------------------------------------------------ */
+/* Instruction sets                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The kernels' instruction sets, widest last: baseline is SSE2 on x86-64 (16-byte vectors) and the
+ * compiler's default elsewhere (16-byte vectors: NEON on ARM). */
+enum class Isa { baseline, avx2, avx512 };
+
+static const char* isa_name(Isa isa) {
+  return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "baseline";
 }
 
-/* float64 is for gradcheck: libm's exp2, lane by lane. */
-DA_INLINE Vec<double>::v vexp2(Vec<double>::v x) {
-  for (int i = 0; i < Vec<double>::W; ++i) x[i] = exp2(x[i]);
-  return x;
+static bool cpu_has(Isa isa) {
+#ifdef DA_X86_DISPATCH
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("bmi2");
+  if (isa == Isa::avx2) return avx2;
+  if (isa == Isa::avx512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#endif
+  return isa == Isa::baseline;
+}
+
+/*
+ * The instruction set the kernels run with, decided once per process: the widest this CPU has, or
+ * the one the environment variable DILATED_ATTENTION_CPU_ISA names (auto, avx512, avx2, baseline),
+ * which this CPU must have. Every set computes the same function; the variable is for tests and
+ * for comparing them.
+ */
+static Isa cpu_isa() {
+  static const Isa chosen = [] {
+    const char* env = getenv("DILATED_ATTENTION_CPU_ISA");
+    const std::string want = env ? env : "auto";
+    if (want.empty() || want == "auto") {
+      for (Isa isa : {Isa::avx512, Isa::avx2})
+        if (cpu_has(isa)) return isa;
+      return Isa::baseline;
+    }
+    for (Isa isa : {Isa::avx512, Isa::avx2, Isa::baseline}) {
+      if (want != isa_name(isa)) continue;
+      TORCH_CHECK(cpu_has(isa), "dilated_attention: DILATED_ATTENTION_CPU_ISA=", want,
+                  " names an instruction set this CPU does not have");
+      return isa;
+    }
+    TORCH_CHECK(false, "dilated_attention: DILATED_ATTENTION_CPU_ISA must be one of auto, avx512, ",
+                "avx2, baseline; got '", want, "'");
+    return Isa::baseline;  // not reached
+  }();
+  return chosen;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -143,23 +204,24 @@ DA_INLINE Vec<double>::v vexp2(Vec<double>::v x) {
  * A register block of M x R vectors: per k, R vector loads of B's row k and M broadcasts of A.
  * Cost: M * R * K vector multiply-adds.
  */
-template <typename T, int M, int R>
-DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B,
+template <typename T, int B, int M, int R>
+DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm,
                      int64_t ldb, int64_t K, bool accumulate, T* cmax) {
-  typedef typename Vec<T>::v V;
-  const int W = Vec<T>::W;
+  typedef Vec<T, B> X;
+  typedef typename X::v V;
+  const int W = X::W;
   V c[M][R];
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < R; ++j) c[i][j] = accumulate ? vload(C + i * ldc + j * W) : V{};
+    for (int j = 0; j < R; ++j) c[i][j] = accumulate ? X::load(C + i * ldc + j * W) : V{};
   for (int64_t k = 0; k < K; ++k) {
     V b[R];
 #pragma GCC unroll 8
-    for (int j = 0; j < R; ++j) b[j] = vload(B + k * ldb + j * W);
+    for (int j = 0; j < R; ++j) b[j] = X::load(Bm + k * ldb + j * W);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      const T a = A[i * as + k * ak];
+      const V a = X::set(A[i * as + k * ak]);
 #pragma GCC unroll 8
       for (int j = 0; j < R; ++j) c[i][j] += a * b[j];
     }
@@ -167,45 +229,48 @@ DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, cons
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < R; ++j) vstore(C + i * ldc + j * W, c[i][j]);
+    for (int j = 0; j < R; ++j) X::store(C + i * ldc + j * W, c[i][j]);
   if (cmax) {  // running column max over the rows (NaN ignored)
 #pragma GCC unroll 8
     for (int j = 0; j < R; ++j) {
-      V mx = vload(cmax + j * W);
+      V mx = X::load(cmax + j * W);
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) mx = c[i][j] > mx ? c[i][j] : mx;
-      vstore(cmax + j * W, mx);
+      X::store(cmax + j * W, mx);
     }
   }
 }
 
-template <typename T, int R>
-DA_INLINE void gemm_rows(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B,
+template <typename T, int B, int R>
+DA_INLINE void gemm_rows(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm,
                          int64_t ldb, int64_t m, int64_t K, bool accumulate, T* cmax) {
+  const int MR = Vec<T, B>::MR;
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    micro<T, MR, R>(C + i * ldc, ldc, A + i * as, as, ak, B, ldb, K, accumulate, cmax);
+    micro<T, B, MR, R>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax);
   for (; i < m; ++i)
-    micro<T, 1, R>(C + i * ldc, ldc, A + i * as, as, ak, B, ldb, K, accumulate, cmax);
+    micro<T, B, 1, R>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax);
 }
 
 /*
  * C (m x nv*W) (+)= A (m x K) * B (K x nv*W): rows of C at stride ldc, A[i][k] = A[i*as + k*ak],
- * rows of B at stride ldb. Every product of the kernels is one of these. Cost: m * K * nv * W
- * multiply-adds.
+ * rows of B at stride ldb. Every product of the kernels is one of these, in column panels of NV
+ * vectors. Cost: m * K * nv * W multiply-adds.
  */
-template <typename T>
-DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* B, int64_t ldb,
+template <typename T, int B>
+DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
                     int64_t m, int64_t nv, int64_t K, bool accumulate, T* cmax = nullptr) {
-  const int W = Vec<T>::W;
-  for (int64_t v0 = 0; v0 < nv; v0 += NVMAX) {
+  typedef Vec<T, B> X;
+  const int W = X::W, NV = X::NV;
+  for (int64_t v0 = 0; v0 < nv; v0 += NV) {
     T* c = C + v0 * W;
-    const T* bb = B + v0 * W;
-    switch (std::min<int64_t>(NVMAX, nv - v0)) {
-      case 1: gemm_rows<T, 1>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cmax ? cmax + v0 * W : nullptr); break;
-      case 2: gemm_rows<T, 2>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cmax ? cmax + v0 * W : nullptr); break;
-      case 3: gemm_rows<T, 3>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cmax ? cmax + v0 * W : nullptr); break;
-      default: gemm_rows<T, 4>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cmax ? cmax + v0 * W : nullptr); break;
+    const T* bb = Bm + v0 * W;
+    T* cm = cmax ? cmax + v0 * W : nullptr;
+    switch (std::min<int64_t>(NV, nv - v0)) {
+      case 1: gemm_rows<T, B, 1>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm); break;
+      case 2: gemm_rows<T, B, (NV >= 2 ? 2 : 1)>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm); break;
+      case 3: gemm_rows<T, B, (NV >= 3 ? 3 : 1)>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm); break;
+      default: gemm_rows<T, B, NV>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm); break;
     }
   }
 }
@@ -312,18 +377,19 @@ struct FwdScratch {
 
 /* Scores of key j against query lane i get -inf where key index kt0 + j > query index jq0 + i,
  * i.e. for lanes i < off + j with off = kt0 - jq0. */
-template <typename T>
+template <typename T, int B>
 DA_INLINE void mask_future(T* st, int64_t ld, int64_t nk, int64_t nv, int64_t off) {
-  typedef typename Vec<T>::v V;
-  const int W = Vec<T>::W;
-  const V iota = viota<T>(), ninf = vset(neg_inf<T>());
+  typedef Vec<T, B> X;
+  typedef typename X::v V;
+  const int W = Vec<T, B>::W;
+  const V iota = X::iota(), ninf = X::set(neg_inf<T>());
   for (int64_t j = 0; j < nk; ++j) {
     const int64_t thr = off + j;
     if (thr <= 0) continue;
     for (int64_t u = 0; u < nv && u * W < thr; ++u) {
-      V s = vload(st + j * ld + u * W);
+      V s = X::load(st + j * ld + u * W);
       s = iota + (T)(u * W) < (T)thr ? ninf : s;
-      vstore(st + j * ld + u * W, s);
+      X::store(st + j * ld + u * W, s);
     }
   }
 }
@@ -333,35 +399,36 @@ DA_INLINE void mask_future(T* st, int64_t ld, int64_t nk, int64_t nv, int64_t of
  * mt and denominator lt, replaces scores by 2^(score - max) and leaves in corr the factor the
  * previous accumulator must be multiplied by. Cost: 2 * nk * nv vector passes, nk * nv exps.
  */
-template <typename T>
+template <typename T, int B>
 DA_INLINE void online_softmax(T* st, int64_t ld, int64_t nk, int64_t nv, T* mt, T* lt, T* corr,
                               const T* tmax) {
-  typedef typename Vec<T>::v V;
-  const int W = Vec<T>::W;
-  const V ninf = vset(neg_inf<T>()), zero = V{};
+  typedef Vec<T, B> X;
+  typedef typename X::v V;
+  const int W = Vec<T, B>::W;
+  const V ninf = X::set(neg_inf<T>()), zero = V{};
   for (int64_t u = 0; u < nv; ++u) {
-    const V m_old = vload(mt + u * W);
+    const V m_old = X::load(mt + u * W);
     V mx = m_old;
     if (tmax) {
-      const V t = vload(tmax + u * W);
+      const V t = X::load(tmax + u * W);
       mx = t > mx ? t : mx;
     } else {
       for (int64_t j = 0; j < nk; ++j) {
-        const V s = vload(st + j * ld + u * W);
+        const V s = X::load(st + j * ld + u * W);
         mx = s > mx ? s : mx;  // ignores NaN, which then propagates through exp
       }
     }
     const V mu = mx == ninf ? zero : mx;  // a lane with only -inf scores: exp(-inf - 0) = 0
-    const V c = vexp2(m_old - mu);
+    const V c = X::exp2v(m_old - mu);
     V sum = zero;
     for (int64_t j = 0; j < nk; ++j) {
-      const V p = vexp2(vload(st + j * ld + u * W) - mu);
-      vstore(st + j * ld + u * W, p);
+      const V p = X::exp2v(X::load(st + j * ld + u * W) - mu);
+      X::store(st + j * ld + u * W, p);
       sum += p;
     }
-    vstore(lt + u * W, vload(lt + u * W) * c + sum);
-    vstore(mt + u * W, mx);
-    vstore(corr + u * W, c);
+    X::store(lt + u * W, X::load(lt + u * W) * c + sum);
+    X::store(mt + u * W, mx);
+    X::store(corr + u * W, c);
   }
 }
 
@@ -393,10 +460,10 @@ DA_INLINE void merge_tile(T* m, T* l, T* acc, const T* m2, const T* l2, const T*
  * denominator and unnormalised output per position in s (rows a0..a1). Cost: 2 * D multiply-adds
  * and one exp per (query, key) pair of the block's queries, all branches.
  */
-template <typename T>
+template <typename T, int B>
 DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
                               FwdScratch<T>* s) {
-  const int W = Vec<T>::W;
+  const int W = Vec<T, B>::W;
   const int64_t D = P.D, Dp = P.Dp, hk = h / (P.Hq / P.Hkv), rows = a1 - a0;
   for (int64_t i = 0; i < rows; ++i) {
     s->m[i] = neg_inf<T>();
@@ -427,16 +494,16 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
           const int64_t nk = da_min64(KF, nk_all - kt0);
           const bool diag = P.causal && kt0 + nk - 1 > jq0;
           for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
-          gemm(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false,
+          gemm<T, B>(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false,
                diag ? nullptr : s->tmax);  // S^T = K Q^T and its column max
-          if (diag) mask_future(s->st, ld, nk, nv, kt0 - jq0);
-          online_softmax(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
+          if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - jq0);
+          online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
           for (int64_t i = 0; i < nq; ++i) {
             const T c = s->corr[i];
             if (c != 1)
               for (int64_t d = 0; d < Dp; ++d) s->acct[i * Dp + d] *= c;
           }
-          gemm(s->acct, Dp, s->st, 1, ld, vp + kt0 * vs, vs, nq, Dp / W, nk, true);  // += P V
+          gemm<T, B>(s->acct, Dp, s->st, 1, ld, vp + kt0 * vs, vs, nq, Dp / W, nk, true);  // += P V
         }
         merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acct, nq, g.first + q0 * r - a0, r, Dp);
       }
@@ -444,13 +511,34 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
   }
 }
 
-DA_CLONES static void fwd_block(const Fwd<float>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
-                                FwdScratch<float>* s) {
-  fwd_block_impl<float>(P, b, h, a0, a1, s);
+/* The forward of one block at the vector width of each instruction set, and the dispatch. */
+template <typename T>
+__attribute__((noinline)) static void fwd_block_baseline(const Fwd<T>& P, int64_t b, int64_t h,
+                                                         int64_t a0, int64_t a1, FwdScratch<T>* s) {
+  fwd_block_impl<T, 16>(P, b, h, a0, a1, s);
 }
-DA_CLONES static void fwd_block(const Fwd<double>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
-                                FwdScratch<double>* s) {
-  fwd_block_impl<double>(P, b, h, a0, a1, s);
+#ifdef DA_X86_DISPATCH
+template <typename T>
+DA_TARGET_AVX2 static void fwd_block_avx2(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
+                                          int64_t a1, FwdScratch<T>* s) {
+  fwd_block_impl<T, 32>(P, b, h, a0, a1, s);
+}
+template <typename T>
+DA_TARGET_AVX512 static void fwd_block_avx512(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
+                                              int64_t a1, FwdScratch<T>* s) {
+  fwd_block_impl<T, 64>(P, b, h, a0, a1, s);
+}
+#endif
+template <typename T>
+static void fwd_block(Isa isa, const Fwd<T>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
+                      FwdScratch<T>* s) {
+  switch (isa) {
+#ifdef DA_X86_DISPATCH
+    case Isa::avx512: return fwd_block_avx512<T>(P, b, h, a0, a1, s);
+    case Isa::avx2: return fwd_block_avx2<T>(P, b, h, a0, a1, s);
+#endif
+    default: return fwd_block_baseline<T>(P, b, h, a0, a1, s);
+  }
 }
 
 /* out = acc / l and lse = (m + log2(l)) ln2 for the block's rows; uncovered rows: 0 and -inf. */
@@ -512,7 +600,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_fwd",
                                   [&] {
     using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
-    const int64_t W = Vec<T>::W, Dp = da_ceil_div(P.D, W) * W;
+    const int64_t Dp = da_ceil_div(P.D, pad_values<T>()) * pad_values<T>();
+    const Isa isa = cpu_isa();
     const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
     const at::Tensor q = padded_rows(q_in, st, Dp), k = padded_rows(k_in, st, Dp),
                      v = padded_rows(v_in, st, Dp);
@@ -540,7 +629,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
           const int64_t blk = task % nblocks, bh = task / nblocks;
           const int64_t h = bh % P.Hq, b = bh / P.Hq;
           const int64_t a0 = blk * QB, a1 = da_min64(a0 + QB, P.N);
-          fwd_block(F, b, h, a0, a1, &s);
+          fwd_block(isa, F, b, h, a0, a1, &s);
           fwd_write<scalar_t, T>(s, out_p + b * out.stride(0) + h * out.stride(2), out.stride(1),
                                  lse_p + bh * P.N, a0, a1, P.D, Dp);
         });
@@ -613,34 +702,35 @@ struct BwdScratch {
  * lse2) with scale2 = scale log2(e), lse2 = lse log2(e)), dp <- dS = scale * P * (dP - delta), with P = dS = 0 for key lanes past nk and, when causal, for keys after
  * the query (key kt0 + j > query qt0 + i, off = qt0 - kt0). Cost: nq * ld exps.
  */
-template <typename T>
+template <typename T, int B>
 DA_INLINE void ds_tile(T* s, T* dp, int64_t ld, int64_t nq, int64_t nk, int causal, int64_t off,
                        const T* lse2, const T* delta, T scale, T scale2) {
-  typedef typename Vec<T>::v V;
-  const int W = Vec<T>::W;
-  const V iota = viota<T>(), zero = V{};
+  typedef Vec<T, B> X;
+  typedef typename X::v V;
+  const int W = Vec<T, B>::W;
+  const V iota = X::iota(), zero = V{};
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t last = causal ? da_min64(nk - 1, off + i) : nk - 1;  // last key lane it sees
     const T l = lse2[i], dl = delta[i];
     for (int64_t u = 0; u * W < ld; ++u) {
       T* sp = s + i * ld + u * W;
       T* dpp = dp + i * ld + u * W;
-      V p = l == neg_inf<T>() ? zero : vexp2(vload(sp) * scale2 - l);
+      V p = l == neg_inf<T>() ? zero : X::exp2v(X::load(sp) * scale2 - l);
       if ((u + 1) * W - 1 > last) p = iota + (T)(u * W) > (T)last ? zero : p;
-      vstore(sp, p);
-      vstore(dpp, p * scale * (vload(dpp) - dl));
+      X::store(sp, p);
+      X::store(dpp, p * scale * (X::load(dpp) - dl));
     }
   }
 }
 
 /* rows[j * stride] += t[j * Dp] for j < n (Dp values each). */
-template <typename T>
+template <typename T, int B>
 DA_INLINE void add_rows(T* rows, int64_t stride, const T* t, int64_t n, int64_t Dp) {
-  typedef typename Vec<T>::v V;
-  const int W = Vec<T>::W;
+  typedef Vec<T, B> X;
+  const int W = X::W;
   for (int64_t j = 0; j < n; ++j)
     for (int64_t d = 0; d < Dp; d += W)
-      vstore(rows + j * stride + d, vload(rows + j * stride + d) + vload(t + j * Dp + d));
+      X::store(rows + j * stride + d, X::load(rows + j * stride + d) + X::load(t + j * Dp + d));
 }
 
 /*
@@ -648,10 +738,10 @@ DA_INLINE void add_rows(T* rows, int64_t stride, const T* t, int64_t n, int64_t 
  * the group whose phase h % r is that of head hk * G + ph: adds this branch's share of dq, dk and
  * dv for the segment's covered rows. Cost: 5 * D multiply-adds and one exp per (query, key) pair.
  */
-template <typename T>
+template <typename T, int B>
 DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
                              int64_t ph, BwdScratch<T>* s) {
-  const int W = Vec<T>::W;
+  const int W = Vec<T, B>::W;
   const int64_t w = P.br.w[bi], r = P.br.r[bi], G = P.Hq / P.Hkv, D = P.D, Dp = P.Dp;
   const int64_t h0 = hk * G + ph;
   da_group g;
@@ -682,27 +772,49 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
         }
         const T* qi = qp + qt0 * qs;
         const T* doi = dop + qt0 * dos;
-        gemm(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false);    // S = Q K^T
-        gemm(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false); // dP = dO V^T
-        ds_tile(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale,
+        gemm<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false);    // S = Q K^T
+        gemm<T, B>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false); // dP = dO V^T
+        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale,
                 P.scale2);
-        gemm(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);   // dV += P^T dO
-        gemm(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);    // dK += dS^T Q
-        gemm(dqp + qt0 * dqs, dqs, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk, true);  // dQ += dS K
+        gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);   // dV += P^T dO
+        gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);    // dK += dS^T Q
+        gemm<T, B>(dqp + qt0 * dqs, dqs, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk, true);  // dQ += dS K
       }
     }
-    add_rows(dkp + kt0 * r * P.dk_sn, r * P.dk_sn, s->dkt, nk, Dp);
-    add_rows(dvp + kt0 * r * P.dv_sn, r * P.dv_sn, s->dvt, nk, Dp);
+    add_rows<T, B>(dkp + kt0 * r * P.dk_sn, r * P.dk_sn, s->dkt, nk, Dp);
+    add_rows<T, B>(dvp + kt0 * r * P.dv_sn, r * P.dv_sn, s->dvt, nk, Dp);
   }
 }
 
-DA_CLONES static void bwd_task(const Bwd<float>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
-                               int64_t ph, BwdScratch<float>* s) {
-  bwd_task_impl<float>(P, bi, b, hk, seg, ph, s);
+/* The backward of one task at the vector width of each instruction set, and the dispatch. */
+template <typename T>
+__attribute__((noinline)) static void bwd_task_baseline(const Bwd<T>& P, int64_t bi, int64_t b,
+                                                        int64_t hk, int64_t seg, int64_t ph,
+                                                        BwdScratch<T>* s) {
+  bwd_task_impl<T, 16>(P, bi, b, hk, seg, ph, s);
 }
-DA_CLONES static void bwd_task(const Bwd<double>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
-                               int64_t ph, BwdScratch<double>* s) {
-  bwd_task_impl<double>(P, bi, b, hk, seg, ph, s);
+#ifdef DA_X86_DISPATCH
+template <typename T>
+DA_TARGET_AVX2 static void bwd_task_avx2(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
+                                         int64_t seg, int64_t ph, BwdScratch<T>* s) {
+  bwd_task_impl<T, 32>(P, bi, b, hk, seg, ph, s);
+}
+template <typename T>
+DA_TARGET_AVX512 static void bwd_task_avx512(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
+                                             int64_t seg, int64_t ph, BwdScratch<T>* s) {
+  bwd_task_impl<T, 64>(P, bi, b, hk, seg, ph, s);
+}
+#endif
+template <typename T>
+static void bwd_task(Isa isa, const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
+                     int64_t ph, BwdScratch<T>* s) {
+  switch (isa) {
+#ifdef DA_X86_DISPATCH
+    case Isa::avx512: return bwd_task_avx512<T>(P, bi, b, hk, seg, ph, s);
+    case Isa::avx2: return bwd_task_avx2<T>(P, bi, b, hk, seg, ph, s);
+#endif
+    default: return bwd_task_baseline<T>(P, bi, b, hk, seg, ph, s);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
@@ -729,7 +841,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_bwd",
                                   [&] {
     using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
-    const int64_t W = Vec<T>::W, Dp = da_ceil_div(P.D, W) * W;
+    const int64_t Dp = da_ceil_div(P.D, pad_values<T>()) * pad_values<T>();
+    const Isa isa = cpu_isa();
     const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
     compute_delta<scalar_t, T>(P, dout_c, out_c, dlse.defined() ? dlse.data_ptr<T>() : nullptr,
                                delta.data_ptr<T>());
@@ -777,7 +890,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
           [&](int64_t task, BwdScratch<T>& s) {
             const int64_t ph = task % nph, seg = (task / nph) % nseg;
             const int64_t bh = task / (nph * nseg), hk = bh % P.Hkv, b = bh / P.Hkv;
-            bwd_task(A, bi, b, hk, seg, ph, &s);
+            bwd_task(isa, A, bi, b, hk, seg, ph, &s);
           });
     }
     if (direct) {
