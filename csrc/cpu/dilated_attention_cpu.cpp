@@ -98,7 +98,7 @@ struct Vec {
 
   DA_INLINE v load(const T* p) { return *(const vu*)p; }
   DA_INLINE void store(T* p, v x) { *(vu*)p = x; }
-  DA_INLINE v set(T x) { return v{} + x; }
+  DA_INLINE v set(T x) { return v{} + x; }  // outside hot loops: -0 becomes +0
   DA_INLINE v iota() {
     v x;
     for (int i = 0; i < W; ++i) x[i] = (T)i;
@@ -221,7 +221,7 @@ DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, cons
     for (int j = 0; j < R; ++j) b[j] = X::load(Bm + k * ldb + j * W);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      const V a = X::set(A[i * as + k * ak]);
+      const T a = A[i * as + k * ak];  // scalar * vector: one broadcast from memory
 #pragma GCC unroll 8
       for (int j = 0; j < R; ++j) c[i][j] += a * b[j];
     }
