@@ -11,15 +11,37 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <exception>
+
+namespace dilated_attention {
+const char* cpu_kernel_isa();  // cpu/dilated_attention_cpu.cpp
+}
+
+// _C.cpu_isa() -> str: the instruction set the CPU kernels run with in this process ("avx512",
+// "avx2" or "baseline"); a bad DILATED_ATTENTION_CPU_ISA raises ValueError naming it.
+static PyObject* cpu_isa(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(dilated_attention::cpu_kernel_isa());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return NULL;
+  }
+}
+
 extern "C" {
 // Importing dilated_attention._C runs the static initialisers below, which register the op.
 PyObject* PyInit__C(void) {
+  static PyMethodDef methods[] = {
+      {"cpu_isa", cpu_isa, METH_NOARGS,
+       "The instruction set the CPU kernels run with: avx512, avx2 or baseline."},
+      {NULL, NULL, 0, NULL},
+  };
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT,
       "_C",  // name
       "Fused dilated attention kernels; the ops live in torch.ops.dilated_attention.",
       -1,    // size of per-interpreter state
-      NULL,  // methods
+      methods,
   };
   return PyModule_Create(&module_def);
 }

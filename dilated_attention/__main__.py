@@ -27,6 +27,13 @@ _DTYPES = {
 }
 
 
+def _cpu_isa() -> str:
+    try:
+        return _ops.cpu_isa()
+    except ValueError as exc:  # a bad DILATED_ATTENTION_CPU_ISA: the report says so and goes on
+        return f"error: {exc}"
+
+
 def environment_report(
     device: Optional[str] = None, dtype: Optional[str] = None, head_dim: int = 64, dropout: bool = False
 ) -> dict[str, Any]:
@@ -62,6 +69,7 @@ def environment_report(
         "extension": {
             "file": getattr(_ops._C, "__file__", None),
             "cpu_kernels": _ops.has_kernel("cpu"),
+            "cpu_isa": _cpu_isa(),
             "cuda_kernels": _ops.has_kernel("cuda"),
         },
         "device": str(dev),
@@ -96,7 +104,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("GPU              none")
     ext = r["extension"]
     lines.append(
-        f"extension        CPU kernels: {yes[ext['cpu_kernels']]}, CUDA kernels: {yes[ext['cuda_kernels']]}"
+        f"extension        CPU kernels: {yes[ext['cpu_kernels']]} ({ext['cpu_isa']}), "
+        f"CUDA kernels: {yes[ext['cuda_kernels']]}"
         f"  ({ext['file']})"
     )
     lines.append("")

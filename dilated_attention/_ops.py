@@ -40,6 +40,14 @@ def has_kernel(device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attention::fwd", key)
 
 
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels run with in this process: ``"avx512"``, ``"avx2"`` or
+    ``"baseline"`` (SSE2 on x86-64, the compiler's default elsewhere). The widest the CPU has, unless
+    the environment variable ``DILATED_ATTENTION_CPU_ISA`` names another; a value it does not know,
+    or a set the CPU lacks, raises ``ValueError`` naming it."""
+    return _C.cpu_isa()
+
+
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 

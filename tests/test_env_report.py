@@ -21,7 +21,7 @@ def test_report_runs_as_a_module():
     text = res.stdout
     assert f"dilated-attention {dilated_attention.__version__}" in text
     assert f"torch            {torch.__version__}" in text
-    assert "CPU kernels: yes" in text
+    assert f"CPU kernels: yes ({dilated_attention._ops.cpu_isa()})" in text
     for name in dilated_attention.BACKEND_NAMES:
         assert f"\n  {name} " in text
     if not torch.cuda.is_available():
@@ -35,6 +35,7 @@ def test_json_report(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["torch"] == torch.__version__ and data["dtype"] == "float64" and data["head_dim"] == 32
     assert data["extension"]["cpu_kernels"] is True
+    assert data["extension"]["cpu_isa"] in ("avx512", "avx2", "baseline")
     assert set(data["backends"]) == set(dilated_attention.BACKEND_NAMES)
     for b in data["backends"].values():
         assert b["available"] == (not b["reasons"])

@@ -908,6 +908,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 
 }  // namespace
 
+const char* cpu_kernel_isa() { return isa_name(cpu_isa()); }
+
 TORCH_LIBRARY_IMPL(dilated_attention, CPU, m) {
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
