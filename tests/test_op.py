@@ -99,6 +99,33 @@ def test_softmax_scale_and_transposed_inputs():
     torch.testing.assert_close(dq, dq64, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+def test_large_float32_in_both_layouts(layout):
+    """Inputs of 4 MiB each, so that the CPU op's head-major copies and accumulators are large
+    buffers; (B, N, H, D) inputs are copied, (B, H, N, D) storage is read in place."""
+    B, N, H, D, segs, rates = 1, 1024, 8, 128, [256, 1024], [1, 4]
+    q, k, v = make_inputs(B, N, H, H, D, torch.float32, seed=5, requires_grad=False)
+    if layout == "bhnd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert not q.is_contiguous()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert q.numel() * q.element_size() == 4 << 20
+    out, lse = dattn(q, k, v, segs, rates, is_causal=True, return_lse=True, backend="native")
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, True)
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    outl, lsel = reference_attention(ql, kl, vl, segs, rates, True, dtype=torch.float32)
+    assert_within_rule("out", out, out64, outl, torch.float32)
+    assert_within_rule("lse", lse, lse64, lsel, torch.float32)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    got = grads(out, lse, (q, k, v), dout, None)
+    assert all(g.is_contiguous() and g.shape == (B, N, H, D) for g in got)
+    ref = grads(out64, lse64, (q64, k64, v64), dout, None)
+    plain = grads(outl, lsel, (ql, kl, vl), dout, None)
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain):
+        assert_within_rule(name, a, e, p, torch.float32)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gradcheck(is_causal):
     q, k, v = make_inputs(1, 11, 4, 2, 3, torch.float64, seed=5)

@@ -24,13 +24,15 @@
 // float64 calls libm's exp2. NaN propagates, -inf scores add nothing, a row that no branch covers
 // gets out = 0 and lse = -inf.
 //
-// float16/bfloat16 inputs, and float32 inputs whose head dim is not a multiple of 16, are converted
-// once to float32 rows padded to a multiple of the vector width (Dp); float32 (and float64) inputs
-// with D a multiple of the width are read in place.
+// The kernels read q, k, v (and dout) as head-major rows: one (B, H, N, Dp) copy of each, in float32
+// (float64 for float64 inputs), zero padded to Dp, a multiple of the widest vector (head_major_rows);
+// inputs that already are such rows are read in place. The backward accumulates dq, dk and dv in
+// the same layout and converts them back to (B, N, H, D) at the end.
 //
 // Cost: forward 2 * D multiply-adds per (query, key) pair with multiplicity, backward 5 * D (S, dP,
-// dV, dK, dQ; no recomputation). Memory: the outputs, the (B, Hq, N) delta of the backward, and
-// O(threads * (QB + QT + KB) * Dp) scratch; the converted copies above when they are needed.
+// dV, dK, dQ; no recomputation). Memory: the outputs, the head-major copies (forward 3, backward 7
+// tensors of B * H * N * Dp values), the (B, Hq, N) delta of the backward, and
+// O(threads * (QB + QT + KB) * Dp) scratch.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -39,6 +41,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -571,10 +576,43 @@ static int64_t block_size(const Problem& P) {
   return da_max64(qb, 1);
 }
 
-/* t as rows of Dp values of type st (zero padded), reading t in place when it already is. */
-static at::Tensor padded_rows(const at::Tensor& t, at::ScalarType st, int64_t Dp) {
-  if (t.scalar_type() == st && t.size(3) == Dp) return last_dim_contiguous(t);
-  return at::constant_pad_nd(t.to(st), {0, Dp - t.size(3)}, 0);
+/*
+ * A zeroed CPU tensor for the kernels' own buffers (the head-major copies and accumulators). On
+ * Linux, one of 4 MiB or more is mapped afresh with MADV_HUGEPAGE (where the kernel's transparent
+ * huge pages allow it): its first touch then faults once per 2 MiB rather than once per 4 KiB page,
+ * and the mapping comes zeroed. Elsewhere, and if the mapping fails, at::zeros.
+ */
+static at::Tensor zeroed_buffer(at::IntArrayRef sizes, const at::TensorOptions& opt) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t huge = (size_t)2 << 20;
+  const size_t bytes = (size_t)c10::multiply_integers(sizes) * opt.dtype().itemsize();
+  if (bytes >= 2 * huge) {
+    const size_t len = bytes + huge;  // room to start on a 2 MiB boundary
+    void* base = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base != MAP_FAILED) {
+      char* p = (char*)(((uintptr_t)base + huge - 1) & ~(uintptr_t)(huge - 1));
+      madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without it the buffer works the same
+      return at::from_blob(p, sizes, [base, len](void*) { munmap(base, len); }, opt);
+    }
+  }
+#endif
+  return at::zeros(sizes, opt);
+}
+
+/*
+ * t (B, N, H, D) as a (B, N, H, Dp) view of a head-major (B, H, N, Dp) tensor of type st, rows zero
+ * padded past D; t itself when it already is one. The kernels walk one head's rows at a stride of r
+ * rows: head-major, those rows lie r * Dp values apart rather than r * H * Dp (a power of two apart
+ * for the usual H and D, so they fall into a few cache sets and on a new page each), which made the
+ * forward about 1.3x and the backward about 1.15x faster with two threads on a 2-core AVX-512 VM
+ * (B=1, H=8, D=64, N=16K). Cost: one pass over t, and a copy of B * H * N * Dp values.
+ */
+static at::Tensor head_major_rows(const at::Tensor& t, at::ScalarType st, int64_t Dp) {
+  const at::Tensor th = t.transpose(1, 2);  // (B, H, N, D)
+  if (t.scalar_type() == st && t.size(3) == Dp && th.is_contiguous()) return t;
+  at::Tensor rows = zeroed_buffer({t.size(0), t.size(2), t.size(1), Dp}, t.options().dtype(st));
+  rows.narrow(3, 0, t.size(3)).copy_(th);
+  return rows.transpose(1, 2);
 }
 
 template <typename T>
@@ -603,8 +641,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
     const int64_t Dp = da_ceil_div(P.D, pad_values<T>()) * pad_values<T>();
     const Isa isa = cpu_isa();
     const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
-    const at::Tensor q = padded_rows(q_in, st, Dp), k = padded_rows(k_in, st, Dp),
-                     v = padded_rows(v_in, st, Dp);
+    const at::Tensor q = head_major_rows(q_in, st, Dp), k = head_major_rows(k_in, st, Dp),
+                     v = head_major_rows(v_in, st, Dp);
     Fwd<T> F;
     F.q = q.data_ptr<T>();
     F.k = k.data_ptr<T>();
@@ -846,14 +884,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
     compute_delta<scalar_t, T>(P, dout_c, out_c, dlse.defined() ? dlse.data_ptr<T>() : nullptr,
                                delta.data_ptr<T>());
-    const at::Tensor q = padded_rows(q_in, st, Dp), k = padded_rows(k_in, st, Dp),
-                     v = padded_rows(v_in, st, Dp), dout = padded_rows(dout_c, st, Dp);
-    // Accumulators: the outputs themselves when they hold rows of Dp values of type T.
-    const bool direct = q_in.scalar_type() == st && P.D == Dp;
+    at::Tensor q = head_major_rows(q_in, st, Dp), k = head_major_rows(k_in, st, Dp),
+               v = head_major_rows(v_in, st, Dp), dout = head_major_rows(dout_c, st, Dp);
     const at::TensorOptions opt = q_in.options().dtype(st);
-    at::Tensor dq_acc = direct ? at::zeros({P.B, P.N, P.Hq, P.D}, opt) : at::zeros({P.B, P.N, P.Hq, Dp}, opt);
-    at::Tensor dk_acc = direct ? at::zeros({P.B, P.N, P.Hkv, P.D}, opt) : at::zeros({P.B, P.N, P.Hkv, Dp}, opt);
-    at::Tensor dv_acc = direct ? at::zeros({P.B, P.N, P.Hkv, P.D}, opt) : at::zeros({P.B, P.N, P.Hkv, Dp}, opt);
+    // Accumulators, head-major as the inputs: (B, H, N, Dp) seen as (B, N, H, Dp).
+    const at::Tensor dq_acc = zeroed_buffer({P.B, P.Hq, P.N, Dp}, opt).transpose(1, 2),
+                     dk_acc = zeroed_buffer({P.B, P.Hkv, P.N, Dp}, opt).transpose(1, 2),
+                     dv_acc = zeroed_buffer({P.B, P.Hkv, P.N, Dp}, opt).transpose(1, 2);
     Bwd<T> A;
     A.q = q.data_ptr<T>();
     A.k = k.data_ptr<T>();
@@ -893,15 +930,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
             bwd_task(isa, A, bi, b, hk, seg, ph, &s);
           });
     }
-    if (direct) {
-      dq = dq_acc;
-      dk = dk_acc;
-      dv = dv_acc;
-    } else {
-      dq = dq_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
-      dk = dk_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
-      dv = dv_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
-    }
+    // Back to the inputs' dtype and (B, N, H, D) layout, the input copies released first.
+    q = k = v = dout = at::Tensor();
+    dq = dq_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
+    dk = dk_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
+    dv = dv_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
   });
   return {dq, dk, dv};
 }
