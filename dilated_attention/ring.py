@@ -812,7 +812,7 @@ class RingDilatedAttention(nn.Module):
         use_pattern_cache: keep the exchange plan of each (rank, chunk length, heads, causal)
             instead of rebuilding it on every call.
         enable_memory_pool, memory_pool_threshold_mb: accepted and ignored: PyTorch's caching
-            allocator already pools memory, and the kernels allocate only their outputs.
+            allocator already pools memory, and the kernels free their own buffers on return.
         attention_backend: backend of the local pieces (see :mod:`dilated_attention.backends`).
         check_consistency: compare a fingerprint of the configuration and shapes across ranks on
             every call (one small all-gather), so that a mismatch raises on every rank instead of

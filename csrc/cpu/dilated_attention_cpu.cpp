@@ -578,7 +578,7 @@ static int64_t block_size(const Problem& P) {
 
 /*
  * A zeroed CPU tensor for the kernels' own buffers (the head-major copies and accumulators). On
- * Linux, one of 4 MiB or more is mapped afresh with MADV_HUGEPAGE (where the kernel's transparent
+ * Linux, one of 2 MiB or more is mapped afresh with MADV_HUGEPAGE (where the kernel's transparent
  * huge pages allow it): its first touch then faults once per 2 MiB rather than once per 4 KiB page,
  * and the mapping comes zeroed. Elsewhere, and if the mapping fails, at::zeros.
  */
@@ -586,7 +586,7 @@ static at::Tensor zeroed_buffer(at::IntArrayRef sizes, const at::TensorOptions& 
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const size_t huge = (size_t)2 << 20;
   const size_t bytes = (size_t)c10::multiply_integers(sizes) * opt.dtype().itemsize();
-  if (bytes >= 2 * huge) {
+  if (bytes >= huge) {
     const size_t len = bytes + huge;  // room to start on a 2 MiB boundary
     void* base = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base != MAP_FAILED) {
