@@ -603,9 +603,10 @@ static at::Tensor zeroed_buffer(at::IntArrayRef sizes, const at::TensorOptions& 
  * t (B, N, H, D) as a (B, N, H, Dp) view of a head-major (B, H, N, Dp) tensor of type st, rows zero
  * padded past D; t itself when it already is one. The kernels walk one head's rows at a stride of r
  * rows: head-major, those rows lie r * Dp values apart rather than r * H * Dp (a power of two apart
- * for the usual H and D, so they fall into a few cache sets and on a new page each), which made the
- * forward about 1.3x and the backward about 1.15x faster with two threads on a 2-core AVX-512 VM
- * (B=1, H=8, D=64, N=16K). Cost: one pass over t, and a copy of B * H * N * Dp values.
+ * for the usual H and D, so they fall into a few cache sets and on a new page each). With the copies
+ * included, the forward took about 12% and the backward about 11% less time with two threads on a
+ * 2-core AVX-512 VM (B=1, H=8, D=64, N=16K, medians of 4 interleaved runs). Cost: one pass over t,
+ * and a copy of B * H * N * Dp values.
  */
 static at::Tensor head_major_rows(const at::Tensor& t, at::ScalarType st, int64_t Dp) {
   const at::Tensor th = t.transpose(1, 2);  // (B, H, N, D)
