@@ -14,10 +14,9 @@ import shlex
 import shutil
 import subprocess
 
-from setuptools import setup
-
 import torch
 import torch.utils.cpp_extension as cpp_extension
+from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,8 +56,12 @@ def _toolkit_root() -> str | None:
     nvcc = shutil.which("nvcc") or (os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None)
     if nvcc:
         try:
-            dry = subprocess.run([nvcc, "-v", "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
-                                 capture_output=True, text=True, timeout=60)
+            dry = subprocess.run(
+                [nvcc, "-v", "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             m = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.MULTILINE)
             if m:
                 candidates.append(os.path.normpath(m.group(1).strip()))
@@ -102,7 +105,9 @@ def _extension():
         if root and root != CUDA_HOME:
             cpp_extension.CUDA_HOME = root  # read by CUDAExtension and BuildExtension at build time
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list())
-        print(f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}")
+        print(
+            f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}"
+        )
         # csrc/cuda: the op's CUDA half (host code in .cpp, kernels in .cu; see docs/readme/cuda.md).
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
         nvcc += shlex.split(os.environ.get("DILATED_ATTENTION_NVCC_FLAGS", ""))  # e.g. "-Xptxas -v"
@@ -115,8 +120,12 @@ def _extension():
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
             py_limited_api=False,
         )
-    print("dilated_attention: building CPU kernels only (no nvcc with a CUDA-enabled torch, or DILATED_ATTENTION_CPU_ONLY=1)")
-    return CppExtension("dilated_attention._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx})
+    print(
+        "dilated_attention: building CPU kernels only (no nvcc with a CUDA-enabled torch, or DILATED_ATTENTION_CPU_ONLY=1)"
+    )
+    return CppExtension(
+        "dilated_attention._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx}
+    )
 
 
 setup(

@@ -80,7 +80,7 @@ def _covered(length: int, o: int, r: int) -> int:
 def dilated_pairs(N: int, H: int, segs: Sequence[int], rates: Sequence[int], causal: bool) -> int:
     """(query, key) pairs of the dilated pattern with multiplicity, summed over H heads (SPEC 2-3)."""
     total = 0
-    for w, r in zip(segs, rates):
+    for w, r in zip(segs, rates, strict=True):
         nfull, rem = divmod(N, w)
         for o in range(r):
             heads = len(range(o, H, r))
@@ -117,7 +117,8 @@ def memory_model(method: str, N: int, cfg: dict, mode: str) -> float:
         return cfg["H"] * float(N) * N * 6 + 8 * x * grow
     if method == "manual":
         scores = sum(
-            cfg["B"] * cfg["H"] * (N / r) * min(w, N) / r * 4 for w, r in zip(cfg["segs"], cfg["rates"])
+            cfg["B"] * cfg["H"] * (N / r) * min(w, N) / r * 4
+            for w, r in zip(cfg["segs"], cfg["rates"], strict=True)
         )
         return 4 * scores * grow + (4 + 6 * nb) * x * grow
     if method in ("native", "dense_causal_sdpa"):
@@ -147,7 +148,7 @@ def dense_mask(
     mask = torch.empty(1, H, N, N, device=device, dtype=torch.float32)
     for h in range(H):
         count = torch.zeros(N, N, device=device, dtype=torch.float32)
-        for w, r in zip(segs, rates):
+        for w, r in zip(segs, rates, strict=True):
             cov = (pos % w) % r == h % r  # (N,)
             seg = pos // w
             count += (cov[:, None] & cov[None, :] & (seg[:, None] == seg[None, :])).float()
@@ -194,7 +195,7 @@ def gather_sdpa(
     G = H // k.shape[2]
     dev = q.device
     outs, lses = [], []
-    for w_branch, r in zip(segs, rates):
+    for w_branch, r in zip(segs, rates, strict=True):
         w = min(w_branch, N)
         out_b = torch.zeros(B, N, H, D, device=dev, dtype=q.dtype)
         lse_b = torch.full((B, N, H), float("-inf"), device=dev, dtype=torch.float32)
@@ -238,7 +239,7 @@ def gather_sdpa(
     weights = torch.exp(lse - m)  # (k, B, N, H)
     total = weights.sum(0).clamp_min(torch.finfo(torch.float32).tiny)
     out = outs[0] * (weights[0] / total)[..., None].to(q.dtype)
-    for o_b, wt in zip(outs[1:], weights[1:]):
+    for o_b, wt in zip(outs[1:], weights[1:], strict=True):
         out = out + o_b * (wt / total)[..., None].to(q.dtype)
     return out
 
@@ -368,7 +369,7 @@ def _worker_main(spec_json: str) -> None:
         res = {"ok": True, "results": run_case(spec)}
     except torch.OutOfMemoryError as exc:  # only CUDA raises this; CPU OOM kills the process
         res = {"ok": False, "error": f"out of memory: {exc}".splitlines()[0][:300]}
-    except Exception as exc:  # noqa: BLE001  (report, do not crash the sweep)
+    except Exception as exc:
         res = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -398,7 +399,7 @@ def check_alternatives(cfg: dict, N: int = 512) -> dict:
     g = torch.Generator(device=dev).manual_seed(1)
     H, Hkv, D = cfg["H"], cfg["Hkv"], cfg["D"]
     segs = [min(w, N // 2) for w in cfg["segs"]]
-    rates = [min(r, w) for r, w in zip(cfg["rates"], segs)]
+    rates = [min(r, w) for r, w in zip(cfg["rates"], segs, strict=True)]
     q = torch.randn(1, N, H, D, generator=g, device=dev)
     k, v = (torch.randn(1, N, Hkv, D, generator=g, device=dev) for _ in range(2))
     ref = dilated_attention.dilated_attention(q, k, v, segs, rates, is_causal=cfg["causal"], backend="native")
@@ -435,7 +436,7 @@ def machine_info(device: torch.device) -> dict:
         import dilated_attention
 
         info["dilated_attention"] = dilated_attention.__version__
-    except Exception as exc:  # noqa: BLE001  (the alternatives still run without the package)
+    except Exception as exc:
         info["dilated_attention"] = f"unavailable ({type(exc).__name__})"
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -464,7 +465,7 @@ def machine_info(device: torch.device) -> dict:
             from dilated_attention import _ops
 
             info["kernel_isa"] = _ops.cpu_isa()
-        except Exception as exc:  # noqa: BLE001  (an older build without it)
+        except Exception as exc:
             info["kernel_isa"] = f"unknown ({type(exc).__name__})"
         with open("/proc/meminfo") as f:
             mem = f.read()
@@ -530,7 +531,7 @@ def runnable_backends(device: torch.device, dtype: torch.dtype, cfg: dict) -> tu
         )
         reasons = backend_reasons(req)
         return [n for n in BACKEND_NAMES if not reasons[n]], {n: r for n, r in reasons.items() if r}
-    except Exception as exc:  # noqa: BLE001  (an older package without the registry: native only)
+    except Exception as exc:
         log.warning("cannot ask dilated_attention.backends which backends run (%s); trying native only", exc)
         return ["native"], {}
 
@@ -898,7 +899,7 @@ def plot(path: str, rows: list[dict], meta: dict) -> bool:
             pts = sorted((r["N"], r["ms_median"]) for r in ok if r["method"] == m and r["mode"] == mode)
             if pts:
                 ax_t.plot(
-                    *zip(*pts),
+                    *zip(*pts, strict=True),
                     style,
                     marker="o",
                     ms=3,
@@ -911,13 +912,13 @@ def plot(path: str, rows: list[dict], meta: dict) -> bool:
             if r["method"] == m and r["mode"] == "fwdbwd" and r["peak_bytes"] > 0
         )
         if pts:
-            ax_m.plot(*zip(*pts), "-", marker="o", ms=3, color=color, label=f"{m} fwd+bwd")
+            ax_m.plot(*zip(*pts, strict=True), "-", marker="o", ms=3, color=color, label=f"{m} fwd+bwd")
     scale = [r for r in rows if r["status"] == "ok" and r["suite"] == "scale"]
     for mode, marker in (("fwdbwd", "*"), ("fwd", "x")):
         pts = sorted((r["N"], r["ms_median"]) for r in scale if r["mode"] == mode)
         if pts:
             ax_t.plot(
-                *zip(*pts),
+                *zip(*pts, strict=True),
                 marker,
                 ms=9,
                 color="k",
@@ -925,7 +926,7 @@ def plot(path: str, rows: list[dict], meta: dict) -> bool:
             )
     pts = sorted((r["N"], r["peak_bytes"] / 2**20) for r in scale if r["mode"] == "fwdbwd")
     if pts:
-        ax_m.plot(*zip(*pts), "*", ms=9, color="k", label=f"native fwd+bwd, H={scale[0]['H']}")
+        ax_m.plot(*zip(*pts, strict=True), "*", ms=9, color="k", label=f"native fwd+bwd, H={scale[0]['H']}")
     for ax, ylabel in ((ax_t, "time (ms)"), (ax_m, "peak memory (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -1142,7 +1143,9 @@ def report_saved(path: str, out: str, tag: str | None) -> int:
         mm = (meta["mm_gflops_start"] + meta["mm_gflops_end"]) / 2 * 1e9
         cfg = meta["config"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise SystemExit(f"--from-json {path}: not a saved benchmark run ({type(exc).__name__}: {exc})") from None
+        raise SystemExit(
+            f"--from-json {path}: not a saved benchmark run ({type(exc).__name__}: {exc})"
+        ) from None
     report(rows, meta, mm, cfg, os.path.join(out, tag or machine_tag(meta)))
     return 0
 

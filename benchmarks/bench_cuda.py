@@ -36,9 +36,9 @@ import datetime as _dt
 import math
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -49,6 +49,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # ----------------------------------------------------------------------------------------------
 # Useful work (SPEC section 3)
 # ----------------------------------------------------------------------------------------------
+
 
 def longnet_branches(N: int, w0: int = 2048) -> tuple[list[int], list[int]]:
     """w = w0, 2 w0, 4 w0, ... up to N (the last one N itself), r = 1, 2, 4, ..."""
@@ -63,10 +64,12 @@ def longnet_branches(N: int, w0: int = 2048) -> tuple[list[int], list[int]]:
     return segs, rates
 
 
-def pair_count(N: int, Hq: int, segment_lengths: list[int], dilation_rates: list[int], is_causal: bool) -> int:
+def pair_count(
+    N: int, Hq: int, segment_lengths: list[int], dilation_rates: list[int], is_causal: bool
+) -> int:
     """Number of (query, key) pairs with multiplicity, summed over heads (one batch element)."""
     total = 0
-    for w, r in zip(segment_lengths, dilation_rates):
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
         full, rest = divmod(N, w)
         seg_lengths = [(w, full)] + ([(rest, 1)] if rest else [])
         for h in range(Hq):
@@ -77,7 +80,9 @@ def pair_count(N: int, Hq: int, segment_lengths: list[int], dilation_rates: list
     return total
 
 
-def useful_flops(B: int, N: int, Hq: int, D: int, segs: list[int], rates: list[int], is_causal: bool) -> float:
+def useful_flops(
+    B: int, N: int, Hq: int, D: int, segs: list[int], rates: list[int], is_causal: bool
+) -> float:
     """Forward FLOPs: 4 * D * pairs, over the batch and the heads."""
     return 4.0 * D * B * pair_count(N, Hq, segs, rates, is_causal)
 
@@ -85,6 +90,7 @@ def useful_flops(B: int, N: int, Hq: int, D: int, segs: list[int], rates: list[i
 # ----------------------------------------------------------------------------------------------
 # The baseline: gather + SDPA flash + LSE merge
 # ----------------------------------------------------------------------------------------------
+
 
 def make_flash_baseline():
     """The project's gather/merge driver with PyTorch's flash kernel (forward returns lse;
@@ -105,15 +111,30 @@ def make_flash_baseline():
 
         def attn_forward(self, q, k, v, *, is_causal, scale):
             res = torch.ops.aten._scaled_dot_product_flash_attention(
-                _t(q), _t(k), _t(v), 0.0, is_causal, False, scale=scale)
+                _t(q), _t(k), _t(v), 0.0, is_causal, False, scale=scale
+            )
             out, lse = res[0], res[1]
             return _t(out), lse, tuple(res[2:8])
 
         def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale):
             cum_q, cum_k, max_q, max_k, rng, unused = extra
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                _t(dout), _t(q), _t(k), _t(v), _t(out), lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0,
-                is_causal, rng, unused, scale=scale)
+                _t(dout),
+                _t(q),
+                _t(k),
+                _t(v),
+                _t(out),
+                lse.contiguous(),
+                cum_q,
+                cum_k,
+                max_q,
+                max_k,
+                0.0,
+                is_causal,
+                rng,
+                unused,
+                scale=scale,
+            )
             return _t(dq), _t(dk), _t(dv)
 
     return FlashSdpaBaseline()
@@ -122,6 +143,7 @@ def make_flash_baseline():
 # ----------------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------------
+
 
 def cuda_time(fn: Callable[[], object], warmup: int, iters: int) -> float:
     """Median seconds of fn() over iters runs, timed with CUDA events."""
@@ -145,7 +167,7 @@ def matmul_tflops(n: int, iters: int) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     t = cuda_time(lambda: torch.matmul(a, b), warmup=3, iters=iters)
-    return 2.0 * n ** 3 / t / 1e12
+    return 2.0 * n**3 / t / 1e12
 
 
 @dataclass
@@ -173,13 +195,15 @@ def run_config(B: int, N: int, H: int, D: int, causal: bool, args, baseline) -> 
 
     segs, rates = longnet_branches(N, args.w0)
     row = Row(B, N, H, D, causal, len(segs), useful_flops(B, N, H, D, segs, rates, causal))
-    scale = D ** -0.5
+    scale = D**-0.5
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     dout = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
 
     def native_fwd():
-        return dilated_attention(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="native")
+        return dilated_attention(
+            q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="native"
+        )
 
     def base_fwd():
         return baseline.forward(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale)[0]
@@ -190,6 +214,7 @@ def run_config(B: int, N: int, H: int, D: int, causal: bool, args, baseline) -> 
                 t.grad = None
             out = fwd()
             out.backward(dout)
+
         return run
 
     try:
@@ -235,6 +260,7 @@ def run_config(B: int, N: int, H: int, D: int, causal: bool, args, baseline) -> 
 # Report
 # ----------------------------------------------------------------------------------------------
 
+
 def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None or math.isnan(x) else format(x, spec)
 
@@ -243,22 +269,50 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-HEADER = ["B", "N", "H", "D", "causal", "branches", "pass", "native ms", "gather+flash ms", "native TFLOP/s",
-          "gather+flash TFLOP/s", "speedup", "of matmul"]
+HEADER = [
+    "B",
+    "N",
+    "H",
+    "D",
+    "causal",
+    "branches",
+    "pass",
+    "native ms",
+    "gather+flash ms",
+    "native TFLOP/s",
+    "gather+flash TFLOP/s",
+    "speedup",
+    "of matmul",
+]
 
 
 def table_rows(rows: list[Row], mm: float) -> list[list[str]]:
     out = []
     for r in rows:
-        for name, tn, tb, factor in (("fwd", r.native_fwd_s, r.base_fwd_s, 1.0),
-                                     ("fwd+bwd", r.native_fb_s, r.base_fb_s, 3.5)):
+        for name, tn, tb, factor in (
+            ("fwd", r.native_fwd_s, r.base_fwd_s, 1.0),
+            ("fwd+bwd", r.native_fb_s, r.base_fb_s, 3.5),
+        ):
             if tn is None and tb is None:
                 continue
             tf_n, tf_b = r.tflops(tn, factor), r.tflops(tb, factor)
-            out.append([str(r.B), str(r.N), str(r.H), str(r.D), "yes" if r.causal else "no", str(r.branches), name,
-                        _fmt(None if tn is None else tn * 1e3, ".2f"), _fmt(None if tb is None else tb * 1e3, ".2f"),
-                        _fmt(tf_n, ".1f"), _fmt(tf_b, ".1f"), _fmt(_ratio(tb, tn), ".2f"),
-                        _fmt(_ratio(tf_n, mm), ".0%")])
+            out.append(
+                [
+                    str(r.B),
+                    str(r.N),
+                    str(r.H),
+                    str(r.D),
+                    "yes" if r.causal else "no",
+                    str(r.branches),
+                    name,
+                    _fmt(None if tn is None else tn * 1e3, ".2f"),
+                    _fmt(None if tb is None else tb * 1e3, ".2f"),
+                    _fmt(tf_n, ".1f"),
+                    _fmt(tf_b, ".1f"),
+                    _fmt(_ratio(tb, tn), ".2f"),
+                    _fmt(_ratio(tf_n, mm), ".0%"),
+                ]
+            )
     return out
 
 
@@ -271,37 +325,46 @@ def write_results(rows: list[Row], mm: float, args, gpu: str) -> Path:
     lines = [
         f"# Native CUDA kernels vs gather + SDPA (flash) + LSE merge, bf16, on {gpu}",
         "",
-        (f"Measured {stamp} by `benchmarks/bench_cuda.py` ({' '.join(sys.argv[1:]) or 'default sweep'}); torch "
-         f"{torch.__version__}, CUDA {torch.version.cuda}, {platform.node()}."),
+        (
+            f"Measured {stamp} by `benchmarks/bench_cuda.py` ({' '.join(sys.argv[1:]) or 'default sweep'}); torch "
+            f"{torch.__version__}, CUDA {torch.version.cuda}, {platform.node()}."
+        ),
         f"Dense bf16 matmul ({args.matmul_size}^3) measured in the same run: **{mm:.1f} TFLOP/s**.",
-        ("LongNet branches: w = 2048, 4096, ..., N; r = 1, 2, 4, ... . Useful FLOPs (SPEC section 3): forward "
-         "4 D x pairs, forward+backward 3.5 x that. speedup = gather+flash time / native time (target >= 1.3); "
-         "of matmul = native useful TFLOP/s / matmul TFLOP/s (target >= 40%)."),
+        (
+            "LongNet branches: w = 2048, 4096, ..., N; r = 1, 2, 4, ... . Useful FLOPs (SPEC section 3): forward "
+            "4 D x pairs, forward+backward 3.5 x that. speedup = gather+flash time / native time (target >= 1.3); "
+            "of matmul = native useful TFLOP/s / matmul TFLOP/s (target >= 40%)."
+        ),
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     notes = [f"- B={r.B} N={r.N} H={r.H} D={r.D} causal={r.causal}: {n}" for r in rows for n in r.notes]
-    diffs = [f"- B={r.B} N={r.N} H={r.H} D={r.D} causal={r.causal}: max |native - gather+flash| = {r.max_abs_diff:.3g}"
-             for r in rows if r.max_abs_diff is not None]
+    diffs = [
+        f"- B={r.B} N={r.N} H={r.H} D={r.D} causal={r.causal}: max |native - gather+flash| = {r.max_abs_diff:.3g}"
+        for r in rows
+        if r.max_abs_diff is not None
+    ]
     if diffs:
-        lines += ["", "Forward outputs of the two implementations (bf16):", ""] + diffs
+        lines += ["", "Forward outputs of the two implementations (bf16):", "", *diffs]
     if notes:
-        lines += ["", "Notes:", ""] + notes
+        lines += ["", "Notes:", "", *notes]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(HEADER + ["matmul TFLOP/s", "gpu"])
+        w.writerow([*HEADER, "matmul TFLOP/s", "gpu"])
         for r in body:
-            w.writerow(r + [f"{mm:.1f}", gpu])
+            w.writerow([*r, f"{mm:.1f}", gpu])
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        labels = [f"N={r[1]}\nH={r[2]} D={r[3]}\n{'causal' if r[4] == 'yes' else 'full'} {r[6]}" for r in body]
+        labels = [
+            f"N={r[1]}\nH={r[2]} D={r[3]}\n{'causal' if r[4] == 'yes' else 'full'} {r[6]}" for r in body
+        ]
         nat = [float(r[9]) if r[9] != "n/a" else 0.0 for r in body]
         base = [float(r[10]) if r[10] != "n/a" else 0.0 for r in body]
         fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(body)), 4))
@@ -326,11 +389,19 @@ def write_results(rows: list[Row], mm: float, args, gpu: str) -> Path:
 # Main
 # ----------------------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=[262144, 1048576], help="B * N per configuration")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=None,
-                   help="sequence lengths N (default: N = tokens, B = 1; with --seq-lens, B = tokens / N)")
+    p.add_argument(
+        "--seq-lens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sequence lengths N (default: N = tokens, B = 1; with --seq-lens, B = tokens / N)",
+    )
     p.add_argument("--heads", type=int, nargs="+", default=[16])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=[0, 1])
@@ -355,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def configurations(args) -> list[tuple[int, int, int, int, bool]]:
     out = []
     for tokens in args.tokens:
-        for N in (args.seq_lens or [tokens]):
+        for N in args.seq_lens or [tokens]:
             if tokens % N:
                 raise SystemExit(f"bench_cuda: --tokens {tokens} is not a multiple of sequence length {N}")
             for H in args.heads:
@@ -368,13 +439,17 @@ def configurations(args) -> list[tuple[int, int, int, int, bool]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_cuda: no CUDA GPU is available here (torch.cuda.is_available() is False); "
-                         "this benchmark measures the CUDA kernels and needs one.")
+        raise SystemExit(
+            "bench_cuda: no CUDA GPU is available here (torch.cuda.is_available() is False); "
+            "this benchmark measures the CUDA kernels and needs one."
+        )
     from dilated_attention._ops import has_kernel
 
     if not has_kernel("cuda"):
-        raise SystemExit("bench_cuda: the installed extension has no CUDA kernels; rebuild it with nvcc present "
-                         "(pip install --no-build-isolation -e . , or FORCE_CUDA=1).")
+        raise SystemExit(
+            "bench_cuda: the installed extension has no CUDA kernels; rebuild it with nvcc present "
+            "(pip install --no-build-isolation -e . , or FORCE_CUDA=1)."
+        )
     gpu = torch.cuda.get_device_name()
     cc = torch.cuda.get_device_capability()
     print(f"GPU: {gpu} (sm_{cc[0]}{cc[1]}), torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -387,12 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()  # the configuration's tensors are gone with run_config's frame
         r = table_rows(rows[-1:], mm)
         for line in r:
-            tqdm.write(" ".join(f"{h}={v}" for h, v in zip(HEADER, line)))
+            tqdm.write(" ".join(f"{h}={v}" for h, v in zip(HEADER, line, strict=True)))
     print()
     widths = [max(len(h), *(len(r[i]) for r in table_rows(rows, mm))) for i, h in enumerate(HEADER)]
-    print("  ".join(h.rjust(w) for h, w in zip(HEADER, widths)))
+    print("  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True)))
     for r in table_rows(rows, mm):
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     for r in rows:
         for n in r.notes:
             print(f"note (B={r.B} N={r.N} H={r.H} D={r.D} causal={r.causal}): {n}")

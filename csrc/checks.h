@@ -23,10 +23,10 @@ inline void check_branches(at::IntArrayRef segment_lengths, at::IntArrayRef dila
   TORCH_CHECK(segment_lengths.size() >= 1, "dilated_attention: segment_lengths must not be empty");
   TORCH_CHECK(segment_lengths.size() == dilation_rates.size(),
               "dilated_attention: segment_lengths and dilation_rates must have the same length, got ",
-              segment_lengths.size(), " segment lengths ", segment_lengths, " and ",
-              dilation_rates.size(), " dilation rates ", dilation_rates);
-  TORCH_CHECK(segment_lengths.size() <= DA_MAX_BRANCHES, "dilated_attention: at most ",
-              DA_MAX_BRANCHES, " branches are supported, got ", segment_lengths.size());
+              segment_lengths.size(), " segment lengths ", segment_lengths, " and ", dilation_rates.size(),
+              " dilation rates ", dilation_rates);
+  TORCH_CHECK(segment_lengths.size() <= DA_MAX_BRANCHES, "dilated_attention: at most ", DA_MAX_BRANCHES,
+              " branches are supported, got ", segment_lengths.size());
   out->n = (int64_t)segment_lengths.size();
   for (size_t i = 0; i < segment_lengths.size(); ++i) {
     const int64_t w = segment_lengths[i], r = dilation_rates[i];
@@ -39,8 +39,7 @@ inline void check_branches(at::IntArrayRef segment_lengths, at::IntArrayRef dila
   }
 }
 
-inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor& b,
-                       const char* b_name) {
+inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
   TORCH_CHECK(a.dtype() == b.dtype(), "dilated_attention: ", a_name, " and ", b_name,
               " must have the same dtype, got ", a.dtype(), " and ", b.dtype());
   TORCH_CHECK(a.device() == b.device(), "dilated_attention: ", a_name, " and ", b_name,
@@ -48,22 +47,18 @@ inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor
 }
 
 inline Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                            bool is_causal, double softmax_scale) {
-  TORCH_CHECK(q.dim() == 4, "dilated_attention: q must be 4-D (B, N, Hq, D), got shape ",
-              q.sizes());
-  TORCH_CHECK(k.dim() == 4, "dilated_attention: k must be 4-D (B, N, Hkv, D), got shape ",
-              k.sizes());
-  TORCH_CHECK(v.dim() == 4, "dilated_attention: v must be 4-D (B, N, Hkv, D), got shape ",
-              v.sizes());
+                            at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal,
+                            double softmax_scale) {
+  TORCH_CHECK(q.dim() == 4, "dilated_attention: q must be 4-D (B, N, Hq, D), got shape ", q.sizes());
+  TORCH_CHECK(k.dim() == 4, "dilated_attention: k must be 4-D (B, N, Hkv, D), got shape ", k.sizes());
+  TORCH_CHECK(v.dim() == 4, "dilated_attention: v must be 4-D (B, N, Hkv, D), got shape ", v.sizes());
   check_same(q, "q", k, "k");
   check_same(q, "q", v, "v");
   const auto st = q.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
-              "dilated_attention: q, k, v must be float16, bfloat16, float32 or float64, got ",
-              q.dtype());
-  TORCH_CHECK(k.sizes() == v.sizes(), "dilated_attention: k and v must have the same shape, got ",
-              k.sizes(), " and ", v.sizes());
+              "dilated_attention: q, k, v must be float16, bfloat16, float32 or float64, got ", q.dtype());
+  TORCH_CHECK(k.sizes() == v.sizes(), "dilated_attention: k and v must have the same shape, got ", k.sizes(),
+              " and ", v.sizes());
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "dilated_attention: q (B, N, Hq, D) and k (B, N, Hkv, D) must agree in B, N and D, "
               "got q ",
@@ -74,9 +69,8 @@ inline Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::
   p.Hq = q.size(2);
   p.Hkv = k.size(2);
   p.D = q.size(3);
-  TORCH_CHECK(p.Hkv >= 1 && p.Hq >= 1 && p.Hq % p.Hkv == 0,
-              "dilated_attention: the number of query heads (", p.Hq,
-              ") must be a positive multiple of the number of key/value heads (", p.Hkv, ")");
+  TORCH_CHECK(p.Hkv >= 1 && p.Hq >= 1 && p.Hq % p.Hkv == 0, "dilated_attention: the number of query heads (",
+              p.Hq, ") must be a positive multiple of the number of key/value heads (", p.Hkv, ")");
   TORCH_CHECK(p.D >= 1 && p.D <= DA_MAX_HEAD_DIM, "dilated_attention: head dim must be in [1, ",
               DA_MAX_HEAD_DIM, "], got ", p.D);
   TORCH_CHECK(std::isfinite(softmax_scale), "dilated_attention: softmax_scale must be finite, got ",
@@ -96,26 +90,25 @@ inline at::ScalarType lse_dtype(at::ScalarType input) {
 inline void check_backward_inputs(const Problem& p, const at::Tensor& q, const at::Tensor& dout,
                                   const at::Tensor& out, const at::Tensor& lse,
                                   const c10::optional<at::Tensor>& dlse) {
-  TORCH_CHECK(dout.sizes() == q.sizes(), "dilated_attention backward: dout must have q's shape ",
-              q.sizes(), ", got ", dout.sizes());
-  TORCH_CHECK(out.sizes() == q.sizes(), "dilated_attention backward: out must have q's shape ",
-              q.sizes(), ", got ", out.sizes());
+  TORCH_CHECK(dout.sizes() == q.sizes(), "dilated_attention backward: dout must have q's shape ", q.sizes(),
+              ", got ", dout.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), "dilated_attention backward: out must have q's shape ", q.sizes(),
+              ", got ", out.sizes());
   check_same(q, "q", dout, "dout");
   check_same(q, "q", out, "out");
   const std::vector<int64_t> lse_shape = {p.B, p.Hq, p.N};
   TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape),
               "dilated_attention backward: lse must have shape (B, Hq, N) = ", lse_shape, ", got ",
               lse.sizes());
-  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()),
-              "dilated_attention backward: lse must be ", c10::toString(lse_dtype(q.scalar_type())),
-              ", got ", lse.dtype());
-  TORCH_CHECK(lse.device() == q.device(), "dilated_attention backward: lse must be on ",
-              q.device(), ", got ", lse.device());
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "dilated_attention backward: lse must be ",
+              c10::toString(lse_dtype(q.scalar_type())), ", got ", lse.dtype());
+  TORCH_CHECK(lse.device() == q.device(), "dilated_attention backward: lse must be on ", q.device(), ", got ",
+              lse.device());
   if (dlse.has_value() && dlse->defined()) {
     TORCH_CHECK(dlse->sizes() == lse.sizes(), "dilated_attention backward: dlse must have shape ",
                 lse.sizes(), ", got ", dlse->sizes());
-    TORCH_CHECK(dlse->device() == q.device(), "dilated_attention backward: dlse must be on ",
-                q.device(), ", got ", dlse->device());
+    TORCH_CHECK(dlse->device() == q.device(), "dilated_attention backward: dlse must be on ", q.device(),
+                ", got ", dlse->device());
   }
 }
 

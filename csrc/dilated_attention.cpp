@@ -40,7 +40,7 @@ PyObject* PyInit__C(void) {
       PyModuleDef_HEAD_INIT,
       "_C",  // name
       "Fused dilated attention kernels; the ops live in torch.ops.dilated_attention.",
-      -1,    // size of per-interpreter state
+      -1,  // size of per-interpreter state
       methods,
   };
   return PyModule_Create(&module_def);

@@ -29,9 +29,9 @@
 #define DA_MAX_HEAD_DIM 256
 
 typedef struct {
-  int64_t n;                         /* number of branches */
-  int64_t w[DA_MAX_BRANCHES];        /* segment lengths */
-  int64_t r[DA_MAX_BRANCHES];        /* dilation rates */
+  int64_t n;                  /* number of branches */
+  int64_t w[DA_MAX_BRANCHES]; /* segment lengths */
+  int64_t r[DA_MAX_BRANCHES]; /* dilation rates */
 } da_branches;
 
 /*
@@ -48,13 +48,19 @@ typedef struct {
   int64_t j0;
 } da_group;
 
-DA_HD int64_t da_min64(int64_t a, int64_t b) { return a < b ? a : b; }
-DA_HD int64_t da_max64(int64_t a, int64_t b) { return a > b ? a : b; }
-DA_HD int64_t da_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+DA_HD int64_t da_min64(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+DA_HD int64_t da_max64(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+DA_HD int64_t da_ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 /* Fill g for segment s, block [a0, a1), sequence length N, branch (w, r), phase o. */
-DA_HD void da_group_at(int64_t s, int64_t a0, int64_t a1, int64_t N, int64_t w, int64_t r,
-                       int64_t o, da_group* g) {
+DA_HD void da_group_at(int64_t s, int64_t a0, int64_t a1, int64_t N, int64_t w, int64_t r, int64_t o,
+                       da_group* g) {
   const int64_t seg_start = s * w;
   const int64_t seg_end = da_min64(seg_start + w, N);
   g->seg_first = seg_start + o;
@@ -68,8 +74,12 @@ DA_HD void da_group_at(int64_t s, int64_t a0, int64_t a1, int64_t N, int64_t w, 
 }
 
 /* First and last segment index touched by the block [a0, a1), a1 > a0. */
-DA_HD int64_t da_first_segment(int64_t a0, int64_t w) { return a0 / w; }
-DA_HD int64_t da_last_segment(int64_t a1, int64_t w) { return (a1 - 1) / w; }
+DA_HD int64_t da_first_segment(int64_t a0, int64_t w) {
+  return a0 / w;
+}
+DA_HD int64_t da_last_segment(int64_t a1, int64_t w) {
+  return (a1 - 1) / w;
+}
 
 /* Number of keys a query of dilated index jq sees in a segment of seg_count covered keys. */
 DA_HD int64_t da_keys_for_query(int64_t jq, int64_t seg_count, int is_causal) {
@@ -77,6 +87,8 @@ DA_HD int64_t da_keys_for_query(int64_t jq, int64_t seg_count, int is_causal) {
 }
 
 /* First dilated query index that sees the key of dilated index jk. */
-DA_HD int64_t da_first_query_for_key(int64_t jk, int is_causal) { return is_causal ? jk : 0; }
+DA_HD int64_t da_first_query_for_key(int64_t jk, int is_causal) {
+  return is_causal ? jk : 0;
+}
 
 #endif /* DILATED_ATTENTION_H_ */

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from . import _ops  # noqa: F401  (registers the op, its fake and its autograd)
-from . import backends, hardware
+from . import (
+    _ops,  # noqa: F401  (importing it registers the op, its fake and its autograd)
+    backends,
+    hardware,
+)
 from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
 from .functional import dilated_attention
 from .hardware import recommended_backends, recommended_dtype
@@ -38,22 +41,23 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
-    "dilated_attention",
+    "BACKEND_CHOICES",
+    "BACKEND_NAMES",
     "DilatedAttention",
     "MultiheadDilatedAttention",
     "RingDilatedAttention",
     "RingDilatedAttentionV2Collective",
     "RingMultiheadDilatedAttention",
     "StandardizedRingConfig",
-    "hilbert_permutation",
-    "backends",
-    "hardware",
-    "BACKEND_CHOICES",
-    "BACKEND_NAMES",
-    "select_backend",
-    "get_pattern_cache",
-    "recommended_dtype",
-    "recommended_backends",
     "__version__",
+    "backends",
+    "dilated_attention",
+    "get_pattern_cache",
+    "hardware",
+    "hilbert_permutation",
+    "recommended_backends",
+    "recommended_dtype",
+    "select_backend",
 ]

@@ -11,7 +11,8 @@ import argparse
 import json
 import platform
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ def _cpu_isa() -> str:
 
 
 def environment_report(
-    device: Optional[str] = None, dtype: Optional[str] = None, head_dim: int = 64, dropout: bool = False
+    device: str | None = None, dtype: str | None = None, head_dim: int = 64, dropout: bool = False
 ) -> dict[str, Any]:
     """The report as a dictionary (what ``python -m dilated_attention --json`` prints)."""
     dev = hardware.as_device(device)
@@ -55,7 +56,7 @@ def environment_report(
     request = BackendRequest(dev, dt, head_dim, dropout)
     reasons = backend_reasons(request)
     try:
-        chosen: Optional[str] = resolve("auto", request).name
+        chosen: str | None = resolve("auto", request).name
     except RuntimeError:
         chosen = None
     info = get_pattern_cache().info()
@@ -122,7 +123,7 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dilated_attention", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--device", default=None, help="device to report on (default: cuda if available, else cpu)"

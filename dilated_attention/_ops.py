@@ -10,13 +10,13 @@ The schema lives in ``csrc/dilated_attention.cpp``:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from . import _C  # noqa: F401  (importing the extension registers the op)
+from . import _C
 
-__all__ = ["native_forward", "has_kernel", "set_deterministic_backward"]
+__all__ = ["has_kernel", "native_forward", "set_deterministic_backward"]
 
 _fwd = torch.ops.dilated_attention.fwd
 _bwd = torch.ops.dilated_attention.bwd
@@ -61,8 +61,20 @@ def _fwd_fake(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
 
 
 @torch.library.register_fake("dilated_attention::bwd")
-def _bwd_fake(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, is_causal, softmax_scale,
-              deterministic=False):
+def _bwd_fake(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    segment_lengths,
+    dilation_rates,
+    is_causal,
+    softmax_scale,
+    deterministic=False,
+):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -77,26 +89,65 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     segment_lengths, dilation_rates, is_causal, softmax_scale = ctx.config
     deterministic = _DETERMINISTIC["value"] or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv = _bwd(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, is_causal,
-                      softmax_scale, deterministic)
+    dq, dk, dv = _bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse,
+        segment_lengths,
+        dilation_rates,
+        is_causal,
+        softmax_scale,
+        deterministic,
+    )
     return dq, dk, dv, None, None, None, None
 
 
 torch.library.register_autograd("dilated_attention::fwd", _backward, setup_context=_setup_context)
 
 
-def native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Sequence[int],
-                   dilation_rates: Sequence[int], is_causal: bool, softmax_scale: float,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def native_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    is_causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused op: ``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N). Differentiable."""
     return _fwd(q, k, v, list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
 
 
-def native_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, dlse: Optional[torch.Tensor], segment_lengths: Sequence[int],
-                    dilation_rates: Sequence[int], is_causal: bool, softmax_scale: float,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def native_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    is_causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of the fused op, given the merged ``out`` and ``lse``."""
     deterministic = _DETERMINISTIC["value"] or torch.are_deterministic_algorithms_enabled()
-    return _bwd(dout, q, k, v, out, lse, dlse, list(segment_lengths), list(dilation_rates), bool(is_causal),
-                float(softmax_scale), deterministic)
+    return _bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse,
+        list(segment_lengths),
+        list(dilation_rates),
+        bool(is_causal),
+        float(softmax_scale),
+        deterministic,
+    )

@@ -15,8 +15,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _as_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
-                and value.dtype != torch.bool:
+        if (
+            isinstance(value, torch.Tensor)
+            and value.numel() == 1
+            and not value.is_floating_point()
+            and value.dtype != torch.bool
+        ):
             return int(value.item())
         raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     return int(value)
@@ -27,6 +31,7 @@ def normalize_branches(segment_lengths: Any, dilation_rates: Any) -> tuple[list[
 
     A single int is taken as one branch. Requires ``w >= 1`` and ``1 <= r <= w``.
     """
+
     def as_list(x: Any, name: str) -> list[int]:
         if isinstance(x, (str, bytes)) or x is None:
             raise ValueError(f"{name} must be a sequence of integers, got {x!r}")
@@ -45,10 +50,11 @@ def normalize_branches(segment_lengths: Any, dilation_rates: Any) -> tuple[list[
     if len(segs) != len(rates):
         raise ValueError(
             f"segment_lengths and dilation_rates must have the same length, got {segs} ({len(segs)}) "
-            f"and {rates} ({len(rates)})")
+            f"and {rates} ({len(rates)})"
+        )
     if len(segs) > MAX_BRANCHES:
         raise ValueError(f"at most {MAX_BRANCHES} branches are supported, got {len(segs)}")
-    for i, (w, r) in enumerate(zip(segs, rates)):
+    for i, (w, r) in enumerate(zip(segs, rates, strict=True)):
         if w < 1:
             raise ValueError(f"segment_lengths[{i}] must be >= 1, got {w} (segment_lengths={segs})")
         if r < 1:
@@ -56,7 +62,8 @@ def normalize_branches(segment_lengths: Any, dilation_rates: Any) -> tuple[list[
         if r > w:
             raise ValueError(
                 f"dilation_rates[{i}] = {r} must not exceed segment_lengths[{i}] = {w} "
-                f"(segment_lengths={segs}, dilation_rates={rates})")
+                f"(segment_lengths={segs}, dilation_rates={rates})"
+            )
     return segs, rates
 
 
@@ -80,12 +87,14 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
     if (k.shape[0], k.shape[1], k.shape[3]) != (B, N, D):
         raise ValueError(
             f"q (B, N, Hq, D) and k (B, N, Hkv, D) must agree in B, N and D, got q {tuple(q.shape)} "
-            f"and k {tuple(k.shape)}")
+            f"and k {tuple(k.shape)}"
+        )
     Hkv = k.shape[2]
     if Hq < 1 or Hkv < 1 or Hq % Hkv != 0:
         raise ValueError(
             f"the number of query heads ({Hq}) must be a positive multiple of the number of key/value "
-            f"heads ({Hkv})")
+            f"heads ({Hkv})"
+        )
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
 

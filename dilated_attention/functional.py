@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -16,15 +16,15 @@ def dilated_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    segment_lengths: Union[int, Sequence[int]],
-    dilation_rates: Union[int, Sequence[int]],
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
     *,
     is_causal: bool = False,
     softmax_scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LongNet dilated attention.
 
     Args:
@@ -49,24 +49,34 @@ def dilated_attention(
     Returns:
         ``out`` (B, N, Hq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
     """
-    return _attention(q, k, v, segment_lengths, dilation_rates, is_causal=is_causal,
-                      softmax_scale=softmax_scale, dropout_p=dropout_p, return_lse=return_lse, backend=backend)
+    return _attention(
+        q,
+        k,
+        v,
+        segment_lengths,
+        dilation_rates,
+        is_causal=is_causal,
+        softmax_scale=softmax_scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        backend=backend,
+    )
 
 
 def _attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    segment_lengths: Union[int, Sequence[int]],
-    dilation_rates: Union[int, Sequence[int]],
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
     *,
     is_causal: bool = False,
     softmax_scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
-    selector: Optional[BackendSelector] = None,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    selector: BackendSelector | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`dilated_attention` with the backend chosen by ``selector`` (one per module)."""
     check_backend_name(backend)
     V.check_qkv(q, k, v)
@@ -84,5 +94,7 @@ def _attention(
         lse = q.new_zeros((B, Hq, N), dtype=lse_dtype) + zero.to(lse_dtype)
         return (out, lse) if return_lse else out
     impl = (selector or default_selector()).select(backend, q, k, dropout_p)
-    out, lse = impl.forward(q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p)
+    out, lse = impl.forward(
+        q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p
+    )
     return (out, lse) if return_lse else out

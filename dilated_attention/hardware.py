@@ -18,23 +18,22 @@ takes the first in this order that can.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import torch
 
 __all__ = [
     "HardwareInfo",
     "as_device",
+    "auto_dtype",
     "compute_capability",
     "device_name",
-    "recommended_dtype",
-    "recommended_backends",
-    "hardware_info",
-    "auto_dtype",
     "device_unavailable",
+    "hardware_info",
+    "recommended_backends",
+    "recommended_dtype",
 ]
 
-DeviceLike = Union[str, int, torch.device, None]
+DeviceLike = str | int | torch.device | None
 
 
 def as_device(device: DeviceLike = None) -> torch.device:
@@ -61,7 +60,7 @@ def as_device(device: DeviceLike = None) -> torch.device:
     return device
 
 
-def device_unavailable(device: DeviceLike) -> Optional[str]:
+def device_unavailable(device: DeviceLike) -> str | None:
     """Why ``device`` cannot be used here, or None when it can."""
     dev = as_device(device)
     if dev.type in ("cpu", "meta"):
@@ -79,7 +78,7 @@ def device_unavailable(device: DeviceLike) -> Optional[str]:
     return None
 
 
-def compute_capability(device: DeviceLike = None) -> Optional[tuple[int, int]]:
+def compute_capability(device: DeviceLike = None) -> tuple[int, int] | None:
     """``(major, minor)`` of a CUDA device; None for other devices or when CUDA is unavailable."""
     dev = as_device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
@@ -139,7 +138,7 @@ class HardwareInfo:
 
     device: str
     name: str
-    capability: Optional[tuple[int, int]]
+    capability: tuple[int, int] | None
     recommended_dtype: torch.dtype
     recommended_backends: list[str] = field(default_factory=list)
 

@@ -62,7 +62,7 @@ def _sign(v: int) -> int:
 
 def _check_size(value: Any, name: str) -> int:
     """An int >= 1 (bools are refused), returned as a Python int."""
-    if isinstance(value, bool) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"{name} must be an int >= 1, got the bool {name}={value!r}")
     try:
         as_int = operator.index(value)

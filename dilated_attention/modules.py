@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -39,7 +40,7 @@ _DTYPE_NAMES = {
 }
 
 
-def _check_ordering(ordering: Any, grid: Any) -> tuple[str, Optional[tuple[int, int]]]:
+def _check_ordering(ordering: Any, grid: Any) -> tuple[str, tuple[int, int] | None]:
     if not isinstance(ordering, str) or ordering not in ORDERINGS:
         raise ValueError(f"ordering must be one of {', '.join(map(repr, ORDERINGS))}, got {ordering!r}")
     if ordering == "sequence":
@@ -90,13 +91,13 @@ class DilatedAttention(nn.Module):
 
     def __init__(
         self,
-        segment_lengths: Union[int, Sequence[int]],
-        dilation_rates: Union[int, Sequence[int]],
-        softmax_scale: Optional[float] = None,
+        segment_lengths: int | Sequence[int],
+        dilation_rates: int | Sequence[int],
+        softmax_scale: float | None = None,
         attention_dropout: float = 0.0,
         attention_backend: str = "auto",
         ordering: str = "sequence",
-        grid: Optional[Sequence[int]] = None,
+        grid: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.segment_lengths, self.dilation_rates = V.normalize_branches(segment_lengths, dilation_rates)
@@ -171,7 +172,7 @@ def _pick(name: str, value: Any, alias: str, alias_value: Any) -> Any:
     return int(chosen)
 
 
-def _resolve_dtype(dtype: Any, device: Any) -> Optional[torch.dtype]:
+def _resolve_dtype(dtype: Any, device: Any) -> torch.dtype | None:
     if dtype is None:
         return None
     if isinstance(dtype, str):
@@ -222,22 +223,22 @@ class MultiheadDilatedAttention(nn.Module):
 
     def __init__(
         self,
-        embed_dim: Optional[int] = None,
-        num_heads: Optional[int] = None,
-        segment_lengths: Optional[Union[int, Sequence[int]]] = None,
-        dilation_rates: Optional[Union[int, Sequence[int]]] = None,
+        embed_dim: int | None = None,
+        num_heads: int | None = None,
+        segment_lengths: int | Sequence[int] | None = None,
+        dilation_rates: int | Sequence[int] | None = None,
         dropout: float = 0.0,
         bias: bool = True,
         layer_norm: bool = True,
         gamma_init: float = 1.0,
-        device: Optional[Union[str, torch.device]] = None,
-        dtype: Optional[Union[str, torch.dtype]] = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
         attention_backend: str = "auto",
         ordering: str = "sequence",
-        grid: Optional[Sequence[int]] = None,
+        grid: Sequence[int] | None = None,
         *,
-        dim: Optional[int] = None,
-        heads: Optional[int] = None,
+        dim: int | None = None,
+        heads: int | None = None,
         layer_norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
@@ -322,8 +323,8 @@ class MultiheadDilatedAttention(nn.Module):
     def forward(
         self,
         query: torch.Tensor,
-        key: Optional[torch.Tensor] = None,
-        value: Optional[torch.Tensor] = None,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
         if (key is None) != (value is None):

@@ -45,8 +45,9 @@ from __future__ import annotations
 import logging
 import numbers
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,15 +59,15 @@ from . import backends as _backends
 from .functional import dilated_attention
 
 __all__ = [
+    "COMM_MODES",
     "RingDilatedAttention",
     "RingDilatedAttentionV2Collective",
     "RingMultiheadDilatedAttention",
     "StandardizedRingConfig",
     "comm_stats",
+    "gather_sequence",
     "reset_comm_stats",
     "shard_sequence",
-    "gather_sequence",
-    "COMM_MODES",
 ]
 
 logger = logging.getLogger(__name__)
@@ -154,25 +155,32 @@ class _Piece:
         return slice(start, start + self.r * (m1 - m0 - 1) + 1, self.r)
 
 
-def _is_local_branch(w: int, l: int) -> bool:
+def _is_local_branch(w: int, chunk: int) -> bool:
     """Whether the segments of length ``w`` tile every chunk of length ``l`` exactly."""
-    return w <= l and l % w == 0
+    return w <= chunk and chunk % w == 0
 
 
-def _rank_layout(j: int, P: int, l: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                 Hq: int, is_causal: bool) -> tuple[dict[tuple[int, int], list[int]], list[_Piece]]:
+def _rank_layout(
+    j: int,
+    P: int,
+    chunk: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    Hq: int,
+    is_causal: bool,
+) -> tuple[dict[tuple[int, int], list[int]], list[_Piece]]:
     """Local runs ``{(lo, hi): [branch indices]}`` and spanning pieces of rank ``j``."""
-    N = l * P
-    a, b = j * l, (j + 1) * l
+    N = chunk * P
+    a, b = j * chunk, (j + 1) * chunk
     local: dict[tuple[int, int], list[int]] = {}
     pieces: list[_Piece] = []
-    for bi, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        if _is_local_branch(w, l):
-            local.setdefault((0, l), []).append(bi)
+    for bi, (w, r) in enumerate(zip(segment_lengths, dilation_rates, strict=True)):
+        if _is_local_branch(w, chunk):
+            local.setdefault((0, chunk), []).append(bi)
             continue
         s_first, s_last = a // w, (b - 1) // w
 
-        def bounds(s: int) -> tuple[int, int]:
+        def bounds(s: int, w: int = w) -> tuple[int, int]:
             return s * w, min(s * w + w, N)
 
         def contained(s: int) -> bool:
@@ -190,7 +198,7 @@ def _rank_layout(j: int, P: int, l: int, segment_lengths: Sequence[int], dilatio
             spanning.append(s_last)
         for s in spanning:
             seg_lo, seg_hi = bounds(s)
-            owners = range(seg_lo // l, (seg_hi - 1) // l + 1)
+            owners = range(seg_lo // chunk, (seg_hi - 1) // chunk + 1)
             for o in range(min(r, Hq)):
                 m0, m1 = _progression(seg_lo, o, r, max(a, seg_lo), min(b, seg_hi))
                 if m1 == m0:
@@ -199,7 +207,9 @@ def _rank_layout(j: int, P: int, l: int, segment_lengths: Sequence[int], dilatio
                 for i in owners:
                     if is_causal and i > j:
                         continue
-                    k0, k1 = _progression(seg_lo, o, r, max(i * l, seg_lo), min(i * l + l, seg_hi))
+                    k0, k1 = _progression(
+                        seg_lo, o, r, max(i * chunk, seg_lo), min(i * chunk + chunk, seg_hi)
+                    )
                     if k1 > k0:
                         blocks.append(_Block(i, k0, k1))
                 pieces.append(_Piece(bi, seg_lo, r, o, m0, m1, tuple(blocks)))
@@ -216,14 +226,25 @@ class _HeadSets:
 class _Plan:
     """Everything one rank needs to know about the exchange, for fixed (P, rank, l, config)."""
 
-    def __init__(self, rank: int, P: int, l: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                 Hq: int, Hkv: int, is_causal: bool) -> None:
-        self.rank, self.P, self.l = rank, P, l
+    def __init__(
+        self,
+        rank: int,
+        P: int,
+        chunk: int,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        Hq: int,
+        Hkv: int,
+        is_causal: bool,
+    ) -> None:
+        self.rank, self.P, self.chunk = rank, P, chunk
         self.Hq, self.Hkv = Hq, Hkv
-        local, self.pieces = _rank_layout(rank, P, l, segment_lengths, dilation_rates, Hq, is_causal)
-        self.local_runs = [(lo, hi, [segment_lengths[i] for i in bis], [dilation_rates[i] for i in bis])
-                           for (lo, hi), bis in sorted(local.items())]
-        self.any_span = any(not _is_local_branch(w, l) for w in segment_lengths)
+        local, self.pieces = _rank_layout(rank, P, chunk, segment_lengths, dilation_rates, Hq, is_causal)
+        self.local_runs = [
+            (lo, hi, [segment_lengths[i] for i in bis], [dilation_rates[i] for i in bis])
+            for (lo, hi), bis in sorted(local.items())
+        ]
+        self.any_span = any(not _is_local_branch(w, chunk) for w in segment_lengths)
         # Keys this rank receives, per source rank, in message order.
         self.recv_items: dict[int, list[tuple[_Piece, _Block]]] = {}
         for piece in self.pieces:
@@ -232,13 +253,15 @@ class _Plan:
                     self.recv_items.setdefault(blk.src, []).append((piece, blk))
         # Keys this rank sends, per destination rank, in the destination's message order.
         self.send_items: dict[int, list[tuple[_Piece, _Block]]] = {}
-        N = l * P
-        reach = max((_ceil_div(min(w, N), l) + 1 for w in segment_lengths if not _is_local_branch(w, l)),
-                    default=0)
+        N = chunk * P
+        reach = max(
+            (_ceil_div(min(w, N), chunk) + 1 for w in segment_lengths if not _is_local_branch(w, chunk)),
+            default=0,
+        )
         for dst in range(max(0, rank - reach), min(P, rank + reach + 1)):
             if dst == rank:
                 continue
-            _, dst_pieces = _rank_layout(dst, P, l, segment_lengths, dilation_rates, Hq, is_causal)
+            _, dst_pieces = _rank_layout(dst, P, chunk, segment_lengths, dilation_rates, Hq, is_causal)
             items = [(piece, blk) for piece in dst_pieces for blk in piece.blocks if blk.src == rank]
             if items:
                 self.send_items[dst] = items
@@ -253,8 +276,9 @@ class _Plan:
             heads = list(range(o, self.Hq, r))
             kv_heads = sorted({h // G for h in heads})
             kv_select = [kv_heads.index(h // G) for h in heads]
-            self._heads[key] = _HeadSets(*(torch.tensor(x, dtype=torch.long, device=device)
-                                           for x in (heads, kv_heads, kv_select)))
+            self._heads[key] = _HeadSets(
+                *(torch.tensor(x, dtype=torch.long, device=device) for x in (heads, kv_heads, kv_select))
+            )
         return self._heads[key]
 
     def num_kv_heads(self, r: int, o: int) -> int:
@@ -272,7 +296,7 @@ class _Plan:
 # ---------------------------------------------------------------------------------------------
 
 
-def _causal_mask(nq: int, nk: int, offset: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
+def _causal_mask(nq: int, nk: int, offset: int | None, device: torch.device) -> torch.Tensor | None:
     """(nq, nk) mask ``key <= query + offset``; None when nothing is masked."""
     if offset is None or offset >= nk - 1:
         return None
@@ -287,12 +311,18 @@ def _query_chunks(B: int, nq: int, nh: int, nk: int) -> Iterator[tuple[int, int]
         yield s, min(nq, s + step)
 
 
-def _attend_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_select: torch.Tensor,
-                    offset: Optional[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_select: torch.Tensor,
+    offset: int | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q (B, nq, nh, D) over k, v (B, nk, nkv, D); query head ``i`` reads
     key/value head ``kv_select[i]``; with ``offset`` set, key ``x`` is read only by queries
     ``>= x - offset``. Returns out (B, nq, nh, D) and lse (B, nh, nq), in q's dtype."""
-    B, nq, nh, D = q.shape
+    B, nq, nh, _ = q.shape
     nk = k.shape[1]
     ke = k.index_select(2, kv_select)  # (B, nk, nh, D)
     ve = v.index_select(2, kv_select)
@@ -310,9 +340,18 @@ def _attend_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_select
     return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
 
-def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_select: torch.Tensor, nkv: int,
-                     offset: Optional[int], scale: float, dout: torch.Tensor, lse: torch.Tensor,
-                     delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attend_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_select: torch.Tensor,
+    nkv: int,
+    offset: int | None,
+    scale: float,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one piece given the *merged* ``lse`` (B, nh, nq) and
     ``delta = rowsum(dout * out) - dlse`` (B, nh, nq): dq (B, nq, nh, D), dk and dv (B, nk, nkv, D)."""
     B, nq, nh, D = q.shape
@@ -341,8 +380,14 @@ def _attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_selec
     return dq, dk, dv
 
 
-def _merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, sl: slice, heads: torch.Tensor,
-                out: torch.Tensor, lse: torch.Tensor) -> None:
+def _merge_into(
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    sl: slice,
+    heads: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
     """Merge a partial result (out (B, n, nh, D), lse (B, nh, n)) into the accumulators
     out_acc (B, l, Hq, D) and lse_acc (B, Hq, l) at positions ``sl`` and heads ``heads``."""
     out_view = out_acc[:, sl]  # (B, n, Hq, D), a view
@@ -365,7 +410,7 @@ def _merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, sl: slice, heads: 
 class _Comm:
     """Collective and point-to-point calls on one group, with byte counting and clear errors."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, P: int, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, P: int, device: torch.device) -> None:
         self.group, self.rank, self.P = group, rank, P
         backend = str(dist.get_backend(group))
         # NCCL moves CUDA tensors; gloo moves CPU tensors (CUDA data is staged through the host).
@@ -381,10 +426,12 @@ class _Comm:
         return RuntimeError(
             f"RingDilatedAttention (rank {self.rank} of {self.P}, {self.backend}): {what} failed: {err}. "
             "A peer that does not answer surfaces here after the process group's timeout: every rank of "
-            "the group must call forward (and backward) with the same configuration.")
+            "the group must call forward (and backward) with the same configuration."
+        )
 
-    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                   phase: str) -> torch.Tensor:
+    def all_to_all(
+        self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], phase: str
+    ) -> torch.Tensor:
         """Bytes ``send`` (uint8) cut by ``send_splits`` per destination; returns the bytes received."""
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
         try:
@@ -394,8 +441,9 @@ class _Comm:
         _count(phase, sum(send_splits) - send_splits[self.rank], sum(recv_splits) - recv_splits[self.rank])
         return recv
 
-    def post(self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int], tag: int,
-             phase: str) -> "_Pending":
+    def post(
+        self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int], tag: int, phase: str
+    ) -> _Pending:
         """Start point-to-point transfers: ``sends`` {peer: uint8 bytes}, ``recv_sizes`` {peer: bytes}."""
         ops, recvs = [], {}
         for peer, nbytes in sorted(recv_sizes.items()):
@@ -419,8 +467,14 @@ class _Comm:
 class _Pending:
     """Transfers in flight; :meth:`wait` returns the received bytes per peer."""
 
-    def __init__(self, comm: _Comm, works: list, recvs: dict[int, torch.Tensor], staged: dict[int, torch.Tensor],
-                 phase: str) -> None:
+    def __init__(
+        self,
+        comm: _Comm,
+        works: list,
+        recvs: dict[int, torch.Tensor],
+        staged: dict[int, torch.Tensor],
+        phase: str,
+    ) -> None:
         self.comm, self.works, self.recvs, self.staged, self.phase = comm, works, recvs, staged, phase
 
     def wait(self) -> dict[int, torch.Tensor]:
@@ -456,7 +510,7 @@ class _SpanJob:
     def _pack(self, k: torch.Tensor, v: torch.Tensor, items: list[tuple[_Piece, _Block]]) -> torch.Tensor:
         """Keys and values of ``items`` from the local chunk, as one flat tensor in k's dtype."""
         parts = []
-        a = self.plan.rank * self.plan.l
+        a = self.plan.rank * self.plan.chunk
         for piece, blk in items:
             sl = piece.slice_of(blk.m0, blk.m1, a)
             kvh = self.plan.head_sets(piece.r, piece.o, k.device).kv_heads
@@ -464,15 +518,16 @@ class _SpanJob:
             parts.append(v[:, sl].index_select(2, kvh).reshape(-1))
         return torch.cat(parts) if parts else k.new_empty(0)
 
-    def _unpack(self, flat: torch.Tensor, items: list[tuple[_Piece, _Block]], B: int, D: int
-                ) -> dict[tuple[_Piece, _Block], tuple[torch.Tensor, torch.Tensor]]:
+    def _unpack(
+        self, flat: torch.Tensor, items: list[tuple[_Piece, _Block]], B: int, D: int
+    ) -> dict[tuple[_Piece, _Block], tuple[torch.Tensor, torch.Tensor]]:
         out, pos = {}, 0
         for piece, blk in items:
             nkv = self.plan.num_kv_heads(piece.r, piece.o)
             shape = (B, blk.m1 - blk.m0, nkv, D)
             n = B * (blk.m1 - blk.m0) * nkv * D
-            kb = flat[pos:pos + n].view(shape)
-            vb = flat[pos + n:pos + 2 * n].view(shape)
+            kb = flat[pos : pos + n].view(shape)
+            vb = flat[pos + n : pos + 2 * n].view(shape)
             pos += 2 * n
             out[(piece, blk)] = (kb, vb)
         return out
@@ -481,36 +536,48 @@ class _SpanJob:
         """Bytes of the keys and values of ``items`` in ``dtype``."""
         return sum(2 * self.plan.item_numel(p, b, B, D) for p, b in items) * dtype.itemsize
 
-    def _local_block(self, k: torch.Tensor, v: torch.Tensor, piece: _Piece, blk: _Block
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        sl = piece.slice_of(blk.m0, blk.m1, self.plan.rank * self.plan.l)
+    def _local_block(
+        self, k: torch.Tensor, v: torch.Tensor, piece: _Piece, blk: _Block
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sl = piece.slice_of(blk.m0, blk.m1, self.plan.rank * self.plan.chunk)
         kvh = self.plan.head_sets(piece.r, piece.o, k.device).kv_heads
         return k[:, sl].index_select(2, kvh), v[:, sl].index_select(2, kvh)
 
-    def _offset(self, piece: _Piece, blk: _Block) -> Optional[int]:
+    def _offset(self, piece: _Piece, blk: _Block) -> int | None:
         """Causal offset of a block: only the rank's own block needs a mask (others lie to its left)."""
         if not self.is_causal or blk.src != self.plan.rank:
             return None
         return piece.m0 - blk.m0
 
     def _queries(self, t: torch.Tensor, piece: _Piece, heads: torch.Tensor) -> torch.Tensor:
-        return t[:, piece.slice_of(piece.m0, piece.m1, self.plan.rank * self.plan.l)].index_select(2, heads)
+        return t[:, piece.slice_of(piece.m0, piece.m1, self.plan.rank * self.plan.chunk)].index_select(
+            2, heads
+        )
 
     # -- forward ---------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Returns out (B, l, Hq, D) and lse (B, Hq, l) in the compute dtype, and tensors to save."""
-        B, l, Hq, D = q.shape
+        B, chunk, Hq, D = q.shape
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out_acc = q.new_zeros((B, l, Hq, D), dtype=cdt)
-        lse_acc = q.new_full((B, Hq, l), float("-inf"), dtype=cdt)
+        out_acc = q.new_zeros((B, chunk, Hq, D), dtype=cdt)
+        lse_acc = q.new_full((B, Hq, chunk), float("-inf"), dtype=cdt)
         qc = q.to(cdt)
 
-        def attend(piece: _Piece, blk_offset: Optional[int], kb: torch.Tensor, vb: torch.Tensor) -> None:
+        def attend(piece: _Piece, blk_offset: int | None, kb: torch.Tensor, vb: torch.Tensor) -> None:
             hs = self.plan.head_sets(piece.r, piece.o, q.device)
-            o, lse = _attend_forward(self._queries(qc, piece, hs.heads), kb.to(cdt), vb.to(cdt), hs.kv_select,
-                                     blk_offset, self.scale)
-            _merge_into(out_acc, lse_acc, piece.slice_of(piece.m0, piece.m1, self.plan.rank * l), hs.heads, o, lse)
+            o, lse = _attend_forward(
+                self._queries(qc, piece, hs.heads),
+                kb.to(cdt),
+                vb.to(cdt),
+                hs.kv_select,
+                blk_offset,
+                self.scale,
+            )
+            _merge_into(
+                out_acc, lse_acc, piece.slice_of(piece.m0, piece.m1, self.plan.rank * chunk), hs.heads, o, lse
+            )
 
         if self.mode == "all_gather":
             recv = self._exchange_all(k, v, B, D)
@@ -518,8 +585,11 @@ class _SpanJob:
             for piece in self.plan.pieces:
                 ks, vs = [], []
                 for blk in piece.blocks:
-                    kb, vb = (self._local_block(k, v, piece, blk) if blk.src == self.plan.rank
-                              else received[(piece, blk)])
+                    kb, vb = (
+                        self._local_block(k, v, piece, blk)
+                        if blk.src == self.plan.rank
+                        else received[(piece, blk)]
+                    )
                     ks.append(kb)
                     vs.append(vb)
                 offset = (piece.m0 - piece.blocks[0].m0) if self.is_causal else None
@@ -549,14 +619,15 @@ class _SpanJob:
         recv_splits = [self._nbytes(plan.recv_items.get(src, []), B, D, k.dtype) for src in range(P)]
         return self.comm.all_to_all(torch.cat(send_parts), send_splits, recv_splits, "forward").to(k.device)
 
-    def _unpack_all(self, recv: torch.Tensor, dtype: torch.dtype, device: torch.device, B: int, D: int
-                    ) -> dict[tuple[_Piece, _Block], tuple[torch.Tensor, torch.Tensor]]:
+    def _unpack_all(
+        self, recv: torch.Tensor, dtype: torch.dtype, device: torch.device, B: int, D: int
+    ) -> dict[tuple[_Piece, _Block], tuple[torch.Tensor, torch.Tensor]]:
         received, pos = {}, 0
         for src in range(self.plan.P):
             items = self.plan.recv_items.get(src, [])
             n = self._nbytes(items, B, D, dtype)
             if n:
-                received.update(self._unpack(_from_bytes(recv[pos:pos + n], dtype, device), items, B, D))
+                received.update(self._unpack(_from_bytes(recv[pos : pos + n], dtype, device), items, B, D))
             pos += n
         return received
 
@@ -574,8 +645,9 @@ class _SpanJob:
         sizes = {p: self._nbytes(self.plan.recv_items[p], B, D, k.dtype) for p in srcs}
         return self.comm.post(sends, sizes, tag=2 * d, phase=phase)
 
-    def _receive_kv(self, pending: Optional[_Pending], d: int, dtype: torch.dtype, device: torch.device,
-                    B: int, D: int) -> dict[tuple[_Piece, _Block], tuple[torch.Tensor, torch.Tensor]]:
+    def _receive_kv(
+        self, pending: _Pending | None, d: int, dtype: torch.dtype, device: torch.device, B: int, D: int
+    ) -> dict[tuple[_Piece, _Block], tuple[torch.Tensor, torch.Tensor]]:
         assert pending is not None
         out = {}
         for src, buf in pending.wait().items():
@@ -583,12 +655,20 @@ class _SpanJob:
         return out
 
     # -- backward --------------------------------------------------------------------------
-    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_s: torch.Tensor,
-                 lse_s: torch.Tensor, saved: list[torch.Tensor], dout: Optional[torch.Tensor],
-                 dlse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_s: torch.Tensor,
+        lse_s: torch.Tensor,
+        saved: list[torch.Tensor],
+        dout: torch.Tensor | None,
+        dlse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients (dq, dk, dv) of this rank's chunk: its own keys' gradients from every rank that
         read them, and its queries' gradients."""
-        B, l, Hq, D = q.shape
+        B, chunk, _, D = q.shape
         cdt = out_s.dtype
         plan, me = self.plan, self.plan.rank
         dout = torch.zeros_like(out_s) if dout is None else dout.to(cdt)
@@ -599,16 +679,25 @@ class _SpanJob:
         dq = torch.zeros_like(qc)
         dk = k.new_zeros(k.shape, dtype=cdt)
         dv = v.new_zeros(v.shape, dtype=cdt)
-        a = me * l
+        a = me * chunk
 
-        def grads(piece: _Piece, offset: Optional[int], kb: torch.Tensor, vb: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        def grads(
+            piece: _Piece, offset: int | None, kb: torch.Tensor, vb: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             hs = plan.head_sets(piece.r, piece.o, q.device)
             sl = piece.slice_of(piece.m0, piece.m1, a)
             gq, gk, gv = _attend_backward(
-                qc[:, sl].index_select(2, hs.heads), kb.to(cdt), vb.to(cdt), hs.kv_select,
-                int(hs.kv_heads.numel()), offset, self.scale, dout[:, sl].index_select(2, hs.heads),
-                lse_s[:, :, sl].index_select(1, hs.heads), delta[:, :, sl].index_select(1, hs.heads))
+                qc[:, sl].index_select(2, hs.heads),
+                kb.to(cdt),
+                vb.to(cdt),
+                hs.kv_select,
+                int(hs.kv_heads.numel()),
+                offset,
+                self.scale,
+                dout[:, sl].index_select(2, hs.heads),
+                lse_s[:, :, sl].index_select(1, hs.heads),
+                delta[:, :, sl].index_select(1, hs.heads),
+            )
             dq[:, sl].index_add_(2, hs.heads, gq)
             return gk, gv
 
@@ -621,7 +710,9 @@ class _SpanJob:
         def add_returned(flat_by_dst: dict[int, torch.Tensor]) -> None:
             for dst, buf in flat_by_dst.items():
                 items = plan.send_items[dst]
-                for (piece, blk), (gk, gv) in self._unpack(_from_bytes(buf, cdt, q.device), items, B, D).items():
+                for (piece, blk), (gk, gv) in self._unpack(
+                    _from_bytes(buf, cdt, q.device), items, B, D
+                ).items():
                     add_local(piece, blk, gk, gv)
 
         if self.mode == "all_gather":
@@ -630,7 +721,7 @@ class _SpanJob:
             for piece in plan.pieces:
                 kbs, vbs = [], []
                 for blk in piece.blocks:
-                    kb, vb = (self._local_block(k, v, piece, blk) if blk.src == me else received[(piece, blk)])
+                    kb, vb = self._local_block(k, v, piece, blk) if blk.src == me else received[(piece, blk)]
                     kbs.append(kb)
                     vbs.append(vb)
                 offset = (piece.m0 - piece.blocks[0].m0) if self.is_causal else None
@@ -638,7 +729,7 @@ class _SpanJob:
                 pos = 0
                 for blk in piece.blocks:
                     n = blk.m1 - blk.m0
-                    gkb, gvb = gk[:, pos:pos + n], gv[:, pos:pos + n]
+                    gkb, gvb = gk[:, pos : pos + n], gv[:, pos : pos + n]
                     pos += n
                     if blk.src == me:
                         add_local(piece, blk, gkb, gvb)
@@ -646,16 +737,19 @@ class _SpanJob:
                         back.setdefault(blk.src, []).extend([gkb.reshape(-1), gvb.reshape(-1)])
             # reverse all-to-all: gradients go back to the ranks that own the keys (a reduce-scatter)
             P = plan.P
-            parts = [_as_bytes(torch.cat(back[p])) if p in back else torch.empty(0, dtype=torch.uint8,
-                                                                                   device=q.device)
-                     for p in range(P)]
+            parts = [
+                _as_bytes(torch.cat(back[p]))
+                if p in back
+                else torch.empty(0, dtype=torch.uint8, device=q.device)
+                for p in range(P)
+            ]
             send_splits = [int(t.numel()) for t in parts]
             recv_splits = [self._nbytes(plan.send_items.get(p, []), B, D, cdt) for p in range(P)]
             recv = self.comm.all_to_all(torch.cat(parts), send_splits, recv_splits, "backward")
             pos, returned = 0, {}
             for p in range(P):
                 if recv_splits[p]:
-                    returned[p] = recv[pos:pos + recv_splits[p]]
+                    returned[p] = recv[pos : pos + recv_splits[p]]
                 pos += recv_splits[p]
             add_returned(returned)
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -668,7 +762,7 @@ class _SpanJob:
                 if blk.src == me:
                     gk, gv = grads(piece, self._offset(piece, blk), *self._local_block(k, v, piece, blk))
                     add_local(piece, blk, gk, gv)
-        grad_pending: Optional[_Pending] = None
+        grad_pending: _Pending | None = None
         for n, d in enumerate(steps):
             blocks = self._receive_kv(pending, d, k.dtype, q.device, B, D)
             pending = self._post_kv(k, v, steps[n + 1], "backward") if n + 1 < len(steps) else None
@@ -691,8 +785,9 @@ class _SpanAttention(torch.autograd.Function):
     """(out, lse) of the spanning pieces; backward returns key/value gradients to their owners."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, job: _SpanJob
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, job: _SpanJob
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse, saved = job.forward(q, k, v)
         ctx.job = job
         ctx.save_for_backward(q, k, v, out, lse, *saved)
@@ -700,7 +795,7 @@ class _SpanAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor]):
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         dq, dk, dv = ctx.job.backward(q, k, v, out, lse, saved, dout, dlse)
         return dq, dk, dv, None
@@ -711,8 +806,9 @@ class _SpanAttention(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
-def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(
+    pieces: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable log-sum-exp merge of (out (B, l, H, D), lse (B, H, l)) pieces, in ``dtype``."""
     if len(pieces) == 1:
         out, lse = pieces[0]
@@ -722,11 +818,12 @@ def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     s = torch.exp(lses - m).sum(dim=0)  # (B, H, l)
     covered = s > 0
-    lse = torch.where(covered, torch.log(torch.where(covered, s, torch.ones_like(s))) + m,
-                      torch.full_like(s, float("-inf")))
+    lse = torch.where(
+        covered, torch.log(torch.where(covered, s, torch.ones_like(s))) + m, torch.full_like(s, float("-inf"))
+    )
     lse_w = torch.where(covered, lse, torch.zeros_like(lse))
     out = None
-    for (o, _), li in zip(pieces, lses):
+    for (o, _), li in zip(pieces, lses, strict=True):
         weight = torch.exp(li - lse_w).transpose(1, 2)[..., None]  # (B, l, H, 1)
         term = o.to(dtype) * weight
         out = term if out is None else out + term
@@ -738,23 +835,26 @@ def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
 # ---------------------------------------------------------------------------------------------
 
 
-def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> tuple[Optional[dist.ProcessGroup], int, int]:
+def _resolve_group(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
     """(group, size, rank); size 1 when torch.distributed is not initialised."""
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1, 0
         return None, dist.get_world_size(), dist.get_rank()
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("a process_group was given but torch.distributed is not initialised; call "
-                           "torch.distributed.init_process_group first")
+        raise RuntimeError(
+            "a process_group was given but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first"
+        )
     rank = dist.get_rank(process_group)
     if rank < 0:
         raise RuntimeError("this process is not a member of the process_group given")
     return process_group, dist.get_world_size(process_group), rank
 
 
-def shard_sequence(x: torch.Tensor, process_group: Optional[dist.ProcessGroup] = None, dim: int = 1
-                   ) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, process_group: dist.ProcessGroup | None = None, dim: int = 1
+) -> torch.Tensor:
     """This rank's contiguous chunk of ``x`` along ``dim`` (the sequence dimension of (B, N, H, D)).
 
     Raises ValueError when ``N`` is not divisible by the number of ranks.
@@ -762,14 +862,17 @@ def shard_sequence(x: torch.Tensor, process_group: Optional[dist.ProcessGroup] =
     _, P, rank = _resolve_group(process_group)
     N = x.shape[dim]
     if N % P != 0:
-        raise ValueError(f"the sequence length N = {N} must be divisible by the number of ranks P = {P} "
-                         f"(each rank holds N / P positions); pad the sequence to a multiple of {P}")
-    l = N // P
-    return x.narrow(dim, rank * l, l)
+        raise ValueError(
+            f"the sequence length N = {N} must be divisible by the number of ranks P = {P} "
+            f"(each rank holds N / P positions); pad the sequence to a multiple of {P}"
+        )
+    chunk = N // P
+    return x.narrow(dim, rank * chunk, chunk)
 
 
-def gather_sequence(x: torch.Tensor, process_group: Optional[dist.ProcessGroup] = None, dim: int = 1
-                    ) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor, process_group: dist.ProcessGroup | None = None, dim: int = 1
+) -> torch.Tensor:
     """Concatenate every rank's chunk along ``dim`` (the inverse of :func:`shard_sequence`).
     Not differentiable; for checks and inference."""
     group, P, _ = _resolve_group(process_group)
@@ -823,20 +926,20 @@ class RingDilatedAttention(nn.Module):
 
     def __init__(
         self,
-        segment_lengths: Union[int, Sequence[int]],
-        dilation_rates: Union[int, Sequence[int]],
-        softmax_scale: Optional[float] = None,
+        segment_lengths: int | Sequence[int],
+        dilation_rates: int | Sequence[int],
+        softmax_scale: float | None = None,
         attention_dropout: float = 0.0,
-        process_group: Optional[dist.ProcessGroup] = None,
+        process_group: dist.ProcessGroup | None = None,
         comm: str = "all_gather",
-        device: Optional[Union[str, torch.device]] = None,
-        dtype: Optional[torch.dtype] = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
         use_pattern_cache: bool = True,
         enable_memory_pool: bool = False,
         memory_pool_threshold_mb: float = 16.0,
         attention_backend: str = "auto",
         check_consistency: bool = True,
-        ring_size: Optional[int] = None,
+        ring_size: int | None = None,
     ) -> None:
         super().__init__()
         self.segment_lengths, self.dilation_rates = V.normalize_branches(segment_lengths, dilation_rates)
@@ -844,15 +947,19 @@ class RingDilatedAttention(nn.Module):
             V.resolve_scale(softmax_scale, 1)
         self.softmax_scale = softmax_scale
         if V.check_dropout(attention_dropout) != 0.0:
-            raise ValueError(f"RingDilatedAttention does not support attention dropout, got "
-                             f"attention_dropout={attention_dropout!r}; use 0.0")
+            raise ValueError(
+                f"RingDilatedAttention does not support attention dropout, got "
+                f"attention_dropout={attention_dropout!r}; use 0.0"
+            )
         self.attention_dropout = 0.0
         if comm not in COMM_MODES:
             raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
         self.comm = comm
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
-                            f"{type(process_group).__name__}")
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                f"{type(process_group).__name__}"
+            )
         self.process_group = process_group
         if dtype is not None and dtype not in V.FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {V.FLOAT_DTYPES} or None, got {dtype!r}")
@@ -860,9 +967,14 @@ class RingDilatedAttention(nn.Module):
         self.dtype = dtype
         self.use_pattern_cache = V.check_bool(use_pattern_cache, "use_pattern_cache")
         self.enable_memory_pool = V.check_bool(enable_memory_pool, "enable_memory_pool")
-        if isinstance(memory_pool_threshold_mb, bool) or not isinstance(memory_pool_threshold_mb, numbers.Real) \
-                or not memory_pool_threshold_mb >= 0:
-            raise ValueError(f"memory_pool_threshold_mb must be a number >= 0, got {memory_pool_threshold_mb!r}")
+        if (
+            isinstance(memory_pool_threshold_mb, bool)
+            or not isinstance(memory_pool_threshold_mb, numbers.Real)
+            or not memory_pool_threshold_mb >= 0
+        ):
+            raise ValueError(
+                f"memory_pool_threshold_mb must be a number >= 0, got {memory_pool_threshold_mb!r}"
+            )
         self.memory_pool_threshold_mb = float(memory_pool_threshold_mb)
         if not isinstance(attention_backend, str):
             raise ValueError(f"attention_backend must be a string, got {attention_backend!r}")
@@ -871,26 +983,36 @@ class RingDilatedAttention(nn.Module):
             check_name(attention_backend)
         self.attention_backend = attention_backend
         self.check_consistency = V.check_bool(check_consistency, "check_consistency")
-        if ring_size is not None and (isinstance(ring_size, bool) or not isinstance(ring_size, numbers.Integral)
-                                      or ring_size < 1):
+        if ring_size is not None and (
+            isinstance(ring_size, bool) or not isinstance(ring_size, numbers.Integral) or ring_size < 1
+        ):
             raise ValueError(f"ring_size must be an int >= 1 or None, got {ring_size!r}")
         self.ring_size = None if ring_size is None else int(ring_size)
         self._plans: dict[tuple, _Plan] = {}
 
     def extra_repr(self) -> str:
-        return (f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
-                f"comm={self.comm!r}, attention_backend={self.attention_backend!r}")
+        return (
+            f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
+            f"comm={self.comm!r}, attention_backend={self.attention_backend!r}"
+        )
 
     # -- helpers -------------------------------------------------------------------------
     def _fingerprint(self, q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float) -> dict[str, int]:
-        B, l, Hq, D = q.shape
+        B, chunk, Hq, D = q.shape
         fields = {
-            "magic": _FINGERPRINT_MAGIC, "batch size B": B, "chunk length N/P": l, "query heads": Hq,
-            "key/value heads": k.shape[2], "head dim D": D, "dtype": _DTYPE_CODES[q.dtype],
-            "is_causal": int(is_causal), "comm": COMM_MODES.index(self.comm),
-            "number of branches": len(self.segment_lengths), "softmax_scale (bits)": _float_bits(scale),
+            "magic": _FINGERPRINT_MAGIC,
+            "batch size B": B,
+            "chunk length N/P": chunk,
+            "query heads": Hq,
+            "key/value heads": k.shape[2],
+            "head dim D": D,
+            "dtype": _DTYPE_CODES[q.dtype],
+            "is_causal": int(is_causal),
+            "comm": COMM_MODES.index(self.comm),
+            "number of branches": len(self.segment_lengths),
+            "softmax_scale (bits)": _float_bits(scale),
         }
-        for i, (w, r) in enumerate(zip(self.segment_lengths, self.dilation_rates)):
+        for i, (w, r) in enumerate(zip(self.segment_lengths, self.dilation_rates, strict=True)):
             fields[f"segment_lengths[{i}]"] = w
             fields[f"dilation_rates[{i}]"] = r
         for i in range(len(self.segment_lengths), V.MAX_BRANCHES):
@@ -911,8 +1033,10 @@ class RingDilatedAttention(nn.Module):
             return
         names = list(fields)
         if any(row[0] != _FINGERPRINT_MAGIC for row in table):
-            raise ValueError("RingDilatedAttention: another collective ran on the process group at the same "
-                             "time as the consistency check; every rank must call forward together")
+            raise ValueError(
+                "RingDilatedAttention: another collective ran on the process group at the same "
+                "time as the consistency check; every rank must call forward together"
+            )
         diffs = []
         for col, name in enumerate(names):
             values = [row[col] for row in table]
@@ -925,26 +1049,42 @@ class RingDilatedAttention(nn.Module):
                 diffs.append(f"{name}: " + ", ".join(f"rank {r}: {x}" for r, x in enumerate(values)))
         hint = ""
         if any(d.startswith("chunk length") for d in diffs):
-            hint = (" (every rank must hold N / P positions: N must be divisible by P; split the sequence "
-                    "with dilated_attention.ring.shard_sequence)")
-        raise ValueError(f"RingDilatedAttention: the ranks of the group were called with different "
-                         f"configurations or shapes{hint}: " + "; ".join(diffs))
+            hint = (
+                " (every rank must hold N / P positions: N must be divisible by P; split the sequence "
+                "with dilated_attention.ring.shard_sequence)"
+            )
+        raise ValueError(
+            f"RingDilatedAttention: the ranks of the group were called with different "
+            f"configurations or shapes{hint}: " + "; ".join(diffs)
+        )
 
-    def _plan(self, rank: int, P: int, l: int, Hq: int, Hkv: int, is_causal: bool) -> _Plan:
-        key = (rank, P, l, Hq, Hkv, is_causal)
+    def _plan(self, rank: int, P: int, chunk: int, Hq: int, Hkv: int, is_causal: bool) -> _Plan:
+        key = (rank, P, chunk, Hq, Hkv, is_causal)
         plan = self._plans.get(key)
         if plan is None:
-            plan = _Plan(rank, P, l, self.segment_lengths, self.dilation_rates, Hq, Hkv, is_causal)
-            logger.debug("ring plan for rank %d of %d, chunk %d: local runs %s, %d spanning pieces, peers %s",
-                         rank, P, l, [(lo, hi, s, r) for lo, hi, s, r in plan.local_runs], len(plan.pieces),
-                         sorted(set(plan.recv_items) | set(plan.send_items)))
+            plan = _Plan(rank, P, chunk, self.segment_lengths, self.dilation_rates, Hq, Hkv, is_causal)
+            logger.debug(
+                "ring plan for rank %d of %d, chunk %d: local runs %s, %d spanning pieces, peers %s",
+                rank,
+                P,
+                chunk,
+                [(lo, hi, s, r) for lo, hi, s, r in plan.local_runs],
+                len(plan.pieces),
+                sorted(set(plan.recv_items) | set(plan.send_items)),
+            )
             if self.use_pattern_cache:
                 self._plans[key] = plan
         return plan
 
     # -- forward -------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                return_lse: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of this rank's chunk.
 
         Args:
@@ -963,26 +1103,29 @@ class RingDilatedAttention(nn.Module):
         group, P, rank = _resolve_group(self.process_group)
         if self.ring_size is not None and P > 1 and P != self.ring_size:
             raise ValueError(f"ring_size={self.ring_size} but the process group has {P} ranks")
-        local = dict(is_causal=is_causal, softmax_scale=scale, backend=self.attention_backend)
+        local = {"is_causal": is_causal, "softmax_scale": scale, "backend": self.attention_backend}
         if P == 1:
-            return dilated_attention(q, k, v, self.segment_lengths, self.dilation_rates, return_lse=return_lse,
-                                     **local)
+            return dilated_attention(
+                q, k, v, self.segment_lengths, self.dilation_rates, return_lse=return_lse, **local
+            )
         comm = _Comm(group, rank, P, q.device)
         if self.check_consistency:
             self._check_ranks(comm, self._fingerprint(q, k, is_causal, scale))
-        B, l, Hq, D = q.shape
+        B, chunk, Hq, _ = q.shape
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        if B == 0 or l == 0:
-            return dilated_attention(q, k, v, self.segment_lengths, self.dilation_rates, return_lse=return_lse,
-                                     **local)
-        plan = self._plan(rank, P, l, Hq, k.shape[2], is_causal)
+        if B == 0 or chunk == 0:
+            return dilated_attention(
+                q, k, v, self.segment_lengths, self.dilation_rates, return_lse=return_lse, **local
+            )
+        plan = self._plan(rank, P, chunk, Hq, k.shape[2], is_causal)
         pieces = []
         for lo, hi, segs, rates in plan.local_runs:
-            o, lse = dilated_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], segs, rates, return_lse=True,
-                                       **local)
-            if (lo, hi) != (0, l):
-                o = F.pad(o, (0, 0, 0, 0, lo, l - hi))  # zeros outside the run
-                lse = F.pad(lse, (lo, l - hi), value=float("-inf"))
+            o, lse = dilated_attention(
+                q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], segs, rates, return_lse=True, **local
+            )
+            if (lo, hi) != (0, chunk):
+                o = F.pad(o, (0, 0, 0, 0, lo, chunk - hi))  # zeros outside the run
+                lse = F.pad(lse, (lo, chunk - hi), value=float("-inf"))
             pieces.append((o, lse))
         if plan.any_span:
             job = _SpanJob(plan, comm, self.comm, scale, is_causal)
@@ -1000,11 +1143,13 @@ RingDilatedAttentionV2Collective = RingDilatedAttention
 # ---------------------------------------------------------------------------------------------
 
 
-def _one_of(name: str, value: Optional[int], alias: str, alias_value: Optional[int]) -> Optional[int]:
+def _one_of(name: str, value: int | None, alias: str, alias_value: int | None) -> int | None:
     if value is not None and alias_value is not None and value != alias_value:
         raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} disagree; give one of them")
     chosen = value if value is not None else alias_value
-    if chosen is not None and (isinstance(chosen, bool) or not isinstance(chosen, numbers.Integral) or chosen < 1):
+    if chosen is not None and (
+        isinstance(chosen, bool) or not isinstance(chosen, numbers.Integral) or chosen < 1
+    ):
         raise ValueError(f"{name} must be an int >= 1, got {chosen!r}")
     return None if chosen is None else int(chosen)
 
@@ -1023,15 +1168,15 @@ class StandardizedRingConfig:
     dilation_rates=[1, 2], ring_size=2, dtype=torch.float32)``.
     """
 
-    dim: Optional[int] = None
-    heads: Optional[int] = None
-    segment_lengths: Optional[Sequence[int]] = None
-    dilation_rates: Optional[Sequence[int]] = None
-    ring_size: Optional[int] = None
-    dtype: Optional[torch.dtype] = None
-    device: Optional[Union[str, torch.device]] = None
-    embed_dim: Optional[int] = None
-    num_heads: Optional[int] = None
+    dim: int | None = None
+    heads: int | None = None
+    segment_lengths: Sequence[int] | None = None
+    dilation_rates: Sequence[int] | None = None
+    ring_size: int | None = None
+    dtype: torch.dtype | None = None
+    device: str | torch.device | None = None
+    embed_dim: int | None = None
+    num_heads: int | None = None
     dropout: float = 0.0
     bias: bool = True
     layer_norm: bool = True
@@ -1042,18 +1187,23 @@ class StandardizedRingConfig:
         self.embed_dim = self.dim = _one_of("embed_dim", self.embed_dim, "dim", self.dim)
         self.num_heads = self.heads = _one_of("num_heads", self.num_heads, "heads", self.heads)
         if self.embed_dim is None or self.num_heads is None:
-            raise TypeError(f"StandardizedRingConfig needs dim (or embed_dim) and heads (or num_heads), got "
-                            f"dim={self.embed_dim!r}, heads={self.num_heads!r}")
+            raise TypeError(
+                f"StandardizedRingConfig needs dim (or embed_dim) and heads (or num_heads), got "
+                f"dim={self.embed_dim!r}, heads={self.num_heads!r}"
+            )
         if self.embed_dim % self.num_heads:
             raise ValueError(f"dim ({self.embed_dim}) must be divisible by heads ({self.num_heads})")
         if self.segment_lengths is None or self.dilation_rates is None:
             raise TypeError("StandardizedRingConfig needs segment_lengths and dilation_rates")
-        self.segment_lengths, self.dilation_rates = V.normalize_branches(self.segment_lengths, self.dilation_rates)
+        self.segment_lengths, self.dilation_rates = V.normalize_branches(
+            self.segment_lengths, self.dilation_rates
+        )
         if self.ring_size is not None:
             self.ring_size = _one_of("ring_size", self.ring_size, "ring_size", None)
         if V.check_dropout(self.dropout) != 0.0:
-            raise ValueError(f"attention dropout is not supported across ranks, got dropout={self.dropout!r}; "
-                             "use 0.0")
+            raise ValueError(
+                f"attention dropout is not supported across ranks, got dropout={self.dropout!r}; use 0.0"
+            )
         if self.comm not in COMM_MODES:
             raise ValueError(f"comm must be one of {COMM_MODES}, got {self.comm!r}")
 
@@ -1084,39 +1234,87 @@ class RingMultiheadDilatedAttention(_multihead_base()):
     ``forward(query, key=None, value=None, is_causal=False) -> (out, None)``.
     """
 
-    def __init__(self, embed_dim: Optional[int] = None, num_heads: Optional[int] = None,
-                 segment_lengths: Optional[Union[int, Sequence[int]]] = None,
-                 dilation_rates: Optional[Union[int, Sequence[int]]] = None, dropout: float = 0.0,
-                 bias: bool = True, layer_norm: bool = True, gamma_init: float = 1.0,
-                 device: Optional[Union[str, torch.device]] = None, dtype: Optional[Any] = None,
-                 attention_backend: str = "auto", *, dim: Optional[int] = None, heads: Optional[int] = None,
-                 layer_norm_eps: float = 1e-5, process_group: Optional[dist.ProcessGroup] = None,
-                 comm: str = "all_gather", ring_size: Optional[int] = None, use_pattern_cache: bool = True,
-                 enable_memory_pool: bool = False, memory_pool_threshold_mb: float = 16.0,
-                 check_consistency: bool = True) -> None:
+    def __init__(
+        self,
+        embed_dim: int | None = None,
+        num_heads: int | None = None,
+        segment_lengths: int | Sequence[int] | None = None,
+        dilation_rates: int | Sequence[int] | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_norm: bool = True,
+        gamma_init: float = 1.0,
+        device: str | torch.device | None = None,
+        dtype: Any | None = None,
+        attention_backend: str = "auto",
+        *,
+        dim: int | None = None,
+        heads: int | None = None,
+        layer_norm_eps: float = 1e-5,
+        process_group: dist.ProcessGroup | None = None,
+        comm: str = "all_gather",
+        ring_size: int | None = None,
+        use_pattern_cache: bool = True,
+        enable_memory_pool: bool = False,
+        memory_pool_threshold_mb: float = 16.0,
+        check_consistency: bool = True,
+    ) -> None:
         if V.check_dropout(dropout) != 0.0:
-            raise ValueError(f"RingMultiheadDilatedAttention does not support attention dropout, got "
-                             f"dropout={dropout!r}; use 0.0")
-        super().__init__(embed_dim, num_heads, segment_lengths, dilation_rates, dropout=0.0, bias=bias,
-                         layer_norm=layer_norm, gamma_init=gamma_init, device=device, dtype=dtype,
-                         attention_backend=attention_backend, dim=dim, heads=heads, layer_norm_eps=layer_norm_eps)
+            raise ValueError(
+                f"RingMultiheadDilatedAttention does not support attention dropout, got "
+                f"dropout={dropout!r}; use 0.0"
+            )
+        super().__init__(
+            embed_dim,
+            num_heads,
+            segment_lengths,
+            dilation_rates,
+            dropout=0.0,
+            bias=bias,
+            layer_norm=layer_norm,
+            gamma_init=gamma_init,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            dim=dim,
+            heads=heads,
+            layer_norm_eps=layer_norm_eps,
+        )
         self.attention = RingDilatedAttention(
-            self.attention.segment_lengths, self.attention.dilation_rates, process_group=process_group, comm=comm,
-            attention_backend=attention_backend, use_pattern_cache=use_pattern_cache,
-            enable_memory_pool=enable_memory_pool, memory_pool_threshold_mb=memory_pool_threshold_mb,
-            check_consistency=check_consistency, ring_size=ring_size)
+            self.attention.segment_lengths,
+            self.attention.dilation_rates,
+            process_group=process_group,
+            comm=comm,
+            attention_backend=attention_backend,
+            use_pattern_cache=use_pattern_cache,
+            enable_memory_pool=enable_memory_pool,
+            memory_pool_threshold_mb=memory_pool_threshold_mb,
+            check_consistency=check_consistency,
+            ring_size=ring_size,
+        )
 
     @classmethod
-    def from_config(cls, config: StandardizedRingConfig, process_group: Optional[dist.ProcessGroup] = None,
-                    **kwargs: Any) -> "RingMultiheadDilatedAttention":
+    def from_config(
+        cls, config: StandardizedRingConfig, process_group: dist.ProcessGroup | None = None, **kwargs: Any
+    ) -> RingMultiheadDilatedAttention:
         """Build the module of a :class:`StandardizedRingConfig` (``kwargs`` add or override arguments)."""
         if not isinstance(config, StandardizedRingConfig):
             raise TypeError(f"config must be a StandardizedRingConfig, got {type(config).__name__}")
-        args = dict(embed_dim=config.embed_dim, num_heads=config.num_heads, segment_lengths=config.segment_lengths,
-                    dilation_rates=config.dilation_rates, dropout=config.dropout, bias=config.bias,
-                    layer_norm=config.layer_norm, device=config.device, dtype=config.dtype,
-                    attention_backend=config.attention_backend, comm=config.comm, ring_size=config.ring_size,
-                    process_group=process_group)
+        args = {
+            "embed_dim": config.embed_dim,
+            "num_heads": config.num_heads,
+            "segment_lengths": config.segment_lengths,
+            "dilation_rates": config.dilation_rates,
+            "dropout": config.dropout,
+            "bias": config.bias,
+            "layer_norm": config.layer_norm,
+            "device": config.device,
+            "dtype": config.dtype,
+            "attention_backend": config.attention_backend,
+            "comm": config.comm,
+            "ring_size": config.ring_size,
+            "process_group": process_group,
+        }
         args.update(kwargs)
         return cls(**args)
 
@@ -1125,5 +1323,7 @@ class RingMultiheadDilatedAttention(_multihead_base()):
         return self.attention.comm
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, comm={self.attention.comm!r}, "
-                f"attention_backend={self.attention_backend!r}")
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, comm={self.attention.comm!r}, "
+            f"attention_backend={self.attention_backend!r}"
+        )

@@ -53,7 +53,7 @@ def main() -> None:
 
     print("\nmean distance (pixels) from a token to the centre of its segment:")
     print(f"{'segment':>8} {'rate':>5} {'row-major':>10} {'hilbert':>8}")
-    for w, r in zip(args.segment_lengths, args.dilation_rates):
+    for w, r in zip(args.segment_lengths, args.dilation_rates, strict=True):
         rm = segment_locality(torch.arange(N), H, W, w)
         hc = segment_locality(perm, H, W, w)
         print(f"{w:>8} {r:>5} {rm:>10.2f} {hc:>8.2f}")

@@ -24,9 +24,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dilated_attention import dilated_attention
-from dilated_attention.ring import RingDilatedAttention, comm_stats, gather_sequence, reset_comm_stats, shard_sequence
+from dilated_attention.ring import (
+    RingDilatedAttention,
+    comm_stats,
+    gather_sequence,
+    reset_comm_stats,
+    shard_sequence,
+)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 # Largest difference accepted between the ring and the one-process op, both run in the same dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -42,8 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--comm", choices=["all_gather", "ring"], default="all_gather")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: bfloat16 on GPUs, float32 on the CPU")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPUs, float32 on the CPU"
+    )
     p.add_argument("--iters", type=int, default=3, help="timed forward+backward iterations")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the one-process op")
     return p.parse_args()
@@ -94,10 +106,13 @@ def main() -> int:
 
     fwd = stats.get("forward", {"sent": 0, "received": 0})
     bwd = stats.get("backward", {"sent": 0, "received": 0})
-    print(f"rank {rank}/{world} on {device}: chunk {tuple(out.shape)}, "
-          f"forward sent {fwd['sent']} B received {fwd['received']} B, "
-          f"backward sent {bwd['sent']} B received {bwd['received']} B, "
-          f"best {min(times) * 1e3 if times else float('nan'):.1f} ms per forward+backward", flush=True)
+    print(
+        f"rank {rank}/{world} on {device}: chunk {tuple(out.shape)}, "
+        f"forward sent {fwd['sent']} B received {fwd['received']} B, "
+        f"backward sent {bwd['sent']} B received {bwd['received']} B, "
+        f"best {min(times) * 1e3 if times else float('nan'):.1f} ms per forward+backward",
+        flush=True,
+    )
 
     status = 0
     if not args.no_check:
@@ -108,11 +123,13 @@ def main() -> int:
             ref.backward(dout)
             expected = [ref.detach()] + [t.grad for t in ref_in]
             tol = TOLERANCE[dtype]
-            for name, a, e in zip(("out", "dq", "dk", "dv"), got, expected):
+            for name, a, e in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
                 err = (a.double() - e.double()).abs().max().item()
                 ok = err <= tol * max(1.0, e.double().abs().max().item())
                 status |= not ok
-                print(f"{name}: max |ring - one process| = {err:.3e} ({'ok' if ok else 'MISMATCH'})", flush=True)
+                print(
+                    f"{name}: max |ring - one process| = {err:.3e} ({'ok' if ok else 'MISMATCH'})", flush=True
+                )
         flag = torch.tensor([status], device=device)
         dist.broadcast(flag, src=0)
         status = int(flag.item())

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 
-def make_inputs(B: int, N: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype, seed: int = 0,
-                requires_grad: bool = True, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+def make_inputs(
+    B: int,
+    N: int,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    requires_grad: bool = True,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, ...]:
     """q (B, N, Hq, D), k and v (B, N, Hkv, D): the same values for every dtype and device
     (drawn in float64 on the CPU, then rounded)."""
     g = torch.Generator().manual_seed(seed)
@@ -18,8 +27,13 @@ def make_inputs(B: int, N: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype, s
     return tuple(t.to(device=device, dtype=dtype).requires_grad_(requires_grad) for t in (q, k, v))
 
 
-def grads(out: torch.Tensor, lse: torch.Tensor, inputs: Sequence[torch.Tensor], dout: torch.Tensor,
-          dlse: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def grads(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
     """Gradients of <out, dout> + <lse, dlse> (lse's -inf entries excluded)."""
     loss = (out.double() * dout.to(out.device)).sum()
     if dlse is not None:

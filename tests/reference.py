@@ -7,17 +7,18 @@ tolerance rule of SPEC section 4.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 
-def multiplicity(N: int, Hq: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                 is_causal: bool) -> torch.Tensor:
+def multiplicity(
+    N: int, Hq: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int], is_causal: bool
+) -> torch.Tensor:
     """(Hq, N, N) count of the branches through which query p of head h reads key x."""
     pos = torch.arange(N)
     mult = torch.zeros(Hq, N, N, dtype=torch.int64)
-    for w, r in zip(segment_lengths, dilation_rates):
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
         seg, idx = pos // w, pos % w
         same_segment = seg[:, None] == seg[None, :]  # (N, N)
         for h in range(Hq):
@@ -29,16 +30,22 @@ def multiplicity(N: int, Hq: int, segment_lengths: Sequence[int], dilation_rates
     return mult
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_lengths: Sequence[int],
-                        dilation_rates: Sequence[int], is_causal: bool = False,
-                        softmax_scale: Optional[float] = None, dtype: Optional[torch.dtype] = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out, lse)``: out (B, N, Hq, D), lse (B, Hq, N), computed in ``dtype``
     (float64 by default). Differentiable by autograd."""
     dtype = dtype or torch.float64
-    B, N, Hq, D = q.shape
+    _, N, Hq, D = q.shape
     G = Hq // k.shape[2]
-    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
     qd, kd, vd = (t.to(dtype) for t in (q, k, v))
     kd = kd.repeat_interleave(G, dim=2)  # (B, N, Hq, D)
     vd = vd.repeat_interleave(G, dim=2)

@@ -16,13 +16,14 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-
-from dilated_attention import backends, dilated_attention as dattn, hardware
-from dilated_attention.backends import BackendRequest, BackendSelector, get_backend, resolve
-from dilated_attention.backends.patterns import PatternCache, build_positions
 from common import grads, make_inputs
 from reference import reference_attention
 from tolerance import assert_within_rule
+
+from dilated_attention import backends, hardware
+from dilated_attention import dilated_attention as dattn
+from dilated_attention.backends import BackendRequest, BackendSelector, get_backend, resolve
+from dilated_attention.backends.patterns import PatternCache, build_positions
 
 RUNNABLE = ["native", "sdpa", "manual"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
@@ -42,10 +43,6 @@ CONFIGS = [
     pytest.param(1, 1, 2, 1, 4, [1, 4], [1, 2], id="N-1"),
     pytest.param(2, 24, 4, 1, 8, [8, 8], [1, 1], id="repeated-branch"),
 ]
-
-
-
-
 
 
 def check_against_reference(run, B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, scale=None, with_dlse=True):
@@ -69,7 +66,7 @@ def check_against_reference(run, B, N, Hq, Hkv, D, segs, rates, is_causal, dtype
     got = grads(out, lse, (q, k, v), dout, dlse)
     ref = grads(out64, lse64, (q64, k64, v64), dout, dlse)
     plain = grads(outl, lsel, (ql, kl, vl), dout, dlse)
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain):
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
         assert a.dtype == dtype
         assert_within_rule(name, a, e, p, dtype)
 
@@ -424,13 +421,13 @@ class FakeFlashAttn:
     ):
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
         self.calls.append(
-            dict(
-                q=tuple(q.shape),
-                k=tuple(k.shape),
-                dropout_p=dropout_p,
-                causal=causal,
-                return_attn_probs=return_attn_probs,
-            )
+            {
+                "q": tuple(q.shape),
+                "k": tuple(k.shape),
+                "dropout_p": dropout_p,
+                "causal": causal,
+                "return_attn_probs": return_attn_probs,
+            }
         )
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         out, lse, _ = _dense(q, k, v, scale, causal, dropout_p)
@@ -471,7 +468,7 @@ class FakeFlashAttn3:
         sm_margin=0,
         return_attn_probs=False,
     ):
-        self.calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), causal=causal))
+        self.calls.append({"q": tuple(q.shape), "k": tuple(k.shape), "causal": causal})
         out, lse, _ = _dense(q, k, v, softmax_scale, causal)
         return (out, _lse_like_kernel(lse, q)) if return_attn_probs else out
 
@@ -518,7 +515,7 @@ class FakeXformers:
         with torch.no_grad():
             out, lse, _ = _dense(query, key, value, scale, causal)
         M = query.shape[1]
-        padded = lse.new_full(lse.shape[:2] + (-(-M // 32) * 32,), float("nan"))
+        padded = lse.new_full((*lse.shape[:2], -(-M // 32) * 32), float("nan"))
         padded[..., :M] = lse
         return out, padded
 
@@ -628,7 +625,7 @@ def test_adapter_dropout_backward_exact_for_a_fixed_mask(request, name):
         torch.manual_seed(7)
         return impl.forward(q, k, v, [4, 8], [1, 2], is_causal=False, softmax_scale=0.5, dropout_p=0.3)
 
-    out, lse = f(q, k, v)
+    _, lse = f(q, k, v)
     torch.testing.assert_close(lse, reference_attention(q, k, v, [4, 8], [1, 2], softmax_scale=0.5)[1])
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-6)
 
@@ -744,7 +741,9 @@ def test_pattern_cache_thread_safe():
                 N, w, r, o = rnd.choice(keys)
                 got = cache.get(N, w, r, o, cpu)
                 want = build_positions(N, w, r, o, cpu)
-                assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+                assert len(got) == len(want) and all(
+                    torch.equal(a, b) for a, b in zip(got, want, strict=True)
+                )
                 assert len(cache) <= 5
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from common import make_inputs
 from reference import multiplicity, reference_attention
 
@@ -31,11 +30,15 @@ CASES = [(37, 4, [8, 16], [1, 2]), (100, 3, [7, 30, 64], [1, 3, 4]), (50, 6, [5,
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_pair_count_matches_the_reference(bench, is_causal):
     for N, H, segs, rates in CASES:
-        assert bench.dilated_pairs(N, H, segs, rates, is_causal) == int(multiplicity(N, H, segs, rates, is_causal).sum())
+        assert bench.dilated_pairs(N, H, segs, rates, is_causal) == int(
+            multiplicity(N, H, segs, rates, is_causal).sum()
+        )
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("N,H,Hkv,segs,rates", [(64, 4, 4, [16, 32], [1, 2]), (50, 6, 3, [5, 10, 20, 40], [1, 2, 3, 4])])
+@pytest.mark.parametrize(
+    "N,H,Hkv,segs,rates", [(64, 4, 4, [16, 32], [1, 2]), (50, 6, 3, [5, 10, 20, 40], [1, 2, 3, 4])]
+)
 def test_alternatives_compute_dilated_attention(bench, N, H, Hkv, segs, rates, is_causal):
     """gather_sdpa and dense_mask_sdpa are written apart from the package: check them against float64."""
     q, k, v = make_inputs(1, N, H, Hkv, 16, torch.float32, requires_grad=False)
@@ -53,21 +56,58 @@ def test_alternatives_compute_dilated_attention(bench, N, H, Hkv, segs, rates, i
 def _row(bench, method, N, mode, ms, peak, suite="sweep"):
     pairs = bench.dilated_pairs(N, 2, [64], [1], False)
     return {
-        "suite": suite, "method": method, "kind": "x", "N": N, "mode": mode, "device": "cpu", "dtype": "float32",
-        "B": 1, "H": 2, "Hkv": 2, "D": 16, "causal": False, "segments": "64", "rates": "1", "status": "ok",
-        "reason": "", "ms_median": ms, "ms_min": ms, "ms_max": ms, "repeats": 1, "rounds": 1, "pairs": pairs,
-        "tokens_per_s": N / ms * 1e3, "useful_tflops": bench.useful_flops(pairs, 16, mode) / (ms / 1e3) / 1e12,
-        "peak_bytes": peak, "bytes_per_token": peak / N, "load1": 0.0,
+        "suite": suite,
+        "method": method,
+        "kind": "x",
+        "N": N,
+        "mode": mode,
+        "device": "cpu",
+        "dtype": "float32",
+        "B": 1,
+        "H": 2,
+        "Hkv": 2,
+        "D": 16,
+        "causal": False,
+        "segments": "64",
+        "rates": "1",
+        "status": "ok",
+        "reason": "",
+        "ms_median": ms,
+        "ms_min": ms,
+        "ms_max": ms,
+        "repeats": 1,
+        "rounds": 1,
+        "pairs": pairs,
+        "tokens_per_s": N / ms * 1e3,
+        "useful_tflops": bench.useful_flops(pairs, 16, mode) / (ms / 1e3) / 1e12,
+        "peak_bytes": peak,
+        "bytes_per_token": peak / N,
+        "load1": 0.0,
     }
 
 
 def test_report_of_a_saved_run(bench, tmp_path, capsys):
     rows = []
     for N in (8192, 16384, 262144):
-        rows += [_row(bench, "native", N, "fwd", N / 100, 10 * N), _row(bench, "native", N, "fwdbwd", N / 40, 40 * N)]
-        rows += [_row(bench, "sdpa", N, "fwd", N / 50, 20 * N), _row(bench, "sdpa", N, "fwdbwd", N / 10, 80 * N)]
-    meta = {"device": "cpu", "cpu": "Test CPU", "torch": torch.__version__, "date": "2026-01-01T00:00:00+00:00", "cpu_count": 2, "cpu_isa": "avx2,fma", "mm_gflops_start": 100.0,
-            "mm_gflops_end": 100.0, "config": {"dtype": "float32", "B": 1, "H": 2, "D": 16, "segs": [64], "rates": [1], "causal": False}}
+        rows += [
+            _row(bench, "native", N, "fwd", N / 100, 10 * N),
+            _row(bench, "native", N, "fwdbwd", N / 40, 40 * N),
+        ]
+        rows += [
+            _row(bench, "sdpa", N, "fwd", N / 50, 20 * N),
+            _row(bench, "sdpa", N, "fwdbwd", N / 10, 80 * N),
+        ]
+    meta = {
+        "device": "cpu",
+        "cpu": "Test CPU",
+        "torch": torch.__version__,
+        "date": "2026-01-01T00:00:00+00:00",
+        "cpu_count": 2,
+        "cpu_isa": "avx2,fma",
+        "mm_gflops_start": 100.0,
+        "mm_gflops_end": 100.0,
+        "config": {"dtype": "float32", "B": 1, "H": 2, "D": 16, "segs": [64], "rates": [1], "causal": False},
+    }
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps({"meta": meta, "rows": rows, "checks": None}))
     assert bench.main(["--from-json", str(saved), "--out", str(tmp_path / "out")]) == 0
@@ -81,8 +121,8 @@ def test_report_of_a_saved_run(bench, tmp_path, capsys):
 
 def test_saved_run_that_is_not_one_is_named(bench, tmp_path):
     bad = tmp_path / "bad.json"
-    bad.write_text("{\"rows\": []}")
-    with pytest.raises(SystemExit, match="bad.json"):
+    bad.write_text('{"rows": []}')
+    with pytest.raises(SystemExit, match=r"bad\.json"):
         bench.main(["--from-json", str(bad)])
-    with pytest.raises(SystemExit, match="missing.json"):
+    with pytest.raises(SystemExit, match=r"missing\.json"):
         bench.main(["--from-json", str(tmp_path / "missing.json")])

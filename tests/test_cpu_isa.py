@@ -38,8 +38,22 @@ def test_instruction_set_matches_reference(isa):
     env = {**os.environ, "DILATED_ATTENTION_CPU_ISA": isa}
     tests = "matches_reference or gradcheck or uncovered or nan_and_inf or multiplicity or softmax_scale"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_op.py"), "-k", tests],
-        env=env, cwd=HERE.parent, capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(HERE / "test_op.py"),
+            "-k",
+            tests,
+        ],
+        env=env,
+        cwd=HERE.parent,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout

@@ -163,16 +163,40 @@ def walk_lib(tmp_path_factory):
     d = tmp_path_factory.mktemp("walk")
     src, lib = d / "walk.cpp", d / "walk.so"
     src.write_text(_WALK_SOURCE)
-    cmd = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}", str(src), "-o", str(lib)]
+    cmd = [
+        cxx,
+        "-O1",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-Wall",
+        "-Werror",
+        f"-I{ROOT / 'csrc'}",
+        str(src),
+        "-o",
+        str(lib),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert res.returncode == 0, f"compiling csrc/cuda/tiling.h failed:\n{res.stderr}"
     so = ctypes.CDLL(str(lib))
     i64p = ctypes.POINTER(ctypes.c_int64)
     so.da_replay.restype = ctypes.c_int
-    so.da_replay.argtypes = [ctypes.c_int64] * 4 + [i64p, i64p, ctypes.c_int, ctypes.c_int] + [ctypes.c_int64] * 4 + [
-        i64p, i64p, ctypes.c_char_p, ctypes.c_int]
+    so.da_replay.argtypes = (
+        [ctypes.c_int64] * 4
+        + [i64p, i64p, ctypes.c_int, ctypes.c_int]
+        + [ctypes.c_int64] * 4
+        + [i64p, i64p, ctypes.c_char_p, ctypes.c_int]
+    )
     so.da_cost.restype = ctypes.c_double
-    so.da_cost.argtypes = [ctypes.c_int64, ctypes.c_int64, i64p, i64p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    so.da_cost.argtypes = [
+        ctypes.c_int64,
+        ctypes.c_int64,
+        i64p,
+        i64p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
     return so
 
 
@@ -181,7 +205,9 @@ def _i64(values):
     return ctypes.cast(arr, ctypes.POINTER(ctypes.c_int64)), arr
 
 
-def replay(lib, N, Hq, Hkv, segs, rates, causal, rows_are, R=0, interleaved=0, rows_per_warp=16, other_tile=64):
+def replay(
+    lib, N, Hq, Hkv, segs, rates, causal, rows_are, R=0, interleaved=0, rows_per_warp=16, other_tile=64
+):
     """(Hq, N, N) multiplicities visited by the kernels' walk, and the tiling (R, interleaved) used."""
     mult = torch.zeros(Hq * N * N, dtype=torch.int64)
     chosen = torch.zeros(2, dtype=torch.int64)
@@ -189,8 +215,24 @@ def replay(lib, N, Hq, Hkv, segs, rates, causal, rows_are, R=0, interleaved=0, r
     r, _r = _i64(rates)
     err = ctypes.create_string_buffer(256)
     i64p = ctypes.POINTER(ctypes.c_int64)
-    rc = lib.da_replay(N, Hq, Hkv, len(segs), w, r, int(causal), rows_are, R, interleaved, rows_per_warp, other_tile,
-                       ctypes.cast(mult.data_ptr(), i64p), ctypes.cast(chosen.data_ptr(), i64p), err, 256)
+    rc = lib.da_replay(
+        N,
+        Hq,
+        Hkv,
+        len(segs),
+        w,
+        r,
+        int(causal),
+        rows_are,
+        R,
+        interleaved,
+        rows_per_warp,
+        other_tile,
+        ctypes.cast(mult.data_ptr(), i64p),
+        ctypes.cast(chosen.data_ptr(), i64p),
+        err,
+        256,
+    )
     assert rc == 0, err.value.decode()
     return mult.view(Hq, N, N), tuple(chosen.tolist())
 
@@ -280,6 +322,7 @@ def test_tiling_choice_for_longnet_branches(walk_lib):
 # The kernels themselves, run on the CPU (csrc/cuda/emulation)
 # ----------------------------------------------------------------------------------------------
 
+
 def _cuda_headers() -> Path | None:
     """A directory with cuda_runtime.h, cuda_fp16.h and cuda_bf16.h (no GPU or driver needed)."""
     from torch.utils.cpp_extension import CUDA_HOME
@@ -288,15 +331,22 @@ def _cuda_headers() -> Path | None:
     nvcc = shutil.which("nvcc")
     if nvcc:
         try:
-            dry = subprocess.run([nvcc, "-v", "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
-                                 capture_output=True, text=True, timeout=60, check=False)
+            dry = subprocess.run(
+                [nvcc, "-v", "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             for line in (dry.stdout + dry.stderr).splitlines():
                 if line.startswith("#$ TOP="):
                     roots.append(line.split("=", 1)[1].strip())
         except (OSError, subprocess.SubprocessError):
             pass
     for root in roots:
-        if root and all((Path(root) / "include" / h).exists() for h in ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")):
+        if root and all(
+            (Path(root) / "include" / h).exists() for h in ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")
+        ):
             return Path(root) / "include"
     return None
 
@@ -311,9 +361,21 @@ def emu(tmp_path_factory):
     if cxx is None or inc is None:
         pytest.skip("the CPU emulation of the CUDA kernels needs a C++ compiler and the CUDA headers")
     lib = tmp_path_factory.mktemp("emu") / "run_kernels.so"
-    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-DDA_CUDA_EMULATION", "-Wno-attributes",
-           f"-I{ROOT / 'csrc'}", f"-I{inc}", *(f"-I{p}" for p in include_paths()),
-           str(ROOT / "csrc" / "cuda" / "emulation" / "run_kernels.cpp"), "-o", str(lib)]
+    cmd = [
+        cxx,
+        "-std=c++17",
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-DDA_CUDA_EMULATION",
+        "-Wno-attributes",
+        f"-I{ROOT / 'csrc'}",
+        f"-I{inc}",
+        *(f"-I{p}" for p in include_paths()),
+        str(ROOT / "csrc" / "cuda" / "emulation" / "run_kernels.cpp"),
+        "-o",
+        str(lib),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert res.returncode == 0, f"building the emulation of csrc/cuda failed:\n{res.stderr[-4000:]}"
     so = ctypes.CDLL(str(lib))
@@ -336,8 +398,27 @@ def _emu_call(fn, dtype, family, q, k, segs, rates, causal, scale, tiling, tenso
     err = ctypes.create_string_buffer(256)
     R, il, rpw, ot = tiling
     ptrs = [0 if t is None else t.data_ptr() for t in tensors]
-    rc = fn(_EMU_DTYPES[dtype], family, B, N, Hq, k.shape[2], D, len(segs), ctypes.cast(w, ctypes.c_void_p),
-            ctypes.cast(r, ctypes.c_void_p), int(causal), scale, R, il, rpw, ot, *ptrs, err, 256)
+    rc = fn(
+        _EMU_DTYPES[dtype],
+        family,
+        B,
+        N,
+        Hq,
+        k.shape[2],
+        D,
+        len(segs),
+        ctypes.cast(w, ctypes.c_void_p),
+        ctypes.cast(r, ctypes.c_void_p),
+        int(causal),
+        scale,
+        R,
+        il,
+        rpw,
+        ot,
+        *ptrs,
+        err,
+        256,
+    )
     assert rc == 0, err.value.decode()
 
 
@@ -347,16 +428,31 @@ def emulated(emu, q, k, v, segs, rates, causal, family, tiling=(0, 0, 4, 32), do
     B, N, Hq, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, N, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    _emu_call(emu.da_emu_forward, dtype, family, q, k, segs, rates, causal, scale, tiling, (q, k, v, out, lse))
+    _emu_call(
+        emu.da_emu_forward, dtype, family, q, k, segs, rates, causal, scale, tiling, (q, k, v, out, lse)
+    )
     if dout is None:
         return out, lse
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _emu_call(emu.da_emu_backward, dtype, family, q, k, segs, rates, causal, scale, tiling,
-              (dout, q, k, v, out, lse, dlse, dq, dk, dv))
+    _emu_call(
+        emu.da_emu_backward,
+        dtype,
+        family,
+        q,
+        k,
+        segs,
+        rates,
+        causal,
+        scale,
+        tiling,
+        (dout, q, k, v, out, lse, dlse, dq, dk, dv),
+    )
     return out, lse, (dq, dk, dv)
 
 
-def check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, causal, dtype, family, tiling=(0, 0, 4, 32), with_dlse=True):
+def check_emulated(
+    emu, B, N, Hq, Hkv, D, segs, rates, causal, dtype, family, tiling=(0, 0, 4, 32), with_dlse=True
+):
     """The emulated kernels against the float64 reference under the SPEC section 4 rule."""
     q, k, v = (t.detach().contiguous() for t in make_inputs(B, N, Hq, Hkv, D, dtype, device="cpu"))
     g = torch.Generator().manual_seed(11)
@@ -368,20 +464,33 @@ def check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, causal, dtype, family, ti
     finite = torch.isfinite(lse64)
     dlse = torch.randn(B, Hq, N, generator=g, dtype=torch.float64) * finite if with_dlse else None
     lse_t = torch.float64 if dtype == torch.float64 else torch.float32
-    out, lse, got = emulated(emu, q, k, v, segs, rates, causal, family, tiling, dout.to(dtype).contiguous(),
-                             None if dlse is None else dlse.to(lse_t).contiguous())
+    out, lse, got = emulated(
+        emu,
+        q,
+        k,
+        v,
+        segs,
+        rates,
+        causal,
+        family,
+        tiling,
+        dout.to(dtype).contiguous(),
+        None if dlse is None else dlse.to(lse_t).contiguous(),
+    )
     assert_within_rule("out", out, out64, outl, dtype)
     assert_within_rule("lse", lse, lse64, lsel, dtype)
 
-    def loss(o, l):
+    def loss(o, chunk):
         total = (o.double() * dout).sum()
         if dlse is not None:
-            total = total + (torch.where(finite, l.double(), torch.zeros_like(l.double())) * dlse).sum()
+            total = (
+                total + (torch.where(finite, chunk.double(), torch.zeros_like(chunk.double())) * dlse).sum()
+            )
         return total
 
     ref = torch.autograd.grad(loss(out64, lse64), (q64, k64, v64))
     plain = torch.autograd.grad(loss(outl, lsel), (ql, kl, vl))
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain):
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
         assert_within_rule(name, a, e, p, dtype)
 
 
@@ -420,24 +529,47 @@ def test_emulated_simt_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling):
     check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, causal, torch.float32, 1, (R, il, rpw, ot))
 
 
-@pytest.mark.parametrize("dtype,family", [(torch.float16, 0), (torch.bfloat16, 1), (torch.float16, 1),
-                                          (torch.float64, 1)], ids=["tc-fp16", "simt-bf16", "simt-fp16", "simt-fp64"])
+@pytest.mark.parametrize(
+    "dtype,family",
+    [(torch.float16, 0), (torch.bfloat16, 1), (torch.float16, 1), (torch.float64, 1)],
+    ids=["tc-fp16", "simt-bf16", "simt-fp16", "simt-fp64"],
+)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_emulated_other_dtypes(emu, dtype, family, is_causal):
-    check_emulated(emu, 2, 61, 4, 2, 64, [8, 32, 64], [1, 2, 4], is_causal, dtype, family, (0, 0, 2, 16),
-                   with_dlse=dtype != torch.float16)
+    check_emulated(
+        emu,
+        2,
+        61,
+        4,
+        2,
+        64,
+        [8, 32, 64],
+        [1, 2, 4],
+        is_causal,
+        dtype,
+        family,
+        (0, 0, 2, 16),
+        with_dlse=dtype != torch.float16,
+    )
 
 
-@pytest.mark.parametrize("order,eager", [(1, 0), (2, 0), (0, 1), (2, 1)],
-                         ids=["reversed", "shuffled", "eager-copies", "shuffled-eager"])
+@pytest.mark.parametrize(
+    "order,eager",
+    [(1, 0), (2, 0), (0, 1), (2, 1)],
+    ids=["reversed", "shuffled", "eager-copies", "shuffled-eager"],
+)
 def test_emulated_kernels_under_other_schedules(emu, order, eager):
     """Reordered threads and cp.async copies landing early: a missing barrier or wait would show."""
     emu.da_emu_options(order, 12345, eager)
     try:
-        check_emulated(emu, 1, 157, 4, 2, 64, [12, 48, 96], [1, 3, 4], True, torch.bfloat16, 0, (3, 0, 16, 64))
+        check_emulated(
+            emu, 1, 157, 4, 2, 64, [12, 48, 96], [1, 3, 4], True, torch.bfloat16, 0, (3, 0, 16, 64)
+        )
         check_emulated(emu, 1, 95, 2, 1, 40, [12, 48, 96], [1, 3, 4], True, torch.float32, 1, (1, 1, 4, 32))
         if order == 2 and eager:  # the single-buffered dq and dk/dv kernels of the largest head dim
-            check_emulated(emu, 1, 100, 2, 1, 256, [64, 256], [1, 2], False, torch.bfloat16, 0, (0, 0, 16, 64))
+            check_emulated(
+                emu, 1, 100, 2, 1, 256, [64, 256], [1, 2], False, torch.bfloat16, 0, (0, 0, 16, 64)
+            )
     finally:
         emu.da_emu_options(0, 1, 0)
 
@@ -476,7 +608,9 @@ def test_emulated_random_configs(emu):
         dtype = torch.bfloat16 if family == 0 else [torch.float32, torch.float64, torch.bfloat16][ri(0, 2)]
         R, il = [(0, 0), (1, 0), (1, 1), (ri(2, 9), ri(0, 1))][ri(0, 3)]
         rpw, ot = (16, 64) if family == 0 else (ri(1, 4), [8, 16, 32][ri(0, 2)])
-        check_emulated(emu, ri(1, 2), N, Hq, Hkv, D, segs, rates, bool(ri(0, 1)), dtype, family, (R, il, rpw, ot))
+        check_emulated(
+            emu, ri(1, 2), N, Hq, Hkv, D, segs, rates, bool(ri(0, 1)), dtype, family, (R, il, rpw, ot)
+        )
 
 
 def _load_bench():
@@ -493,18 +627,29 @@ def _load_bench():
 def test_benchmark_counts_useful_pairs_like_the_reference(is_causal):
     """The GPU benchmark's FLOP count (SPEC section 3) uses the reference's pair multiplicities."""
     bench = _load_bench()
-    for N, Hq, segs, rates in [(37, 4, [8, 16], [1, 2]), (100, 3, [7, 30, 64], [1, 3, 4]),
-                               (50, 6, [5, 10, 20, 40], [1, 2, 3, 4]), (300, 16, *bench.longnet_branches(300, 32))]:
-        assert bench.pair_count(N, Hq, segs, rates, is_causal) == int(multiplicity(N, Hq, segs, rates, is_causal).sum())
+    for N, Hq, segs, rates in [
+        (37, 4, [8, 16], [1, 2]),
+        (100, 3, [7, 30, 64], [1, 3, 4]),
+        (50, 6, [5, 10, 20, 40], [1, 2, 3, 4]),
+        (300, 16, *bench.longnet_branches(300, 32)),
+    ]:
+        assert bench.pair_count(N, Hq, segs, rates, is_causal) == int(
+            multiplicity(N, Hq, segs, rates, is_causal).sum()
+        )
     segs, rates = bench.longnet_branches(262144)
-    assert segs[0] == 2048 and segs[-1] == 262144 and rates == [2 ** i for i in range(len(segs))]
+    assert segs[0] == 2048 and segs[-1] == 262144 and rates == [2**i for i in range(len(segs))]
 
 
 def test_benchmark_without_gpu_says_so():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py"), "--quick"],
-                         capture_output=True, text=True, timeout=300, check=False)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert res.returncode != 0 and "no CUDA GPU" in res.stderr
 
 
@@ -544,10 +689,6 @@ CONFIGS = [
 ]
 
 
-
-
-
-
 def check_against_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, seed=0):
     q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed)
     out, lse = dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="native")
@@ -568,7 +709,7 @@ def check_against_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, see
     got = grads(out, lse, (q, k, v), dout.cuda(), None if dlse is None else dlse.cuda())
     ref = grads(out64, lse64, (q64, k64, v64), dout, dlse)
     plain = grads(outl, lsel, (ql, kl, vl), dout, dlse)
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain):
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
         assert a.is_cuda and a.dtype == dtype
         assert_within_rule(name, a.cpu(), e, p, dtype)
 
@@ -628,7 +769,7 @@ def test_cpu_and_cuda_agree(dtype):
         g_gpu = torch.autograd.grad(outc, (qc, kc, vc), dout.cuda())
         g_ref = torch.autograd.grad(out64, (q64, k64, v64), dout.double())
         g_pl = torch.autograd.grad(outl, (ql, kl, vl), dout)
-        for name, a, b, e, p in zip(("dq", "dk", "dv"), g_cpu, g_gpu, g_ref, g_pl):
+        for name, a, b, e, p in zip(("dq", "dk", "dv"), g_cpu, g_gpu, g_ref, g_pl, strict=True):
             assert_within_rule(f"cpu {name}", a, e, p, dtype)
             assert_within_rule(f"cuda {name}", b.cpu(), e, p, dtype)
 
@@ -642,7 +783,19 @@ def test_opcheck(dtype):
     torch.library.opcheck(torch.ops.dilated_attention.fwd.default, args)
     out, lse = torch.ops.dilated_attention.fwd(*args)
     dout = torch.randn_like(out)
-    bargs = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, [4, 8], [1, 2], True, 0.35)
+    bargs = (
+        dout,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse.detach(),
+        None,
+        [4, 8],
+        [1, 2],
+        True,
+        0.35,
+    )
     torch.library.opcheck(torch.ops.dilated_attention.bwd.default, bargs)
 
 
@@ -672,7 +825,7 @@ def test_torch_compile_fullgraph(dtype):
     loss_e = f(q, k, v)
     expected = torch.autograd.grad(loss_e, (q, k, v))
     torch.testing.assert_close(loss, loss_e)
-    for a, e in zip(got, expected):
+    for a, e in zip(got, expected, strict=True):
         torch.testing.assert_close(a, e)
 
 
@@ -693,7 +846,7 @@ def test_backward_is_bitwise_reproducible(dtype, deterministic):
     finally:
         dilated_attention._ops.set_deterministic_backward(False)
     for later in runs[1:]:
-        for a, b in zip(runs[0], later):
+        for a, b in zip(runs[0], later, strict=True):
             assert torch.equal(a, b)
 
 
@@ -726,8 +879,9 @@ def test_non_contiguous_and_misaligned_inputs(dtype):
     out, lse = dattn(q, k, v, [8, 32], [1, 4], softmax_scale=0.3, return_lse=True, is_causal=True)
     q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     out64, lse64 = reference_attention(q64, k64, v64, [8, 32], [1, 4], True, softmax_scale=0.3)
-    outl, lsel = reference_attention(*(t.detach().cpu() for t in (q, k, v)), [8, 32], [1, 4], True,
-                                     softmax_scale=0.3, dtype=dtype)
+    outl, lsel = reference_attention(
+        *(t.detach().cpu() for t in (q, k, v)), [8, 32], [1, 4], True, softmax_scale=0.3, dtype=dtype
+    )
     assert_within_rule("out", out.cpu(), out64, outl, dtype)
     assert_within_rule("lse", lse.cpu(), lse64, lsel, dtype)
 
@@ -797,5 +951,5 @@ def test_longnet_branches_against_cpu_kernel(is_causal):
     dout = torch.randn(q.shape, dtype=torch.float64)
     got = torch.autograd.grad(out, (q, k, v), dout.cuda().bfloat16())
     ref = torch.autograd.grad(out64, (q64, k64, v64), dout)
-    for a, e in zip(got, ref):
+    for a, e in zip(got, ref, strict=True):
         torch.testing.assert_close(a.cpu().double(), e, atol=5e-2, rtol=5e-2)

@@ -19,12 +19,12 @@ from reference import multiplicity, reference_attention
 GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
 
-import configurator  # noqa: E402
-import passkey  # noqa: E402
-import prepare  # noqa: E402
-import sample  # noqa: E402
-import train  # noqa: E402
-from model import DILATED_BACKENDS, GPT, GPTConfig, attention_pairs, decode_multiplicity  # noqa: E402
+import configurator
+import passkey
+import prepare
+import sample
+import train
+from model import DILATED_BACKENDS, GPT, GPTConfig, attention_pairs, decode_multiplicity
 
 SLOW = os.environ.get("DILATED_ATTENTION_SLOW") == "1"
 
@@ -74,7 +74,7 @@ def backend_can_run(name: str) -> bool:
     return True
 
 
-ALL_BACKENDS = list(DILATED_BACKENDS) + ["dense"]
+ALL_BACKENDS = [*list(DILATED_BACKENDS), "dense"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -205,7 +205,7 @@ def test_flops_per_sequence():
 
 def test_gpt_config_checks():
     GPTConfig(attention_backend="flash_attn_2", n_layer=1, n_head=2, n_embd=16)  # the seeds' name, accepted
-    with pytest.raises(ValueError, match="attention_backend.*'bogus'"):
+    with pytest.raises(ValueError, match=r"attention_backend.*'bogus'"):
         GPTConfig(attention_backend="bogus")
     with pytest.raises(ValueError, match="dilation_rates"):
         GPTConfig(segment_lengths=(8, 16), dilation_rates=(1,))
@@ -227,7 +227,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         _, loss = model(idx, idx)
         loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
@@ -414,27 +414,27 @@ def test_passkey_receptive_field():
 
 
 def tiny_train_args(data_dir: Path, out_dir: Path, **overrides) -> list[str]:
-    args = dict(
-        data_dir=str(data_dir),
-        out_dir=str(out_dir),
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        block_size=64,
-        batch_size=4,
-        segment_lengths="16,32,64",
-        dilation_rates="1,2,2",
-        learning_rate=1e-2,
-        warmup_iters=2,
-        lr_decay_iters=30,
-        min_lr=1e-3,
-        max_iters=30,
-        eval_interval=30,
-        eval_iters=4,
-        log_interval=1,
-        peak_flops=1e12,
-        bias=True,
-    )
+    args = {
+        "data_dir": str(data_dir),
+        "out_dir": str(out_dir),
+        "n_layer": 2,
+        "n_head": 2,
+        "n_embd": 32,
+        "block_size": 64,
+        "batch_size": 4,
+        "segment_lengths": "16,32,64",
+        "dilation_rates": "1,2,2",
+        "learning_rate": 1e-2,
+        "warmup_iters": 2,
+        "lr_decay_iters": 30,
+        "min_lr": 1e-3,
+        "max_iters": 30,
+        "eval_interval": 30,
+        "eval_iters": 4,
+        "log_interval": 1,
+        "peak_flops": 1e12,
+        "bias": True,
+    }
     args.update(overrides)
     return [f"--{k}={v}" for k, v in args.items()]
 
@@ -455,7 +455,13 @@ def test_tiny_model_trains(backend, data_dir, tmp_path):
 
 def test_checkpoint_resume_round_trip(data_dir, tmp_path):
     """3 steps, save, resume for 3 more = 6 steps straight: the same losses and weights."""
-    common = dict(max_iters=6, lr_decay_iters=6, eval_interval=3, always_save_checkpoint=True, dropout=0.1)
+    common = {
+        "max_iters": 6,
+        "lr_decay_iters": 6,
+        "eval_interval": 3,
+        "always_save_checkpoint": True,
+        "dropout": 0.1,
+    }
     straight = train.main(tiny_train_args(data_dir, tmp_path / "a", **common), log=lambda *_: None)
     first = train.main(
         tiny_train_args(data_dir, tmp_path / "b", **{**common, "max_iters": 3}), log=lambda *_: None
@@ -480,18 +486,18 @@ def test_checkpoint_resume_round_trip(data_dir, tmp_path):
         "--start=def ",
     ]
     with_cache = sample.main(args)
-    without = sample.main(args + ["--use_kv_cache=False"])
+    without = sample.main([*args, "--use_kv_cache=False"])
     assert with_cache == without and with_cache[0].startswith("def ")
 
 
 def test_train_rejects_bad_settings(data_dir, tmp_path):
-    with pytest.raises(ValueError, match="attention_backend must be one of .* got 'bogus'"):
+    with pytest.raises(ValueError, match=r"attention_backend must be one of .* got 'bogus'"):
         train.main(tiny_train_args(data_dir, tmp_path, attention_backend="bogus"), log=lambda *_: None)
     with pytest.raises(ValueError, match="init_from"):
         train.main(tiny_train_args(data_dir, tmp_path, init_from="gpt2-xl"), log=lambda *_: None)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train.main(tiny_train_args(data_dir, tmp_path / "empty", init_from="resume"), log=lambda *_: None)
-    with pytest.raises(ValueError, match="block_size .* too short for the passkey"):
+    with pytest.raises(ValueError, match=r"block_size .* too short for the passkey"):
         train.main(tiny_train_args(data_dir, tmp_path, dataset="passkey", block_size=16), log=lambda *_: None)
 
 

@@ -3,6 +3,7 @@ attention run in curve order against the float64 dense reference on pre-permuted
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -130,7 +131,7 @@ def test_powers_of_two_give_the_classic_hilbert_curve(order):
         lambda x, y: (y, m - x),
         lambda x, y: (m - y, m - x),
     ]
-    ours = list(zip(rows, cols))
+    ours = list(zip(rows, cols, strict=True))
     assert any([f(x, y) for x, y in classic] == ours for f in symmetries)
     block = 1
     while block * block <= order * order:
@@ -160,8 +161,10 @@ def test_the_documented_exception_of_the_published_algorithm():
         for width in range(1, 25):
             cells = plain_algorithm_cells(height, width)
             assert sorted(cells) == [(r, c) for r in range(height) for c in range(width)]
-            non_unit = sum(abs(a[0] - b[0]) + abs(a[1] - b[1]) != 1 for a, b in zip(cells, cells[1:]))
-            diagonal = sum(abs(a[0] - b[0]) == 1 and abs(a[1] - b[1]) == 1 for a, b in zip(cells, cells[1:]))
+            non_unit = sum(abs(a[0] - b[0]) + abs(a[1] - b[1]) != 1 for a, b in itertools.pairwise(cells))
+            diagonal = sum(
+                abs(a[0] - b[0]) == 1 and abs(a[1] - b[1]) == 1 for a, b in itertools.pairwise(cells)
+            )
             longer, shorter = max(height, width), min(height, width)
             expected = 1 if longer % 2 == 1 and shorter % 2 == 0 and shorter >= 4 else 0
             assert non_unit == expected and diagonal == expected, (height, width, non_unit, diagonal)
@@ -356,7 +359,7 @@ def test_functional_attention_in_curve_order_matches_reference(
     got = torch.autograd.grad((out.double() * dout).sum(), (q, k, v))
     want = torch.autograd.grad((ref_out * dout).sum(), (q, k, v))
     plain = torch.autograd.grad((plain_out.double() * dout).sum(), (q, k, v))
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, want, plain):
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, want, plain, strict=True):
         assert_within_rule(name, a, e, p, dtype)
 
 
@@ -427,7 +430,7 @@ def test_dilated_attention_module_hilbert_matches_reference(
     got = torch.autograd.grad((out.double() * dout).sum(), (q, k, v))
     want = torch.autograd.grad((ref_out * dout).sum(), (q, k, v))
     plain = torch.autograd.grad((plain_out.double() * dout).sum(), (q, k, v))
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, want, plain):
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, want, plain, strict=True):
         assert_within_rule(name, a, e, p, dtype)
 
 
@@ -461,7 +464,7 @@ def test_multihead_module_hilbert_matches_reference(backend):
     params = (x, mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight)
     got = torch.autograd.grad((out * dout).sum(), params)
     want = torch.autograd.grad((expected * dout).sum(), params)
-    for a, e in zip(got, want):
+    for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10)
 
 

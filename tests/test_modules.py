@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import reference_attention
 
 import dilated_attention
 from dilated_attention import DilatedAttention, MultiheadDilatedAttention, hardware
 from dilated_attention.hilbert import hilbert_permutation
-from reference import reference_attention
 
 LOGGER = "dilated_attention.backends.registry"
 
@@ -50,7 +50,7 @@ def test_dilated_attention_matches_reference(backend, is_causal):
     g = rand(*out.shape, seed=4)
     got = torch.autograd.grad((out * g).sum(), (q, k, v))
     want = torch.autograd.grad((ref * g).sum(), (q, k, v))
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
@@ -104,16 +104,16 @@ def test_hilbert_ordering():
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
-        (dict(ordering="zorder"), ValueError, "ordering must be one of"),
-        (dict(grid=(4, 4)), ValueError, "only used with ordering='hilbert'"),
-        (dict(ordering="hilbert"), ValueError, "needs grid=\\(height, width\\)"),
-        (dict(ordering="hilbert", grid=(0, 4)), ValueError, "grid must be a pair"),
-        (dict(ordering="hilbert", grid=(4,)), ValueError, "grid must be a pair"),
-        (dict(ordering="hilbert", grid=4), ValueError, "grid must be a pair"),
-        (dict(attention_backend="flash"), ValueError, "unknown attention backend 'flash'"),
-        (dict(attention_dropout=1.0), ValueError, "dropout_p must be in"),
-        (dict(softmax_scale=float("inf")), ValueError, "finite"),
-        (dict(use_xpos=True), TypeError, "use_xpos"),
+        ({"ordering": "zorder"}, ValueError, "ordering must be one of"),
+        ({"grid": (4, 4)}, ValueError, "only used with ordering='hilbert'"),
+        ({"ordering": "hilbert"}, ValueError, "needs grid=\\(height, width\\)"),
+        ({"ordering": "hilbert", "grid": (0, 4)}, ValueError, "grid must be a pair"),
+        ({"ordering": "hilbert", "grid": (4,)}, ValueError, "grid must be a pair"),
+        ({"ordering": "hilbert", "grid": 4}, ValueError, "grid must be a pair"),
+        ({"attention_backend": "flash"}, ValueError, "unknown attention backend 'flash'"),
+        ({"attention_dropout": 1.0}, ValueError, "dropout_p must be in"),
+        ({"softmax_scale": float("inf")}, ValueError, "finite"),
+        ({"use_xpos": True}, TypeError, "use_xpos"),
     ],
 )
 def test_dilated_attention_bad_arguments(kwargs, exc, match):
@@ -183,7 +183,7 @@ def test_mhda_matches_reference(layer_norm, bias, is_causal):
     params = [m.q_proj.weight, m.v_proj.weight, m.out_proj.weight]
     got = torch.autograd.grad(out.square().sum(), [x_q, x_k, x_v, *params])
     want = torch.autograd.grad(ref.square().sum(), [x_q, x_k, x_v, *params])
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
@@ -205,7 +205,7 @@ def test_both_spellings_of_width_and_heads():
     torch.manual_seed(0)
     c = MultiheadDilatedAttention(32, 4, [8], [1], dim=32, heads=4)  # both, agreeing
     for m in (b, c):
-        for (n1, p1), (n2, p2) in zip(a.named_parameters(), m.named_parameters()):
+        for (n1, p1), (n2, p2) in zip(a.named_parameters(), m.named_parameters(), strict=True):
             assert n1 == n2 and torch.equal(p1, p2)
     assert (b.dim, b.heads, b.embed_dim, b.num_heads, b.head_dim) == (32, 4, 32, 4, 8)
 
@@ -213,17 +213,17 @@ def test_both_spellings_of_width_and_heads():
 @pytest.mark.parametrize(
     "args,kwargs,exc,match",
     [
-        ((32, 4, [8], [1]), dict(dim=64), ValueError, "embed_dim=32 and dim=64 disagree"),
-        ((32, 4, [8], [1]), dict(heads=2), ValueError, "num_heads=4 and heads=2 disagree"),
+        ((32, 4, [8], [1]), {"dim": 64}, ValueError, "embed_dim=32 and dim=64 disagree"),
+        ((32, 4, [8], [1]), {"heads": 2}, ValueError, "num_heads=4 and heads=2 disagree"),
         (
             (),
-            dict(num_heads=4, segment_lengths=[8], dilation_rates=[1]),
+            {"num_heads": 4, "segment_lengths": [8], "dilation_rates": [1]},
             TypeError,
             "embed_dim \\(or dim\\) is required",
         ),
         (
             (32,),
-            dict(segment_lengths=[8], dilation_rates=[1]),
+            {"segment_lengths": [8], "dilation_rates": [1]},
             TypeError,
             "num_heads \\(or heads\\) is required",
         ),
@@ -232,16 +232,16 @@ def test_both_spellings_of_width_and_heads():
         ((1028, 4, [8], [1]), {}, ValueError, "exceeds 256"),
         ((32, 0, [8], [1]), {}, ValueError, "num_heads must be an int >= 1, got 0"),
         ((32.0, 4, [8], [1]), {}, ValueError, "embed_dim must be an int"),
-        ((32, 4, [8], [1]), dict(dropout=1.5), ValueError, "dropout_p must be in"),
-        ((32, 4, [8], [1]), dict(bias="yes"), ValueError, "bias must be a bool"),
-        ((32, 4, [8], [1]), dict(gamma_init=0.0), ValueError, "gamma_init must be a finite number > 0"),
-        ((32, 4, [8], [1]), dict(dtype=torch.int32), ValueError, "dtype must be"),
-        ((32, 4, [8], [1]), dict(dtype="float8"), ValueError, "dtype must be"),
-        ((32, 4, [8], [1]), dict(attention_backend="xformer"), ValueError, "unknown attention backend"),
-        ((32, 4, [8], [1]), dict(layer_norm_eps=0), ValueError, "layer_norm_eps"),
+        ((32, 4, [8], [1]), {"dropout": 1.5}, ValueError, "dropout_p must be in"),
+        ((32, 4, [8], [1]), {"bias": "yes"}, ValueError, "bias must be a bool"),
+        ((32, 4, [8], [1]), {"gamma_init": 0.0}, ValueError, "gamma_init must be a finite number > 0"),
+        ((32, 4, [8], [1]), {"dtype": torch.int32}, ValueError, "dtype must be"),
+        ((32, 4, [8], [1]), {"dtype": "float8"}, ValueError, "dtype must be"),
+        ((32, 4, [8], [1]), {"attention_backend": "xformer"}, ValueError, "unknown attention backend"),
+        ((32, 4, [8], [1]), {"layer_norm_eps": 0}, ValueError, "layer_norm_eps"),
         ((32, 4, [8], [16]), {}, ValueError, "must not exceed"),
-        ((32, 4, [8], [1]), dict(batch_first=True), TypeError, "batch_first"),
-        ((32, 4, [8], [1]), dict(use_rel_pos=True), TypeError, "use_rel_pos"),
+        ((32, 4, [8], [1]), {"batch_first": True}, TypeError, "batch_first"),
+        ((32, 4, [8], [1]), {"use_rel_pos": True}, TypeError, "use_rel_pos"),
     ],
 )
 def test_mhda_bad_arguments(args, kwargs, exc, match):
@@ -260,7 +260,7 @@ def test_mhda_bad_inputs():
         m(x, x)
     with pytest.raises(ValueError, match="same shape"):
         m(x, x[:, :4], x[:, :4])
-    with pytest.raises(TypeError, match="query must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"query must be a torch\.Tensor"):
         m(x.tolist())
 
 

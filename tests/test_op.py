@@ -6,12 +6,12 @@ import random
 
 import pytest
 import torch
-
-import dilated_attention
-from dilated_attention import dilated_attention as dattn
 from common import grads, make_inputs
 from reference import reference_attention
 from tolerance import assert_within_rule
+
+import dilated_attention
+from dilated_attention import dilated_attention as dattn
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -31,10 +31,6 @@ CONFIGS = [
     pytest.param(1, 1, 2, 1, 4, [1, 4], [1, 2], id="N-1"),
     pytest.param(2, 96, 4, 1, 8, [8, 8], [1, 1], id="repeated-branch-counts-twice"),
 ]
-
-
-
-
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -61,7 +57,7 @@ def test_matches_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype):
     got = grads(out, lse, (q, k, v), dout, dlse)
     ref = grads(out64, lse64, (q64, k64, v64), dout, dlse)
     plain = grads(outl, lsel, (ql, kl, vl), dout, dlse)
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain):
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
         assert a.dtype == dtype
         assert_within_rule(name, a, e, p, dtype)
 
@@ -122,7 +118,7 @@ def test_large_float32_in_both_layouts(layout):
     assert all(g.is_contiguous() and g.shape == (B, N, H, D) for g in got)
     ref = grads(out64, lse64, (q64, k64, v64), dout, None)
     plain = grads(outl, lsel, (ql, kl, vl), dout, None)
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain):
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
         assert_within_rule(name, a, e, p, torch.float32)
 
 
@@ -144,7 +140,19 @@ def test_opcheck(dtype):
     torch.library.opcheck(torch.ops.dilated_attention.fwd.default, args)
     out, lse = torch.ops.dilated_attention.fwd(*args)
     dout = torch.randn_like(out)
-    bargs = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, [4, 8], [1, 2], True, 0.35)
+    bargs = (
+        dout,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse.detach(),
+        None,
+        [4, 8],
+        [1, 2],
+        True,
+        0.35,
+    )
     torch.library.opcheck(torch.ops.dilated_attention.bwd.default, bargs)
 
 
@@ -162,7 +170,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
     loss64 = out64.square().sum()
     r = torch.autograd.grad(loss64, (q2, k2, v2))
     torch.testing.assert_close(loss.double(), loss64, rtol=1e-5, atol=1e-5)
-    for a, e in zip((gq, gk, gv), r):
+    for a, e in zip((gq, gk, gv), r, strict=True):
         torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4)
 
 
@@ -170,7 +178,9 @@ def test_torch_compile_inductor():
     q, k, v = make_inputs(1, 24, 2, 2, 8, torch.float32, requires_grad=False)
     f = torch.compile(lambda q, k, v: dattn(q, k, v, [8], [2]) * 2, fullgraph=True)
     out = f(q, k, v)
-    torch.testing.assert_close(out.double(), 2 * reference_attention(q, k, v, [8], [2])[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), 2 * reference_attention(q, k, v, [8], [2])[0], rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("shape", [(0, 8, 2, 4), (2, 0, 2, 4)])
@@ -188,7 +198,7 @@ def test_nan_and_inf_propagate_without_crashing():
     q, k, v = make_inputs(1, 16, 2, 2, 4, torch.float32, requires_grad=False)
     q[0, 3, 0, 0] = float("nan")
     k[0, 5, 1, 1] = float("inf")
-    out, lse = dattn(q, k, v, [8], [1], return_lse=True)
+    out, _ = dattn(q, k, v, [8], [1], return_lse=True)
     assert torch.isnan(out[0, 3, 0]).all()  # its own row
     assert torch.isfinite(out[0, 8:, 0]).all()  # another segment is untouched
     assert not torch.isfinite(out[0, :8, 1]).all()  # the inf key poisons its segment for head 1
@@ -204,15 +214,22 @@ def test_multiplicity_counts_repeated_branches():
     out2, lse2 = dattn(q, k, v, [8, 8], [2, 2], return_lse=True)
     torch.testing.assert_close(out1, out2)
     covered = torch.isfinite(lse1)
-    torch.testing.assert_close(lse2[covered], lse1[covered] + torch.log(torch.tensor(2.0, dtype=torch.float64)))
+    torch.testing.assert_close(
+        lse2[covered], lse1[covered] + torch.log(torch.tensor(2.0, dtype=torch.float64))
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------
 
+
 def _qkv(B=1, N=8, Hq=2, Hkv=2, D=4, dtype=torch.float32):
-    return torch.randn(B, N, Hq, D, dtype=dtype), torch.randn(B, N, Hkv, D, dtype=dtype), torch.randn(B, N, Hkv, D, dtype=dtype)
+    return (
+        torch.randn(B, N, Hq, D, dtype=dtype),
+        torch.randn(B, N, Hkv, D, dtype=dtype),
+        torch.randn(B, N, Hkv, D, dtype=dtype),
+    )
 
 
 BAD_ARGS = [
@@ -246,7 +263,7 @@ def test_bad_input_python(name, make, kwargs, match):
 
 def test_not_a_tensor():
     q, k, v = _qkv()
-    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"q must be a torch\.Tensor"):
         dattn(q.tolist(), k, v, [4], [1])
 
 
@@ -304,19 +321,32 @@ def test_randomized_bad_inputs_never_crash():
             v = torch.randn(B, N, Hkv, D).to(dtype)
         except RuntimeError:
             continue
-        for call in (lambda: dattn(q, k, v, segs, rates),
-                     lambda: torch.ops.dilated_attention.fwd(q, k, v, segs, rates, False, 0.5)):
+        for call in (
+            lambda q=q, k=k, v=v, segs=segs, rates=rates: dattn(q, k, v, segs, rates),
+            lambda q=q, k=k, v=v, segs=segs, rates=rates: torch.ops.dilated_attention.fwd(
+                q, k, v, segs, rates, False, 0.5
+            ),
+        ):
             try:
                 out = call()
             except (ValueError, TypeError, RuntimeError):
                 continue
             out = out[0] if isinstance(out, tuple) else out
-            ok = (q.dim() == 4 and q.is_floating_point() and D in range(1, 257) and Hkv > 0 and Hq % Hkv == 0
-                  and segs and len(segs) == len(rates) and all(1 <= r <= w for w, r in zip(segs, rates)))
-            assert ok or q.numel() == 0 and B * N == 0, (q.shape, k.shape, segs, rates, dtype)
+            ok = (
+                q.dim() == 4
+                and q.is_floating_point()
+                and D in range(1, 257)
+                and Hkv > 0
+                and Hq % Hkv == 0
+                and segs
+                and len(segs) == len(rates)
+                and all(1 <= r <= w for w, r in zip(segs, rates, strict=True))
+            )
+            assert ok or (q.numel() == 0 and B * N == 0), (q.shape, k.shape, segs, rates, dtype)
             if B * N and ok:
-                torch.testing.assert_close(out.double(), reference_attention(q, k, v, segs, rates)[0],
-                                           rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(
+                    out.double(), reference_attention(q, k, v, segs, rates)[0], rtol=1e-4, atol=1e-4
+                )
 
 
 def test_version_and_kernels():

@@ -15,14 +15,14 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-
 from reference import reference_attention
 from tolerance import assert_within_rule
 
@@ -40,7 +40,12 @@ from dilated_attention.ring import (
 RUN_DEADLINE_S = 180.0  # a whole multi-process run; the processes are killed after it
 PG_TIMEOUT_S = 60.0  # the process group's timeout in the correctness runs
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,9 +63,14 @@ def _serve(rank: int, P: int, port: int, tasks: Any, results: Any) -> None:
     """A rank of the cluster: joins the gloo group, then runs ``fn(rank, P, *args)`` for every task."""
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
-                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    except BaseException:  # noqa: BLE001  (reported to the parent, which fails the test)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=P,
+            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        )
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         return
     while True:
@@ -71,7 +81,7 @@ def _serve(rank: int, P: int, port: int, tasks: Any, results: Any) -> None:
         fn, args = task
         try:
             results.put((rank, "ok", fn(rank, P, *args)))
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             results.put((rank, "error", traceback.format_exc()))
 
 
@@ -86,8 +96,10 @@ class Cluster:
         self.P, self.results, self.broken = P, ctx.Queue(), None
         self.tasks = [ctx.Queue() for _ in range(P)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_serve, args=(r, P, port, self.tasks[r], self.results), daemon=True)
-                      for r in range(P)]
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, P, port, self.tasks[r], self.results), daemon=True)
+            for r in range(P)
+        ]
         for p in self.procs:
             p.start()
 
@@ -104,7 +116,9 @@ class Cluster:
             try:
                 rank, status, payload = self.results.get(timeout=max(0.1, end - time.monotonic()))
             except queue.Empty:
-                self.broken = f"{fn.__name__} did not finish within {deadline:.0f} s (finished: {sorted(got)})"
+                self.broken = (
+                    f"{fn.__name__} did not finish within {deadline:.0f} s (finished: {sorted(got)})"
+                )
                 self.close()
                 pytest.fail(self.broken)
             if status == "ok":
@@ -116,7 +130,7 @@ class Cluster:
         return [got[r] for r in range(self.P)]
 
     def close(self) -> None:
-        for q, p in zip(self.tasks, self.procs):
+        for q, p in zip(self.tasks, self.procs, strict=True):
             if p.is_alive():
                 q.put(None)
         end = time.monotonic() + 2.0  # then kill: interpreter shutdown is slow on a loaded machine
@@ -160,7 +174,9 @@ def _inputs(B: int, N: int, Hq: int, Hkv: int, D: int, seed: int = 0):
 def _loss(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor) -> torch.Tensor:
     """<out, dout> + <lse, dlse>, with lse's -inf entries left out."""
     lse = lse.double()
-    return (out.double() * dout).sum() + (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * dlse).sum()
+    return (out.double() * dout).sum() + (
+        torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * dlse
+    ).sum()
 
 
 def _reference(q, k, v, dout, dlse, segs, rates, causal, dtype):
@@ -181,29 +197,31 @@ def check_cases(rank: int, P: int, cases: list[tuple], backend: str = "auto") ->
             q, k, v, dout, dlse = _inputs(B, N, Hq, Hkv, D, seed=N + Hq)
             expected = _reference(q, k, v, dout, dlse, segs, rates, causal, torch.float64)
             plain = _reference(q, k, v, dout, dlse, segs, rates, causal, dtype)
-            l = N // P
-            sl = slice(rank * l, (rank + 1) * l)
+            chunk = N // P
+            sl = slice(rank * chunk, (rank + 1) * chunk)
             mine = [t[:, sl].to(dtype).requires_grad_() for t in (q, k, v)]
             module = RingDilatedAttention(segs, rates, comm=comm, attention_backend=backend)
             out, lse = module(*mine, is_causal=causal, return_lse=True)
             assert out.dtype == dtype and out.shape == mine[0].shape
-            assert lse.shape == (B, Hq, l)
+            assert lse.shape == (B, Hq, chunk)
             grads = torch.autograd.grad(_loss(out, lse, dout[:, sl], dlse[:, :, sl]), mine)
             got = (out, lse, *grads)
-            for name, a, e, p in zip(("out", "lse", "dq", "dk", "dv"), got, expected, plain):
+            for name, a, e, p in zip(("out", "lse", "dq", "dk", "dv"), got, expected, plain, strict=True):
                 seq = slice(None), slice(None), sl  # lse is (B, H, N)
                 idx = seq if name == "lse" else (slice(None), sl)
-                assert a.dtype == (dtype if name != "lse" else (torch.float64 if dtype == torch.float64
-                                                                 else torch.float32)), f"{name} dtype {a.dtype}"
+                assert a.dtype == (
+                    dtype if name != "lse" else (torch.float64 if dtype == torch.float64 else torch.float32)
+                ), f"{name} dtype {a.dtype}"
                 assert_within_rule(name, a, e[idx], p[idx], dtype)
             report[case_id] = None
-        except Exception:  # noqa: BLE001
+        except Exception:
             report[case_id] = traceback.format_exc()
     return report
 
 
-def _grid(base: list[tuple], comms=("all_gather", "ring"), causals=(False, True),
-          dtypes=("float64", "float32")) -> list[tuple]:
+def _grid(
+    base: list[tuple], comms=("all_gather", "ring"), causals=(False, True), dtypes=("float64", "float32")
+) -> list[tuple]:
     cases = []
     for name, B, N, Hq, Hkv, D, segs, rates in base:
         for comm in comms:
@@ -295,13 +313,20 @@ def multihead(rank: int, P: int, comm: str) -> list[tuple[str, float]]:
     summed over ranks (as data parallelism would)."""
     torch.manual_seed(0)
     E, H, B, N = 16, 4, 2, 24
-    config = StandardizedRingConfig(dim=E, heads=H, segment_lengths=[6, 16], dilation_rates=[1, 2], ring_size=P,
-                                    dtype=torch.float64, comm=comm)
+    config = StandardizedRingConfig(
+        dim=E,
+        heads=H,
+        segment_lengths=[6, 16],
+        dilation_rates=[1, 2],
+        ring_size=P,
+        dtype=torch.float64,
+        comm=comm,
+    )
     module = RingMultiheadDilatedAttention.from_config(config)
     x = torch.randn(B, N, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     dy = torch.randn(B, N, E, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    l = N // P
-    sl = slice(rank * l, (rank + 1) * l)
+    chunk = N // P
+    sl = slice(rank * chunk, (rank + 1) * chunk)
     xs = x[:, sl].clone().requires_grad_()
     out, weights = module(xs, is_causal=True)
     assert weights is None
@@ -321,7 +346,10 @@ def multihead(rank: int, P: int, comm: str) -> list[tuple[str, float]]:
     y = F.layer_norm(att.reshape(B, N, E), (E,), ref_params["norm.weight"], ref_params["norm.bias"])
     y = proj("out_proj", y)
     (y * dy).sum().backward()
-    errors = [("out", (out - y[:, sl]).abs().max().item()), ("dx", (xs.grad - xr.grad[:, sl]).abs().max().item())]
+    errors = [
+        ("out", (out - y[:, sl]).abs().max().item()),
+        ("dx", (xs.grad - xr.grad[:, sl]).abs().max().item()),
+    ]
     errors += [(name, (p.grad - ref_params[name].grad).abs().max().item()) for name, p in params.items()]
     return errors
 
@@ -347,17 +375,24 @@ def measure_bytes(rank: int, P: int, configs: list[tuple[int, int, int]]) -> lis
     for comm in ("all_gather", "ring"):
         for N, w, r in configs:
             q, k, v, dout, _ = _inputs(VOL_B, N, VOL_HQ, VOL_HKV, VOL_D)
-            l = N // P
-            mine = [t[:, rank * l:(rank + 1) * l].float().requires_grad_() for t in (q, k, v)]
+            chunk = N // P
+            mine = [t[:, rank * chunk : (rank + 1) * chunk].float().requires_grad_() for t in (q, k, v)]
             module = RingDilatedAttention([w], [r], comm=comm)
             reset_comm_stats()
             out = module(*mine)
-            torch.autograd.grad((out.double() * dout[:, rank * l:(rank + 1) * l]).sum(), mine)
+            torch.autograd.grad((out.double() * dout[:, rank * chunk : (rank + 1) * chunk]).sum(), mine)
             stats = comm_stats()
-            rows.append({"comm": comm, "N": N, "w": w, "r": r,
-                         "forward": stats["forward"]["sent"] + stats["forward"]["received"],
-                         "backward": stats["backward"]["sent"] + stats["backward"]["received"],
-                         "forward_received": stats["forward"]["received"]})
+            rows.append(
+                {
+                    "comm": comm,
+                    "N": N,
+                    "w": w,
+                    "r": r,
+                    "forward": stats["forward"]["sent"] + stats["forward"]["received"],
+                    "backward": stats["backward"]["sent"] + stats["backward"]["received"],
+                    "forward_received": stats["forward"]["received"],
+                }
+            )
     return rows
 
 
@@ -365,10 +400,10 @@ def _expected_received(rank: int, N: int, w: int, r: int) -> int:
     """Bytes of k and v (float32) rank ``rank`` of 2 needs from the other: the positions of the
     other chunk in the segment that crosses the boundary, per head phase, times the key/value
     heads that the query heads of that phase read."""
-    l = N // 2
-    seg_lo = (l // w) * w
+    chunk = N // 2
+    seg_lo = (chunk // w) * w
     seg = range(seg_lo, min(seg_lo + w, N))
-    theirs = [x for x in seg if (x >= l) == (rank == 0)]
+    theirs = [x for x in seg if (x >= chunk) == (rank == 0)]
     G = VOL_HQ // VOL_HKV
     total = 0
     for o in range(min(r, VOL_HQ)):
@@ -502,36 +537,51 @@ def test_without_process_group_equals_local_op():
     out, lse = RingDilatedAttention([6, 24], [1, 3])(*leaves, is_causal=True, return_lse=True)
     got = (out, lse, *torch.autograd.grad(_loss(out, lse, dout, dlse), leaves))
     expected = _reference(q, k, v, dout, dlse, [6, 24], [1, 3], True, torch.float64)
-    for a, e in zip(got, expected):
+    for a, e in zip(got, expected, strict=True):
         assert_within_rule("single", a, e, e, torch.float64)
 
 
 def test_spec_configurations_construct_and_run():
     device = torch.device("cpu")
     module = RingDilatedAttentionV2Collective(
-        segment_lengths=[2048, 4096], dilation_rates=[1, 2], device=device, dtype=torch.float32,
-        use_pattern_cache=True, enable_memory_pool=True, memory_pool_threshold_mb=16.0)
+        segment_lengths=[2048, 4096],
+        dilation_rates=[1, 2],
+        device=device,
+        dtype=torch.float32,
+        use_pattern_cache=True,
+        enable_memory_pool=True,
+        memory_pool_threshold_mb=16.0,
+    )
     assert RingDilatedAttentionV2Collective is RingDilatedAttention
     q, k, v, _, _ = _inputs(1, 64, 4, 4, 16)
     q, k, v = q.float(), k.float(), v.float()
     out = module(q, k, v)
     torch.testing.assert_close(out, dattn(q, k, v, [2048, 4096], [1, 2]))
-    config = StandardizedRingConfig(dim=768, heads=12, segment_lengths=[2048, 4096], dilation_rates=[1, 2],
-                                    ring_size=2, dtype=torch.float32)
+    config = StandardizedRingConfig(
+        dim=768,
+        heads=12,
+        segment_lengths=[2048, 4096],
+        dilation_rates=[1, 2],
+        ring_size=2,
+        dtype=torch.float32,
+    )
     assert (config.embed_dim, config.num_heads, config.head_dim) == (768, 12, 64)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(unknown_option=1), TypeError, "unknown_option"),
-    (dict(attention_dropout=0.1), ValueError, "dropout"),
-    (dict(comm="tree"), ValueError, "comm"),
-    (dict(process_group="world"), TypeError, "process_group"),
-    (dict(segment_lengths=[4], dilation_rates=[8]), ValueError, "dilation_rates"),
-    (dict(memory_pool_threshold_mb=-1), ValueError, "memory_pool_threshold_mb"),
-    (dict(attention_backend="fastest"), ValueError, "fastest"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"unknown_option": 1}, TypeError, "unknown_option"),
+        ({"attention_dropout": 0.1}, ValueError, "dropout"),
+        ({"comm": "tree"}, ValueError, "comm"),
+        ({"process_group": "world"}, TypeError, "process_group"),
+        ({"segment_lengths": [4], "dilation_rates": [8]}, ValueError, "dilation_rates"),
+        ({"memory_pool_threshold_mb": -1}, ValueError, "memory_pool_threshold_mb"),
+        ({"attention_backend": "fastest"}, ValueError, "fastest"),
+    ],
+)
 def test_bad_arguments(kwargs, error, match):
-    args = dict(segment_lengths=[4], dilation_rates=[1])
+    args = {"segment_lengths": [4], "dilation_rates": [1]}
     args.update(kwargs)
     with pytest.raises(error, match=match):
         RingDilatedAttention(**args)

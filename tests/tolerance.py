@@ -30,11 +30,16 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff.max().item() if diff.numel() else 0.0
 
 
-def assert_within_rule(name: str, actual: torch.Tensor, expected64: torch.Tensor, plain: torch.Tensor,
-                       dtype: torch.dtype) -> None:
+def assert_within_rule(
+    name: str, actual: torch.Tensor, expected64: torch.Tensor, plain: torch.Tensor, dtype: torch.dtype
+) -> None:
     """``actual`` and ``plain`` (the reference run in ``dtype``) against the float64 ``expected64``."""
-    assert actual.shape == expected64.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected64.shape)}"
+    assert actual.shape == expected64.shape, (
+        f"{name}: shape {tuple(actual.shape)} != {tuple(expected64.shape)}"
+    )
     err = max_error(actual, expected64)
     base = max_error(plain, expected64)
     bound = 2 * base + ATOL[dtype]
-    assert err <= bound, f"{name} ({dtype}): error {err:.3e} exceeds 2 x plain PyTorch error {base:.3e} + {ATOL[dtype]:.0e}"
+    assert err <= bound, (
+        f"{name} ({dtype}): error {err:.3e} exceeds 2 x plain PyTorch error {base:.3e} + {ATOL[dtype]:.0e}"
+    )

@@ -162,8 +162,8 @@ static const char* isa_name(Isa isa) {
 static bool cpu_has(Isa isa) {
 #ifdef DA_X86_DISPATCH
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("bmi2");
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
   if (isa == Isa::avx2) return avx2;
   if (isa == Isa::avx512)
     return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
@@ -210,8 +210,8 @@ static Isa cpu_isa() {
  * Cost: M * R * K vector multiply-adds.
  */
 template <typename T, int B, int M, int R>
-DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm,
-                     int64_t ldb, int64_t K, bool accumulate, T* cmax) {
+DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
+                     int64_t K, bool accumulate, T* cmax) {
   typedef Vec<T, B> X;
   typedef typename X::v V;
   const int W = X::W;
@@ -247,14 +247,13 @@ DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, cons
 }
 
 template <typename T, int B, int R>
-DA_INLINE void gemm_rows(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm,
-                         int64_t ldb, int64_t m, int64_t K, bool accumulate, T* cmax) {
+DA_INLINE void gemm_rows(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
+                         int64_t m, int64_t K, bool accumulate, T* cmax) {
   const int MR = Vec<T, B>::MR;
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
     micro<T, B, MR, R>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax);
-  for (; i < m; ++i)
-    micro<T, B, 1, R>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax);
+  for (; i < m; ++i) micro<T, B, 1, R>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax);
 }
 
 /*
@@ -282,8 +281,7 @@ DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const
 
 /* dst[d * ld + i] = src[i * stride + d] * s for i < n, d < D; lanes n..ld zeroed. */
 template <typename T>
-DA_INLINE void pack_transposed(T* dst, int64_t ld, const T* src, int64_t stride, int64_t n,
-                               int64_t D, T s) {
+DA_INLINE void pack_transposed(T* dst, int64_t ld, const T* src, int64_t stride, int64_t n, int64_t D, T s) {
   for (int64_t d = 0; d < D; ++d)
     for (int64_t i = n; i < ld; ++i) dst[d * ld + i] = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -360,13 +358,13 @@ struct Fwd {
 template <typename T>
 struct FwdScratch {
   Arena<T> arena;
-  T *m, *l, *acc;      // block state per position: (QB), (QB), (QB, Dp)
-  T *qt, *st;          // (D, QT) scaled queries, transposed; (KF, QT) scores, then weights
+  T *m, *l, *acc;            // block state per position: (QB), (QB), (QB, Dp)
+  T *qt, *st;                // (D, QT) scaled queries, transposed; (KF, QT) scores, then weights
   T *mt, *lt, *corr, *tmax;  // (QT) tile state
-  T *acct;             // (QT, Dp)
+  T* acct;                   // (QT, Dp)
   FwdScratch(int64_t QB, int64_t D, int64_t Dp)
-      : arena(Arena<T>::need({(size_t)QB, (size_t)QB, (size_t)(QB * Dp), (size_t)(D * QT),
-                              (size_t)(KF * QT), QT, QT, QT, QT, (size_t)(QT * Dp)})) {
+      : arena(Arena<T>::need({(size_t)QB, (size_t)QB, (size_t)(QB * Dp), (size_t)(D * QT), (size_t)(KF * QT),
+                              QT, QT, QT, QT, (size_t)(QT * Dp)})) {
     m = arena.take(QB);
     l = arena.take(QB);
     acc = arena.take(QB * Dp);
@@ -500,7 +498,7 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
           const bool diag = P.causal && kt0 + nk - 1 > jq0;
           for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
           gemm<T, B>(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false,
-               diag ? nullptr : s->tmax);  // S^T = K Q^T and its column max
+                     diag ? nullptr : s->tmax);  // S^T = K Q^T and its column max
           if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - jq0);
           online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
           for (int64_t i = 0; i < nq; ++i) {
@@ -518,19 +516,19 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
 
 /* The forward of one block at the vector width of each instruction set, and the dispatch. */
 template <typename T>
-__attribute__((noinline)) static void fwd_block_baseline(const Fwd<T>& P, int64_t b, int64_t h,
-                                                         int64_t a0, int64_t a1, FwdScratch<T>* s) {
+__attribute__((noinline)) static void fwd_block_baseline(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
+                                                         int64_t a1, FwdScratch<T>* s) {
   fwd_block_impl<T, 16>(P, b, h, a0, a1, s);
 }
 #ifdef DA_X86_DISPATCH
 template <typename T>
-DA_TARGET_AVX2 static void fwd_block_avx2(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
-                                          int64_t a1, FwdScratch<T>* s) {
+DA_TARGET_AVX2 static void fwd_block_avx2(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
+                                          FwdScratch<T>* s) {
   fwd_block_impl<T, 32>(P, b, h, a0, a1, s);
 }
 template <typename T>
-DA_TARGET_AVX512 static void fwd_block_avx512(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
-                                              int64_t a1, FwdScratch<T>* s) {
+DA_TARGET_AVX512 static void fwd_block_avx512(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0, int64_t a1,
+                                              FwdScratch<T>* s) {
   fwd_block_impl<T, 64>(P, b, h, a0, a1, s);
 }
 #endif
@@ -548,8 +546,8 @@ static void fwd_block(Isa isa, const Fwd<T>& P, int64_t b, int64_t h, int64_t a0
 
 /* out = acc / l and lse = (m + log2(l)) ln2 for the block's rows; uncovered rows: 0 and -inf. */
 template <typename scalar_t, typename T>
-static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* lse, int64_t a0,
-                      int64_t a1, int64_t D, int64_t Dp) {
+static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* lse, int64_t a0, int64_t a1,
+                      int64_t D, int64_t Dp) {
   for (int64_t p = a0; p < a1; ++p) {
     const int64_t row = p - a0;
     const T l = s.l[row];
@@ -627,17 +625,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
                                            const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                            at::IntArrayRef dilation_rates, bool is_causal,
                                            double softmax_scale) {
-  const Problem P =
-      check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
-  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ",
-              q_in.device());
+  const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
   at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q_in.options());
   at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
   if (P.B == 0 || P.N == 0) return {out, lse};
   const int64_t QB = block_size(P), nblocks = da_ceil_div(P.N, QB);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_fwd",
-                                  [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_fwd", [&] {
     using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
     const int64_t Dp = da_ceil_div(P.D, pad_values<T>()) * pad_values<T>();
     const Isa isa = cpu_isa();
@@ -684,8 +679,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
 
 /* delta[b, h, p] = sum_d dout * out - dlse, one value per query row. Cost: B * Hq * N * D. */
 template <typename scalar_t, typename T>
-static void compute_delta(const Problem& P, const at::Tensor& dout, const at::Tensor& out,
-                          const T* dlse, T* delta) {
+static void compute_delta(const Problem& P, const at::Tensor& dout, const at::Tensor& out, const T* dlse,
+                          T* delta) {
   const scalar_t* dp = dout.data_ptr<scalar_t>();
   const scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, P.B * P.Hq, 1, [&](int64_t begin, int64_t end) {
@@ -718,13 +713,13 @@ struct Bwd {
 template <typename T>
 struct BwdScratch {
   Arena<T> arena;
-  T *kt, *vt;     // (D, KB) keys and values of the tile, transposed
-  T *dkt, *dvt;   // (KB, Dp) their gradients
-  T *s, *dp;      // (QT, KB): scores then P; dout . v then dS
-  T *lse, *delta; // (QT): lse * log2(e), delta
+  T *kt, *vt;      // (D, KB) keys and values of the tile, transposed
+  T *dkt, *dvt;    // (KB, Dp) their gradients
+  T *s, *dp;       // (QT, KB): scores then P; dout . v then dS
+  T *lse, *delta;  // (QT): lse * log2(e), delta
   BwdScratch(int64_t D, int64_t Dp)
-      : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp),
-                              (size_t)(KB * Dp), QT * KB, QT * KB, QT, QT})) {
+      : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp), (size_t)(KB * Dp),
+                              QT * KB, QT * KB, QT, QT})) {
     kt = arena.take(D * KB);
     vt = arena.take(D * KB);
     dkt = arena.take(KB * Dp);
@@ -778,8 +773,8 @@ DA_INLINE void add_rows(T* rows, int64_t stride, const T* t, int64_t n, int64_t 
  * dv for the segment's covered rows. Cost: 5 * D multiply-adds and one exp per (query, key) pair.
  */
 template <typename T, int B>
-DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
-                             int64_t ph, BwdScratch<T>* s) {
+DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg, int64_t ph,
+                             BwdScratch<T>* s) {
   const int W = Vec<T, B>::W;
   const int64_t w = P.br.w[bi], r = P.br.r[bi], G = P.Hq / P.Hkv, D = P.D, Dp = P.Dp;
   const int64_t h0 = hk * G + ph;
@@ -790,8 +785,7 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
   const T* vp = P.v + b * P.v_sb + g.seg_first * P.v_sn + hk * P.v_sh;
   T* dkp = P.dk + b * P.dk_sb + g.seg_first * P.dk_sn + hk * P.dk_sh;
   T* dvp = P.dv + b * P.dv_sb + g.seg_first * P.dv_sn + hk * P.dv_sh;
-  const int64_t ks = r * P.k_sn, vs = r * P.v_sn, qs = r * P.q_sn, dos = r * P.do_sn,
-                dqs = r * P.dq_sn;
+  const int64_t ks = r * P.k_sn, vs = r * P.v_sn, qs = r * P.q_sn, dos = r * P.do_sn, dqs = r * P.dq_sn;
   for (int64_t kt0 = 0; kt0 < c; kt0 += KB) {
     const int64_t nk = da_min64(KB, c - kt0), nv = da_ceil_div(nk, W), ld = nv * W;
     pack_transposed(s->kt, ld, kp + kt0 * ks, ks, nk, D, (T)1);
@@ -811,13 +805,13 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
         }
         const T* qi = qp + qt0 * qs;
         const T* doi = dop + qt0 * dos;
-        gemm<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false);    // S = Q K^T
-        gemm<T, B>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false); // dP = dO V^T
-        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale,
-                P.scale2);
-        gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);   // dV += P^T dO
-        gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);    // dK += dS^T Q
-        gemm<T, B>(dqp + qt0 * dqs, dqs, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk, true);  // dQ += dS K
+        gemm<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false);     // S = Q K^T
+        gemm<T, B>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false);  // dP = dO V^T
+        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale, P.scale2);
+        gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);  // dV += P^T dO
+        gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);   // dK += dS^T Q
+        gemm<T, B>(dqp + qt0 * dqs, dqs, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk,
+                   true);  // dQ += dS K
       }
     }
     add_rows<T, B>(dkp + kt0 * r * P.dk_sn, r * P.dk_sn, s->dkt, nk, Dp);
@@ -827,26 +821,25 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
 
 /* The backward of one task at the vector width of each instruction set, and the dispatch. */
 template <typename T>
-__attribute__((noinline)) static void bwd_task_baseline(const Bwd<T>& P, int64_t bi, int64_t b,
-                                                        int64_t hk, int64_t seg, int64_t ph,
-                                                        BwdScratch<T>* s) {
+__attribute__((noinline)) static void bwd_task_baseline(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
+                                                        int64_t seg, int64_t ph, BwdScratch<T>* s) {
   bwd_task_impl<T, 16>(P, bi, b, hk, seg, ph, s);
 }
 #ifdef DA_X86_DISPATCH
 template <typename T>
-DA_TARGET_AVX2 static void bwd_task_avx2(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
-                                         int64_t seg, int64_t ph, BwdScratch<T>* s) {
+DA_TARGET_AVX2 static void bwd_task_avx2(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
+                                         int64_t ph, BwdScratch<T>* s) {
   bwd_task_impl<T, 32>(P, bi, b, hk, seg, ph, s);
 }
 template <typename T>
-DA_TARGET_AVX512 static void bwd_task_avx512(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
-                                             int64_t seg, int64_t ph, BwdScratch<T>* s) {
+DA_TARGET_AVX512 static void bwd_task_avx512(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
+                                             int64_t ph, BwdScratch<T>* s) {
   bwd_task_impl<T, 64>(P, bi, b, hk, seg, ph, s);
 }
 #endif
 template <typename T>
-static void bwd_task(Isa isa, const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg,
-                     int64_t ph, BwdScratch<T>* s) {
+static void bwd_task(Isa isa, const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk, int64_t seg, int64_t ph,
+                     BwdScratch<T>* s) {
   switch (isa) {
 #ifdef DA_X86_DISPATCH
     case Isa::avx512: return bwd_task_avx512<T>(P, bi, b, hk, seg, ph, s);
@@ -856,29 +849,26 @@ static void bwd_task(Isa isa, const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
-    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
-    const c10::optional<at::Tensor>& dlse_in, at::IntArrayRef segment_lengths,
-    at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale, bool deterministic) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                       const at::Tensor& k_in, const at::Tensor& v_in,
+                                                       const at::Tensor& out_in, const at::Tensor& lse_in,
+                                                       const c10::optional<at::Tensor>& dlse_in,
+                                                       at::IntArrayRef segment_lengths,
+                                                       at::IntArrayRef dilation_rates, bool is_causal,
+                                                       double softmax_scale, bool deterministic) {
   (void)deterministic;  // the CPU backward is always deterministic
-  const Problem P =
-      check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
-  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ",
-              q_in.device());
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
   const at::Tensor dout_c = last_dim_contiguous(dout_in), out_c = last_dim_contiguous(out_in);
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor dlse;
-  if (dlse_in.has_value() && dlse_in->defined())
-    dlse = dlse_in->to(lse.scalar_type()).contiguous();
-  if (P.B == 0 || P.N == 0)
-    return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
+  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse.scalar_type()).contiguous();
+  if (P.B == 0 || P.N == 0) return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
   at::Tensor delta = at::empty_like(lse);
   at::Tensor dq, dk, dv;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_bwd",
-                                  [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_bwd", [&] {
     using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
     const int64_t Dp = da_ceil_div(P.D, pad_values<T>()) * pad_values<T>();
     const Isa isa = cpu_isa();
@@ -942,7 +932,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 
 }  // namespace
 
-const char* cpu_kernel_isa() { return isa_name(cpu_isa()); }
+const char* cpu_kernel_isa() {
+  return isa_name(cpu_isa());
+}
 
 TORCH_LIBRARY_IMPL(dilated_attention, CPU, m) {
   m.impl("fwd", &fwd_cpu);

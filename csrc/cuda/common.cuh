@@ -47,13 +47,25 @@ __device__ __forceinline__ acc_t da_inf() {
   return (acc_t)INFINITY;
 }
 
-__device__ __forceinline__ float da_exp2(float x) { return exp2f(x); }
-__device__ __forceinline__ double da_exp2(double x) { return exp2(x); }
-__device__ __forceinline__ float da_log2(float x) { return log2f(x); }
-__device__ __forceinline__ double da_log2(double x) { return log2(x); }
+__device__ __forceinline__ float da_exp2(float x) {
+  return exp2f(x);
+}
+__device__ __forceinline__ double da_exp2(double x) {
+  return exp2(x);
+}
+__device__ __forceinline__ float da_log2(float x) {
+  return log2f(x);
+}
+__device__ __forceinline__ double da_log2(double x) {
+  return log2(x);
+}
 // Maximum that ignores NaN (like the CPU kernel's `a > b ? a : b` scan from -inf).
-__device__ __forceinline__ float da_max(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ double da_max(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float da_max(float a, float b) {
+  return fmaxf(a, b);
+}
+__device__ __forceinline__ double da_max(double a, double b) {
+  return fmax(a, b);
+}
 
 template <typename V>
 __device__ __forceinline__ V warp_sum(V v) {
@@ -125,9 +137,7 @@ struct Walk {
   }
 
   // Position of the other side's index j in the current segment.
-  __device__ __forceinline__ int64_t other_position(int j) const {
-    return st.seg_first + (int64_t)j * st.r;
-  }
+  __device__ __forceinline__ int64_t other_position(int j) const { return st.seg_first + (int64_t)j * st.r; }
 
   // Current query head (dk/dv walk) or the block's head (forward, dq).
   __device__ __forceinline__ int64_t head() const { return h0 + st.gi; }
@@ -137,8 +147,7 @@ struct Walk {
     return da_chunk_skip(rows_are, is_causal, o0, other_tile, warp_any, warp_jmin, warp_jmax);
   }
   __device__ __forceinline__ bool chunk_needs_mask() const {
-    return da_chunk_needs_mask(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin,
-                               warp_jmax);
+    return da_chunk_needs_mask(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin, warp_jmax);
   }
 
   // From the walk's position on, the first segment with an active row in this block.
@@ -243,8 +252,7 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* smem) {
 
 // c (16x8, f32) += a (16x16) * b (16x8) for T = __half or __nv_bfloat16.
 template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1);
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 
 template <>
 __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -261,8 +269,8 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (
 }
 
 template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
-                                                        uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
 #if defined(DA_CUDA_EMULATION)
   da_emu::mma(c, a, b0, b1, true);
 #elif DA_SM80

@@ -20,13 +20,13 @@ struct Tensor4 {
 // Everything one launch needs. acc_t below is float for float16/bfloat16/float32 inputs and
 // double for float64 inputs; lse and delta are (B, Hq, N) contiguous arrays of acc_t.
 struct Params {
-  Tensor4 q, k, v;   // inputs; (B, N, Hq, D) and (B, N, Hkv, D)
-  Tensor4 out;       // forward: written; backward (delta kernel): the forward's output, read
-  Tensor4 dout;      // backward: gradient of out
+  Tensor4 q, k, v;  // inputs; (B, N, Hq, D) and (B, N, Hkv, D)
+  Tensor4 out;      // forward: written; backward (delta kernel): the forward's output, read
+  Tensor4 dout;     // backward: gradient of out
   Tensor4 dq, dk, dv;
-  void* lse;         // forward: written; backward: read
-  void* delta;       // backward: rowsum(dout * out) - dlse
-  const void* dlse;  // backward: gradient of lse, or nullptr
+  void* lse;                    // forward: written; backward: read
+  void* delta;                  // backward: rowsum(dout * out) - dlse
+  const void* dlse;             // backward: gradient of lse, or nullptr
   int64_t B, N, Hq, Hkv, D, G;  // G = Hq / Hkv
   da_branches br;
   int is_causal;

@@ -27,15 +27,17 @@ constexpr int kMaxCols = DA_MAX_HEAD_DIM / 32;  // accumulator columns per lane
 
 // Shared-memory row stride for tiles read one row per lane: odd, so that the lanes' rows fall in
 // different banks.
-__host__ __device__ inline int simt_lds(int64_t D) { return (int)(D % 2 == 0 ? D + 1 : D); }
+__host__ __device__ inline int simt_lds(int64_t D) {
+  return (int)(D % 2 == 0 ? D + 1 : D);
+}
 
 template <typename acc_t>
 __host__ __device__ inline int64_t simt_smem_elems(int64_t D, int64_t rpw, int ot, int kernel) {
   const int64_t M = kSimtWarps * rpw, ld = simt_lds(D);
   switch (kernel) {
-    case kFwd: return M * D + ot * ld + ot * D;          // Q rows, K tile, V tile
-    case kDq: return 2 * M * D + 2 * ot * ld;            // Q, dO rows; K, V tiles
-    default: return 2 * M * D + 2 * ot * ld + 2 * ot;       // K, V rows; Q, dO tiles; lse, delta
+    case kFwd: return M * D + ot * ld + ot * D;        // Q rows, K tile, V tile
+    case kDq: return 2 * M * D + 2 * ot * ld;          // Q, dO rows; K, V tiles
+    default: return 2 * M * D + 2 * ot * ld + 2 * ot;  // K, V rows; Q, dO tiles; lse, delta
   }
 }
 

@@ -4,9 +4,8 @@
 namespace dilated_attention {
 namespace cuda {
 
-TcConfig tc_dq_f16(const Params& p, bool launch, cudaStream_t stream) {
-  DA_TC_DISPATCH_DP(p.D, tc_dq_dp, __half, p, launch, stream)
-}
+TcConfig tc_dq_f16(const Params& p, bool launch,
+                   cudaStream_t stream){DA_TC_DISPATCH_DP(p.D, tc_dq_dp, __half, p, launch, stream)}
 
 TcConfig tc_dkv_f16(const Params& p, bool launch, cudaStream_t stream) {
   DA_TC_DISPATCH_DP(p.D, tc_dkv_dp, __half, p, launch, stream)

@@ -90,8 +90,8 @@ __device__ __forceinline__ void tc_thread_rows(const da_tiling& tl, int64_t base
 
 // S (16 x 8*NT per warp) = A_rows (16 x DP, from sA at warp rows) * B^T (B rows = sB rows).
 template <typename T, int DP, int LDS, int NT>
-__device__ __forceinline__ void tc_gemm_abt(float (&S)[NT][4], const T* sA, const T* sB, int warp,
-                                            int lane, int64_t D) {
+__device__ __forceinline__ void tc_gemm_abt(float (&S)[NT][4], const T* sA, const T* sB, int warp, int lane,
+                                            int64_t D) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
 #pragma unroll
@@ -112,8 +112,8 @@ __device__ __forceinline__ void tc_gemm_abt(float (&S)[NT][4], const T* sA, cons
 
 // acc (16 x 8*CT per warp) += P (16 x 8*NT, f32 C fragments) * sB[rows 0..8*NT, cols c0..c0+8*CT]
 template <typename T, int LDS, int NT, int CT>
-__device__ __forceinline__ void tc_gemm_pb(float (&acc)[CT][4], const float (&P)[NT][4], const T* sB,
-                                           int c0, int lane, int64_t D) {
+__device__ __forceinline__ void tc_gemm_pb(float (&acc)[CT][4], const float (&P)[NT][4], const T* sB, int c0,
+                                           int lane, int64_t D) {
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
     uint32_t a[4];
@@ -217,8 +217,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
           float s = S[nt][e] * sl2;
           if (need_mask) {
             const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
-            if (!pair_active(cur.jrow[e >> 1], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES))
-              s = -INFINITY;
+            if (!pair_active(cur.jrow[e >> 1], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES)) s = -INFINITY;
           }
           S[nt][e] = s;
         }
@@ -274,8 +273,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
       const int d = dt * 8 + 2 * tq;
-      if (d < p.D)
-        store2<T>(o + d, empty ? 0.f : O[dt][2 * ri] * inv, empty ? 0.f : O[dt][2 * ri + 1] * inv);
+      if (d < p.D) store2<T>(o + d, empty ? 0.f : O[dt][2 * ri] * inv, empty ? 0.f : O[dt][2 * ri + 1] * inv);
     }
     if (tq == 0) lse[x] = empty ? -INFINITY : (m[ri] + log2f(lsum)) * (float)DA_LN2;
   }
@@ -439,10 +437,10 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   constexpr int LDS = Cfg::LDS, QT = Cfg::QT, NT = QT / 8, DC = Cfg::DC, CT = DC / 8;
   constexpr int STAGES = Cfg::STAGES;
   DA_EXTERN_SMEM(smem_raw);
-  T* sK = reinterpret_cast<T*>(smem_raw);  // [64][LDS]
-  T* sV = sK + kTcRows * LDS;              // [64][LDS]
-  T* sQ = sV + kTcRows * LDS;              // [STAGES][QT][LDS]
-  T* sdO = sQ + STAGES * QT * LDS;         // [STAGES][QT][LDS]
+  T* sK = reinterpret_cast<T*>(smem_raw);                         // [64][LDS]
+  T* sV = sK + kTcRows * LDS;                                     // [64][LDS]
+  T* sQ = sV + kTcRows * LDS;                                     // [STAGES][QT][LDS]
+  T* sdO = sQ + STAGES * QT * LDS;                                // [STAGES][QT][LDS]
   float* sL = reinterpret_cast<float*>(sdO + STAGES * QT * LDS);  // [STAGES][QT] lse, log2 domain
   float* sDl = sL + STAGES * QT;                                  // [STAGES][QT] delta
 
@@ -549,8 +547,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
           const int qc = nt * 8 + 2 * tq + (e & 1);
           bool ok = true;
           if (need_mask)
-            ok = pair_active(cur.jrow[e >> 1], cur.o0 + qc, cur.o_end, p.is_causal,
-                             DA_ROWS_ARE_KEYS);
+            ok = pair_active(cur.jrow[e >> 1], cur.o0 + qc, cur.o_end, p.is_causal, DA_ROWS_ARE_KEYS);
           const float pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
           St[nt][e] = pr;
           dPt[nt][e] = ok ? pr * (dPt[nt][e] - sDls[qc]) : 0.f;  // dS^T
@@ -599,8 +596,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
 template <typename Kernel>
 inline void tc_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream) {
   if (smem > 48 * 1024) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return;  // the launch below then reports the error
   }
   kernel<<<grid, kTcThreads, smem, stream>>>(p);
@@ -630,22 +626,21 @@ template <typename T, int DP>
 TcConfig tc_dkv_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcDkvCfg<DP>::SMEM, TcDkvCfg<DP>::CHUNKS};
   if (launch) {
-    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks),
-                    (unsigned)p.B);
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks), (unsigned)p.B);
     tc_launch(tc_dkv_kernel<T, DP>, grid, cfg.smem_bytes, p, stream);
   }
   return cfg;
 }
 
 // Calls F<DP>() for the padded head dimension of D.
-#define DA_TC_DISPATCH_DP(D, FN, T, ...)                         \
-  switch (tc_padded_dim(D)) {                                    \
-    case 32: return FN<T, 32>(__VA_ARGS__);                      \
-    case 64: return FN<T, 64>(__VA_ARGS__);                      \
-    case 96: return FN<T, 96>(__VA_ARGS__);                      \
-    case 128: return FN<T, 128>(__VA_ARGS__);                    \
-    case 192: return FN<T, 192>(__VA_ARGS__);                    \
-    default: return FN<T, 256>(__VA_ARGS__);                     \
+#define DA_TC_DISPATCH_DP(D, FN, T, ...)      \
+  switch (tc_padded_dim(D)) {                 \
+    case 32: return FN<T, 32>(__VA_ARGS__);   \
+    case 64: return FN<T, 64>(__VA_ARGS__);   \
+    case 96: return FN<T, 96>(__VA_ARGS__);   \
+    case 128: return FN<T, 128>(__VA_ARGS__); \
+    case 192: return FN<T, 192>(__VA_ARGS__); \
+    default: return FN<T, 256>(__VA_ARGS__);  \
   }
 
 #endif  // DA_CUDA_EMULATION

@@ -44,10 +44,14 @@ typedef struct {
 } da_tiling;
 
 /* Rows per thread block. */
-DA_HD int64_t da_tile_rows(const da_tiling* t) { return t->warps * t->rows_per_warp; }
+DA_HD int64_t da_tile_rows(const da_tiling* t) {
+  return t->warps * t->rows_per_warp;
+}
 
 /* Number of thread blocks (tiles) for a sequence of N positions. */
-DA_HD int64_t da_num_tiles(const da_tiling* t) { return t->R * t->tiles_per_residue; }
+DA_HD int64_t da_num_tiles(const da_tiling* t) {
+  return t->R * t->tiles_per_residue;
+}
 
 /* First row position of tile `tile` (may be >= N: an empty tile). */
 DA_HD int64_t da_tile_base(const da_tiling* t, int64_t tile) {
@@ -80,9 +84,9 @@ DA_HD int64_t da_segment_end(int64_t s, int64_t w, int64_t N) {
  * stops after the last row's index (keys beyond it are masked for every row); for key rows it
  * starts at the first row's index.
  */
-DA_HD int da_segment_range(int64_t base, int64_t last, int64_t N, int64_t w, int64_t r, int64_t o,
-                           int64_t s, int is_causal, int rows_are, int64_t* seg_first,
-                           int64_t* o_begin, int64_t* o_end) {
+DA_HD int da_segment_range(int64_t base, int64_t last, int64_t N, int64_t w, int64_t r, int64_t o, int64_t s,
+                           int is_causal, int rows_are, int64_t* seg_first, int64_t* o_begin,
+                           int64_t* o_end) {
   const int64_t seg_start = s * w, seg_end = da_segment_end(s, w, N);
   const int64_t first = seg_start + o;
   if (o >= w || first >= seg_end) return 0;
@@ -162,8 +166,8 @@ DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64
       st->s = -1;
       continue;
     }
-    if (da_segment_range(base, last, N, w, r, o, st->s, is_causal, rows_are, &st->seg_first,
-                         &st->o_begin, &st->o_end)) {
+    if (da_segment_range(base, last, N, w, r, o, st->s, is_causal, rows_are, &st->seg_first, &st->o_begin,
+                         &st->o_end)) {
       st->w = w;
       st->r = r;
       st->o = o;
@@ -178,8 +182,8 @@ DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64
  * the least and largest dilated index among them): whether no pair of the warp can be active (the
  * warp skips the chunk), and whether some pair may be inactive (the warp must mask).
  */
-DA_HD int da_chunk_skip(int rows_are, int is_causal, int64_t o0, int64_t ot, int warp_any,
-                        int64_t warp_jmin, int64_t warp_jmax) {
+DA_HD int da_chunk_skip(int rows_are, int is_causal, int64_t o0, int64_t ot, int warp_any, int64_t warp_jmin,
+                        int64_t warp_jmax) {
   if (!warp_any) return 1;
   if (!is_causal) return 0;
   return rows_are == DA_ROWS_ARE_QUERIES ? o0 > warp_jmax : o0 + ot - 1 < warp_jmin;
@@ -221,7 +225,7 @@ DA_HD double da_segments_met(int64_t span, int64_t w, int64_t N) {
  */
 static inline double da_tiling_cost(const da_tiling* t, int64_t N, const da_branches* br) {
   const int64_t M = da_tile_rows(t), span = M * t->R;
-  const int64_t row_step = t->interleaved ? t->warps * t->R : t->R;      /* inside one warp */
+  const int64_t row_step = t->interleaved ? t->warps * t->R : t->R; /* inside one warp */
   const int64_t warp_span = t->interleaved ? span : t->rows_per_warp * t->R;
   const double tiles = (double)(t->R * da_ceil_div(N, span));
   double cost = 0.0;
@@ -236,10 +240,9 @@ static inline double da_tiling_cost(const da_tiling* t, int64_t N, const da_bran
     /* A warp's rows meet min(rows, r / g) of the r phases: the chance that one is the head's. */
     const double p_warp = (double)da_min64(t->rows_per_warp, r / gw) / (double)r;
     const double p_tile = (double)da_min64(M, r / gc) / (double)r;
-    const double compute = (double)t->warps * p_warp * da_segments_met(warp_span, weff, N) *
-                           keys * (double)t->rows_per_warp;
-    const double walk = p_tile * da_segments_met(span, weff, N) * (keys + 16.0) *
-                        (double)t->rows_per_warp;
+    const double compute =
+        (double)t->warps * p_warp * da_segments_met(warp_span, weff, N) * keys * (double)t->rows_per_warp;
+    const double walk = p_tile * da_segments_met(span, weff, N) * (keys + 16.0) * (double)t->rows_per_warp;
     cost += tiles * (compute + walk);
   }
   return cost;

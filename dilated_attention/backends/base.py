@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["BackendRequest", "Backend", "Capabilities", "lse_dtype", "dtype_name", "import_optional"]
+__all__ = ["Backend", "BackendRequest", "Capabilities", "dtype_name", "import_optional", "lse_dtype"]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -20,7 +20,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def import_optional(name: str) -> tuple[Optional[object], Optional[str]]:
+def import_optional(name: str) -> tuple[object | None, str | None]:
     """Import an optional package: ``(module, None)``, or ``(None, reason)`` when it cannot be."""
     try:
         return importlib.import_module(name), None
@@ -45,7 +45,7 @@ class BackendRequest:
     num_kv_heads: int = 1
 
     @classmethod
-    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> "BackendRequest":
+    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> BackendRequest:
         return cls(q.device, q.dtype, int(q.shape[-1]), bool(dropout_p > 0), int(q.shape[2]), int(k.shape[2]))
 
     @property

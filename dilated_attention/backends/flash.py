@@ -18,7 +18,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

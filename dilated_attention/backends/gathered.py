@@ -31,8 +31,9 @@ Two ways to differentiate, both exact:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -69,7 +70,7 @@ def _plan(
     device: torch.device,
 ) -> list[list[_Item]]:
     plan = []
-    for w, r in zip(segment_lengths, dilation_rates):
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
         items = []
         for hg in head_groups(Hq, Hkv, r, native_gqa, device):
             for pos in dilated_positions(N, w, r, hg.offset, device):
@@ -177,8 +178,8 @@ class _MergedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, backend, plan, is_causal, scale):
         B, N, Hq, D = q.shape
         acc = lse_dtype(q.dtype)
-        out_acc: Optional[torch.Tensor] = None
-        lse_acc: Optional[torch.Tensor] = None
+        out_acc: torch.Tensor | None = None
+        lse_acc: torch.Tensor | None = None
         aux = []
         for items in plan:
             out_b = q.new_zeros((B, N, Hq, D), dtype=acc)
@@ -226,7 +227,7 @@ class _MergedAttention(torch.autograd.Function):
                 vg = _gather(v, hg.kv_heads, it.pos)
                 lg = _gather_rows(lse, hg.q_heads, it.pos)  # merged lse of these rows: (B*R, h, m)
                 if lse_len != it.m:  # the kernel pads its lse: hand it back in the same layout
-                    padded = lg.new_zeros(lg.shape[:-1] + (lse_len,))
+                    padded = lg.new_zeros((*lg.shape[:-1], lse_len))
                     padded[..., : it.m] = lg
                     lg = padded
                 if dout is not None:
@@ -261,7 +262,7 @@ class _MergedAttention(torch.autograd.Function):
 
 
 def _autograd_attention(
-    backend: "GatheredBackend",
+    backend: GatheredBackend,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -354,7 +355,7 @@ class GatheredBackend(Backend):
         raise NotImplementedError
 
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
-        B, N, Hq, D = q.shape
+        _, N, Hq, _ = q.shape
         plan = _plan(N, Hq, k.shape[2], segment_lengths, dilation_rates, self.native_gqa(q.device), q.device)
         if self.merged_backward(q.device, dropout_p):
             return _MergedAttention.apply(q, k, v, self, plan, bool(is_causal), float(softmax_scale))

@@ -15,18 +15,19 @@ to use from several threads.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
-    "PatternCache",
     "CacheInfo",
-    "dilated_positions",
+    "PatternCache",
     "build_positions",
+    "dilated_positions",
     "get_pattern_cache",
 ]
 
@@ -77,7 +78,7 @@ class PatternCache:
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES):
         self._lock = threading.Lock()
-        self._data: "OrderedDict[tuple, tuple[torch.Tensor, ...]]" = OrderedDict()
+        self._data: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
         self._nbytes = 0
         self._hits = 0
         self._misses = 0
@@ -89,7 +90,7 @@ class PatternCache:
     def _size(groups: tuple[torch.Tensor, ...]) -> int:
         return sum(t.numel() * t.element_size() for t in groups)
 
-    def resize(self, max_entries: Optional[int] = None, max_bytes: Optional[int] = None) -> None:
+    def resize(self, max_entries: int | None = None, max_bytes: int | None = None) -> None:
         """Change the bounds (entries >= 1, bytes >= 0); evicts what no longer fits."""
         if max_entries is not None:
             if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
@@ -202,7 +203,7 @@ def head_groups(Hq: int, Hkv: int, r: int, native_gqa: bool, device: torch.devic
             uniq, g = kvh, 1
         if len(uniq) == 1:
             kv = slice(uniq[0], uniq[0] + 1)
-        elif len(set(b - a for a, b in zip(uniq, uniq[1:]))) == 1 and uniq[1] > uniq[0]:
+        elif len({b - a for a, b in itertools.pairwise(uniq)}) == 1 and uniq[1] > uniq[0]:
             kv = slice(uniq[0], uniq[-1] + 1, uniq[1] - uniq[0])
         else:
             kv = torch.tensor(uniq, dtype=torch.int64, device=device)

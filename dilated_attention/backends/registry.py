@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -33,22 +32,22 @@ from .sdpa import SdpaBackend
 from .xformers import XformersBackend
 
 __all__ = [
-    "BACKEND_NAMES",
     "BACKEND_CHOICES",
+    "BACKEND_NAMES",
     "FALLBACKS",
     "BackendSelector",
     "Selection",
-    "get_backend",
-    "check_backend_name",
     "backend_reasons",
-    "select_backend",
+    "check_backend_name",
     "default_selector",
+    "get_backend",
+    "select_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual")
-BACKEND_CHOICES = ("auto",) + BACKEND_NAMES
+BACKEND_CHOICES = ("auto", *BACKEND_NAMES)
 
 FALLBACKS: dict[str, tuple[str, ...]] = {
     "native": ("sdpa", "manual"),
@@ -243,7 +242,7 @@ def select_backend(
     k: torch.Tensor,
     *,
     dropout_p: float = 0.0,
-    selector: Optional[BackendSelector] = None,
+    selector: BackendSelector | None = None,
 ) -> Backend:
     """The backend that runs ``name`` for (q, k) and the dropout asked for (see module doc)."""
     check_backend_name(name)

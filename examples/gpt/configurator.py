@@ -24,7 +24,7 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -118,7 +118,7 @@ def _unknown(key: str, known: Sequence[str], source: str) -> ConfigError:
     return ConfigError(f"{source}: unknown config key {key!r}{hint} (known keys: {', '.join(sorted(known))})")
 
 
-def resolve_path(path: str, base_dir: Optional[Path]) -> Path:
+def resolve_path(path: str, base_dir: Path | None) -> Path:
     """A config file: as given (relative to the current directory), else relative to ``base_dir``."""
     p = Path(path)
     if p.is_file():
@@ -133,7 +133,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """The top-level names a config file defines (modules, functions and ``_private`` names skipped)."""
     namespace: dict[str, Any] = {"__file__": str(path), "__name__": "__config__"}
     code = compile(path.read_text(), str(path), "exec")
-    exec(code, namespace)  # noqa: S102  (config files are Python by design, as in nanoGPT)
+    exec(code, namespace)
     return {
         k: v
         for k, v in namespace.items()
@@ -142,7 +142,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def load_config(
-    cls: type[T], argv: Sequence[str], base_dir: Optional[Path] = None, defaults: Optional[T] = None
+    cls: type[T], argv: Sequence[str], base_dir: Path | None = None, defaults: T | None = None
 ) -> T:
     """Build an instance of the dataclass ``cls`` from config files and ``--key=value`` overrides,
     applied in order over ``defaults`` (or ``cls()``)."""

@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # Backend names of the project, plus "dense" (plain causal attention) for comparison.
 DILATED_BACKENDS = ("auto", "native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual")
-ATTENTION_BACKENDS = DILATED_BACKENDS + ("dense",)
+ATTENTION_BACKENDS = (*DILATED_BACKENDS, "dense")
 
 
 @dataclass
@@ -121,7 +121,7 @@ def decode_multiplicity(
     start = min(seg_starts)
     x = torch.arange(start, p + 1, device=device)  # key positions, (L,)
     mult = torch.zeros(n_head, p + 1 - start, dtype=torch.int64, device=device)
-    for r, s0 in zip(config.dilation_rates, seg_starts):
+    for r, s0 in zip(config.dilation_rates, seg_starts, strict=True):
         phase = (p - s0) % r  # the phase of p in its segment
         head_covered = (heads % r) == phase  # (H,)
         key_in = (x >= s0) & (((x - s0) % r) == phase)  # same segment (x <= p), same phase, (L,)
@@ -151,7 +151,7 @@ def attention_pairs(
     if dense:
         return n_head * pairs(seq_len)
     total = 0
-    for w, r in zip(segment_lengths, dilation_rates):
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
         full, last = divmod(seq_len, w)
         for h in range(n_head):
             o = h % r
@@ -185,7 +185,7 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
         # Set by GPT.forward for the decode step: (start, mult) of decode_multiplicity.
-        self.keys_read: Optional[tuple[int, torch.Tensor]] = None
+        self.keys_read: tuple[int, torch.Tensor] | None = None
 
     def store(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (B, T, Hkv, D) at positions ``[pos, pos + T)`` of ``layer``."""
@@ -215,7 +215,7 @@ def _cached_attention(
 
     q (B, 1, H, D); k, v (B, L, Hkv, D); mult (H, L) counts. Returns (B, 1, H, D).
     """
-    B, _, H, D = q.shape
+    _, _, H, _ = q.shape
     G = H // k.shape[2]
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     kk = k.to(ct).repeat_interleave(G, dim=2)  # (B, L, H, D)
@@ -246,7 +246,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape  # (B, T, C)
         kv_dim = self.n_kv_head * self.head_dim
         q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
@@ -314,7 +314,7 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache)
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -327,13 +327,13 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-                ln_f=LayerNorm(config.n_embd, bias=config.bias),
-            )
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "wpe": nn.Embedding(config.block_size, config.n_embd),
+                "drop": nn.Dropout(config.dropout),
+                "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                "ln_f": LayerNorm(config.n_embd, bias=config.bias),
+            }
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
@@ -360,8 +360,8 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(
-        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and the loss.
 
         idx (B, T) token ids. With ``targets`` (B, T) (``-1`` = ignored) the logits of every
@@ -372,7 +372,7 @@ class GPT(nn.Module):
         ``kv_cache.length``.
         """
         device = idx.device
-        B, T = idx.shape
+        _, T = idx.shape
         start = 0 if kv_cache is None else kv_cache.length
         if start + T > self.config.block_size:
             raise ValueError(
@@ -403,7 +403,7 @@ class GPT(nn.Module):
 
     def forward_all(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits of every position, (B, T, V), without a loss."""
-        B, T = idx.shape
+        _, T = idx.shape
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
@@ -461,9 +461,9 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         max_new_tokens: int,
         temperature: float = 1.0,
-        top_k: Optional[int] = None,
+        top_k: int | None = None,
         use_cache: bool = True,
-        generator: Optional[torch.Generator] = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` (B, T); returns (B, T + max_new_tokens).
 
@@ -475,7 +475,7 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         bs = self.config.block_size
         p = next(self.parameters())
-        cache: Optional[KVCache] = None
+        cache: KVCache | None = None
         for _ in range(max_new_tokens):
             if use_cache:
                 if cache is None or cache.length >= bs:

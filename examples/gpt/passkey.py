@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -56,8 +55,8 @@ def min_seq_len(n_digits: int) -> int:
 def passkey_sample(
     seq_len: int,
     n_digits: int = 5,
-    generator: Optional[torch.Generator] = None,
-    depth: Optional[float] = None,
+    generator: torch.Generator | None = None,
+    depth: float | None = None,
 ) -> PasskeySample:
     """One sample of ``seq_len + 1`` tokens (inputs are ``tokens[:-1]``, targets ``tokens[1:]``).
 
@@ -104,7 +103,7 @@ def passkey_batch(
     batch_size: int,
     seq_len: int,
     n_digits: int = 5,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, y, key_pos)``: inputs x (B, T), targets y (B, T) that are ``-1`` (ignored) except at
     the answer's digits, and the position of each key's first digit (B,)."""
@@ -132,7 +131,7 @@ def attention_graph(
     if dense:
         return causal
     graph = torch.zeros(seq_len, seq_len, dtype=torch.bool)
-    for w, r in zip(segment_lengths, dilation_rates):
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
         seg, phase = pos // w, (pos % w) % r
         covered = phase < min(r, n_head)  # head h has offset h % r: offsets 0 .. min(r, H) - 1
         graph |= (seg[:, None] == seg[None, :]) & (phase[:, None] == phase[None, :]) & covered[:, None]

@@ -20,7 +20,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +31,7 @@ DATA_DIR = HERE / "data"
 VAL_EVERY = 10  # every tenth file goes to the validation split
 
 
-def stdlib_sources(stdlib_dir: Optional[Path] = None) -> list[Path]:
+def stdlib_sources(stdlib_dir: Path | None = None) -> list[Path]:
     """The ``.py`` files of the standard library (site-packages excluded), in sorted order."""
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
@@ -56,10 +56,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def prepare_stdlib(
-    data_dir: Optional[Path] = None,
+    data_dir: Path | None = None,
     max_bytes: int = 0,
     force: bool = False,
-    stdlib_dir: Optional[Path] = None,
+    stdlib_dir: Path | None = None,
 ) -> Path:
     """Write ``train.bin``, ``val.bin`` and ``meta.json`` for the ``stdlib`` corpus; returns the directory.
 
@@ -134,7 +134,7 @@ def load_meta(data_dir: Path) -> dict[str, Any]:
     return {"vocab_size": 50304, "dtype": "uint16", "tokenizer": "gpt2"}
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     max_bytes, force = 0, False
     for arg in argv:

@@ -17,7 +17,6 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -25,10 +24,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import configurator  # noqa: E402
-from model import ATTENTION_BACKENDS, GPT, GPTConfig  # noqa: E402
-from prepare import load_meta  # noqa: E402
-from train import DTYPES, auto_dtype, resolve_device  # noqa: E402
+import configurator
+from model import ATTENTION_BACKENDS, GPT, GPTConfig
+from prepare import load_meta
+from train import DTYPES, auto_dtype, resolve_device
 
 logger = logging.getLogger("sample")
 
@@ -83,7 +82,7 @@ def encode_decode(train_config: dict, data_dir: Path):
     raise ValueError(f"unknown tokenizer {tokenizer!r} in the dataset's meta.json")
 
 
-def main(argv: Optional[list[str]] = None) -> list[str]:
+def main(argv: list[str] | None = None) -> list[str]:
     argv = sys.argv[1:] if argv is None else argv
     cfg = configurator.load_config(SampleConfig, argv, base_dir=HERE)
     if cfg.attention_backend and cfg.attention_backend not in ATTENTION_BACKENDS:

@@ -21,10 +21,11 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,10 +36,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import configurator  # noqa: E402
-import passkey  # noqa: E402
-from model import ATTENTION_BACKENDS, GPT, GPTConfig  # noqa: E402
-from prepare import load_meta, prepare_stdlib, token_dtype  # noqa: E402
+import configurator
+import passkey
+from model import ATTENTION_BACKENDS, GPT, GPTConfig
+from prepare import load_meta, prepare_stdlib, token_dtype
 
 logger = logging.getLogger("train")
 
@@ -139,7 +140,7 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_device(name: str, local_rank: Optional[int] = None) -> torch.device:
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -332,7 +333,7 @@ def estimate_loss(model: torch.nn.Module, batches: Batches, cfg: TrainConfig, ct
     return out
 
 
-def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train as the arguments say; returns a summary (losses, evaluations, backend, paths)."""
     argv = sys.argv[1:] if argv is None else argv
     cfg = configurator.load_config(TrainConfig, argv, base_dir=HERE)
@@ -366,7 +367,10 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
         device = resolve_device(cfg.device)
     master = rank == 0
     if not master:
-        log = lambda *_: None  # noqa: E731
+
+        def log(*_):
+            return None
+
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     tokens_per_iter = grad_accum * world * cfg.batch_size * cfg.block_size
@@ -389,20 +393,20 @@ def main(argv: Optional[list[str]] = None, log: Callable[[str], None] = print) -
     data_gen = torch.Generator().manual_seed(cfg.seed + rank)
 
     # Model
-    model_args = dict(
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_kv_head=cfg.n_kv_head,
-        n_embd=cfg.n_embd,
-        block_size=cfg.block_size,
-        bias=cfg.bias,
-        vocab_size=batches.vocab_size,
-        dropout=cfg.dropout,
-        attention_backend=cfg.attention_backend,
-        segment_lengths=cfg.segment_lengths,
-        dilation_rates=cfg.dilation_rates,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-    )
+    model_args = {
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_kv_head": cfg.n_kv_head,
+        "n_embd": cfg.n_embd,
+        "block_size": cfg.block_size,
+        "bias": cfg.bias,
+        "vocab_size": batches.vocab_size,
+        "dropout": cfg.dropout,
+        "attention_backend": cfg.attention_backend,
+        "segment_lengths": cfg.segment_lengths,
+        "dilation_rates": cfg.dilation_rates,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+    }
     iter_num, best_val_loss, checkpoint = 0, 1e9, None
     ckpt_path = out_dir / "ckpt.pt"
     if cfg.init_from == "resume":

@@ -37,8 +37,12 @@
 #define __launch_bounds__(...)
 #endif
 
-static inline int min(int a, int b) { return a < b ? a : b; }
-static inline int max(int a, int b) { return a > b ? a : b; }
+static inline int min(int a, int b) {
+  return a < b ? a : b;
+}
+static inline int max(int a, int b) {
+  return a > b ? a : b;
+}
 
 namespace da_emu {
 
@@ -150,7 +154,9 @@ inline Block& block() {
   abort();
 }
 
-inline Fiber& self() { return block().fibers[block().current]; }
+inline Fiber& self() {
+  return block().fibers[block().current];
+}
 
 inline void yield() {
 #if DA_EMU_FAST_SWITCH
@@ -272,7 +278,9 @@ inline float bits_to_float(uint16_t h, bool bf16) {
   return __half2float(x);
 }
 
-inline uint16_t half_at(uint64_t reg, int which) { return (uint16_t)((uint32_t)reg >> (16 * which)); }
+inline uint16_t half_at(uint64_t reg, int which) {
+  return (uint16_t)((uint32_t)reg >> (16 * which));
+}
 
 // The results of one warp collective, for every lane, from the posted operands.
 inline void compute(Slot* s) {
@@ -376,17 +384,23 @@ inline V from_bits(uint64_t u) {
   return v;
 }
 
-inline unsigned char* shared_memory() { return block().shared; }
+inline unsigned char* shared_memory() {
+  return block().shared;
+}
 
 inline void land(const Copy& c) {
-  if (c.src) memcpy(c.dst, c.src, 16);
-  else memset(c.dst, 0, 16);
+  if (c.src)
+    memcpy(c.dst, c.src, 16);
+  else
+    memset(c.dst, 0, 16);
 }
 
 // cp.async of 16 bytes (zero-fill when src is null), commit_group and wait_group(n).
 inline void cp_async(void* dst, const void* src) {
-  if (options().eager_copies) land(Copy{dst, src});
-  else self().open.push_back(Copy{dst, src});
+  if (options().eager_copies)
+    land(Copy{dst, src});
+  else
+    self().open.push_back(Copy{dst, src});
 }
 
 inline void cp_commit() {
@@ -446,10 +460,18 @@ inline void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
 #define gridDim (da_emu::block().grid_dim)
 #define blockDim (da_emu::block().block_dim)
 
-inline void __syncthreads() { da_emu::barrier(0); }
-inline int __syncthreads_or(int pred) { return da_emu::barrier(pred); }
-inline bool __any_sync(unsigned, bool pred) { return da_emu::vote(da_emu::kAny, pred); }
-inline bool __all_sync(unsigned, bool pred) { return da_emu::vote(da_emu::kAll, pred); }
+inline void __syncthreads() {
+  da_emu::barrier(0);
+}
+inline int __syncthreads_or(int pred) {
+  return da_emu::barrier(pred);
+}
+inline bool __any_sync(unsigned, bool pred) {
+  return da_emu::vote(da_emu::kAny, pred);
+}
+inline bool __all_sync(unsigned, bool pred) {
+  return da_emu::vote(da_emu::kAll, pred);
+}
 template <typename V>
 inline V __shfl_xor_sync(unsigned, V v, int lane_mask) {
   return da_emu::shfl(da_emu::kShflXor, v, lane_mask);

@@ -29,8 +29,10 @@ struct Guarded {
   std::vector<unsigned char> mem;
   size_t bytes;
   Guarded(const void* src, size_t n, bool output) : mem(n + 2 * kFence, kCanary), bytes(n) {
-    if (output) memset(data(), 0xff, n);
-    else if (n) memcpy(data(), src, n);
+    if (output)
+      memset(data(), 0xff, n);
+    else if (n)
+      memcpy(data(), src, n);
   }
   unsigned char* data() { return mem.data() + kFence; }
   bool fences_intact() const {
@@ -40,15 +42,16 @@ struct Guarded {
   }
 };
 
-Tensor4 contiguous4(void* data, int64_t N, int64_t H, int64_t D) { return Tensor4{data, N * H * D, H * D, D}; }
+Tensor4 contiguous4(void* data, int64_t N, int64_t H, int64_t D) {
+  return Tensor4{data, N * H * D, H * D, D};
+}
 
 template <typename Kernel>
 void run_grid(Kernel kernel, dim3 grid, size_t smem, const Params& p) {
   if (smem > da_emu::kSharedBytes) da_emu::fail("kernel needs more shared memory than sm90 has");
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x)
-        da_emu::run_block(grid, dim3(x, y, z), 128, [&] { kernel(p); });
+      for (unsigned x = 0; x < grid.x; ++x) da_emu::run_block(grid, dim3(x, y, z), 128, [&] { kernel(p); });
 }
 
 struct Problem4 {
@@ -61,7 +64,9 @@ struct Problem4 {
   int64_t R, interleaved, rows_per_warp, other_tile;
 };
 
-size_t elem_size(int dtype) { return dtype == 0 || dtype == 1 ? 2 : dtype == 2 ? 4 : 8; }
+size_t elem_size(int dtype) {
+  return dtype == 0 || dtype == 1 ? 2 : dtype == 2 ? 4 : 8;
+}
 
 int setup(const Problem4& P, Params* p, char* err, int errlen) {
   memset(p, 0, sizeof(*p));
@@ -83,7 +88,8 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
     snprintf(err, errlen, "SIMT: rows_per_warp in 1..4 and other_tile in 1..32");
     return 1;
   }
-  p->tiling = P.R > 0 ? da_make_tiling(P.N, P.R, P.interleaved, 4, rpw) : da_choose_tiling(P.N, &P.br, 4, rpw);
+  p->tiling =
+      P.R > 0 ? da_make_tiling(P.N, P.R, P.interleaved, 4, rpw) : da_choose_tiling(P.N, &P.br, 4, rpw);
   p->other_tile = (int)P.other_tile;
   return 0;
 }
@@ -105,7 +111,8 @@ template <typename T, int DP>
 void tc_backward_dp(const Params& p) {
   const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
   run_grid(tc_dq_kernel<T, DP>, grid, TcDqCfg<DP>::SMEM, p);
-  const dim3 grid_kv((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS), (unsigned)p.B);
+  const dim3 grid_kv((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS),
+                     (unsigned)p.B);
   run_grid(tc_dkv_kernel<T, DP>, grid_kv, TcDkvCfg<DP>::SMEM, p);
 }
 
@@ -124,18 +131,18 @@ void tc_backward(const Params& p) {
 template <typename scalar_t, typename acc_t>
 void simt_forward(const Params& p) {
   const size_t smem = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kFwd) * sizeof(acc_t);
-  run_grid(simt_fwd_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B),
-           smem, p);
+  run_grid(simt_fwd_kernel<scalar_t, acc_t>,
+           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B), smem, p);
 }
 
 template <typename scalar_t, typename acc_t>
 void simt_backward(const Params& p) {
   const size_t s_dq = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kDq) * sizeof(acc_t);
   const size_t s_kv = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kDkv) * sizeof(acc_t);
-  run_grid(simt_dq_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B),
-           s_dq, p);
-  run_grid(simt_dkv_kernel<scalar_t, acc_t>, dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hkv, (unsigned)p.B),
-           s_kv, p);
+  run_grid(simt_dq_kernel<scalar_t, acc_t>,
+           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B), s_dq, p);
+  run_grid(simt_dkv_kernel<scalar_t, acc_t>,
+           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hkv, (unsigned)p.B), s_kv, p);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -185,15 +192,17 @@ extern "C" void da_emu_options(int order, unsigned seed, int eager) {
 
 // Forward: out (B, N, Hq, D) and lse (B, Hq, N) from contiguous q, k, v. Returns 0 or 1 (err set).
 extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
-                              int64_t nb, const int64_t* w, const int64_t* r, int causal, double scale, int64_t R,
-                              int64_t interleaved, int64_t rows_per_warp, int64_t other_tile, const void* q,
-                              const void* k, const void* v, void* out, void* lse, char* err, int errlen) {
+                              int64_t nb, const int64_t* w, const int64_t* r, int causal, double scale,
+                              int64_t R, int64_t interleaved, int64_t rows_per_warp, int64_t other_tile,
+                              const void* q, const void* k, const void* v, void* out, void* lse, char* err,
+                              int errlen) {
   const Problem4 P = problem(dtype, family, B, N, Hq, Hkv, D, nb, w, r, causal, scale, R, interleaved,
                              rows_per_warp, other_tile);
   Params p;
   if (setup(P, &p, err, errlen)) return 1;
   const size_t es = elem_size(dtype), ls = dtype == 3 ? 8 : 4;
-  Guarded gq(q, B * N * Hq * D * es, false), gk(k, B * N * Hkv * D * es, false), gv(v, B * N * Hkv * D * es, false);
+  Guarded gq(q, B * N * Hq * D * es, false), gk(k, B * N * Hkv * D * es, false),
+      gv(v, B * N * Hkv * D * es, false);
   Guarded go(nullptr, B * N * Hq * D * es, true), gl(nullptr, B * Hq * N * ls, true);
   p.q = contiguous4(gq.data(), N, Hq, D);
   p.k = contiguous4(gk.data(), N, Hkv, D);
@@ -201,8 +210,10 @@ extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64
   p.out = contiguous4(go.data(), N, Hq, D);
   p.lse = gl.data();
   if (family == 0) {
-    if (dtype == 0) tc_forward<__half>(p);
-    else tc_forward<__nv_bfloat16>(p);
+    if (dtype == 0)
+      tc_forward<__half>(p);
+    else
+      tc_forward<__nv_bfloat16>(p);
   } else {
     switch (dtype) {
       case 0: simt_forward<c10::Half, float>(p); break;
@@ -222,11 +233,12 @@ extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64
 }
 
 // Backward: dq, dk, dv from dout, q, k, v, out, lse and dlse (may be null).
-extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
-                               int64_t nb, const int64_t* w, const int64_t* r, int causal, double scale, int64_t R,
-                               int64_t interleaved, int64_t rows_per_warp, int64_t other_tile, const void* dout,
-                               const void* q, const void* k, const void* v, const void* out, const void* lse,
-                               const void* dlse, void* dq, void* dk, void* dv, char* err, int errlen) {
+extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int64_t Hq, int64_t Hkv,
+                               int64_t D, int64_t nb, const int64_t* w, const int64_t* r, int causal,
+                               double scale, int64_t R, int64_t interleaved, int64_t rows_per_warp,
+                               int64_t other_tile, const void* dout, const void* q, const void* k,
+                               const void* v, const void* out, const void* lse, const void* dlse, void* dq,
+                               void* dk, void* dv, char* err, int errlen) {
   const Problem4 P = problem(dtype, family, B, N, Hq, Hkv, D, nb, w, r, causal, scale, R, interleaved,
                              rows_per_warp, other_tile);
   Params p;
@@ -254,8 +266,10 @@ extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int6
     default: delta_pass<double, double>(p); break;
   }
   if (family == 0) {
-    if (dtype == 0) tc_backward<__half>(p);
-    else tc_backward<__nv_bfloat16>(p);
+    if (dtype == 0)
+      tc_backward<__half>(p);
+    else
+      tc_backward<__nv_bfloat16>(p);
   } else {
     switch (dtype) {
       case 0: simt_backward<c10::Half, float>(p); break;
