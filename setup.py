@@ -108,7 +108,7 @@ def _extension():
         print(
             f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}"
         )
-        # csrc/cuda: the op's CUDA half (host code in .cpp, kernels in .cu; see docs/readme/cuda.md).
+        # csrc/cuda: the op's CUDA half (host code in .cpp, kernels in .cu; see docs/cuda.md).
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
         nvcc += shlex.split(os.environ.get("DILATED_ATTENTION_NVCC_FLAGS", ""))  # e.g. "-Xptxas -v"
         cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))

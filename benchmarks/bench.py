@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from dilated_attention.flops import attention_flops, attention_pairs, matmul_flops
+
 log = logging.getLogger("bench")
 
 BACKENDS = ("native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual")
@@ -72,39 +74,13 @@ K = 1024
 # ------------------------------------------------------------------------------------------------
 
 
-def _covered(length: int, o: int, r: int) -> int:
-    """Positions t in [0, length) with t % r == o."""
-    return (length - o + r - 1) // r if o < length else 0
-
-
-def dilated_pairs(N: int, H: int, segs: Sequence[int], rates: Sequence[int], causal: bool) -> int:
-    """(query, key) pairs of the dilated pattern with multiplicity, summed over H heads (SPEC 2-3)."""
-    total = 0
-    for w, r in zip(segs, rates, strict=True):
-        nfull, rem = divmod(N, w)
-        for o in range(r):
-            heads = len(range(o, H, r))
-            if heads == 0:
-                continue
-            for count, length in ((nfull, w), (1, rem)):
-                c = _covered(length, o, r)
-                total += heads * count * (c * (c + 1) // 2 if causal else c * c)
-    return total
-
-
-def useful_flops(pairs: int, D: int, mode: str) -> float:
-    """SPEC section 3: forward 4 * D per pair, backward 2.5 x forward."""
-    fwd = 4.0 * D * pairs
-    return fwd if mode == "fwd" else 3.5 * fwd
-
-
 def method_work(method: str, N: int, cfg: dict) -> float:
     """A number proportional to the method's own work at N (for predicting its time)."""
     if method == "dense_causal_sdpa":
         return N * (N + 1) / 2
     if method == "dense_mask_sdpa":
         return float(N) * N
-    return float(dilated_pairs(N, cfg["H"], cfg["segs"], cfg["rates"], cfg["causal"]) + N)
+    return float(attention_pairs(N, cfg["H"], cfg["segs"], cfg["rates"], cfg["causal"]) + N)
 
 
 def memory_model(method: str, N: int, cfg: dict, mode: str) -> float:
@@ -502,25 +478,6 @@ def memory_budget(device: torch.device, fraction: float) -> float:
     return int(m.group(1)) * 1024 * fraction
 
 
-def matmul_rate(device: torch.device, repeats: int = 10) -> float:
-    """FLOP/s of torch.mm on two 2048 x 2048 float32 matrices (median of `repeats`)."""
-    a = torch.randn(2048, 2048, device=device)
-    b = torch.randn(2048, 2048, device=device)
-    for _ in range(2):
-        torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 2 * 2048**3 / times[len(times) // 2]
-
-
 def runnable_backends(device: torch.device, dtype: torch.dtype, cfg: dict) -> tuple[list[str], dict]:
     """The project's backends that can run these inputs, and why the others cannot."""
     try:
@@ -615,7 +572,7 @@ def run_sweep(
     last: dict[str, tuple[int, dict]] = {}  # method -> (N, results) of its last success
     dead: dict[str, str] = {}  # method -> why larger N are not tried
     for N in ns:
-        pairs = dilated_pairs(N, cfg["H"], cfg["segs"], cfg["rates"], cfg["causal"]) * cfg["B"]
+        pairs = attention_pairs(N, cfg["H"], cfg["segs"], cfg["rates"], cfg["causal"]) * cfg["B"]
         rounds = rounds_at(N, suite, args)
         todo: dict[str, dict] = {}
         bases: dict[str, dict] = {}
@@ -681,7 +638,9 @@ def run_sweep(
                         "reason": "",
                         **r,
                         "tokens_per_s": cfg["B"] * N / sec,
-                        "useful_tflops": useful_flops(pairs, cfg["D"], mode) / sec / 1e12,
+                        "useful_tflops": attention_flops(pairs, cfg["D"], backward=mode != "fwd")
+                        / sec
+                        / 1e12,
                         "bytes_per_token": r["peak_bytes"] / (cfg["B"] * N),
                         "load1": round(max(job["loads"]), 2),
                     }
@@ -1094,7 +1053,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "native" in backends and cfg["dtype"] == "float32":
         meta["alternatives_vs_native"] = check_alternatives(cfg)
         log.info("alternatives against the native op at small N: %s", meta["alternatives_vs_native"])
-    mm_before = matmul_rate(device)
+    mm_before = matmul_flops(device)
     log.info(
         "machine: %s; torch.mm 2048x2048 float32: %.0f GFLOP/s; methods: %s",
         meta.get("gpu") or meta.get("cpu"),
@@ -1109,7 +1068,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = run_sweep("sweep", methods, ns, cfg, args, budget, pbar)
         if "native" in methods and scale_ns:
             rows += run_sweep("scale", ["native"], scale_ns, scale_cfg, args, budget, pbar)
-    mm_after = matmul_rate(device)
+    mm_after = matmul_flops(device)
     mm = (mm_before + mm_after) / 2
     meta.update(
         {

@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dilated_attention.flops import attention_flops, attention_pairs, matmul_flops
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -64,27 +66,11 @@ def longnet_branches(N: int, w0: int = 2048) -> tuple[list[int], list[int]]:
     return segs, rates
 
 
-def pair_count(
-    N: int, Hq: int, segment_lengths: list[int], dilation_rates: list[int], is_causal: bool
-) -> int:
-    """Number of (query, key) pairs with multiplicity, summed over heads (one batch element)."""
-    total = 0
-    for w, r in zip(segment_lengths, dilation_rates, strict=True):
-        full, rest = divmod(N, w)
-        seg_lengths = [(w, full)] + ([(rest, 1)] if rest else [])
-        for h in range(Hq):
-            o = h % r
-            for length, count in seg_lengths:
-                c = (length - o + r - 1) // r if o < length else 0
-                total += count * (c * (c + 1) // 2 if is_causal else c * c)
-    return total
-
-
 def useful_flops(
     B: int, N: int, Hq: int, D: int, segs: list[int], rates: list[int], is_causal: bool
 ) -> float:
     """Forward FLOPs: 4 * D * pairs, over the batch and the heads."""
-    return 4.0 * D * B * pair_count(N, Hq, segs, rates, is_causal)
+    return attention_flops(B * attention_pairs(N, Hq, segs, rates, is_causal), D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,14 +146,6 @@ def cuda_time(fn: Callable[[], object], warmup: int, iters: int) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
     return times[len(times) // 2]
-
-
-def matmul_tflops(n: int, iters: int) -> float:
-    """Dense bf16 matmul rate of this GPU (n x n x n), TFLOP/s."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t = cuda_time(lambda: torch.matmul(a, b), warmup=3, iters=iters)
-    return 2.0 * n**3 / t / 1e12
 
 
 @dataclass
@@ -453,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     cc = torch.cuda.get_device_capability()
     print(f"GPU: {gpu} (sm_{cc[0]}{cc[1]}), torch {torch.__version__}, CUDA {torch.version.cuda}")
-    mm = matmul_tflops(args.matmul_size, iters=10)
+    mm = matmul_flops("cuda", torch.bfloat16, n=args.matmul_size) / 1e12
     print(f"dense bf16 matmul {args.matmul_size}^3: {mm:.1f} TFLOP/s")
     baseline = make_flash_baseline()
     rows = []

@@ -53,6 +53,6 @@ TORCH_LIBRARY(dilated_attention, m) {
       "bool is_causal, float softmax_scale) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
-      "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale, "
-      "bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
 }

@@ -8,6 +8,7 @@ import torch
 
 from . import _validation as V
 from .backends import BackendSelector, check_backend_name, default_selector
+from .flops import accumulation_dtype
 
 __all__ = ["dilated_attention"]
 
@@ -90,8 +91,8 @@ def _attention(
         # Empty, but connected to the inputs so that autograd gives (empty) gradients.
         zero = q.sum() + k.sum() + v.sum()  # 0 for empty inputs
         out = q * 0 + zero
-        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        lse = q.new_zeros((B, Hq, N), dtype=lse_dtype) + zero.to(lse_dtype)
+        acc = accumulation_dtype(q.dtype)
+        lse = q.new_zeros((B, Hq, N), dtype=acc) + zero.to(acc)
         return (out, lse) if return_lse else out
     impl = (selector or default_selector()).select(backend, q, k, dropout_p)
     out, lse = impl.forward(

@@ -24,7 +24,6 @@ import torch
 __all__ = [
     "HardwareInfo",
     "as_device",
-    "auto_dtype",
     "compute_capability",
     "device_name",
     "device_unavailable",
@@ -108,9 +107,6 @@ def recommended_dtype(device: DeviceLike = None) -> torch.dtype:
     if cap[0] == 7:
         return torch.float16
     return torch.float32
-
-
-auto_dtype = recommended_dtype  # the name the example trainer looks for
 
 
 def recommended_backends(device: DeviceLike = None) -> list[str]:

@@ -56,6 +56,7 @@ from torch import nn
 
 from . import _validation as V
 from . import backends as _backends
+from .flops import accumulation_dtype
 from .functional import dilated_attention
 
 __all__ = [
@@ -560,7 +561,7 @@ class _SpanJob:
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Returns out (B, l, Hq, D) and lse (B, Hq, l) in the compute dtype, and tensors to save."""
         B, chunk, Hq, D = q.shape
-        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        cdt = accumulation_dtype(q.dtype)
         out_acc = q.new_zeros((B, chunk, Hq, D), dtype=cdt)
         lse_acc = q.new_full((B, Hq, chunk), float("-inf"), dtype=cdt)
         qc = q.to(cdt)
@@ -1112,7 +1113,7 @@ class RingDilatedAttention(nn.Module):
         if self.check_consistency:
             self._check_ranks(comm, self._fingerprint(q, k, is_causal, scale))
         B, chunk, Hq, _ = q.shape
-        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse_dtype = accumulation_dtype(q.dtype)
         if B == 0 or chunk == 0:
             return dilated_attention(
                 q, k, v, self.segment_lengths, self.dilation_rates, return_lse=return_lse, **local

@@ -12,6 +12,8 @@ import torch
 from common import make_inputs
 from reference import multiplicity, reference_attention
 
+from dilated_attention.flops import attention_flops, attention_pairs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,9 +30,9 @@ CASES = [(37, 4, [8, 16], [1, 2]), (100, 3, [7, 30, 64], [1, 3, 4]), (50, 6, [5,
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_pair_count_matches_the_reference(bench, is_causal):
+def test_pair_count_matches_the_reference(is_causal):
     for N, H, segs, rates in CASES:
-        assert bench.dilated_pairs(N, H, segs, rates, is_causal) == int(
+        assert attention_pairs(N, H, segs, rates, is_causal) == int(
             multiplicity(N, H, segs, rates, is_causal).sum()
         )
 
@@ -54,7 +56,7 @@ def test_alternatives_compute_dilated_attention(bench, N, H, Hkv, segs, rates, i
 
 
 def _row(bench, method, N, mode, ms, peak, suite="sweep"):
-    pairs = bench.dilated_pairs(N, 2, [64], [1], False)
+    pairs = attention_pairs(N, 2, [64], [1], False)
     return {
         "suite": suite,
         "method": method,
@@ -79,7 +81,7 @@ def _row(bench, method, N, mode, ms, peak, suite="sweep"):
         "rounds": 1,
         "pairs": pairs,
         "tokens_per_s": N / ms * 1e3,
-        "useful_tflops": bench.useful_flops(pairs, 16, mode) / (ms / 1e3) / 1e12,
+        "useful_tflops": attention_flops(pairs, 16, backward=mode != "fwd") / (ms / 1e3) / 1e12,
         "peak_bytes": peak,
         "bytes_per_token": peak / N,
         "load1": 0.0,
@@ -126,3 +128,16 @@ def test_saved_run_that_is_not_one_is_named(bench, tmp_path):
         bench.main(["--from-json", str(bad)])
     with pytest.raises(SystemExit, match=r"missing\.json"):
         bench.main(["--from-json", str(tmp_path / "missing.json")])
+
+
+def test_shared_counting_rules():
+    """attention_flops is SPEC section 3's rule; accumulation_dtype the float64-else-float32 rule;
+    matmul_flops measures something positive."""
+    from dilated_attention.flops import accumulation_dtype, matmul_flops
+
+    assert attention_flops(10, 64) == 4 * 64 * 10
+    assert attention_flops(10, 64, backward=True) == 3.5 * 4 * 64 * 10
+    assert accumulation_dtype(torch.float64) == torch.float64
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert accumulation_dtype(dt) == torch.float32
+    assert matmul_flops("cpu", n=64, repeats=3) > 0

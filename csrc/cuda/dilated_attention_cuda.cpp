@@ -7,7 +7,7 @@
 // out (B, N, Hq, D) contiguous in the input dtype, lse (B, Hq, N) float32 (float64 for float64
 // inputs); rows that no branch covers get out = 0 and lse = -inf.
 //
-// The backward is deterministic whatever `deterministic` says: dq and dk/dv are computed by two
+// The backward is deterministic: dq and dk/dv are computed by two
 // passes that each own their output rows, without atomics (bitwise reproducible run to run).
 //
 // Two environment variables change how (never what) the kernels compute, for tests and tuning:
@@ -240,8 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
                                                         const c10::optional<at::Tensor>& dlse_in,
                                                         at::IntArrayRef segment_lengths,
                                                         at::IntArrayRef dilation_rates, bool is_causal,
-                                                        double softmax_scale, bool deterministic) {
-  (void)deterministic;  // both passes are deterministic by construction (see the top of the file)
+                                                        double softmax_scale) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());

@@ -8,12 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..flops import accumulation_dtype as lse_dtype
+
 __all__ = ["Backend", "BackendRequest", "Capabilities", "dtype_name", "import_optional", "lse_dtype"]
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of ``lse`` and of the branch merge: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dtype_name(dtype: torch.dtype) -> str:

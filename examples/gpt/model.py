@@ -31,7 +31,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from dilated_attention import _validation, dilated_attention
+from dilated_attention import _validation, dilated_attention, flops
+from dilated_attention.flops import accumulation_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -137,28 +138,12 @@ def attention_pairs(
     is_causal: bool = True,
     dense: bool = False,
 ) -> int:
-    """Number of (query, key) pairs, with multiplicity, summed over heads, for one sequence.
-
-    Counted exactly from the branches (SPEC section 3), not as dense attention: in branch
-    ``(w, r)`` head ``h`` keeps ``m`` positions of a segment of length ``L`` (``m = #{t < L :
-    t % r == h % r}``); they form ``m * (m + 1) / 2`` causal pairs (``m * m`` non-causal).
-    ``dense=True`` counts plain attention over the whole sequence.
-    """
-
-    def pairs(m: int) -> int:
-        return m * (m + 1) // 2 if is_causal else m * m
-
+    """Number of (query, key) pairs, with multiplicity, summed over heads, for one sequence:
+    counted exactly from the branches (SPEC section 3); ``dense=True`` counts plain attention over
+    the whole sequence (one branch that covers it)."""
     if dense:
-        return n_head * pairs(seq_len)
-    total = 0
-    for w, r in zip(segment_lengths, dilation_rates, strict=True):
-        full, last = divmod(seq_len, w)
-        for h in range(n_head):
-            o = h % r
-            m_full = len(range(o, w, r))
-            m_last = len(range(o, last, r))
-            total += full * pairs(m_full) + pairs(m_last)
-    return total
+        segment_lengths, dilation_rates = [max(seq_len, 1)], [1]
+    return flops.attention_pairs(seq_len, n_head, segment_lengths, dilation_rates, is_causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +202,7 @@ def _cached_attention(
     """
     _, _, H, _ = q.shape
     G = H // k.shape[2]
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ct = accumulation_dtype(q.dtype)
     kk = k.to(ct).repeat_interleave(G, dim=2)  # (B, L, H, D)
     vv = v.to(ct).repeat_interleave(G, dim=2)
     s = torch.einsum("bhd,blhd->bhl", q[:, 0].to(ct), kk) * scale  # (B, H, L)
@@ -452,8 +437,8 @@ class GPT(nn.Module):
             is_causal=True,
             dense=cfg.attention_backend == "dense",
         )
-        attn_fwd = 4 * cfg.head_dim * pairs * cfg.n_layer
-        return 6 * self.get_num_params() * seq_len + 3.5 * attn_fwd
+        attn = flops.attention_flops(pairs, cfg.head_dim, backward=True) * cfg.n_layer
+        return 6 * self.get_num_params() * seq_len + attn
 
     @torch.no_grad()
     def generate(

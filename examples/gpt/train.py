@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dilated_attention import flops, hardware
+
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
@@ -160,18 +162,9 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:
-    """The training dtype for ``dtype="auto"``: float32 on CPU; on GPUs bfloat16 from sm80
-    (Ampere) on, float16 on sm7x (Volta, Turing), float32 before (Pascal)."""
-    try:  # the package's own choice, where it has one
-        from dilated_attention import hardware  # type: ignore[attr-defined]
-
-        fn = getattr(hardware, "auto_dtype", None)
-        if callable(fn):
-            return fn(device)
-    except ImportError:
-        pass
-    if device.type != "cuda":
-        return torch.float32
+    """The training dtype for ``dtype="auto"``: the package's recommendation for ``device``
+    (float32 on CPU; on GPUs bfloat16 from sm80 on, float16 on sm7x, float32 before)."""
+    return hardware.recommended_dtype(device)
     major, _ = torch.cuda.get_device_capability(device)
     if major >= 8:
         return torch.bfloat16
@@ -195,35 +188,17 @@ GPU_PEAK_FLOPS = (
 )
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a square matmul in ``dtype`` on ``device``: the MFU's peak where no table entry fits."""
-    n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(8):  # the best of several: other work on the machine only slows a matmul down
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def peak_flops(device: torch.device, dtype: torch.dtype, given: float) -> tuple[float, str]:
     """Peak FLOP/s of one device and where the number comes from."""
     if given > 0:
         return given, "given"
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS:
+        for key, spec_flops in GPU_PEAK_FLOPS:
             if key in name:
-                return flops, f"{name} {dtype} spec"
-    return measure_matmul_flops(device, dtype), f"measured {str(dtype).replace('torch.', '')} matmul"
+                return spec_flops, f"{name} {dtype} spec"
+    n = 4096 if device.type == "cuda" else 1024
+    return flops.matmul_flops(device, dtype, n=n), f"measured {str(dtype).replace('torch.', '')} matmul"
 
 
 # ---------------------------------------------------------------------------------------------
