@@ -234,13 +234,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_in, const at::Tensor& q_in,
-                                                        const at::Tensor& k_in, const at::Tensor& v_in,
-                                                        const at::Tensor& out_in, const at::Tensor& lse_in,
-                                                        const c10::optional<at::Tensor>& dlse_in,
-                                                        at::IntArrayRef segment_lengths,
-                                                        at::IntArrayRef dilation_rates, bool is_causal,
-                                                        double softmax_scale) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
+    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
