@@ -16,6 +16,7 @@ from . import (
     hardware,
 )
 from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
+from .decode import DilatedKVCache, dilated_attention_decode
 from .functional import dilated_attention
 from .hardware import recommended_backends, recommended_dtype
 from .hilbert import hilbert_permutation
@@ -46,6 +47,7 @@ __all__ = [
     "BACKEND_CHOICES",
     "BACKEND_NAMES",
     "DilatedAttention",
+    "DilatedKVCache",
     "MultiheadDilatedAttention",
     "RingDilatedAttention",
     "RingDilatedAttentionV2Collective",
@@ -54,6 +56,7 @@ __all__ = [
     "__version__",
     "backends",
     "dilated_attention",
+    "dilated_attention_decode",
     "get_pattern_cache",
     "hardware",
     "hilbert_permutation",
