@@ -24,7 +24,9 @@ import passkey
 import prepare
 import sample
 import train
-from model import DILATED_BACKENDS, GPT, GPTConfig, attention_pairs, decode_multiplicity
+from model import DILATED_BACKENDS, GPT, GPTConfig, attention_pairs
+
+from dilated_attention import DilatedKVCache
 
 SLOW = os.environ.get("DILATED_ATTENTION_SLOW") == "1"
 
@@ -113,16 +115,6 @@ def test_attention_block_matches_reference(n_head, n_kv_head, T, segs, rates):
     torch.testing.assert_close(attn(x), expected, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("n_head,n_kv_head,T,segs,rates", MODEL_SHAPES)
-def test_decode_multiplicity_is_the_reference_row(n_head, n_kv_head, T, segs, rates):
-    cfg = tiny_config(n_head, n_kv_head, T, segs, rates)
-    mult = multiplicity(T, n_head, segs, rates, is_causal=True)  # (H, T, T)
-    for p in range(T):
-        start, m = decode_multiplicity(p, n_head, cfg)
-        assert torch.equal(m, mult[:, p, start : p + 1]), f"position {p}"
-        assert mult[:, p, :start].sum() == 0, f"position {p}: keys before start={start} are read"
-
-
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("n_head,n_kv_head,T,segs,rates", MODEL_SHAPES)
 def test_kv_cache_decoding_equals_full_forward(backend, n_head, n_kv_head, T, segs, rates):
@@ -138,21 +130,17 @@ def test_kv_cache_decoding_equals_full_forward(backend, n_head, n_kv_head, T, se
         prompt = 5
         cache = model_cache(model, 2)
         logits, _ = model(idx[:, :prompt], kv_cache=cache)
-        cache.length = prompt
         steps = [logits[:, 0]]
         for p in range(prompt, T):
             logits, _ = model(idx[:, p : p + 1], kv_cache=cache)
-            cache.length += 1
             steps.append(logits[:, 0])
     cached = torch.stack(steps, dim=1)  # (B, T - prompt + 1, V)
     torch.testing.assert_close(cached, full[:, prompt - 1 :], rtol=1e-10, atol=1e-10)
 
 
-def model_cache(model: GPT, batch_size: int):
-    from model import KVCache
-
+def model_cache(model: GPT, batch_size: int) -> DilatedKVCache:
     c = model.config
-    return KVCache(c.n_layer, batch_size, c.block_size, c.n_kv_head, c.head_dim, torch.float64, "cpu")
+    return DilatedKVCache(c.n_layer, batch_size, c.block_size, c.n_kv_head, c.head_dim, dtype=torch.float64)
 
 
 def test_generate_with_and_without_cache_agree():
@@ -167,13 +155,12 @@ def test_generate_with_and_without_cache_agree():
     assert c.shape == (1, 103)
 
 
-def test_decode_rejects_more_than_one_token():
+def test_decode_past_the_block_size_is_an_error():
     model = GPT(tiny_config()).eval()
     cache = model_cache(model, 1)
-    model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache)
-    cache.length = 4
-    with pytest.raises(ValueError, match="one token at a time"):
-        model(torch.zeros(1, 2, dtype=torch.long), kv_cache=cache)
+    model(torch.zeros(1, 46, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(ValueError, match="length 49: block size is only 48"):
+        model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,12 +9,10 @@
 * ``"dense"``: plain causal attention by ``torch.nn.functional.scaled_dot_product_attention``,
   for comparison.
 
-Generation uses a key/value cache. A new token at position ``p`` reads, per head ``h``, exactly
-the keys that the project's contract gives it (SPEC section 2): for every branch ``(w, r)`` that
-covers ``(p, h)``, the keys of ``p``'s segment with the same phase at positions ``<= p``; all
-branches share one softmax in which a key found by two branches counts twice (SPEC section 3),
-and a position that no branch covers for a head gets a zero output. The cached result equals a
-full recompute.
+Generation uses the library's key/value cache (``dilated_attention.DilatedKVCache``, SPEC
+section 8): a new token reads, per branch, only the cached keys of its segment and head phase, so
+the cached result equals a full recompute. ``"dense"`` decodes as one branch that covers the
+whole block.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from dilated_attention import _validation, dilated_attention, flops
-from dilated_attention.flops import accumulation_dtype
+from dilated_attention import DilatedKVCache, _validation, dilated_attention, flops
 
 logger = logging.getLogger(__name__)
 
@@ -99,35 +96,8 @@ class GPTConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Counting: which keys a query reads (the key/value cache) and how many pairs (the FLOPs).
+# Counting: how many pairs (the FLOPs).
 # ---------------------------------------------------------------------------------------------
-
-
-def decode_multiplicity(
-    p: int,
-    n_head: int,
-    config: GPTConfig,
-    device: torch.device | str = "cpu",
-) -> tuple[int, torch.Tensor]:
-    """The keys that query position ``p`` reads, per head, as ``(start, mult)``.
-
-    ``mult`` is (n_head, p + 1 - start): ``mult[h, j]`` is the number of branches through which
-    the query at ``p`` of head ``h`` reads the key at position ``start + j`` (SPEC sections 2-3);
-    keys before ``start`` are read by no branch. For ``"dense"`` every key ``<= p`` counts once.
-    """
-    heads = torch.arange(n_head, device=device)
-    if config.attention_backend == "dense":
-        return 0, torch.ones(n_head, p + 1, dtype=torch.int64, device=device)
-    seg_starts = [(p // w) * w for w in config.segment_lengths]
-    start = min(seg_starts)
-    x = torch.arange(start, p + 1, device=device)  # key positions, (L,)
-    mult = torch.zeros(n_head, p + 1 - start, dtype=torch.int64, device=device)
-    for r, s0 in zip(config.dilation_rates, seg_starts, strict=True):
-        phase = (p - s0) % r  # the phase of p in its segment
-        head_covered = (heads % r) == phase  # (H,)
-        key_in = (x >= s0) & (((x - s0) % r) == phase)  # same segment (x <= p), same phase, (L,)
-        mult += (head_covered[:, None] & key_in[None, :]).long()
-    return start, mult
 
 
 def attention_pairs(
@@ -151,36 +121,6 @@ def attention_pairs(
 # ---------------------------------------------------------------------------------------------
 
 
-class KVCache:
-    """Keys and values of every layer for positions ``[0, length)``: (B, max_len, Hkv, D) each."""
-
-    def __init__(
-        self,
-        n_layer: int,
-        batch_size: int,
-        max_len: int,
-        n_kv_head: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        shape = (batch_size, max_len, n_kv_head, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.max_len = max_len
-        self.length = 0
-        # Set by GPT.forward for the decode step: (start, mult) of decode_multiplicity.
-        self.keys_read: tuple[int, torch.Tensor] | None = None
-
-    def store(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v (B, T, Hkv, D) at positions ``[pos, pos + T)`` of ``layer``."""
-        T = k.shape[1]
-        if pos + T > self.max_len:
-            raise RuntimeError(f"KV cache overflow: positions up to {pos + T} > max_len {self.max_len}")
-        self.k[layer][:, pos : pos + T] = k.to(self.k[layer].dtype)
-        self.v[layer][:, pos : pos + T] = v.to(self.v[layer].dtype)
-
-
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (PyTorch's has no ``bias=False`` before 2.1)."""
 
@@ -191,30 +131,6 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
-def _cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mult: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One query against the cached keys with a multiplicity mask (SPEC section 3).
-
-    q (B, 1, H, D); k, v (B, L, Hkv, D); mult (H, L) counts. Returns (B, 1, H, D).
-    """
-    _, _, H, _ = q.shape
-    G = H // k.shape[2]
-    ct = accumulation_dtype(q.dtype)
-    kk = k.to(ct).repeat_interleave(G, dim=2)  # (B, L, H, D)
-    vv = v.to(ct).repeat_interleave(G, dim=2)
-    s = torch.einsum("bhd,blhd->bhl", q[:, 0].to(ct), kk) * scale  # (B, H, L)
-    m = mult.to(ct)[None]  # (1, H, L)
-    s = torch.where(m > 0, s, torch.full_like(s, float("-inf")))
-    smax = s.amax(dim=-1, keepdim=True)
-    smax = torch.where(torch.isfinite(smax), smax, torch.zeros_like(smax))
-    e = m * torch.exp(s - smax)  # 0 where no branch reads the key
-    denom = e.sum(dim=-1, keepdim=True)
-    w = e / torch.where(denom > 0, denom, torch.ones_like(denom))  # rows read by no branch: 0
-    out = torch.einsum("bhl,blhd->bhd", w, vv)  # (B, H, D)
-    return out[:, None].to(q.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -231,18 +147,16 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: DilatedKVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape  # (B, T, C)
         kv_dim = self.n_kv_head * self.head_dim
         q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
         q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
-        if kv_cache is not None and kv_cache.length > 0:
-            y = self._decode(q, k, v, kv_cache)
+        if kv_cache is not None:
+            y = self._attend_cached(q, k, v, kv_cache)
         else:
-            if kv_cache is not None:
-                kv_cache.store(self.layer_idx, 0, k, v)
             y = self._attend(q, k, v)
         y = y.reshape(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -269,14 +183,16 @@ class CausalSelfAttention(nn.Module):
             backend=cfg.attention_backend,
         )
 
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-        """One new token at position ``kv_cache.length`` against the cached keys."""
-        p = kv_cache.length
-        kv_cache.store(self.layer_idx, p, k, v)
-        start, mult = kv_cache.keys_read
-        ks = kv_cache.k[self.layer_idx][:, start : p + 1]  # (B, L, Hkv, D)
-        vs = kv_cache.v[self.layer_idx][:, start : p + 1]
-        return _cached_attention(q, ks, vs, mult, 1.0 / math.sqrt(self.head_dim))
+    def _attend_cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: DilatedKVCache
+    ) -> torch.Tensor:
+        """The new tokens after each sequence's cached ones (prefill, or decode steps)."""
+        cfg = self.config
+        if cfg.attention_backend == "dense":  # dense causal attention is one branch over the block
+            segs, rates, backend = [cfg.block_size], [1], "auto"
+        else:
+            segs, rates, backend = cfg.segment_lengths, cfg.dilation_rates, cfg.attention_backend
+        return kv_cache.attend(self.layer_idx, q, k, v, segs, rates, backend=backend)
 
 
 class MLP(nn.Module):
@@ -299,7 +215,7 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: DilatedKVCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv_cache)
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -345,29 +261,27 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: DilatedKVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and the loss.
 
         idx (B, T) token ids. With ``targets`` (B, T) (``-1`` = ignored) the logits of every
         position and the mean cross-entropy are returned; without, only the last position's
-        logits (B, 1, V). With an empty ``kv_cache`` the keys and values of positions
-        ``[0, T)`` are stored in it (prefill); with a non-empty one, ``idx`` is the single token
-        at position ``kv_cache.length`` and attends to the cache (decode). The caller advances
-        ``kv_cache.length``.
+        logits (B, 1, V). With a ``kv_cache`` (``dilated_attention.DilatedKVCache``), ``idx`` are
+        the tokens after each sequence's cached positions: their keys and values are appended, they
+        attend to the cache, and the cache is advanced by ``T``.
         """
         device = idx.device
-        _, T = idx.shape
-        start = 0 if kv_cache is None else kv_cache.length
-        if start + T > self.config.block_size:
+        B, T = idx.shape
+        start = torch.zeros(B, 1, dtype=torch.long, device=device)
+        if kv_cache is not None:
+            start = kv_cache.seqlens[:, None].to(device)
+        end = int(start.max()) + T
+        if end > self.config.block_size:
             raise ValueError(
-                f"cannot forward a sequence of length {start + T}: block size is only {self.config.block_size}"
+                f"cannot forward a sequence of length {end}: block size is only {self.config.block_size}"
             )
-        if kv_cache is not None and start > 0:
-            if T != 1:
-                raise ValueError(f"decoding with a non-empty KV cache takes one token at a time, got T={T}")
-            kv_cache.keys_read = decode_multiplicity(start, self.config.n_head, self.config, device)
-        pos = torch.arange(start, start + T, dtype=torch.long, device=device)  # (T,)
+        pos = start + torch.arange(T, dtype=torch.long, device=device)  # (B, T)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         use_ckpt = self.config.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
@@ -375,6 +289,8 @@ class GPT(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(T)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)  # (B, T, V)
@@ -460,25 +376,18 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         bs = self.config.block_size
         p = next(self.parameters())
-        cache: KVCache | None = None
+        cache: DilatedKVCache | None = None
         for _ in range(max_new_tokens):
             if use_cache:
-                if cache is None or cache.length >= bs:
+                if cache is None or int(cache.seqlens.max()) >= bs:
                     ctx = idx[:, -(bs // 2 if cache is not None else bs) :]
-                    cache = KVCache(
-                        self.config.n_layer,
-                        idx.shape[0],
-                        bs,
-                        self.config.n_kv_head,
-                        self.config.head_dim,
-                        p.dtype,
-                        p.device,
+                    c = self.config
+                    cache = DilatedKVCache(
+                        c.n_layer, idx.shape[0], bs, c.n_kv_head, c.head_dim, dtype=p.dtype, device=p.device
                     )
                     logits, _ = self(ctx, kv_cache=cache)
-                    cache.length = ctx.shape[1]
                 else:
                     logits, _ = self(idx[:, -1:], kv_cache=cache)
-                    cache.length += 1
             else:
                 logits, _ = self(idx if idx.size(1) <= bs else idx[:, -bs:])
             logits = logits[:, -1, :].float() / temperature

@@ -4,9 +4,10 @@
     python sample.py --out_dir=out-stdlib --start="def " --num_samples=2 --max_new_tokens=300
     python sample.py --start=FILE:prompt.txt --attention_backend=sdpa
 
-Decoding uses a key/value cache (``--use_kv_cache=False`` recomputes the whole context every
-step instead). With the cache, a new token attends to exactly the keys that dilated attention
-gives its position (``model.decode_multiplicity``), so the result equals a full recompute.
+Decoding uses the library's key/value cache (``dilated_attention.DilatedKVCache`` and
+``dilated_attention_decode``; ``--use_kv_cache=False`` recomputes the whole context every step
+instead). With the cache, a new token reads only the cached keys of its segment and head phase in
+each branch, so the result equals a full recompute.
 """
 
 from __future__ import annotations
