@@ -15,6 +15,7 @@ sequence of the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -72,6 +73,29 @@ def decode_key_positions(
     return torch.cat(keys, dim=-1), torch.cat(masks, dim=-1)
 
 
+def _gather_slots(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The slots ``idx`` (B, m, K) of a (B, Ncap, Hkv, D) cache, as (B, m, Hkv, K, D).
+
+    Reads whole rows of D values with one ``index_select`` on a (rows, D) view of the cache's
+    memory where the layout allows (any layout with D contiguous and the other strides multiples
+    of a common row stride: (B, N, H, D), or (B, H, N, D) seen through ``.transpose(1, 2)``),
+    several times faster than advanced indexing of scattered slots; other layouts index.
+    """
+    B, Ncap, H, D = cache.shape
+    strides = [st if n > 1 else 0 for n, st in zip(cache.shape[:3], cache.stride()[:3], strict=True)]
+    row = math.gcd(*strides)
+    if cache.stride(3) != 1 or row < D:
+        b = torch.arange(B, device=idx.device)[:, None, None]
+        return cache[b, idx].transpose(2, 3)
+    s0, s1, s2 = strides
+    rows = (B - 1) * s0 // row + (Ncap - 1) * s1 // row + (H - 1) * s2 // row + 1
+    flat = cache.as_strided((rows, D), (row, 1), cache.storage_offset())
+    b = torch.arange(B, device=idx.device)[:, None, None, None] * (s0 // row)
+    h = torch.arange(H, device=idx.device)[:, None] * (s2 // row)
+    offsets = b + h + idx[:, :, None, :] * (s1 // row)  # (B, m, H, K) row numbers
+    return flat.index_select(0, offsets.reshape(-1)).view(*offsets.shape, D)
+
+
 def _gather_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -92,16 +116,15 @@ def _gather_attention(
     keys, mask = decode_key_positions(pos, Hq, segs, rates)  # (B, m, K), (B, m, Hq, K)
     K = keys.shape[-1]
     idx = (keys + leftpad[:, None, None]).clamp(max=k_cache.shape[1] - 1)  # cache slots of the keys
-    b = torch.arange(B, device=q.device)[:, None, None]
-    kg = k_cache[b, idx].to(ct)  # (B, m, K, Hkv, D): only the keys read, from any strided cache
+    kg = _gather_slots(k_cache, idx).to(ct)  # (B, m, Hkv, K, D): only the keys read
     # Slots that no head reads get weight 0; zero their values too, so that a slot never written
     # (an uninitialised cache) cannot turn 0 * NaN into NaN.
-    vg = v_cache[b, idx].to(ct).masked_fill(~mask.any(dim=2)[..., None, None], 0)
-    s = torch.einsum("bmkgd,bmskd->bmkgs", q.to(ct).reshape(B, m, Hkv, G, D), kg) * scale
-    s = s.reshape(B, m, Hq, K).masked_fill(~mask, float("-inf"))
+    vg = _gather_slots(v_cache, idx).to(ct).masked_fill_(~mask.any(dim=2)[:, :, None, :, None], 0)
+    s = torch.matmul(q.to(ct).view(B, m, Hkv, G, D), kg.transpose(-1, -2)) * scale  # (B, m, Hkv, G, K)
+    s = s.view(B, m, Hq, K).masked_fill_(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (B, m, Hq); -inf where no slot is read
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-    out = torch.einsum("bmkgs,bmskd->bmkgd", p.reshape(B, m, Hkv, G, K), vg).reshape(B, m, Hq, D)
+    out = torch.matmul(p.view(B, m, Hkv, G, K), vg).view(B, m, Hq, D)
     return out.to(q.dtype), lse.transpose(1, 2)
 
 

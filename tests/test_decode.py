@@ -222,3 +222,20 @@ def test_bad_arguments_name_the_value():
         dilated_attention_decode(q, kc, kc, 1, 4, 1, backend="fast")
     with pytest.raises(ValueError, match="layer must be in"):
         DilatedKVCache(1, 2, 4, 2, 8).attend(1, q, q[:, :, :2], q[:, :, :2], 4, 1)
+
+
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd-transposed", "sliced", "d-strided", "expanded-batch"])
+def test_gather_reads_any_cache_layout(layout):
+    """The slot gather against plain indexing, for caches in the layouts users hold them in."""
+    B, N, H, D = 3, 17, 2, 4
+    base = torch.arange(B * N * H * D, dtype=torch.float64).view(B, N, H, D)
+    cache = {
+        "bnhd": base,
+        "bhnd-transposed": base.transpose(1, 2).contiguous().transpose(1, 2),
+        "sliced": torch.cat([base, base], dim=1)[:, 3 : 3 + N],
+        "d-strided": torch.cat([base, base], dim=-1)[..., ::2],
+        "expanded-batch": base[:1].expand(B, N, H, D),
+    }[layout]
+    idx = torch.randint(0, N, (B, 2, 5))
+    expected = torch.stack([cache[b][idx[b]] for b in range(B)])  # (B, 2, 5, H, D)
+    assert torch.equal(decode_mod._gather_slots(cache, idx), expected.transpose(2, 3))
