@@ -141,3 +141,22 @@ def test_shared_counting_rules():
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         assert accumulation_dtype(dt) == torch.float32
     assert matmul_flops("cpu", n=64, repeats=3) > 0
+
+
+def test_decode_benchmark_runs_and_writes_its_results(tmp_path):
+    """bench_decode.py end to end at toy sizes: its own check against SDPA passes, and it writes
+    one row per method and length, with the keys the decode step gathers."""
+    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "benchmarks" / "bench_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = "--lengths 64,256 --segments 16,64 --rates 1,4 --heads 4 --kv-heads 2 --dim 8"
+    assert (
+        mod.main([*argv.split(), "--repeats", "1", "--warmup", "0", "--out", str(tmp_path), "--tag", "t"])
+        == 0
+    )
+    data = json.loads((tmp_path / "t.json").read_text())
+    rows = {(r["method"], r["L"]): r for r in data["rows"]}
+    assert set(rows) == {(m, L) for m in ("dilated", "dense_sdpa") for L in (64, 256)}
+    assert rows[("dilated", 256)]["keys_read"] == 16 + 16  # w / r slots per branch
+    assert rows[("dense_sdpa", 256)]["keys_read"] == 256
+    assert data["meta"]["check_max_abs_diff"] < 1e-4
