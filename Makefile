@@ -2,6 +2,8 @@
 PYTHON ?= python3
 # torch with CUDA support compiles and links the CUDA kernels even on a machine without a GPU.
 TORCH_SPEC ?= torch==2.14.1
+# The tested range of the optional extra `transformers` (pyproject.toml), so that its tests run.
+TRANSFORMERS_SPEC ?= transformers>=5.23,<5.24
 
 .PHONY: help deps install lint format test test-slow train bench cuda-check clean
 
@@ -17,6 +19,7 @@ help:
 deps:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -q "setuptools>=64" wheel ninja tqdm numpy pytest expecttest matplotlib
+	$(PYTHON) -m pip install -q "$(TRANSFORMERS_SPEC)"
 
 # The formatters' versions are pinned: another version may format the same code differently.
 LINT_TOOLS ?= ruff==0.17.6 clang-format==23.1.5

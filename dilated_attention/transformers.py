@@ -1,0 +1,278 @@
+"""Dilated attention inside HuggingFace ``transformers`` models (the optional extra ``transformers``).
+
+Importing this module registers, under the name ``"dilated_attention"``, an attention function
+with transformers' ``AttentionInterface`` and a mask function with its ``AttentionMaskInterface``::
+
+    import dilated_attention.transformers  # noqa: F401  (registers "dilated_attention")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(..., dilated_attention={"segment_lengths": [2048, 4096], "dilation_rates": [1, 2]})
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="dilated_attention")
+
+The branches come from ``config.dilated_attention`` (keys ``segment_lengths``, ``dilation_rates``,
+``backend``; :data:`DEFAULT_CONFIG` where absent). What the model asks for is honoured or refused,
+never dropped:
+
+* causal or bidirectional self-attention, grouped-query attention, ``scaling``, attention dropout;
+* padding (SPEC section 7): each row's contiguous run of real tokens, left or right padded, is a
+  sequence of its own starting at position 0; padded positions give 0. A mask whose real tokens
+  are not contiguous is a ``ValueError`` naming the row;
+* the key/value cache of ``generate()``: the new tokens attend to the cache through
+  :func:`dilated_attention.dilated_attention_decode`, reading ``O(sum w_i / r_i)`` keys each;
+* a pattern it cannot run (sliding window, chunked attention, packed sequences given by
+  ``position_ids``, a custom mask overlay or a ready-made 4-D mask, soft-capping, attention sinks,
+  a position bias) is a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import transformers as _transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        bidirectional_mask_function,
+        causal_mask_function,
+        prepare_padding_mask,
+    )
+except ImportError as exc:  # the package imports without transformers; this module needs it
+    raise ImportError(
+        "dilated_attention.transformers needs the transformers package: "
+        "pip install 'dilated-attention[transformers]'"
+    ) from exc
+
+from . import _validation as V
+from .backends import check_backend_name
+from .decode import dilated_attention_decode
+from .functional import dilated_attention
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "NAME",
+    "TESTED_VERSIONS",
+    "dilated_attention_forward",
+    "dilated_attention_mask",
+    "padded_attention",
+    "register",
+    "settings",
+]
+
+logger = logging.getLogger(__name__)
+
+NAME = "dilated_attention"
+# The range the tests run against (pyproject.toml's extra pins the same).
+TESTED_VERSIONS = ">=5.23,<5.24"
+# LongNet's configuration (Ding et al. 2023, section 4.1): used where a config sets none.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "segment_lengths": [2048, 4096, 8192, 16384, 32768],
+    "dilation_rates": [1, 2, 4, 6, 12],
+    "backend": "auto",
+}
+# Attention arguments of some models that change what is computed and that we cannot honour.
+_UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias")
+
+
+def settings(config: Any) -> tuple[list[int], list[int], str]:
+    """``(segment_lengths, dilation_rates, backend)`` from ``config.dilated_attention`` (a dict),
+    each key defaulting to :data:`DEFAULT_CONFIG`'s."""
+    raw = getattr(config, "dilated_attention", None)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise TypeError(f"config.dilated_attention must be a dict, got {type(raw).__name__}: {raw!r}")
+    unknown = sorted(set(raw) - set(DEFAULT_CONFIG))
+    if unknown:
+        raise ValueError(
+            f"config.dilated_attention has unknown keys {unknown}; expected some of {sorted(DEFAULT_CONFIG)}"
+        )
+    merged = {**DEFAULT_CONFIG, **raw}
+    segs, rates = V.normalize_branches(merged["segment_lengths"], merged["dilation_rates"])
+    return segs, rates, check_backend_name(merged["backend"])
+
+
+def _runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts, ends)`` (B,) of each row's run of real tokens in a (B, N) bool mask; an empty
+    row gives ``start = end = N``. A row whose real tokens are not contiguous is a ValueError."""
+    N = mask.shape[1]
+    idx = torch.arange(N, device=mask.device)
+    count = mask.sum(dim=1)
+    first = torch.where(mask, idx, N).amin(dim=1)
+    last = torch.where(mask, idx, -1).amax(dim=1)
+    broken = (count > 0) & (last - first + 1 != count)
+    if bool(broken.any()):
+        row = int(broken.nonzero()[0, 0])
+        raise ValueError(
+            f"the padding mask's real tokens must be contiguous in every row (left or right padding); "
+            f"row {row} is {mask[row].int().tolist()}"
+        )
+    empty = count == 0
+    return torch.where(empty, N, first), torch.where(empty, N, last + 1)
+
+
+def padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    *,
+    is_causal: bool,
+    softmax_scale: float | None,
+    dropout_p: float,
+    backend: str,
+) -> torch.Tensor:
+    """Dilated attention of a padded batch (SPEC section 7): q (B, N, Hq, D), k, v (B, N, Hkv, D),
+    ``mask`` (B, N) bool, True = a real token. Each row's run of real tokens is a sequence of its
+    own starting at position 0; padded positions give 0 (and zero gradients). Returns (B, N, Hq, D).
+
+    One call of the functional API per row.
+    """
+    starts, ends = _runs(mask)
+    N = q.shape[1]
+    rows = []
+    for b, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        if e == s:
+            rows.append(q[b : b + 1] * 0)
+            continue
+        out = dilated_attention(
+            q[b : b + 1, s:e],
+            k[b : b + 1, s:e],
+            v[b : b + 1, s:e],
+            segment_lengths,
+            dilation_rates,
+            is_causal=is_causal,
+            softmax_scale=softmax_scale,
+            dropout_p=dropout_p,
+            backend=backend,
+        )
+        rows.append(F.pad(out, (0, 0, 0, 0, s, N - e)))
+    return torch.cat(rows)
+
+
+def dilated_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: query (B, Hq, q_len, D), key and value
+    (B, Hkv, kv_len, D) (the whole cache when generating), ``attention_mask`` as made by
+    :func:`dilated_attention_mask`. Returns ``(out, None)``, out (B, q_len, Hq, D)."""
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"dilated attention cannot honour the model's {name}={kwargs[name]!r}")
+    if kwargs.get("output_attentions"):
+        logger.warning("dilated attention returns no attention weights (output_attentions=True)")
+    segs, rates, backend = settings(getattr(module, "config", None))
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = attention_mask
+    if mask is not None and (
+        not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.dtype != torch.bool
+    ):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"dilated attention takes the (B, N) bool padding mask that its mask function makes, got "
+            f"{shape}; a ready-made 4-D mask (or another attention implementation's mask) cannot be "
+            f"honoured"
+        )
+    used = kv_len if mask is None else mask.shape[1]  # cache slots in use (a static cache has more)
+    if not q_len <= used <= kv_len:
+        raise ValueError(f"{q_len} queries and {used} keys in use do not fit {kv_len} keys")
+    q = query.transpose(1, 2)  # (B, q_len, Hq, D)
+    k = key.transpose(1, 2)[:, :used]  # (B, used, Hkv, D)
+    v = value.transpose(1, 2)[:, :used]
+    if q_len == used:  # whole sequences: training, a forward, or the prefill of generate()
+        kw = {"is_causal": causal, "softmax_scale": scaling, "dropout_p": dropout, "backend": backend}
+        if mask is None:
+            return dilated_attention(q, k, v, segs, rates, **kw), None
+        return padded_attention(q, k, v, mask, segs, rates, **kw), None
+    if not causal:
+        raise ValueError(
+            f"dilated attention of {q_len} queries against {used} keys (a cache, or cross-attention) "
+            f"must be causal self-attention"
+        )
+    if dropout > 0:
+        raise ValueError(f"decoding with a cache runs without attention dropout, got dropout={dropout}")
+    if mask is None:
+        return dilated_attention_decode(q, k, v, used, segs, rates, softmax_scale=scaling), None
+    starts, ends = _runs(mask)
+    out = dilated_attention_decode(q, k, v, used, segs, rates, cache_leftpad=starts, softmax_scale=scaling)
+    slots = used - q_len + torch.arange(q_len, device=q.device)
+    real = (slots[None, :] < ends[:, None])[..., None, None]  # right padding among the new tokens
+    return out * real, None
+
+
+def dilated_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Any = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers' mask-function interface: None when every cache slot in use holds a real
+    token, else a (B, q_offset + q_length) bool mask of the slots in use (True = a real token) for
+    :func:`dilated_attention_forward`. Only the causal and bidirectional patterns are accepted."""
+    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        name = getattr(mask_function, "__name__", repr(mask_function))
+        raise ValueError(
+            f"dilated attention runs causal or bidirectional self-attention with a padding mask; this "
+            f"model asks for another pattern ({name}: a sliding window, chunks, packed sequences or a "
+            f"custom overlay), which it cannot honour"
+        )
+    if int(kv_offset) != 0:
+        raise ValueError(
+            f"dilated attention needs the whole sequence in the cache, got kv_offset={kv_offset}"
+        )
+    used = int(q_offset) + q_length
+    if attention_mask is None:
+        if used == kv_length:
+            return None
+        return torch.ones(batch_size, used, dtype=torch.bool, device=device)
+    padding = prepare_padding_mask(attention_mask.to(device=device, dtype=torch.bool), kv_length, 0)
+    padding = padding[:, :used]
+    if padding.shape[1] != used:
+        raise ValueError(f"the attention mask covers {padding.shape[1]} positions, the model {used}")
+    return None if used == kv_length and bool(padding.all()) else padding
+
+
+def register(name: str = NAME) -> str:
+    """Register the attention function and the mask function under ``name`` (done for
+    ``"dilated_attention"`` on import); returns ``name`` for ``attn_implementation=``."""
+    AttentionInterface.register(name, dilated_attention_forward)
+    AttentionMaskInterface.register(name, dilated_attention_mask)
+    return name
+
+
+def _check_version() -> None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    if Version(_transformers.__version__) not in SpecifierSet(TESTED_VERSIONS):
+        import warnings
+
+        warnings.warn(
+            f"dilated_attention.transformers is tested with transformers{TESTED_VERSIONS}, found "
+            f"{_transformers.__version__}: its attention and mask interfaces may differ",
+            stacklevel=3,
+        )
+
+
+_check_version()
+register()
