@@ -184,6 +184,46 @@ def test_generate_with_cache_equals_without(factory, monkeypatch):
     )
 
 
+def test_static_cache_generation_equals_dynamic():
+    """A static cache holds more slots than are in use: the mask function says how many are."""
+    model = build(llama)
+    x = torch.randint(1, V, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    kw = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    kw["output_scores"] = True
+    with torch.no_grad():
+        a = model.generate(x, attention_mask=mask, **kw)
+        b = model.generate(x, attention_mask=mask, cache_implementation="static", **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores), rtol=1e-9, atol=1e-9)
+
+
+def test_bidirectional_encoder_with_padding():
+    """BERT (bidirectional): a right-padded row equals the row alone, and the padding is masked."""
+    cfg = transformers.BertConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        dilated_attention=BRANCHES,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg, add_pooling_layer=False)
+    model.set_attn_implementation(dt.NAME)
+    model = model.double().eval()
+    x = torch.randint(1, V, (2, 13))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[0, 8:] = 0
+    with torch.no_grad():
+        out = model(x, attention_mask=mask).last_hidden_state
+        alone = model(x[:1, :8]).last_hidden_state
+        unmasked = model(x).last_hidden_state
+    torch.testing.assert_close(out[0, :8], alone[0], rtol=1e-9, atol=1e-9)
+    assert (out[0, :8] - unmasked[0, :8]).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("factory", MODELS)
 def test_training_steps_lower_the_loss(factory):
     model = build(factory, dtype=torch.float32).train()
