@@ -239,3 +239,16 @@ def test_gather_reads_any_cache_layout(layout):
     idx = torch.randint(0, N, (B, 2, 5))
     expected = torch.stack([cache[b][idx[b]] for b in range(B)])  # (B, 2, 5, H, D)
     assert torch.equal(decode_mod._gather_slots(cache, idx), expected.transpose(2, 3))
+
+
+def test_readme_snippet_runs():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("## Generation with a key/value cache")
+    code = readme[
+        readme.index("```python\n", start) + 10 : readme.index("```\n", readme.index("```python\n", start))
+    ]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["out"].shape == (2, 1, 8, 64) and scope["cache"].seqlens.tolist() == [101, 61]
