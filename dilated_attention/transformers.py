@@ -132,25 +132,22 @@ def padded_attention(
     ``mask`` (B, N) bool, True = a real token. Each row's run of real tokens is a sequence of its
     own starting at position 0; padded positions give 0 (and zero gradients). Returns (B, N, Hq, D).
 
-    One call of the functional API per row.
+    Causal attention with right padding only is one call of the functional API (no real token
+    reads the padding after it) with the padded rows zeroed; anything else is one call per row.
     """
     starts, ends = _runs(mask)
     N = q.shape[1]
+    kw = {"is_causal": is_causal, "softmax_scale": softmax_scale, "dropout_p": dropout_p, "backend": backend}
+    if is_causal and not bool(starts.any()):
+        out = dilated_attention(q, k, v, segment_lengths, dilation_rates, **kw)
+        return out * mask[:, :, None, None]
     rows = []
     for b, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
         if e == s:
             rows.append(q[b : b + 1] * 0)
             continue
         out = dilated_attention(
-            q[b : b + 1, s:e],
-            k[b : b + 1, s:e],
-            v[b : b + 1, s:e],
-            segment_lengths,
-            dilation_rates,
-            is_causal=is_causal,
-            softmax_scale=softmax_scale,
-            dropout_p=dropout_p,
-            backend=backend,
+            q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], segment_lengths, dilation_rates, **kw
         )
         rows.append(F.pad(out, (0, 0, 0, 0, s, N - e)))
     return torch.cat(rows)
