@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 
@@ -41,3 +42,13 @@ def grads(
         masked = torch.where(finite, lse.double(), torch.zeros_like(lse.double()))
         loss = loss + (masked * dlse.to(lse.device)).sum()
     return torch.autograd.grad(loss, inputs)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny problems run faster, and steadier on a busy machine, on one thread (import it into a
+    test module to apply it there)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from common import make_inputs
+from common import make_inputs, one_thread  # noqa: F401  (one_thread: an autouse fixture)
 from reference import multiplicity, reference_attention
 from tolerance import assert_within_rule
 
@@ -28,14 +28,6 @@ SHAPES = [
 def runnable_backends() -> list[str]:
     reasons = backend_reasons(BackendRequest(torch.device("cpu"), torch.float64, 8))
     return [name for name in BACKEND_NAMES if not reasons[name]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("Hq,Hkv,N,segs,rates", SHAPES)

@@ -14,7 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from reference import reference_attention  # noqa: E402  (after the skip: needs nothing from transformers)
+from common import one_thread  # noqa: E402, F401  (after the skip; one_thread: an autouse fixture)
+from reference import reference_attention  # noqa: E402  (after the skip)
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig  # noqa: E402
 
 import dilated_attention.transformers as dt  # noqa: E402
@@ -63,14 +64,6 @@ def build(factory, seed=0, dtype=torch.float64, **kw):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     return model.to(dtype).eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:
