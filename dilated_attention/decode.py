@@ -23,6 +23,7 @@ import torch
 from . import _validation as V
 from .backends import check_backend_name
 from .flops import accumulation_dtype
+from .functional import _attention
 
 __all__ = ["DilatedKVCache", "decode_key_positions", "dilated_attention_decode"]
 
@@ -186,7 +187,7 @@ def dilated_attention_decode(
     check_backend_name(backend)
     if (k is None) != (v is None):
         raise ValueError("give both k and v (the new keys and values) or neither")
-    V.check_qkv(q, q, q)
+    V.check_qkv(q, q, q)  # q alone: a 4-D float tensor with a valid head dim
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -220,6 +221,10 @@ def dilated_attention_decode(
         if cache_leftpad is None
         else _as_lengths(cache_leftpad, B, q.device, "cache_leftpad")
     )
+    if B == 0 or m == 0:
+        out = q.new_zeros(q.shape)
+        lse = q.new_full((B, Hq, m), float("-inf"), dtype=accumulation_dtype(q.dtype))
+        return (out, lse) if return_lse else out
     end = seqlens + (m if k is not None else 0)  # slots in use after the call, (B,)
     lo, hi = int(seqlens.min()), int(end.max())
     if lo < (0 if k is not None else m) or hi > Ncap:
@@ -230,15 +235,9 @@ def dilated_attention_decode(
         )
     if int(leftpad.min()) < 0 or int(leftpad.max()) > Ncap:
         raise ValueError(f"cache_leftpad must be in [0, {Ncap}], got {leftpad.tolist()}")
-    if m == 0:
-        out = q.new_zeros(q.shape)
-        lse = q.new_full((B, Hq, 0), float("-inf"), dtype=accumulation_dtype(q.dtype))
-        return (out, lse) if return_lse else out
 
     if k is not None and hi == m and cache_leftpad is None:
         # A prefill: the whole causal forward of the new tokens, by the backend asked for.
-        from .functional import _attention
-
         k_cache[:, :m] = k
         v_cache[:, :m] = v
         return _attention(

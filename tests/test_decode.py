@@ -244,3 +244,11 @@ def test_readme_snippet_runs():
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["out"].shape == (2, 1, 8, 64) and scope["cache"].seqlens.tolist() == [101, 61]
+
+
+def test_empty_batch_and_no_new_queries():
+    kc = torch.zeros(2, 8, 2, 8)
+    out, lse = dilated_attention_decode(torch.zeros(2, 0, 4, 8), kc, kc, 3, 4, 1, return_lse=True)
+    assert out.shape == (2, 0, 4, 8) and lse.shape == (2, 4, 0)
+    out = dilated_attention_decode(torch.zeros(0, 1, 4, 8), kc[:0], kc[:0], 3, 4, 1)
+    assert out.shape == (0, 1, 4, 8)
