@@ -4,6 +4,8 @@
 k, v (B, N, Hkv, D), attention in which every branch ``(w, r)`` splits the sequence into segments
 of ``w`` positions, keeps every ``r``-th position of each segment (head ``h`` at phase ``h % r``)
 and attends within it; all branches of a query share one softmax (LongNet, Ding et al. 2023).
+``dilated_attention_decode`` and ``DilatedKVCache`` generate with a key/value cache; the optional
+``dilated_attention.transformers`` runs it inside HuggingFace transformers models.
 """
 
 from __future__ import annotations
