@@ -36,6 +36,7 @@ from tolerance import assert_within_rule
 
 from dilated_attention import dilated_attention as dattn
 from dilated_attention._ops import has_kernel
+from dilated_attention.backends import select_backend
 from dilated_attention.flops import attention_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -793,6 +794,32 @@ def test_benchmark_without_gpu_says_so():
 # The shared inputs, on the GPU unless a call says device="cpu".
 make_inputs = functools.partial(_make_inputs, device="cuda")
 
+
+def native(q, k, v, segs, rates, *, is_causal=False, softmax_scale=None, return_lse=False):
+    """The native op and nothing else: dilated_attention(..., backend="native"), asserting that
+    native is what ran (a fallback to another backend would otherwise pass these tests unseen),
+    or, for float64, which native declines on CUDA, torch.ops.dilated_attention.fwd itself (its
+    autograd formula calls torch.ops.dilated_attention.bwd)."""
+    if q.dtype == torch.float64:
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        out, lse = torch.ops.dilated_attention.fwd(q, k, v, list(segs), list(rates), is_causal, scale)
+    else:
+        out, lse = dattn(
+            q,
+            k,
+            v,
+            segs,
+            rates,
+            is_causal=is_causal,
+            softmax_scale=softmax_scale,
+            return_lse=True,
+            backend="native",
+        )
+        ran = select_backend("native", q, k).name
+        assert ran == "native", f"backend='native' fell back to {ran!r} for {q.device} {q.dtype}"
+    return (out, lse) if return_lse else out
+
+
 HAS_GPU = torch.cuda.is_available()
 HAS_CUDA_KERNEL = has_kernel("cuda")
 needs_gpu = pytest.mark.skipif(
@@ -824,7 +851,7 @@ CONFIGS = [
 
 def check_against_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, seed=0):
     q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed)
-    out, lse = dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="native")
+    out, lse = native(q, k, v, segs, rates, is_causal=is_causal, return_lse=True)
     assert out.is_cuda and out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert lse.shape == (B, Hq, N)
@@ -886,8 +913,8 @@ def test_cpu_and_cuda_agree(dtype):
     q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, device="cpu")
     qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
     for causal in (False, True):
-        out, lse = dattn(q, k, v, segs, rates, is_causal=causal, return_lse=True)
-        outc, lsec = dattn(qc, kc, vc, segs, rates, is_causal=causal, return_lse=True)
+        out, lse = native(q, k, v, segs, rates, is_causal=causal, return_lse=True)
+        outc, lsec = native(qc, kc, vc, segs, rates, is_causal=causal, return_lse=True)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
         out64, lse64 = reference_attention(q64, k64, v64, segs, rates, causal)
         ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -938,7 +965,7 @@ def test_gradcheck_float64():
     q, k, v = make_inputs(1, 11, 4, 2, 3, torch.float64, seed=5)
 
     def f(q, k, v):
-        return dattn(q, k, v, [4, 8], [1, 2], is_causal=True, return_lse=True)
+        return native(q, k, v, [4, 8], [1, 2], is_causal=True, return_lse=True)
 
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-6)
 
@@ -958,6 +985,7 @@ def test_torch_compile_fullgraph(dtype):
     loss_e = f(q, k, v)
     expected = torch.autograd.grad(loss_e, (q, k, v))
     torch.testing.assert_close(loss, loss_e)
+    assert select_backend("native", q, k).name == "native"
     for a, e in zip(got, expected, strict=True):
         torch.testing.assert_close(a, e)
 
@@ -971,7 +999,7 @@ def test_backward_is_bitwise_reproducible(dtype):
     dout = torch.randn(q.shape, device="cuda", dtype=dtype)
     runs = []
     for _ in range(3):
-        out = dattn(q, k, v, [32, 64, 128], [1, 2, 4], is_causal=True)
+        out = native(q, k, v, [32, 64, 128], [1, 2, 4], is_causal=True)
         runs.append(torch.autograd.grad(out, (q, k, v), dout))
     for later in runs[1:]:
         for a, b in zip(runs[0], later, strict=True):
@@ -982,7 +1010,7 @@ def test_backward_is_bitwise_reproducible(dtype):
 @pytest.mark.cuda
 def test_uncovered_rows_are_zero_with_neg_inf_lse():
     q, k, v = make_inputs(1, 16, 2, 2, 32, torch.bfloat16)
-    out, lse = dattn(q, k, v, [8], [4], return_lse=True)
+    out, lse = native(q, k, v, [8], [4], return_lse=True)
     phase = (torch.arange(16, device="cuda") % 8) % 4
     for h in range(2):
         covered = phase == h
@@ -1004,7 +1032,7 @@ def test_non_contiguous_and_misaligned_inputs(dtype):
     k = torch.randn(B, N, H, D + 1, generator=g).to("cuda", dtype)[..., 1:]  # misaligned rows
     v = torch.randn(B, N, H, 2 * D, generator=g).to("cuda", dtype)[..., ::2]  # strided last dim
     q.requires_grad_()
-    out, lse = dattn(q, k, v, [8, 32], [1, 4], softmax_scale=0.3, return_lse=True, is_causal=True)
+    out, lse = native(q, k, v, [8, 32], [1, 4], softmax_scale=0.3, return_lse=True, is_causal=True)
     q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     out64, lse64 = reference_attention(q64, k64, v64, [8, 32], [1, 4], True, softmax_scale=0.3)
     outl, lsel = reference_attention(
@@ -1022,7 +1050,7 @@ def test_nan_propagates_to_its_own_rows(monkeypatch, kernels):
     q, k, v = make_inputs(1, 16, 2, 2, 32, torch.bfloat16, requires_grad=False)
     q[0, 3, 0, 0] = float("nan")
     k[0, 5, 1, 1] = float("inf")
-    out, lse = dattn(q, k, v, [8], [1], return_lse=True)
+    out, lse = native(q, k, v, [8], [1], return_lse=True)
     assert torch.isnan(out[0, 3, 0]).all() and torch.isnan(lse[0, 0, 3])
     assert torch.isfinite(out[0, 8:, 0]).all()  # another segment is untouched
     assert not torch.isfinite(out[0, :8, 1]).all()
@@ -1055,9 +1083,9 @@ def test_current_stream_and_other_device_index():
     q, k, v = make_inputs(1, 64, 2, 2, 64, torch.bfloat16, requires_grad=False)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        out = dattn(q, k, v, [16], [1])
+        out = native(q, k, v, [16], [1])
     s.synchronize()
-    ref = dattn(q, k, v, [16], [1])
+    ref = native(q, k, v, [16], [1])
     assert torch.equal(out, ref)
 
 
@@ -1071,9 +1099,9 @@ def test_longnet_branches_against_cpu_kernel(is_causal):
     B, N, Hq, Hkv, D = 1, 8192, 8, 8, 64
     segs, rates = [512, 1024, 2048, 4096, 8192], [1, 2, 4, 8, 16]
     q, k, v = make_inputs(B, N, Hq, Hkv, D, torch.bfloat16, requires_grad=True)
-    out, lse = dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True)
+    out, lse = native(q, k, v, segs, rates, is_causal=is_causal, return_lse=True)
     q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    out64, lse64 = dattn(q64, k64, v64, segs, rates, is_causal=is_causal, return_lse=True)
+    out64, lse64 = native(q64, k64, v64, segs, rates, is_causal=is_causal, return_lse=True)
     torch.testing.assert_close(out.cpu().double(), out64, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.cpu().double(), lse64, atol=2e-2, rtol=1e-3)
     dout = torch.randn(q.shape, dtype=torch.float64)
