@@ -129,38 +129,17 @@ def large_cases(
 
 def sanitize_cases() -> list[Case]:
     """Tiny runs of every kernel (forward, dq, dk/dv, delta) of both families."""
+    forced_tiling = {"DILATED_ATTENTION_CUDA_TILING": "4,1"}
+    forced_simt = {"DILATED_ATTENTION_CUDA_SIMT": "1"}
+    bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
     return [
-        Case("tc-bf16-gqa-causal", 2, 150, 4, 2, 64, [16, 64], [1, 2], True, torch.bfloat16),
-        Case("tc-fp16-d256-optin", 1, 80, 2, 1, 256, [32, 64], [1, 2], False, torch.float16),
-        Case(
-            "tc-bf16-tiling-4-1",
-            1,
-            157,
-            4,
-            2,
-            64,
-            [12, 48, 96],
-            [1, 3, 4],
-            True,
-            torch.bfloat16,
-            env={"DILATED_ATTENTION_CUDA_TILING": "4,1"},
-        ),
-        Case("simt-f32-d40", 2, 90, 2, 1, 40, [7, 200], [1, 5], True, torch.float32),
-        Case("simt-f64-d24", 1, 61, 4, 2, 24, [8, 32], [1, 2], False, torch.float64),
-        Case("simt-bf16-d24", 1, 61, 4, 2, 24, [8, 32], [1, 2], True, torch.bfloat16),
-        Case(
-            "simt-forced-bf16",
-            1,
-            100,
-            2,
-            2,
-            64,
-            [16, 32],
-            [1, 2],
-            True,
-            torch.bfloat16,
-            env={"DILATED_ATTENTION_CUDA_SIMT": "1"},
-        ),
+        Case("tc-bf16-gqa-causal", 2, 150, 4, 2, 64, [16, 64], [1, 2], True, bf16),
+        Case("tc-fp16-d256-optin", 1, 80, 2, 1, 256, [32, 64], [1, 2], False, f16),
+        Case("tc-bf16-tiling-4-1", 1, 157, 4, 2, 64, [12, 48, 96], [1, 3, 4], True, bf16, env=forced_tiling),
+        Case("simt-f32-d40", 2, 90, 2, 1, 40, [7, 200], [1, 5], True, f32),
+        Case("simt-f64-d24", 1, 61, 4, 2, 24, [8, 32], [1, 2], False, f64),
+        Case("simt-bf16-d24", 1, 61, 4, 2, 24, [8, 32], [1, 2], True, bf16),
+        Case("simt-forced-bf16", 1, 100, 2, 2, 64, [16, 32], [1, 2], True, bf16, env=forced_simt),
     ]
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import grads
+from common import grads, load_script
 from common import make_inputs as _make_inputs
 from reference import multiplicity, reference_attention
 from tolerance import assert_within_rule
@@ -55,13 +55,16 @@ _WALK_SOURCE = r"""
 
 /* Replays, for every thread block, what the CUDA kernels do with their rows: the walk over
  * (head, branch, segment, chunk), the block-wide "any row active" test, and each warp's skip and
- * mask decisions; adds every pair that a warp computes unmasked or that passes the mask to
- * mult[h][query][key], and the pairs computed (masked or not) by the warps that do not skip to
- * chosen[2]. Returns 0, or 1 with a message in err. */
+ * mask decisions. work[1] counts the pairs that warps compute (rows_per_warp x other_tile per
+ * chunk they do not skip) and work[0] the useful ones among them. With mult, every pair that a
+ * warp computes unmasked or that passes the mask is added to mult[h][query][key] (and counted);
+ * without it (mult == NULL, for lengths where an (N, N) mask does not fit) the useful pairs of each
+ * active row are counted in closed form and only every tile_step-th thread block is walked.
+ * Returns 0, or 1 with a message in err. */
 extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const int64_t* w,
                          const int64_t* r, int causal, int rows_are, int64_t R, int64_t interleaved,
-                         int64_t rows_per_warp, int64_t other_tile, int64_t* mult, int64_t* chosen,
-                         char* err, int errlen) {
+                         int64_t rows_per_warp, int64_t other_tile, int64_t tile_step, int64_t* mult,
+                         int64_t* chosen, double* work, char* err, int errlen) {
   da_branches br;
   br.n = nb;
   for (int64_t i = 0; i < nb; ++i) { br.w[i] = w[i]; br.r[i] = r[i]; }
@@ -70,7 +73,9 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
                             : da_choose_tiling(N, &br, causal, warps, rows_per_warp);
   chosen[0] = t.R;
   chosen[1] = t.interleaved;
-  chosen[2] = 0;
+  work[0] = work[1] = 0.0;
+  if (mult == NULL && tile_step < 1) { snprintf(err, errlen, "tile_step must be >= 1"); return 1; }
+  if (mult != NULL) tile_step = 1;
   const int64_t M = da_tile_rows(&t);
   std::vector<int64_t> seen(N, 0);
   std::vector<int64_t> pos(M), jrow(M);
@@ -78,7 +83,7 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
   for (int64_t grp = 0; grp < groups; ++grp) {
     const int64_t h0 = rows_are == DA_ROWS_ARE_QUERIES ? grp : grp * G;
     const int64_t nh = rows_are == DA_ROWS_ARE_QUERIES ? 1 : G;
-    for (int64_t tile = 0; tile < da_num_tiles(&t); ++tile) {
+    for (int64_t tile = 0; tile < da_num_tiles(&t); tile += tile_step) {
       const int64_t base = da_tile_base(&t, tile);
       if (base >= N) continue;
       const int64_t last = da_tile_last(&t, base, N);
@@ -102,17 +107,26 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
         }
         if (!any) { ++st.s; continue; }
         const int64_t h = h0 + st.gi;
-        for (int64_t o0 = st.o_begin; o0 < st.o_end; o0 += other_tile) {
-          for (int64_t wp = 0; wp < warps; ++wp) {
-            int wany = 0, wall = 1;
-            int64_t jmin = INT64_MAX, jmax = -1;
-            for (int64_t i = 0; i < rows_per_warp; ++i) {
-              const int64_t j = jrow[wp * rows_per_warp + i];
-              if (j >= 0) { wany = 1; jmin = j < jmin ? j : jmin; jmax = j > jmax ? j : jmax; }
-              else wall = 0;
-            }
+        for (int64_t wp = 0; wp < warps; ++wp) {
+          int wany = 0, wall = 1;
+          int64_t jmin = INT64_MAX, jmax = -1;
+          for (int64_t i = 0; i < rows_per_warp; ++i) {
+            const int64_t j = jrow[wp * rows_per_warp + i];
+            if (j < 0) { wall = 0; continue; }
+            wany = 1;
+            jmin = j < jmin ? j : jmin;
+            jmax = j > jmax ? j : jmax;
+            if (mult != NULL) continue;
+            int64_t lo = st.o_begin, hi = st.o_end; /* the row's useful pairs, in closed form */
+            if (causal && rows_are == DA_ROWS_ARE_QUERIES && j + 1 < hi) hi = j + 1;
+            if (causal && rows_are == DA_ROWS_ARE_KEYS && j > lo) lo = j;
+            if (hi > lo) work[0] += (double)(hi - lo);
+          }
+          for (int64_t o0 = st.o_begin; o0 < st.o_end; o0 += other_tile) {
             const int skip = da_chunk_skip(rows_are, causal, o0, other_tile, wany, jmin, jmax);
             const int mask = da_chunk_needs_mask(rows_are, causal, o0, other_tile, st.o_end, wall, jmin, jmax);
+            if (!skip) work[1] += (double)(rows_per_warp * other_tile);
+            if (mult == NULL) continue;
             for (int64_t i = 0; i < rows_per_warp; ++i) {
               const int64_t m = wp * rows_per_warp + i;
               for (int64_t jj = 0; jj < other_tile; ++jj) {
@@ -122,7 +136,6 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
                   if (act) { snprintf(err, errlen, "warp skipped an active pair"); return 1; }
                   continue;
                 }
-                chosen[2] += 1;
                 if (!mask && !act) { snprintf(err, errlen, "an inactive pair was left unmasked"); return 1; }
                 if (!act) continue;
                 const int64_t x = st.seg_first + j * st.r;
@@ -130,6 +143,7 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
                 const int64_t qp = rows_are == DA_ROWS_ARE_QUERIES ? pos[m] : x;
                 const int64_t kp = rows_are == DA_ROWS_ARE_QUERIES ? x : pos[m];
                 mult[(h * N + qp) * N + kp] += 1;
+                work[0] += 1.0;
               }
             }
           }
@@ -138,7 +152,7 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
       }
     }
   }
-  for (int64_t p = 0; p < N; ++p)
+  for (int64_t p = 0; p < N && tile_step == 1; ++p)
     if (seen[p] != 1) {
       snprintf(err, errlen, "position %lld belongs to %lld rows", (long long)p, (long long)seen[p]);
       return 1;
@@ -154,70 +168,6 @@ extern "C" double da_cost(int64_t N, int64_t nb, const int64_t* w, const int64_t
   const da_tiling t = R > 0 ? da_make_tiling(N, R, interleaved, 4, rows_per_warp)
                             : da_choose_tiling(N, &br, causal, 4, rows_per_warp);
   return da_tiling_cost(&t, N, &br, causal);
-}
-
-/* The same walk as da_replay, counting instead of listing pairs, for lengths where an (N, N) mask
- * does not fit: per (thread block, segment, warp), the useful pairs of each active row in closed
- * form and the pairs that the warp computes (rows_per_warp x other_tile per chunk it does not
- * skip). Every tile_step-th thread block. work[0] = useful, work[1] = computed. */
-extern "C" void da_walk_work(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const int64_t* w,
-                             const int64_t* r, int causal, int rows_are, int64_t R, int64_t interleaved,
-                             int64_t rows_per_warp, int64_t other_tile, int64_t tile_step, double* work,
-                             int64_t* chosen) {
-  da_branches br;
-  br.n = nb;
-  for (int64_t i = 0; i < nb; ++i) { br.w[i] = w[i]; br.r[i] = r[i]; }
-  const int64_t warps = 4, G = Hq / Hkv;
-  const da_tiling t = R > 0 ? da_make_tiling(N, R, interleaved, warps, rows_per_warp)
-                            : da_choose_tiling(N, &br, causal, warps, rows_per_warp);
-  chosen[0] = t.R;
-  chosen[1] = t.interleaved;
-  const int64_t M = da_tile_rows(&t);
-  std::vector<int64_t> pos(M), jrow(M);
-  double useful = 0, computed = 0;
-  const int64_t groups = rows_are == DA_ROWS_ARE_QUERIES ? Hq : Hkv;
-  for (int64_t grp = 0; grp < groups; ++grp) {
-    const int64_t h0 = rows_are == DA_ROWS_ARE_QUERIES ? grp : grp * G;
-    const int64_t nh = rows_are == DA_ROWS_ARE_QUERIES ? 1 : G;
-    for (int64_t tile = 0; tile < da_num_tiles(&t); tile += tile_step) {
-      const int64_t base = da_tile_base(&t, tile);
-      if (base >= N) continue;
-      const int64_t last = da_tile_last(&t, base, N);
-      for (int64_t wp = 0; wp < warps; ++wp)
-        for (int64_t i = 0; i < rows_per_warp; ++i) pos[wp * rows_per_warp + i] = da_row_position(&t, base, wp, i);
-      da_walk st;
-      da_walk_begin(&st);
-      while (da_walk_candidate(&st, &br, nh, h0, base, last, N, causal, rows_are)) {
-        bool any = false;
-        for (int64_t m = 0; m < M; ++m) {
-          jrow[m] = da_row_index(pos[m], N, st.s, st.w, st.r, st.o);
-          any = any || jrow[m] >= 0;
-        }
-        if (!any) { ++st.s; continue; }
-        for (int64_t wp = 0; wp < warps; ++wp) {
-          int wany = 0;
-          int64_t jmin = INT64_MAX, jmax = -1;
-          for (int64_t i = 0; i < rows_per_warp; ++i) {
-            const int64_t j = jrow[wp * rows_per_warp + i];
-            if (j < 0) continue;
-            wany = 1;
-            jmin = j < jmin ? j : jmin;
-            jmax = j > jmax ? j : jmax;
-            int64_t lo = st.o_begin, hi = st.o_end;
-            if (causal && rows_are == DA_ROWS_ARE_QUERIES && j + 1 < hi) hi = j + 1;
-            if (causal && rows_are == DA_ROWS_ARE_KEYS && j > lo) lo = j;
-            if (hi > lo) useful += (double)(hi - lo);
-          }
-          for (int64_t o0 = st.o_begin; o0 < st.o_end; o0 += other_tile)
-            if (!da_chunk_skip(rows_are, causal, o0, other_tile, wany, jmin, jmax))
-              computed += (double)(rows_per_warp * other_tile);
-        }
-        ++st.s;
-      }
-    }
-  }
-  work[0] = useful;
-  work[1] = computed;
 }
 """
 
@@ -252,18 +202,11 @@ def walk_lib(tmp_path_factory):
     so.da_replay.argtypes = (
         [ctypes.c_int64] * 4
         + [i64p, i64p, ctypes.c_int, ctypes.c_int]
-        + [ctypes.c_int64] * 4
-        + [i64p, i64p, ctypes.c_char_p, ctypes.c_int]
+        + [ctypes.c_int64] * 5
+        + [i64p, i64p, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int]
     )
     so.da_cost.restype = ctypes.c_double
     so.da_cost.argtypes = [ctypes.c_int64, ctypes.c_int64, i64p, i64p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    so.da_walk_work.restype = None
-    so.da_walk_work.argtypes = (
-        [ctypes.c_int64] * 4
-        + [i64p, i64p, ctypes.c_int, ctypes.c_int]
-        + [ctypes.c_int64] * 5
-        + [ctypes.POINTER(ctypes.c_double), i64p]
-    )
     return so
 
 
@@ -272,14 +215,13 @@ def _i64(values):
     return ctypes.cast(arr, ctypes.POINTER(ctypes.c_int64)), arr
 
 
-def replay(
-    lib, N, Hq, Hkv, segs, rates, causal, rows_are, R=0, interleaved=0, rows_per_warp=16, other_tile=64
+def _replay(
+    lib, N, Hq, Hkv, segs, rates, causal, rows_are, R, interleaved, rows_per_warp, other_tile, step, mult
 ):
-    """(Hq, N, N) multiplicities visited by the kernels' walk, and (R, interleaved, pairs computed)."""
-    mult = torch.zeros(Hq * N * N, dtype=torch.int64)
-    chosen = torch.zeros(3, dtype=torch.int64)
     w, _w = _i64(segs)
     r, _r = _i64(rates)
+    chosen = (ctypes.c_int64 * 2)()
+    work = (ctypes.c_double * 2)()
     err = ctypes.create_string_buffer(256)
     i64p = ctypes.POINTER(ctypes.c_int64)
     rc = lib.da_replay(
@@ -295,13 +237,36 @@ def replay(
         interleaved,
         rows_per_warp,
         other_tile,
-        ctypes.cast(mult.data_ptr(), i64p),
-        ctypes.cast(chosen.data_ptr(), i64p),
+        step,
+        None if mult is None else ctypes.cast(mult.data_ptr(), i64p),
+        chosen,
+        work,
         err,
         256,
     )
     assert rc == 0, err.value.decode()
-    return mult.view(Hq, N, N), tuple(chosen.tolist())
+    return (chosen[0], chosen[1]), (work[0], work[1])
+
+
+def replay(
+    lib, N, Hq, Hkv, segs, rates, causal, rows_are, R=0, interleaved=0, rows_per_warp=16, other_tile=64
+):
+    """(Hq, N, N) multiplicities visited by the kernels' walk, and (R, interleaved, useful pairs,
+    pairs computed)."""
+    mult = torch.zeros(Hq * N * N, dtype=torch.int64)
+    tiling, work = _replay(
+        lib, N, Hq, Hkv, segs, rates, causal, rows_are, R, interleaved, rows_per_warp, other_tile, 1, mult
+    )
+    return mult.view(Hq, N, N), (*tiling, *work)
+
+
+def walk_work(lib, N, H, segs, rates, causal, rows_are, R=0, il=0, rpw=16, other_tile=64, tile_step=1):
+    """(useful pairs, pairs computed, (R, interleaved)) of the kernels' walk, counted without the
+    (N, N) mask, over every tile_step-th thread block."""
+    tiling, work = _replay(
+        lib, N, H, H, segs, rates, causal, rows_are, R, il, rpw, other_tile, tile_step, None
+    )
+    return work[0], work[1], tiling
 
 
 # (N, Hq, Hkv, segment_lengths, dilation_rates)
@@ -386,18 +351,6 @@ def test_tiling_choice_for_longnet_branches(walk_lib):
     assert tiling[0] >= 1
 
 
-def walk_work(lib, N, H, segs, rates, causal, rows_are, R=0, il=0, rpw=16, other_tile=64, tile_step=1):
-    """(useful pairs, pairs computed, (R, interleaved)) of the kernels' walk, counted (da_walk_work)."""
-    w, _w = _i64(segs)
-    r, _r = _i64(rates)
-    work = (ctypes.c_double * 2)()
-    chosen = (ctypes.c_int64 * 2)()
-    lib.da_walk_work(
-        N, H, H, len(segs), w, r, int(causal), rows_are, R, il, rpw, other_tile, tile_step, work, chosen
-    )
-    return work[0], work[1], (chosen[0], chosen[1])
-
-
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_walk_counts_match_the_replay(walk_lib, is_causal):
     """The counting walk (used where the (N, N) mask does not fit) agrees with the full replay."""
@@ -406,13 +359,22 @@ def test_walk_counts_match_the_replay(walk_lib, is_causal):
         for R, il in TILINGS:
             for rows_are in (0, 1):
                 for rpw, ot in [(16, 64), (4, 32)]:
-                    _, (_, _, computed) = replay(
+                    _, (_, _, useful_x, computed) = replay(
                         walk_lib, N, Hq, Hq, segs, rates, is_causal, rows_are, R, il, rpw, ot
                     )
                     useful, comp, _ = walk_work(
                         walk_lib, N, Hq, segs, rates, is_causal, rows_are, R, il, rpw, ot
                     )
-                    assert (useful, comp) == (expected, computed), (N, segs, rates, R, il, rows_are, rpw, ot)
+                    assert (useful, comp) == (expected, computed) and useful_x == expected, (
+                        N,
+                        segs,
+                        rates,
+                        R,
+                        il,
+                        rows_are,
+                        rpw,
+                        ot,
+                    )
 
 
 # The tensor-core kernels at head dim 64: (name, rows are, keys or queries per chunk).
@@ -748,13 +710,7 @@ def test_emulated_random_configs(emu):
 
 
 def _load_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_cuda", ROOT / "benchmarks" / "bench_cuda.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_cuda"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "benchmarks" / "bench_cuda.py")
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])

@@ -5,7 +5,6 @@ tensors)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from common import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -187,11 +187,7 @@ def test_failures_time_limits_and_the_deadline(tmp_path, fake_tools):
 
 @pytest.fixture(scope="module")
 def smoke():
-    spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "scripts" / "gpu_smoke.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_smoke"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
+    yield load_script(ROOT / "scripts" / "gpu_smoke.py")
     del sys.modules["gpu_smoke"]
 
 
