@@ -12,15 +12,17 @@
 #                  (TORCH_CUDA_ARCH_LIST from the GPU, 9.0 on H100/H200; GPU_CHECK_ARCH overrides),
 #                  nvcc flags "-Xptxas -v" (registers and spills of every kernel)  -> build.log
 #   tests     300  pytest tests/test_cuda.py -m cuda (the GPU tests; GPU_CHECK_TESTS=all runs the
-#                  whole file, GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1)      -> tests.log
+#                  whole file, GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1; in
+#                  GPU_CHECK_WORKERS processes, default 4, where pytest-xdist is installed) -> tests.log
 #   smoke     180  scripts/gpu_smoke.py: fwd/bwd against the CPU op in float64, B = 64, inputs of
 #                  more than 2^31 elements                                          -> smoke.log
 #   sanitize  240  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
 #                  runs of both kernel families (scripts/gpu_smoke.py --cases sanitize) -> sanitize.log
 #   bench     180  benchmarks/bench_cuda.py --tokens 262144                   -> bench.md/.csv/.png
 #
-# The whole run ends within GPU_CHECK_DEADLINE seconds (default 570): a step gets at most the time
-# left, and a step with less than 30 s left is reported "not run"; run it with a second command
+# The steps end within GPU_CHECK_DEADLINE seconds (default 540, so that a whole run fits in 10
+# minutes): a step gets at most the time left, and one that would start with less than 30 s (or
+# less than its whole budget, if smaller) is reported "not run"; run it with a second command
 # (e.g. --steps sanitize,bench: the in-place build stays). summary.md holds the GPU, the commit,
 # each step's status and time and the key lines of every log; at most 8 files are written.
 # Exit status: 0 when every step passed (or when there is no GPU), 1 when one did not, 2 on a usage
@@ -43,7 +45,7 @@ die_usage() {
 }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-out_dir="" steps_arg="" dry=0 deadline=${GPU_CHECK_DEADLINE:-570}
+out_dir="" steps_arg="" dry=0 deadline=${GPU_CHECK_DEADLINE:-540}
 while [ $# -gt 0 ]; do
   case "$1" in
     -h | --help) usage; exit 0 ;;
@@ -117,6 +119,10 @@ done
 
 tests_sel=(-m cuda)
 [ "${GPU_CHECK_TESTS:-gpu}" = "all" ] && tests_sel=()
+# pytest-xdist, where installed, runs the tests in GPU_CHECK_WORKERS processes (default 4; 1: none).
+workers=${GPU_CHECK_WORKERS:-4}
+is_uint "$workers" && [ "$workers" -ge 1 ] || die_usage "GPU_CHECK_WORKERS must be a whole number >= 1, got '$workers'"
+if [ "$workers" -gt 1 ] && "$PYTHON" -c "import xdist" >/dev/null 2>&1; then tests_sel+=(-n "$workers"); fi
 slow=0
 [ "${GPU_CHECK_SLOW:-0}" = "1" ] && slow=1
 jobs=$(nproc 2>/dev/null || echo 4)
@@ -221,6 +227,11 @@ for s in "${steps[@]}"; do
         for t in "${SANITIZER_TOOLS[@]}"; do
           each=$(((budget - ($(date +%s) - t0)) / n))  # the step's time left, shared by the tools left
           n=$((n - 1))
+          if [ "$each" -lt 5 ]; then
+            printf '\n===== compute-sanitizer --tool %s: not run, out of time\n' "$t" >>"$log"
+            rc=124
+            continue
+          fi
           printf '\n===== compute-sanitizer --tool %s (limit %s s) =====\n' "$t" "$each" >>"$log"
           extra=()
           [ "$t" = memcheck ] && extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)  # each tensor its own allocation
