@@ -132,7 +132,8 @@ def recommended_dtype(device: DeviceLike = None) -> torch.dtype:
 def uses_simt_kernels(device: DeviceLike, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the native CUDA op runs float16/bfloat16 inputs of this head dim on its SIMT kernels
     (no tensor cores: below sm_80, or a head dim outside 32..256 or not a multiple of 8). False
-    for other dtypes (they always run there) and for devices that are not CUDA GPUs."""
+    for float32/float64 (they have no tensor-core kernels to miss) and for devices that are not CUDA
+    GPUs."""
     if dtype not in (torch.float16, torch.bfloat16):
         return False
     cap = compute_capability(device)
