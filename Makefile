@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.14.1
 # The tested range of the optional extra `transformers` (pyproject.toml), so that its tests run.
 TRANSFORMERS_SPEC ?= transformers>=5.23,<5.24
 
-.PHONY: help deps install lint format test test-slow train bench cuda-check clean
+.PHONY: help deps install lint format test test-slow train bench cuda-check gpu-check clean
 
 help:
 	@echo "make install     build and install the package (editable) into the current Python"
@@ -14,7 +14,8 @@ help:
 	@echo "make test        run the test suite"
 	@echo "make train       train the example GPT on the bundled corpus, then sample from it"
 	@echo "make bench       CPU benchmark of every backend against the alternatives"
-	@echo "make cuda-check  compile the CUDA kernels (no GPU needed)"
+	@echo "make cuda-check  compile the CUDA kernels, and check they assemble for sm_60/61 (no GPU needed)"
+	@echo "make gpu-check   verify the CUDA kernels on this machine's GPU (scripts/gpu_check.sh)"
 
 deps:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -53,8 +54,13 @@ train:
 bench:
 	$(PYTHON) benchmarks/bench.py
 
+# The sm_60/61 check fetches a CUDA 12 ptxas once (the nvidia-cuda-nvcc-cu12 wheel, with pip).
 cuda-check:
 	bash scripts/check_cuda_build.sh
+	bash scripts/check_simt_sm60.sh
+
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf build dilated_attention/_C*.so *.egg-info

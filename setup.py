@@ -38,11 +38,13 @@ def _nvcc_version() -> tuple[int, int] | None:
 
 
 def _default_arch_list() -> str:
-    """6.0-9.0 by default; CUDA 13 dropped sm_5x-sm_7.0, so it starts at 7.5 there."""
+    """6.0-9.0 by default; CUDA 13 dropped sm_5x-sm_7.0, so it starts at 7.5 there. The newest
+    target also ships as PTX, which the driver compiles for newer GPUs (Blackwell sm_100/sm_120) on
+    first use, so that they do not fail with "no kernel image is available"."""
     version = _nvcc_version()
     if version is not None and version[0] >= 13:
-        return "7.5;8.0;8.6;8.9;9.0"
-    return "6.0;6.1;7.0;7.5;8.0;8.6;8.9;9.0"
+        return "7.5;8.0;8.6;8.9;9.0+PTX"
+    return "6.0;6.1;7.0;7.5;8.0;8.6;8.9;9.0+PTX"
 
 
 def _toolkit_root() -> str | None:

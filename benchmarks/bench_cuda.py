@@ -295,10 +295,10 @@ def table_rows(rows: list[Row], mm: float) -> list[list[str]]:
 
 
 def write_results(rows: list[Row], mm: float, args, gpu: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     slug = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
-    stem = RESULTS / f"cuda_{slug}_{stamp}"
+    stem = Path(args.out) if args.out else RESULTS / f"cuda_{slug}_{stamp}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
     body = table_rows(rows, mm)
     lines = [
         f"# Native CUDA kernels vs gather + SDPA (flash) + LSE merge, bf16, on {gpu}",
@@ -390,6 +390,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matmul-size", type=int, default=8192)
     p.add_argument("--quick", action="store_true", help="one small configuration (a smoke test)")
     p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="STEM",
+        help="write STEM.md, STEM.csv and STEM.png (default: benchmarks/results/cuda_<gpu>_<time>)",
+    )
     args = p.parse_args(argv)
     for name in ("tokens", "heads", "head_dims"):
         bad = [x for x in getattr(args, name) if x < 1]

@@ -11,17 +11,28 @@ CUDA sm_6x (Pascal) or older  float32             native, xformers, sdpa, manual
 other devices (mps, xpu...)   float32             sdpa, manual
 ============================  ==================  ===================================================
 
+Two rules change the CUDA rows:
+
+* float16/bfloat16 calls that the native CUDA kernels would run on their SIMT kernels (below sm_80,
+  or a head dim outside 32..256 or not a multiple of 8; see ``docs/cuda.md``) try ``native`` after
+  ``xformers`` and ``sdpa``: without tensor cores it is the slower choice.
+* While :data:`CUDA_KERNELS_VERIFIED` is False (the CUDA kernels have not yet passed
+  ``scripts/gpu_check.sh`` on a GPU), ``auto`` leaves ``native`` out on CUDA: it runs there only
+  when asked for by name (``backend="native"``). This is said once at INFO.
+
 Each backend still checks what it can run (package installed, dtype, head dim, dropout); ``auto``
 takes the first in this order that can.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 __all__ = [
+    "CUDA_KERNELS_VERIFIED",
     "HardwareInfo",
     "as_device",
     "compute_capability",
@@ -30,7 +41,16 @@ __all__ = [
     "hardware_info",
     "recommended_backends",
     "recommended_dtype",
+    "uses_simt_kernels",
 ]
+
+logger = logging.getLogger(__name__)
+
+# Whether the native op's CUDA kernels (csrc/cuda) have passed the GPU verification of
+# scripts/gpu_check.sh (docs/cuda.md). Until then ``auto`` does not pick ``native`` on CUDA.
+CUDA_KERNELS_VERIFIED = False
+
+_said_unverified = False
 
 DeviceLike = str | int | torch.device | None
 
@@ -109,23 +129,53 @@ def recommended_dtype(device: DeviceLike = None) -> torch.dtype:
     return torch.float32
 
 
-def recommended_backends(device: DeviceLike = None) -> list[str]:
-    """The order in which ``auto`` tries the backends on ``device`` (fastest first)."""
+def uses_simt_kernels(device: DeviceLike, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the native CUDA op runs float16/bfloat16 inputs of this head dim on its SIMT kernels
+    (no tensor cores: below sm_80, or a head dim outside 32..256 or not a multiple of 8). False
+    for float32/float64 (they have no tensor-core kernels to miss) and for devices that are not CUDA
+    GPUs."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    cap = compute_capability(device)
+    if cap is None:
+        return False
+    return cap < (8, 0) or not (32 <= head_dim <= 256 and head_dim % 8 == 0)
+
+
+def recommended_backends(
+    device: DeviceLike = None, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> list[str]:
+    """The order in which ``auto`` tries the backends on ``device`` (fastest first) for inputs of
+    ``dtype`` and ``head_dim`` (None: any; they matter on CUDA only, see the module doc)."""
     dev = as_device(device)
     if dev.type == "cpu":
         return ["native", "sdpa", "manual"]
     if dev.type != "cuda":
         return ["sdpa", "manual"]
     cap = compute_capability(dev)
-    if cap is None:  # CUDA asked for but not there: the backends will say why they cannot run
-        return ["native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual"]
-    order = ["native"]
-    if cap[0] == 9:
+    order = []
+    if cap is None or cap[0] == 9:  # cap None: CUDA asked for but not there; the backends say why
         order.append("flash_attn_3")
-    if cap >= (8, 0):
+    if cap is None or cap >= (8, 0):
         order.append("flash_attn_2")
-    order += ["xformers", "sdpa", "manual"]
-    return order
+    order += ["xformers", "sdpa"]
+    if CUDA_KERNELS_VERIFIED:
+        simt = dtype is not None and uses_simt_kernels(dev, dtype, head_dim if head_dim is not None else 64)
+        order.insert(len(order) if simt else 0, "native")
+    else:
+        _say_unverified()
+    return [*order, "manual"]
+
+
+def _say_unverified() -> None:
+    global _said_unverified
+    if not _said_unverified:
+        _said_unverified = True
+        logger.info(
+            "dilated_attention: the native CUDA kernels have not been verified on a GPU yet, so backend='auto' "
+            "does not choose them on CUDA (it takes flash_attn_3/flash_attn_2, xformers or sdpa); "
+            "pass backend='native' to run them"
+        )
 
 
 @dataclass(frozen=True)

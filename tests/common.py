@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +55,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def load_script(path: Path):
+    """A script that is no package module (benchmarks/, scripts/), imported by its path under its
+    file name (dataclasses look their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -21,6 +21,16 @@ def fake_cuda(monkeypatch):
     return state
 
 
+@pytest.fixture
+def verified(monkeypatch):
+    """Sets hardware.CUDA_KERNELS_VERIFIED for one test."""
+
+    def set_(value: bool) -> None:
+        monkeypatch.setattr(hardware, "CUDA_KERNELS_VERIFIED", value)
+
+    return set_
+
+
 @pytest.mark.parametrize(
     "cap,dtype,order",
     [
@@ -35,8 +45,9 @@ def fake_cuda(monkeypatch):
         ((10, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
     ],
 )
-def test_recommendations_by_capability(fake_cuda, cap, dtype, order):
+def test_recommendations_by_capability(fake_cuda, verified, cap, dtype, order):
     fake_cuda["cap"] = cap
+    verified(True)
     assert hardware.compute_capability("cuda") == cap
     assert hardware.compute_capability(0) == cap
     assert hardware.recommended_dtype("cuda:0") == dtype
@@ -48,6 +59,79 @@ def test_recommendations_by_capability(fake_cuda, cap, dtype, order):
     assert "there is no CUDA device 3" in hardware.device_unavailable("cuda:3")
     assert hardware.compute_capability("cuda:3") is None
     assert hardware.as_device(None) == torch.device("cuda", 0)  # the default device when CUDA is there
+    # Until the CUDA kernels are verified on a GPU, auto leaves native out on CUDA (never on CPU).
+    verified(False)
+    assert hardware.recommended_backends("cuda") == [n for n in order if n != "native"]
+    assert hardware.recommended_backends("cpu")[0] == "native"
+
+
+@pytest.mark.parametrize(
+    "cap,dtype,head_dim,simt",
+    [
+        ((7, 5), torch.float16, 64, True),  # no tensor-core kernels below sm_80
+        ((7, 0), torch.bfloat16, 128, True),
+        ((7, 5), torch.float32, 64, False),  # float32 always runs on the SIMT kernels, as elsewhere
+        ((8, 0), torch.float16, 64, False),
+        ((9, 0), torch.bfloat16, 256, False),
+        ((9, 0), torch.bfloat16, 20, True),  # head dim below 32
+        ((9, 0), torch.float16, 36, True),  # not a multiple of 8
+        ((8, 6), torch.bfloat16, 264, True),  # above 256 (native refuses it anyway)
+    ],
+)
+def test_half_precision_on_simt_kernels_goes_after_sdpa(fake_cuda, verified, cap, dtype, head_dim, simt):
+    fake_cuda["cap"] = cap
+    verified(True)
+    assert hardware.uses_simt_kernels("cuda", dtype, head_dim) == simt
+    order = hardware.recommended_backends("cuda", dtype, head_dim)
+    assert order[-1] == "manual"
+    if simt:
+        assert order.index("native") == order.index("sdpa") + 1 and order.index("xformers") < order.index(
+            "sdpa"
+        )
+    else:
+        assert order[0] == "native"
+    verified(False)
+    assert "native" not in hardware.recommended_backends("cuda", dtype, head_dim)
+
+
+def test_unverified_cuda_kernels_are_said_once_at_info(fake_cuda, verified, monkeypatch, caplog):
+    verified(False)
+    monkeypatch.setattr(hardware, "_said_unverified", False)
+    with caplog.at_level("INFO", logger="dilated_attention.hardware"):
+        hardware.recommended_backends("cuda")
+        hardware.recommended_backends("cuda", torch.bfloat16, 64)
+        hardware.recommended_backends("cpu")
+    said = [r for r in caplog.records if "not been verified" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO" and "backend='native'" in said[0].getMessage()
+
+
+def test_native_warns_once_when_half_precision_runs_on_simt_kernels(fake_cuda, monkeypatch):
+    from types import SimpleNamespace
+
+    from dilated_attention.backends import native
+
+    monkeypatch.setattr(native, "_SIMT", {})
+
+    def call(dtype, head_dim):
+        native._warn_if_simt(
+            SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(1, 8, 2, head_dim))
+        )
+
+    fake_cuda["cap"] = (7, 5)
+    with pytest.warns(
+        UserWarning, match=r"float16 inputs of head dim 64 .* SIMT CUDA kernels, .* the GPU is sm_75"
+    ):
+        call(torch.float16, 64)
+    fake_cuda["cap"] = (9, 0)
+    with pytest.warns(UserWarning, match="bfloat16 inputs of head dim 20 .* the head dim is 20"):
+        call(torch.bfloat16, 20)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(torch.float16, 64)  # said already
+        call(torch.bfloat16, 20)
+        call(torch.bfloat16, 128)  # tensor cores
 
 
 def test_cpu_and_other_devices():

@@ -80,10 +80,10 @@ bool env_tiling(int64_t* R, int64_t* interleaved) {
   return true;
 }
 
-da_tiling make_tiling(int64_t N, const da_branches& br, int64_t rows_per_warp) {
+da_tiling make_tiling(const Problem& P, int64_t rows_per_warp) {
   int64_t R = 1, il = 0;
-  if (env_tiling(&R, &il)) return da_make_tiling(N, R, il, 4, rows_per_warp);
-  return da_choose_tiling(N, &br, 4, rows_per_warp);
+  if (env_tiling(&R, &il)) return da_make_tiling(P.N, R, il, 4, rows_per_warp);
+  return da_choose_tiling(P.N, &P.branches, P.is_causal ? 1 : 0, 4, rows_per_warp);
 }
 
 // Limits of the launch grid and of the kernels' 32-bit indices.
@@ -181,14 +181,14 @@ bool tc_fits(int kernel, DType t, const Params& p, const Device& prop) {
 void run(int kernel, const Problem& P, DType t, Params p, bool use_tc, const Device& prop,
          cudaStream_t stream) {
   if (use_tc) {
-    p.tiling = make_tiling(P.N, P.branches, 16);
+    p.tiling = make_tiling(P, 16);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for N = ", P.N);
     tc_call(kernel, t, p, true, stream);
   } else {
     int64_t rpw = 4;
     simt_plan(P, t, prop, kernel, &rpw, &p.other_tile);
-    p.tiling = make_tiling(P.N, P.branches, rpw);
+    p.tiling = make_tiling(P, rpw);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for N = ", P.N);
     if (kernel == cuda::kFwd)

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "../dilated_attention.h"
 #include "tiling.h"
 
@@ -61,6 +63,37 @@ void simt_fwd(const Params& p, DType t, cudaStream_t stream);
 void simt_dq(const Params& p, DType t, cudaStream_t stream);
 void simt_dkv(const Params& p, DType t, cudaStream_t stream);
 void delta_kernel(const Params& p, DType t, cudaStream_t stream);
+
+#ifndef DA_CUDA_EMULATION
+// Above 48 KiB of dynamic shared memory a kernel must be allowed more first
+// (cudaFuncAttributeMaxDynamicSharedMemorySize). The attribute stays set for the life of the
+// process, so each kernel asks once per device, and again only for a larger size: one SmemOptIn
+// per kernel (a function-local static of its launcher) remembers what each device granted.
+struct SmemOptIn {
+  static constexpr int kDevices = 64;  // devices beyond this many ask on every call
+  std::atomic<int> granted[kDevices] = {};
+};
+
+// Whether `kernel` may be launched with `smem` bytes of dynamic shared memory on the current
+// device. When the device refuses, nothing is launched and the refusal is the CUDA runtime's last
+// error, which the caller's C10_CUDA_KERNEL_LAUNCH_CHECK (cudaGetLastError) raises. The host code
+// checks the sizes against the device's limit beforehand, so a refusal is not expected.
+template <typename Kernel>
+inline bool smem_opt_in(SmemOptIn& state, Kernel kernel, int smem) {
+  if (smem <= 48 * 1024) return true;
+  int dev = -1;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  std::atomic<int>* granted = dev >= 0 && dev < SmemOptIn::kDevices ? &state.granted[dev] : nullptr;
+  if (granted != nullptr && granted->load(std::memory_order_acquire) >= smem) return true;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+    return false;
+  if (granted != nullptr) {
+    int seen = granted->load(std::memory_order_relaxed);
+    while (seen < smem && !granted->compare_exchange_weak(seen, smem, std::memory_order_release)) {}
+  }
+  return true;
+}
+#endif  // DA_CUDA_EMULATION
 
 }  // namespace cuda
 }  // namespace dilated_attention

@@ -430,12 +430,11 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
 
 #ifndef DA_CUDA_EMULATION  // the CPU emulation of the tests calls the kernels itself
 
+// `opt_in` belongs to the kernel: a function-local static of simt_run (launch.h).
 template <typename Kernel>
-void simt_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream) {
-  if (smem > 48 * 1024) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
-      return;  // the launch below then reports the error
-  }
+void simt_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream,
+                 SmemOptIn& opt_in) {
+  if (!smem_opt_in(opt_in, kernel, smem)) return;  // no launch; the caller's launch check raises the error
   kernel<<<grid, kSimtThreads, smem, stream>>>(p);
 }
 
@@ -444,18 +443,19 @@ void simt_run(const Params& p, int kernel, cudaStream_t stream) {
   const int smem = (int)(simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kernel) *
                          (int64_t)sizeof(acc_t));
   const unsigned tiles = (unsigned)da_num_tiles(&p.tiling);
+  static SmemOptIn opt_in[3];  // one per kernel of this dtype
   switch (kernel) {
     case kFwd:
       simt_launch(simt_fwd_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.B), smem, p,
-                  stream);
+                  stream, opt_in[kFwd]);
       break;
     case kDq:
       simt_launch(simt_dq_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.B), smem, p,
-                  stream);
+                  stream, opt_in[kDq]);
       break;
     default:
       simt_launch(simt_dkv_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hkv, (unsigned)p.B), smem, p,
-                  stream);
+                  stream, opt_in[kDkv]);
       break;
   }
 }

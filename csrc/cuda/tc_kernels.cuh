@@ -593,12 +593,11 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
 /* Launchers                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
 
+// `opt_in` belongs to the kernel: its launcher's function-local static (launch.h).
 template <typename Kernel>
-inline void tc_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream) {
-  if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return;  // the launch below then reports the error
-  }
+inline void tc_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream,
+                      SmemOptIn& opt_in) {
+  if (!smem_opt_in(opt_in, kernel, smem)) return;  // no launch; the caller's launch check raises the error
   kernel<<<grid, kTcThreads, smem, stream>>>(p);
 }
 
@@ -607,7 +606,8 @@ TcConfig tc_fwd_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcFwdCfg<DP>::SMEM, 1};
   if (launch) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
-    tc_launch(tc_fwd_kernel<T, DP>, grid, cfg.smem_bytes, p, stream);
+    static SmemOptIn opt_in;
+    tc_launch(tc_fwd_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
   }
   return cfg;
 }
@@ -617,7 +617,8 @@ TcConfig tc_dq_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcDqCfg<DP>::SMEM, 1};
   if (launch) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
-    tc_launch(tc_dq_kernel<T, DP>, grid, cfg.smem_bytes, p, stream);
+    static SmemOptIn opt_in;
+    tc_launch(tc_dq_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
   }
   return cfg;
 }
@@ -627,7 +628,8 @@ TcConfig tc_dkv_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcDkvCfg<DP>::SMEM, TcDkvCfg<DP>::CHUNKS};
   if (launch) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks), (unsigned)p.B);
-    tc_launch(tc_dkv_kernel<T, DP>, grid, cfg.smem_bytes, p, stream);
+    static SmemOptIn opt_in;
+    tc_launch(tc_dkv_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
   }
   return cfg;
 }

@@ -222,8 +222,16 @@ DA_HD double da_segments_met(int64_t span, int64_t w, int64_t N) {
  * branch, the warps that have an active row run all their rows against the keys of every segment
  * they touch (inactive rows are computed and masked), and every thread block that has an active
  * row loads those keys once (weighted as one warp's work on them) and walks the segment.
+ *
+ * Causal: a warp runs only the chunks up to the largest dilated index of its active rows (query
+ * rows; from the least one for key rows), so of a segment's `keys` it runs about
+ * (keys + spread) / 2, where `spread` is the distance in dilated indices between the first and
+ * the last of its active rows there (at most keys). A layout whose warps spread their rows over a
+ * whole segment (interleaved, or a large stride) thus gains almost nothing from the causal order;
+ * without this term the model would pick it for LongNet's branches at N >= 128K and compute
+ * about 1.6x the useful pairs.
  */
-static inline double da_tiling_cost(const da_tiling* t, int64_t N, const da_branches* br) {
+static inline double da_tiling_cost(const da_tiling* t, int64_t N, const da_branches* br, int is_causal) {
   const int64_t M = da_tile_rows(t), span = M * t->R;
   const int64_t row_step = t->interleaved ? t->warps * t->R : t->R; /* inside one warp */
   const int64_t warp_span = t->interleaved ? span : t->rows_per_warp * t->R;
@@ -240,9 +248,19 @@ static inline double da_tiling_cost(const da_tiling* t, int64_t N, const da_bran
     /* A warp's rows meet min(rows, r / g) of the r phases: the chance that one is the head's. */
     const double p_warp = (double)da_min64(t->rows_per_warp, r / gw) / (double)r;
     const double p_tile = (double)da_min64(M, r / gc) / (double)r;
-    const double compute =
-        (double)t->warps * p_warp * da_segments_met(warp_span, weff, N) * keys * (double)t->rows_per_warp;
-    const double walk = p_tile * da_segments_met(span, weff, N) * (keys + 16.0) * (double)t->rows_per_warp;
+    double warp_keys = keys, tile_keys = keys;
+    if (is_causal) {
+      /* The active rows of a warp (of a tile) follow each other every `every` rows. */
+      const int64_t every_w = regular ? r / gw : 1, every_c = regular ? r / gc : 1;
+      const int64_t warp_spread = (t->rows_per_warp - 1) / every_w * every_w * row_step;
+      const int64_t tile_spread = (M - 1) / every_c * every_c * t->R;
+      warp_keys = 0.5 * (keys + (double)da_min64(warp_spread, weff) / (double)r);
+      tile_keys = 0.5 * (keys + (double)da_min64(tile_spread, weff) / (double)r);
+    }
+    const double compute = (double)t->warps * p_warp * da_segments_met(warp_span, weff, N) * warp_keys *
+                           (double)t->rows_per_warp;
+    const double walk =
+        p_tile * da_segments_met(span, weff, N) * (tile_keys + 16.0) * (double)t->rows_per_warp;
     cost += tiles * (compute + walk);
   }
   return cost;
@@ -253,7 +271,7 @@ static inline double da_tiling_cost(const da_tiling* t, int64_t N, const da_bran
  * for thread blocks of `warps` warps of `rows_per_warp` rows. Deterministic; ties keep the smaller
  * R and the contiguous layout.
  */
-static inline da_tiling da_choose_tiling(int64_t N, const da_branches* br, int64_t warps,
+static inline da_tiling da_choose_tiling(int64_t N, const da_branches* br, int is_causal, int64_t warps,
                                          int64_t rows_per_warp) {
   da_tiling best;
   best.R = 1;
@@ -261,7 +279,7 @@ static inline da_tiling da_choose_tiling(int64_t N, const da_branches* br, int64
   best.rows_per_warp = rows_per_warp;
   best.interleaved = 0;
   best.tiles_per_residue = da_ceil_div(N, warps * rows_per_warp);
-  double best_cost = da_tiling_cost(&best, N, br);
+  double best_cost = da_tiling_cost(&best, N, br, is_causal);
   int64_t cand[64];
   int nc = 0;
   for (int64_t R = 2; R <= N && R <= ((int64_t)1 << 20) && nc < 40; R *= 2) cand[nc++] = R;
@@ -273,7 +291,7 @@ static inline da_tiling da_choose_tiling(int64_t N, const da_branches* br, int64
       t.R = cand[k];
       t.interleaved = il;
       t.tiles_per_residue = da_ceil_div(N, warps * rows_per_warp * t.R);
-      const double c = da_tiling_cost(&t, N, br);
+      const double c = da_tiling_cost(&t, N, br, is_causal);
       if (c < best_cost * (1.0 - 1e-9)) {
         best = t;
         best_cost = c;

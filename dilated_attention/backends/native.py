@@ -7,6 +7,8 @@ manual``).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import _ops
@@ -18,6 +20,30 @@ _DTYPES = {
     "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
     "cuda": (torch.float16, torch.bfloat16, torch.float32),
 }
+
+
+# (device, dtype, head dim) of float16/bfloat16 CUDA calls: whether they run on the SIMT kernels
+# (warned about once each).
+_SIMT: dict[tuple, bool] = {}
+
+
+def _warn_if_simt(q: torch.Tensor) -> None:
+    key = (q.device, q.dtype, int(q.shape[-1]))
+    if key in _SIMT:
+        return
+    from .. import hardware
+
+    simt = _SIMT[key] = hardware.uses_simt_kernels(q.device, q.dtype, key[2])
+    if simt:
+        cap = hardware.compute_capability(q.device)
+        why = f"the GPU is sm_{cap[0]}{cap[1]}" if cap < (8, 0) else f"the head dim is {key[2]}"
+        warnings.warn(
+            f"dilated_attention: native runs {str(q.dtype).replace('torch.', '')} inputs of head dim {key[2]} "
+            f"on {q.device} with its SIMT CUDA kernels, without tensor cores, because {why} (the "
+            "tensor-core kernels need sm_80+ and a head dim in 32..256 that is a multiple of 8): expect "
+            "it to be much slower than sdpa or xformers, which backend='auto' prefers there",
+            stacklevel=4,
+        )
 
 
 class NativeBackend(Backend):
@@ -52,4 +78,6 @@ class NativeBackend(Backend):
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
         if dropout_p > 0:
             raise RuntimeError(f"the native backend has no attention dropout, got dropout_p={dropout_p}")
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling():
+            _warn_if_simt(q)
         return _ops.native_forward(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale)

@@ -115,7 +115,7 @@ def resolve(requested: str, request: BackendRequest) -> Selection:
     """
     check_backend_name(requested)
     if requested == "auto":
-        candidates = list(hardware.recommended_backends(request.device))
+        candidates = hardware.recommended_backends(request.device, request.dtype, request.head_dim)
     else:
         candidates = [requested, *FALLBACKS[requested]]
     skipped = []

@@ -88,8 +88,8 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
     snprintf(err, errlen, "SIMT: rows_per_warp in 1..4 and other_tile in 1..32");
     return 1;
   }
-  p->tiling =
-      P.R > 0 ? da_make_tiling(P.N, P.R, P.interleaved, 4, rpw) : da_choose_tiling(P.N, &P.br, 4, rpw);
+  p->tiling = P.R > 0 ? da_make_tiling(P.N, P.R, P.interleaved, 4, rpw)
+                      : da_choose_tiling(P.N, &P.br, P.causal, 4, rpw);
   p->other_tile = (int)P.other_tile;
   return 0;
 }
