@@ -274,25 +274,6 @@ def test_two_ranks_match_reference(results_2, case_id):
     assert results_2[case_id] is None, results_2[case_id]
 
 
-def chunked_scores(rank: int, P: int, cases: list[tuple]) -> dict[str, str | None]:
-    """The cases again with the spanning pieces' score blocks cut to a few queries at a time."""
-    import dilated_attention.ring as ring
-
-    saved = ring._SCORE_BLOCK_ELEMS
-    ring._SCORE_BLOCK_ELEMS = 40
-    try:
-        return check_cases(rank, P, cases)
-    finally:
-        ring._SCORE_BLOCK_ELEMS = saved
-
-
-def test_chunked_score_blocks_match_reference(cluster2):
-    cases = [c for c in CASES_2 if c[0].startswith(("span-w-gt-l", "straddle-gqa")) and c[-1] == "float64"]
-    report = _merge_reports(cluster2.run(chunked_scores, cases))
-    assert len(report) == len(cases)
-    assert all(err is None for err in report.values()), report
-
-
 @pytest.mark.parametrize("backend", ["manual", "sdpa"])
 def test_other_local_backends_match_reference(cluster2, backend):
     cases = [c for c in CASES_2 if c[0].startswith("mixed-w-gt-N") and c[-1] in ("float64", "float32")]
