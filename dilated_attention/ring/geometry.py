@@ -25,7 +25,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LAYOUTS", "Block", "HeadSets", "Layout", "Piece", "Plan", "causal_pairs", "make_layout"]
+__all__ = [
+    "LAYOUTS",
+    "Block",
+    "HeadSets",
+    "Layout",
+    "Piece",
+    "Plan",
+    "block_key",
+    "causal_pairs",
+    "make_layout",
+]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -138,6 +148,22 @@ class Piece:
         return self.m0 - blocks[0].m0
 
 
+def block_key(piece: Piece, blk: Block) -> tuple:
+    """What identifies a block's keys: several pieces of one rank may read the same block (with
+    the zigzag layout, the two chunks of a rank in one segment); it moves once."""
+    return (piece.seg_lo, piece.r, piece.o, blk)
+
+
+def _unique(items: list[tuple[Piece, Block]]) -> list[tuple[Piece, Block]]:
+    seen, out = set(), []
+    for piece, blk in items:
+        key = block_key(piece, blk)
+        if key not in seen:
+            seen.add(key)
+            out.append((piece, blk))
+    return out
+
+
 def _is_local_branch(w: int, chunk: int) -> bool:
     """Whether segments of length ``w`` tile every chunk exactly."""
     return w <= chunk and chunk % w == 0
@@ -210,7 +236,9 @@ class Plan:
     """What rank ``rank`` computes and exchanges, for fixed (layout, configuration, heads, causal).
 
     ``recv_items[src]`` / ``send_items[dst]``: the (piece, block) pairs whose keys come from /
-    go to another rank, in the order of the messages (the receiver's piece order). ``steps``: the
+    go to another rank, each block once (:func:`block_key`), in the order of the messages (the
+    receiver's piece order). ``readers[key]``: this rank's pieces that read the received block
+    ``key``. ``steps``: the
     rank distances at which any two ranks exchange, the same list on every rank, so that every
     rank posts its transfers in the same order (see :mod:`.mode_ring`).
     """
@@ -226,6 +254,7 @@ class Plan:
     pieces: list[Piece] = field(init=False)
     recv_items: dict[int, list[tuple[Piece, Block]]] = field(init=False)
     send_items: dict[int, list[tuple[Piece, Block]]] = field(init=False)
+    readers: dict[tuple, list[Piece]] = field(init=False)
     steps: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -251,6 +280,13 @@ class Plan:
                         self.recv_items.setdefault(blk.src, []).append((piece, blk))
                     if blk.src == me:
                         self.send_items.setdefault(j, []).append((piece, blk))
+        self.recv_items = {p: _unique(items) for p, items in self.recv_items.items()}
+        self.send_items = {p: _unique(items) for p, items in self.send_items.items()}
+        self.readers = {}
+        for piece in self.pieces:
+            for blk in piece.blocks:
+                if blk.src != me:
+                    self.readers.setdefault(block_key(piece, blk), []).append(piece)
         self.steps = sorted(distances)
         self._heads: dict[tuple[int, int, torch.device], HeadSets] = {}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .geometry import Piece
+from .geometry import Piece, block_key
 from .node import SpanJob
 
 __all__ = ["backward", "forward"]
@@ -26,7 +26,8 @@ def _keys(
     """The piece's keys and values, its own and received ones, concatenated in position order."""
     me = job.plan.rank
     kvs = [
-        job.local_block(k, v, piece, blk) if blk.src == me else received[(piece, blk)] for blk in piece.blocks
+        job.local_block(k, v, piece, blk) if blk.src == me else received[block_key(piece, blk)]
+        for blk in piece.blocks
     ]
     if len(kvs) == 1:
         return kvs[0]
@@ -47,9 +48,8 @@ def _unpack_all(
 
 
 def forward(job: SpanJob, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-    """Fills ``job.out`` and ``job.lse``; returns the gathered bytes, kept for the backward."""
+    """Runs every piece (into ``job``'s accumulators); returns the gathered bytes, kept for the backward."""
     plan, B, D = job.plan, q.shape[0], q.shape[3]
-    job.start_forward(q)
     sends = [
         job.pack(k, v, plan.send_items.get(dst, [])).view(-1).view(torch.uint8)
         for dst in range(plan.layout.P)
@@ -69,7 +69,7 @@ def backward(
     """Adds to ``job.grads`` this rank's gradients, including those other ranks computed for its keys."""
     plan, me, B, D = job.plan, job.plan.rank, q.shape[0], q.shape[3]
     received = _unpack_all(job, saved[0], k.dtype, q.device, B, D)
-    back: dict[int, list[torch.Tensor]] = {}
+    back: dict[tuple, list[torch.Tensor]] = {}  # block_key -> [dk, dv], summed over the pieces
     for piece in plan.pieces:
         gk, gv = job.attend_backward(q, piece, piece.blocks, *_keys(job, k, v, received, piece))
         pos = 0
@@ -78,13 +78,19 @@ def backward(
             pos += blk.n
             if blk.src == me:
                 job.add_key_grads(piece, blk, gkb, gvb)
+            elif (key := block_key(piece, blk)) in back:
+                back[key][0] += gkb
+                back[key][1] += gvb
             else:
-                back.setdefault(blk.src, []).extend([gkb.reshape(-1), gvb.reshape(-1)])
+                back[key] = [gkb.clone(), gvb.clone()]
     # the reverse all-to-all: gradients go back to the ranks that own the keys
     cdt = job.out.dtype
     P = plan.layout.P
     empty = torch.empty(0, dtype=torch.uint8, device=q.device)
-    parts = [torch.cat(back[p]).view(torch.uint8) if p in back else empty for p in range(P)]
+    parts = []
+    for p in range(P):
+        grads = [g.reshape(-1) for pc, blk in plan.recv_items.get(p, []) for g in back[block_key(pc, blk)]]
+        parts.append(torch.cat(grads).view(torch.uint8) if grads else empty)
     recv_splits = [job.nbytes(plan.send_items.get(p, []), B, D, cdt) for p in range(P)]
     recv = job.comm.all_to_all(torch.cat(parts), [int(t.numel()) for t in parts], recv_splits, "backward")
     returned, pos = {}, 0

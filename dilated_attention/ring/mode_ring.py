@@ -79,17 +79,17 @@ def _own_blocks(job: SpanJob, k: torch.Tensor, v: torch.Tensor):
 
 
 def forward(job: SpanJob, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-    """Fills ``job.out`` and ``job.lse``; keeps nothing for the backward but q, k and v."""
+    """Runs every piece (into ``job``'s accumulators); keeps nothing for the backward but q, k, v."""
     steps = job.plan.steps
-    job.start_forward(q)
     pending = _post_kv(job, k, v, steps[0], "forward") if steps else None
     for piece, blk, (kb, vb) in _own_blocks(job, k, v):
         job.attend(q, piece, (blk,), kb, vb)
     for n in range(len(steps)):
         blocks = _receive_kv(job, pending, k)
         pending = _post_kv(job, k, v, steps[n + 1], "forward") if n + 1 < len(steps) else None
-        for (piece, blk), (kb, vb) in blocks.items():
-            job.attend(q, piece, (blk,), kb, vb)
+        for key, (kb, vb) in blocks.items():
+            for piece in job.plan.readers[key]:
+                job.attend(q, piece, (key[-1],), kb, vb)
     return []
 
 
@@ -106,9 +106,13 @@ def backward(
     for n, d in enumerate(steps):
         blocks = _receive_kv(job, pending, k)
         pending = _post_kv(job, k, v, steps[n + 1], "backward") if n + 1 < len(steps) else None
-        back: dict[int, list[torch.Tensor]] = {}
-        for (piece, blk), (kb, vb) in blocks.items():
-            gk, gv = job.attend_backward(q, piece, (blk,), kb, vb)
+        back: dict[int, list[torch.Tensor]] = {}  # per owner, in message order
+        for key, (kb, vb) in blocks.items():
+            blk = key[-1]
+            gk = gv = None
+            for piece in job.plan.readers[key]:  # summed over the pieces that read the block
+                g = job.attend_backward(q, piece, (blk,), kb, vb)
+                gk, gv = (g[0], g[1]) if gk is None else (gk + g[0], gv + g[1])
             back.setdefault(blk.src, []).extend([gk.reshape(-1), gv.reshape(-1)])
         sends, recvs = batch_items(job.plan, "grad", d)
         data = {p: as_bytes(torch.cat(back[p])) for p in sends}
