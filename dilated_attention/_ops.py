@@ -6,6 +6,8 @@ The schema lives in ``csrc/dilated_attention.cpp``:
   softmax_scale) -> (out, lse)``
 * ``torch.ops.dilated_attention.bwd(dout, q, k, v, out, lse, dlse, segment_lengths,
   dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
+* ``torch.ops.dilated_attention.piece_fwd/piece_bwd``: the pieces of sequence parallelism (see
+  the end of this file); CPU only.
 
 Both backward kernels are deterministic (no atomics): the same inputs give the same bits.
 """
