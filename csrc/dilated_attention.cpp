@@ -6,6 +6,11 @@
 //     through one softmax (see dilated_attention.h and SPEC section 2-3).
 // dilated_attention::bwd(dout, q, k, v, out, lse, dlse, ...) -> (dq, dk, dv)
 //     Exact gradients of out (and of lse when dlse is given).
+// dilated_attention::piece_fwd(q, k, v, is_causal, causal_offset, ...) -> (out, lse)
+//     A piece of a segment that spans ranks: dense attention of q (B, nq, Hq, D) over k, v
+//     (B, nk, Hkv, D); with is_causal, key j is visible to query i when j <= i + causal_offset.
+// dilated_attention::piece_bwd(dout, q, k, v, out, lse, dlse, ...) -> (dq, dk, dv)
+//     Its gradients for the given out and lse (the merged ones of the rows, in the ring).
 //
 // Each device registers its implementation with TORCH_LIBRARY_IMPL in cpu/ and cuda/.
 #include <Python.h>
@@ -55,4 +60,10 @@ TORCH_LIBRARY(dilated_attention, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "piece_fwd(Tensor q, Tensor k, Tensor v, bool is_causal, int causal_offset, float softmax_scale) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "piece_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+      "bool is_causal, int causal_offset, float softmax_scale) -> (Tensor dq, Tensor dk, Tensor dv)");
 }

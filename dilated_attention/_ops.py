@@ -6,6 +6,8 @@ The schema lives in ``csrc/dilated_attention.cpp``:
   softmax_scale) -> (out, lse)``
 * ``torch.ops.dilated_attention.bwd(dout, q, k, v, out, lse, dlse, segment_lengths,
   dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
+* ``torch.ops.dilated_attention.piece_fwd/piece_bwd``: the pieces of sequence parallelism (see
+  the end of this file); CPU only.
 
 Both backward kernels are deterministic (no atomics): the same inputs give the same bits.
 """
@@ -19,7 +21,7 @@ import torch
 from . import _C
 from .flops import accumulation_dtype
 
-__all__ = ["cpu_isa", "has_kernel", "native_forward"]
+__all__ = ["cpu_isa", "has_kernel", "has_piece_kernel", "native_forward", "piece_backward", "piece_forward"]
 
 _fwd = torch.ops.dilated_attention.fwd
 _bwd = torch.ops.dilated_attention.bwd
@@ -104,3 +106,86 @@ def native_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused op: ``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N). Differentiable."""
     return _fwd(q, k, v, list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces of a segment that spans ranks (dilated_attention.ring): dense attention of nq queries
+# over nk keys; with is_causal, key j is visible to query i when j <= i + causal_offset.
+#   piece_fwd(q, k, v, is_causal, causal_offset, softmax_scale) -> (out, lse)
+#   piece_bwd(dout, q, k, v, out, lse, dlse, is_causal, causal_offset, softmax_scale) -> (dq, dk, dv)
+# q (B, nq, Hq, D), k and v (B, nk, Hkv, D); out (B, nq, Hq, D), lse (B, Hq, nq). The backward
+# takes any out/lse (for the ring: the merged ones of the rows) and is exact for them.
+# ---------------------------------------------------------------------------------------------
+
+_HAS_PIECE_OP = hasattr(torch.ops.dilated_attention, "piece_fwd")
+
+
+def has_piece_kernel(device_type: str) -> bool:
+    """Whether the extension has the piece kernels for ``device_type`` ("cpu"; CUDA has none)."""
+    if not _HAS_PIECE_OP or device_type not in ("cpu", "cuda"):
+        return False
+    key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]
+    return torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attention::piece_fwd", key)
+
+
+if _HAS_PIECE_OP:
+    _piece_fwd = torch.ops.dilated_attention.piece_fwd
+    _piece_bwd = torch.ops.dilated_attention.piece_bwd
+
+    @torch.library.register_fake("dilated_attention::piece_fwd")
+    def _piece_fwd_fake(q, k, v, is_causal, causal_offset, softmax_scale):
+        B, nq, Hq, D = q.shape
+        return q.new_empty((B, nq, Hq, D)), q.new_empty((B, Hq, nq), dtype=accumulation_dtype(q.dtype))
+
+    @torch.library.register_fake("dilated_attention::piece_bwd")
+    def _piece_bwd_fake(dout, q, k, v, out, lse, dlse, is_causal, causal_offset, softmax_scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def _piece_setup_context(ctx, inputs, output):
+        q, k, v, is_causal, causal_offset, softmax_scale = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.config = (bool(is_causal), int(causal_offset), float(softmax_scale))
+
+    def _piece_backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _piece_bwd(dout, q, k, v, out, lse, dlse, *ctx.config)
+        return dq, dk, dv, None, None, None
+
+    torch.library.register_autograd(
+        "dilated_attention::piece_fwd", _piece_backward, setup_context=_piece_setup_context
+    )
+
+
+def piece_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    causal_offset: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of q (B, nq, Hq, D) over k, v (B, nk, Hkv, D): ``out`` (B, nq, Hq, D) and
+    ``lse`` (B, Hq, nq); with ``is_causal``, key ``j`` is visible to query ``i`` when
+    ``j <= i + causal_offset``. Differentiable."""
+    return _piece_fwd(q, k, v, bool(is_causal), int(causal_offset), float(softmax_scale))
+
+
+def piece_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    is_causal: bool,
+    causal_offset: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`piece_forward` for the given ``out``/``lse`` (which may be merged
+    results over more keys than ``k``: the gradients are then this piece's share)."""
+    return _piece_bwd(
+        dout, q, k, v, out, lse, dlse, bool(is_causal), int(causal_offset), float(softmax_scale)
+    )

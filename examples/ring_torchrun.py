@@ -3,7 +3,7 @@
 Run with torchrun; each process holds N / P positions of q, k and v:
 
     torchrun --nproc_per_node=2 examples/ring_torchrun.py                 # CPU (gloo) or GPUs (nccl)
-    torchrun --nproc_per_node=4 examples/ring_torchrun.py --comm ring --causal
+    torchrun --nproc_per_node=4 examples/ring_torchrun.py --comm ring --causal --layout zigzag
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 --rdzv_id=longnet examples/ring_torchrun.py --seq-len 262144
 
@@ -52,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--segment-lengths", type=int, nargs="+", default=[512, 2048, 4096])
     p.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--comm", choices=["all_gather", "ring"], default="all_gather")
+    p.add_argument(
+        "--layout", choices=["contiguous", "zigzag"], default="contiguous", help="zigzag balances causal work"
+    )
     p.add_argument("--causal", action="store_true")
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on GPUs, float32 on the CPU"
@@ -82,10 +85,10 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, N, h, D, generator=g).to(device, dtype) for h in (H, Hkv, Hkv))
     dout = torch.randn(B, N, H, D, generator=g).to(device, dtype)
-    mine = [shard_sequence(t).detach().clone().requires_grad_() for t in (q, k, v)]
-    dout_mine = shard_sequence(dout)
+    mine = [shard_sequence(t, layout=args.layout).detach().clone().requires_grad_() for t in (q, k, v)]
+    dout_mine = shard_sequence(dout, layout=args.layout)
 
-    attn = RingDilatedAttention(args.segment_lengths, args.dilation_rates, comm=args.comm)
+    attn = RingDilatedAttention(args.segment_lengths, args.dilation_rates, comm=args.comm, layout=args.layout)
     reset_comm_stats()
     out = attn(*mine, is_causal=args.causal)  # (B, N/P, H, D)
     out.backward(dout_mine)
@@ -116,7 +119,10 @@ def main() -> int:
 
     status = 0
     if not args.no_check:
-        got = [gather_sequence(t) for t in (out.detach(), mine[0].grad, mine[1].grad, mine[2].grad)]
+        got = [
+            gather_sequence(t, layout=args.layout)
+            for t in (out.detach(), mine[0].grad, mine[1].grad, mine[2].grad)
+        ]
         if rank == 0:
             ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             ref = dilated_attention(*ref_in, args.segment_lengths, args.dilation_rates, is_causal=args.causal)

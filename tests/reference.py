@@ -62,3 +62,41 @@ def reference_attention(
     out = torch.einsum("bhpx,bxhd->bphd", weights / safe, vd)  # (B, N, Hq, D)
     lse = torch.where(covered, torch.log(safe) + row_max, neg_inf).squeeze(-1)  # (B, Hq, N)
     return out, lse
+
+
+def reference_piece(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal_offset: int | None,
+    softmax_scale: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of q (B, nq, Hq, D) over k, v (B, nk, Hkv, D), key ``j`` visible to query
+    ``i`` when ``causal_offset`` is None or ``j <= i + causal_offset`` (the pieces of sequence
+    parallelism). Returns ``(out, lse)`` as :func:`reference_attention`; a query that sees no key
+    gets out = 0 and lse = -inf. Differentiable by autograd."""
+    dtype = dtype or torch.float64
+    _, nq, Hq, D = q.shape
+    nk, G = k.shape[1], Hq // k.shape[2]
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+    kd = kd.repeat_interleave(G, dim=2)
+    vd = vd.repeat_interleave(G, dim=2)
+    scores = torch.einsum("bphd,bxhd->bhpx", qd, kd) * scale  # (B, Hq, nq, nk)
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    if causal_offset is not None:
+        visible = (
+            torch.arange(nk, device=q.device)[None, :]
+            <= torch.arange(nq, device=q.device)[:, None] + causal_offset
+        )
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=q.device)
+    row_max = torch.where(visible, scores, neg_inf).amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = visible.to(dtype) * torch.exp(torch.where(visible, scores, row_max) - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)  # (B, Hq, nq, 1)
+    covered = denom > 0
+    safe = torch.where(covered, denom, torch.ones_like(denom))
+    out = torch.einsum("bhpx,bxhd->bphd", weights / safe, vd)  # (B, nq, Hq, D)
+    lse = torch.where(covered, torch.log(safe) + row_max, neg_inf).squeeze(-1)  # (B, Hq, nq)
+    return out, lse

@@ -36,6 +36,7 @@ from dilated_attention.ring import (
     reset_comm_stats,
     shard_sequence,
 )
+from dilated_attention.ring.geometry import make_layout
 
 RUN_DEADLINE_S = 180.0  # a whole multi-process run; the processes are killed after it
 PG_TIMEOUT_S = 60.0  # the process group's timeout in the correctness runs
@@ -191,16 +192,16 @@ def check_cases(rank: int, P: int, cases: list[tuple], backend: str = "auto") ->
     """Run every case on this rank (the local pieces on ``backend``); map its id to None (pass) or
     the failure message."""
     report: dict[str, str | None] = {}
-    for case_id, B, N, Hq, Hkv, D, segs, rates, causal, comm, dtype_name in cases:
+    for case_id, B, N, Hq, Hkv, D, segs, rates, causal, comm, dtype_name, layout in cases:
         try:
             dtype = DTYPES[dtype_name]
             q, k, v, dout, dlse = _inputs(B, N, Hq, Hkv, D, seed=N + Hq)
             expected = _reference(q, k, v, dout, dlse, segs, rates, causal, torch.float64)
             plain = _reference(q, k, v, dout, dlse, segs, rates, causal, dtype)
             chunk = N // P
-            sl = slice(rank * chunk, (rank + 1) * chunk)
+            sl = make_layout(layout, P, chunk).positions(rank)  # this rank's positions
             mine = [t[:, sl].to(dtype).requires_grad_() for t in (q, k, v)]
-            module = RingDilatedAttention(segs, rates, comm=comm, attention_backend=backend)
+            module = RingDilatedAttention(segs, rates, comm=comm, attention_backend=backend, layout=layout)
             out, lse = module(*mine, is_causal=causal, return_lse=True)
             assert out.dtype == dtype and out.shape == mine[0].shape
             assert lse.shape == (B, Hq, chunk)
@@ -220,7 +221,11 @@ def check_cases(rank: int, P: int, cases: list[tuple], backend: str = "auto") ->
 
 
 def _grid(
-    base: list[tuple], comms=("all_gather", "ring"), causals=(False, True), dtypes=("float64", "float32")
+    base: list[tuple],
+    comms=("all_gather", "ring"),
+    causals=(False, True),
+    dtypes=("float64", "float32"),
+    layout: str = "contiguous",
 ) -> list[tuple]:
     cases = []
     for name, B, N, Hq, Hkv, D, segs, rates in base:
@@ -228,7 +233,9 @@ def _grid(
             for causal in causals:
                 for dt in dtypes:
                     cid = f"{name}-{comm}-{'causal' if causal else 'full'}-{dt}"
-                    cases.append((cid, B, N, Hq, Hkv, D, segs, rates, causal, comm, dt))
+                    if layout != "contiguous":
+                        cid += f"-{layout}"
+                    cases.append((cid, B, N, Hq, Hkv, D, segs, rates, causal, comm, dt, layout))
     return cases
 
 
@@ -244,8 +251,8 @@ BASE_4 = [
     ("span4-gqa", 1, 32, 4, 2, 8, [8, 16, 64], [1, 2, 4]),  # l=8: local, 2-rank and 4-rank segments
     ("straddle4", 1, 36, 4, 4, 8, [6, 12], [1, 3]),  # l=9: every segment boundary straddles
 ]
-CASES_2 = _grid(BASE_2, dtypes=tuple(DTYPES))
-CASES_4 = _grid(BASE_4, dtypes=("float64", "float32", "bfloat16"))
+CASES_2 = _grid(BASE_2, dtypes=tuple(DTYPES)) + _grid(BASE_2, dtypes=("float64", "float32"), layout="zigzag")
+CASES_4 = _grid(BASE_4, dtypes=("float64", "float32", "bfloat16")) + _grid(BASE_4[:1], layout="zigzag")
 
 
 def _merge_reports(reports: list[dict[str, str | None]]) -> dict[str, str | None]:
@@ -274,28 +281,9 @@ def test_two_ranks_match_reference(results_2, case_id):
     assert results_2[case_id] is None, results_2[case_id]
 
 
-def chunked_scores(rank: int, P: int, cases: list[tuple]) -> dict[str, str | None]:
-    """The cases again with the spanning pieces' score blocks cut to a few queries at a time."""
-    import dilated_attention.ring as ring
-
-    saved = ring._SCORE_BLOCK_ELEMS
-    ring._SCORE_BLOCK_ELEMS = 40
-    try:
-        return check_cases(rank, P, cases)
-    finally:
-        ring._SCORE_BLOCK_ELEMS = saved
-
-
-def test_chunked_score_blocks_match_reference(cluster2):
-    cases = [c for c in CASES_2 if c[0].startswith(("span-w-gt-l", "straddle-gqa")) and c[-1] == "float64"]
-    report = _merge_reports(cluster2.run(chunked_scores, cases))
-    assert len(report) == len(cases)
-    assert all(err is None for err in report.values()), report
-
-
 @pytest.mark.parametrize("backend", ["manual", "sdpa"])
 def test_other_local_backends_match_reference(cluster2, backend):
-    cases = [c for c in CASES_2 if c[0].startswith("mixed-w-gt-N") and c[-1] in ("float64", "float32")]
+    cases = [c for c in CASES_2 if c[0].startswith("mixed-w-gt-N") and c[-2] in ("float64", "float32")]
     report = _merge_reports(cluster2.run(check_cases, cases, backend))
     assert len(report) == len(cases)
     assert all(err is None for err in report.values()), report
@@ -459,6 +447,11 @@ def misuse(rank: int, P: int) -> dict[str, str]:
     expect("heads", lambda: RingDilatedAttention([4], [1])(x, hkv, hkv))
     expect("comm", lambda: RingDilatedAttention([4], [1], comm="ring" if rank else "all_gather")(x, x, x))
     expect("shard", lambda: shard_sequence(torch.randn(1, 5, 2, 4)))
+    scale = 0.5 if rank == 0 else 0.25
+    expect("scale", lambda: RingDilatedAttention([4], [1], softmax_scale=scale)(x, x, x))
+    expect(
+        "layout", lambda: RingDilatedAttention([4], [1], layout="zigzag" if rank else "contiguous")(x, x, x)
+    )
     # the group still works afterwards
     q, k, v, _, _ = _inputs(1, 16, 2, 2, 4)
     out = RingDilatedAttention([16], [2])(*(shard_sequence(t) for t in (q, k, v)))
@@ -478,6 +471,68 @@ def test_mismatched_ranks_raise_everywhere(cluster2):
         assert "key/value heads" in messages["heads"]
         assert "comm: rank 0: all_gather, rank 1: ring" in messages["comm"]
         assert "N = 5" in messages["shard"] and "P = 2" in messages["shard"]
+        assert "softmax_scale: rank 0: 0.5, rank 1: 0.25" in messages["scale"]
+        assert "layout: rank 0: contiguous, rank 1: zigzag" in messages["layout"]
+
+
+def subgroup_mismatch(rank: int, P: int) -> str | None:
+    """Ranks 2 and 3 share a group and disagree; the message numbers them globally."""
+    groups = [dist.new_group(ranks=[0, 1]), dist.new_group(ranks=[2, 3])]
+    if rank < 2:
+        return None
+    x = torch.randn(1, 8, 2, 4)
+    segs = [8] if rank == 2 else [16]
+    try:
+        RingDilatedAttention(segs, [1], process_group=groups[1])(x, x, x)
+    except ValueError as err:
+        return str(err)
+    raise AssertionError(f"no ValueError on rank {rank}")
+
+
+def test_mismatch_names_global_ranks(cluster4):
+    reports = cluster4.run(subgroup_mismatch)
+    for msg in reports[2:]:
+        assert "segment_lengths[0]: rank 2: 8, rank 3: 16" in msg, msg
+
+
+def outside_group(rank: int, P: int) -> str | None:
+    """Rank 1 is not in the group: it may build the module but its forward says so."""
+    group = dist.new_group(ranks=[0])
+    module = RingDilatedAttention([4], [1], process_group=group)
+    if rank == 0:
+        return None
+    x = torch.randn(1, 8, 2, 4)
+    try:
+        module(x, x, x)
+    except RuntimeError as err:
+        return str(err)
+    raise AssertionError("no error outside the group")
+
+
+def test_rank_outside_group_is_told(cluster2):
+    _, msg = cluster2.run(outside_group)
+    assert "not a member of the process_group" in msg and "global rank 1" in msg
+
+
+def check_once(rank: int, P: int, check: bool) -> list[int]:
+    """Calls of the consistency check over four forward calls: two shapes, each called twice."""
+    module = RingDilatedAttention([16], [2], check_consistency=check)
+    reset_comm_stats()
+    calls = []
+    for n in (8, 8, 12, 12):
+        q, k, v, _, _ = _inputs(1, 2 * n, 2, 2, 4)
+        out = module(*(t[:, rank * n : (rank + 1) * n] for t in (q, k, v)))
+        ref, _ = reference_attention(q, k, v, [16], [2])
+        torch.testing.assert_close(out, ref[:, rank * n : (rank + 1) * n], rtol=0, atol=1e-12)
+        calls.append(int(comm_stats().get("check", {}).get("calls", 0)))
+    return calls
+
+
+def test_consistency_check_runs_once_per_shape(cluster2):
+    for calls in cluster2.run(check_once, True):
+        assert calls == [1, 1, 2, 2]
+    for calls in cluster2.run(check_once, False):  # unsafe, but nothing moves for the check
+        assert calls == [0, 0, 0, 0]
 
 
 def silent_peer(rank: int, P: int, where: str, comm: str) -> float | str:
@@ -585,6 +640,24 @@ def test_bad_arguments(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         RingDilatedAttention(**args)
+
+
+def test_split_without_a_group_warns(monkeypatch):
+    """Under torchrun without init_process_group, or with ring_size > 1 and no group, every
+    process would treat its chunk as the whole sequence: that warns."""
+    assert not (dist.is_available() and dist.is_initialized())
+    x = torch.randn(1, 8, 2, 4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.warns(RuntimeWarning, match="WORLD_SIZE=2, but no process group"):
+        RingDilatedAttention([4], [1])(x, x, x)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.warns(RuntimeWarning, match="ring_size=2"):
+        RingDilatedAttention([4], [1], ring_size=2)(x, x, x)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RingDilatedAttention([4], [1])(x, x, x)
 
 
 def test_shard_without_group_is_identity():

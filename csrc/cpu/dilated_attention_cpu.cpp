@@ -926,6 +926,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   return {dq, dk, dv};
 }
 
+#include "piece_cpu.h"  // the pieces of a segment that spans ranks, on the kernels above
+
 }  // namespace
 
 const char* cpu_kernel_isa() {

@@ -38,10 +38,12 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..merge import merge as merge_branches
+from ..merge import merge_into_
 from .base import Backend, lse_dtype
 from .patterns import HeadGroup, dilated_positions, head_groups
 
-__all__ = ["GatheredBackend", "lse_with_grad"]
+__all__ = ["GatheredBackend", "kernel_backward", "lse_with_grad", "merge_branches"]
 
 
 @dataclass(frozen=True)
@@ -119,43 +121,6 @@ def _add_heads_(dst: torch.Tensor, heads: Any, pos: torch.Tensor, val: torch.Ten
         dst.view(B, N * H, D).index_add_(1, idx, val.reshape(B, R * m * h, D).to(dst.dtype))
 
 
-def _merge_into_(
-    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Merge branch (out_b, lse_b) into the accumulators in place; returns the new lse.
-
-    out (B, N, Hq, D), lse (B, Hq, N). Rows covered by neither stay out = 0, lse = -inf.
-    """
-    new = torch.logaddexp(lse_acc, lse_b)  # -inf only where both are -inf
-    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    a = torch.exp(lse_acc - safe).transpose(1, 2).unsqueeze(-1)  # (B, N, Hq, 1)
-    b = torch.exp(lse_b - safe).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(a).add_(out_b * b)
-    return new
-
-
-def merge_branches(
-    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable merge of branch results (SPEC section 3), free of NaN for uncovered rows.
-
-    outs: (B, N, Hq, D) each, lses: (B, Hq, N) each, same float dtype.
-    """
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    L = torch.stack(list(lses))  # (k, B, Hq, N)
-    m = L.detach().amax(dim=0)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # lse does not depend on m
-    e = torch.exp(L - m)  # (k, B, Hq, N); 0 where a branch does not cover the row
-    s = e.sum(dim=0)
-    covered = s > 0
-    s_safe = torch.where(covered, s, torch.ones_like(s))
-    lse = torch.where(covered, torch.log(s_safe) + m, torch.full_like(s, -math.inf))
-    alpha = (e / s_safe).permute(0, 1, 3, 2).unsqueeze(-1)  # (k, B, N, Hq, 1)
-    out = (alpha * torch.stack(list(outs))).sum(dim=0)
-    return out, lse
-
-
 def lse_with_grad(lse: torch.Tensor, q: torch.Tensor, out_k: torch.Tensor, scale: float) -> torch.Tensor:
     """Give a kernel's non-differentiable ``lse`` its exact first-order gradient.
 
@@ -168,6 +133,53 @@ def lse_with_grad(lse: torch.Tensor, q: torch.Tensor, out_k: torch.Tensor, scale
     qd, okd = q.detach(), out_k.detach()
     t = ((q - qd) * okd).sum(-1) + (qd * (out_k - okd)).sum(-1)  # (Bb, m, H), == 0
     return lse + (scale * t).transpose(1, 2).to(lse.dtype)
+
+
+def kernel_backward(
+    backend: GatheredBackend,
+    dout: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    extra: Any,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one kernel call's q, k, v given the *merged* ``out`` and ``lse`` of its rows
+    and the gradients ``dout`` (Bb, m, h, D) and ``dlse`` (Bb, h, m) of the merged result (either
+    may be None). ``lse`` is in the layout :meth:`GatheredBackend.attn_forward` returned.
+
+    The ``dlse`` term ``dS += P * dlse`` comes from one more backward call with ``v = 0``,
+    ``out = e_0`` and ``dout = -dlse * e_0`` (``e_0`` the first unit vector of the head dim), for
+    which the kernel's formula gives exactly ``P * dlse``.
+    """
+    grads: list[torch.Tensor] | None = None
+    if dout is not None:
+        grads = list(
+            backend.attn_backward(
+                dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, extra, is_causal=is_causal, scale=scale
+            )
+        )
+    if dlse is not None:
+        unit_out = torch.zeros_like(q)
+        unit_out[..., 0] = 1
+        d_unit = torch.zeros_like(q)
+        d_unit[..., 0] = -dlse.transpose(1, 2).to(q.dtype)
+        g = backend.attn_backward(
+            d_unit, q, k, torch.zeros_like(v), unit_out, lse, extra, is_causal=is_causal, scale=scale
+        )
+        if grads is None:
+            grads = [g[0], g[1], torch.zeros_like(v)]
+        else:  # summed in the accumulation dtype
+            grads[0] = grads[0].to(lse.dtype) + g[0].to(lse.dtype)
+            grads[1] = grads[1].to(lse.dtype) + g[1].to(lse.dtype)
+    if grads is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return grads[0], grads[1], grads[2]
 
 
 class _MergedAttention(torch.autograd.Function):
@@ -198,7 +210,7 @@ class _MergedAttention(torch.autograd.Function):
             if out_acc is None:
                 out_acc, lse_acc = out_b, lse_b
             else:
-                lse_acc = _merge_into_(out_acc, lse_acc, out_b, lse_b)
+                lse_acc = merge_into_(out_acc, lse_acc, out_b, lse_b)
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.backend, ctx.plan, ctx.is_causal, ctx.scale, ctx.aux = backend, plan, is_causal, scale, aux
@@ -230,34 +242,15 @@ class _MergedAttention(torch.autograd.Function):
                     padded = lg.new_zeros((*lg.shape[:-1], lse_len))
                     padded[..., : it.m] = lg
                     lg = padded
-                if dout is not None:
-                    og = _gather(out, hg.q_heads, it.pos)
-                    dog = _gather(dout, hg.q_heads, it.pos)
-                    dqg, dkg, dvg = backend.attn_backward(
-                        dog, qg, kg, vg, og, lg, extra, is_causal=is_causal, scale=scale
-                    )
-                    _add_heads_(dq, hg.q_heads, it.pos, dqg)
-                    _add_heads_(dk, hg.kv_heads, it.pos, dkg)
-                    _add_heads_(dv, hg.kv_heads, it.pos, dvg)
-                if dlse is not None:
-                    dl = _gather_rows(dlse, hg.q_heads, it.pos)  # (B*R, h, m)
-                    unit_out = torch.zeros_like(qg)
-                    unit_out[..., 0] = 1
-                    d_unit = torch.zeros_like(qg)
-                    d_unit[..., 0] = -dl.transpose(1, 2).to(q.dtype)
-                    dqg, dkg, _ = backend.attn_backward(
-                        d_unit,
-                        qg,
-                        kg,
-                        torch.zeros_like(vg),
-                        unit_out,
-                        lg,
-                        extra,
-                        is_causal=is_causal,
-                        scale=scale,
-                    )
-                    _add_heads_(dq, hg.q_heads, it.pos, dqg)
-                    _add_heads_(dk, hg.kv_heads, it.pos, dkg)
+                og = _gather(out, hg.q_heads, it.pos)
+                dog = None if dout is None else _gather(dout, hg.q_heads, it.pos)
+                dl = None if dlse is None else _gather_rows(dlse, hg.q_heads, it.pos)  # (B*R, h, m)
+                dqg, dkg, dvg = kernel_backward(
+                    backend, dog, dl, qg, kg, vg, og, lg, extra, is_causal=is_causal, scale=scale
+                )
+                _add_heads_(dq, hg.q_heads, it.pos, dqg)
+                _add_heads_(dk, hg.kv_heads, it.pos, dkg)
+                _add_heads_(dv, hg.kv_heads, it.pos, dvg)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

@@ -1,0 +1,223 @@
+"""The spanning pieces of one forward call as one autograd node.
+
+:class:`SpanAttention` returns ``(out, lse)`` of all spanning pieces of this rank, merged by
+log-sum-exp (B, l, Hq, D) and (B, Hq, l) in the accumulation dtype; its backward returns the
+gradients of this rank's q, k and v, including the key/value gradients that other ranks computed
+for this rank's keys. The exchange itself is in :mod:`.mode_all_gather` and :mod:`.mode_ring`;
+:class:`SpanJob` holds what both need: the plan, the transport, the piece attention, and the
+helpers that cut a rank's tensors into pieces and blocks and pack them into messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..flops import accumulation_dtype
+from ..merge import merge_into_
+from .geometry import Block, Piece, Plan, block_key
+from .pieces import PieceAttention
+from .transport import Comm, from_bytes
+
+__all__ = ["SpanAttention", "SpanJob"]
+
+Items = list[tuple[Piece, Block]]
+
+
+class SpanJob:
+    """One forward call's spanning pieces: plan, transport, piece attention, scale, mode."""
+
+    def __init__(
+        self, plan: Plan, comm: Comm, pieces: PieceAttention, mode: str, scale: float, is_causal: bool
+    ) -> None:
+        self.plan, self.comm, self.pieces, self.mode = plan, comm, pieces, mode
+        self.scale, self.is_causal = scale, is_causal
+        self.aux: dict[tuple, Any] = {}  # per kernel call, what its backward needs
+        self.acc: dict[Piece, list[torch.Tensor]] = {}  # per piece: (out, lse) merged so far
+        self.piece_rows: dict[Piece, dict[str, torch.Tensor]] = {}  # per piece: its rows of q, dout, ...
+        self.grads: dict[str, torch.Tensor] = {}  # the backward's accumulators
+
+    # -- cutting tensors into pieces and blocks --------------------------------------------------
+    def rows(self, t: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """The piece's query rows of t (B, l, Hq, D): (B, nq, nh, D)."""
+        heads = self.plan.head_sets(piece.r, piece.o, t.device).heads
+        return t[:, self.plan.query_slice(piece)].index_select(2, heads)
+
+    def lse_rows(self, t: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """The piece's rows of t (B, Hq, l): (B, nh, nq)."""
+        heads = self.plan.head_sets(piece.r, piece.o, t.device).heads
+        return t[:, :, self.plan.query_slice(piece)].index_select(1, heads)
+
+    def local_block(
+        self, k: torch.Tensor, v: torch.Tensor, piece: Piece, blk: Block
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block of this rank's keys and values: (B, n, nkv, D) each."""
+        sl = self.plan.key_slice(piece, blk)
+        kvh = self.plan.head_sets(piece.r, piece.o, k.device).kv_heads
+        return k[:, sl].index_select(2, kvh), v[:, sl].index_select(2, kvh)
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor, items: Items) -> torch.Tensor:
+        """Keys and values of ``items`` from this rank, as one flat tensor in k's dtype."""
+        parts = []
+        for piece, blk in items:
+            kb, vb = self.local_block(k, v, piece, blk)
+            parts += [kb.reshape(-1), vb.reshape(-1)]
+        return torch.cat(parts) if parts else k.new_empty(0)
+
+    def unpack(
+        self, buf: torch.Tensor, items: Items, dtype: torch.dtype, device: torch.device, B: int, D: int
+    ) -> dict[tuple, tuple[torch.Tensor, torch.Tensor]]:
+        """The inverse of :meth:`pack` on received bytes: {block_key: (keys, values)}."""
+        flat = from_bytes(buf, dtype, device)
+        out, pos = {}, 0
+        for piece, blk in items:
+            shape = (B, blk.n, self.plan.num_kv_heads(piece.r, piece.o), D)
+            n = self.plan.item_numel(piece, blk, B, D)
+            out[block_key(piece, blk)] = (
+                flat[pos : pos + n].view(shape),
+                flat[pos + n : pos + 2 * n].view(shape),
+            )
+            pos += 2 * n
+        return out
+
+    def nbytes(self, items: Items, B: int, D: int, dtype: torch.dtype) -> int:
+        """Bytes of the keys and values of ``items`` in ``dtype``."""
+        return sum(2 * self.plan.item_numel(p, b, B, D) for p, b in items) * dtype.itemsize
+
+    def offset(self, piece: Piece, blocks: tuple[Block, ...]) -> int | None:
+        """The causal offset of the keys ``blocks`` (concatenated) for the piece's queries."""
+        return piece.causal_offset(blocks) if self.is_causal else None
+
+    # -- the forward's accumulation ---------------------------------------------------------------
+    def _rows(self, piece: Piece, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The piece's rows of ``t`` (q, dout, out: (B, nq, nh, D); lse, dlse: (B, nh, nq)), gathered
+        once per piece."""
+        rows = self.piece_rows.setdefault(piece, {})
+        if name not in rows:
+            rows[name] = self.lse_rows(t, piece) if t.dim() == 3 else self.rows(t, piece)
+        return rows[name]
+
+    def attend(
+        self, q: torch.Tensor, piece: Piece, blocks: tuple[Block, ...], kb: torch.Tensor, vb: torch.Tensor
+    ) -> None:
+        """Attention of the piece's queries over the keys ``blocks``, merged into the piece's result."""
+        hs = self.plan.head_sets(piece.r, piece.o, q.device)
+        o, lse, aux = self.pieces.forward(
+            self._rows(piece, "q", q), kb, vb, hs, self.offset(piece, blocks), self.scale
+        )
+        self.aux[(piece, blocks)] = aux
+        acc = self.acc.get(piece)
+        if acc is None:
+            self.acc[piece] = [o.to(lse.dtype), lse]
+        else:
+            acc[1] = merge_into_(acc[0], acc[1], o, lse)
+
+    def finish_forward(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """out (B, l, Hq, D) and lse (B, Hq, l) of all pieces, merged, in the accumulation dtype."""
+        B, chunk, Hq, D = q.shape
+        cdt = accumulation_dtype(q.dtype)
+        out = q.new_zeros((B, chunk, Hq, D), dtype=cdt)
+        lse = q.new_full((B, Hq, chunk), float("-inf"), dtype=cdt)
+        for piece, (o, lp) in self.acc.items():
+            heads = self.plan.head_sets(piece.r, piece.o, q.device).heads
+            sl = self.plan.query_slice(piece)
+            out_view, lse_view = out[:, sl], lse[:, :, sl]
+            acc_o, acc_l = out_view.index_select(2, heads), lse_view.index_select(1, heads)
+            new_lse = merge_into_(acc_o, acc_l, o, lp)
+            out_view.index_copy_(2, heads, acc_o)
+            lse_view.index_copy_(1, heads, new_lse)
+        self.acc, self.piece_rows = {}, {}
+        return out, lse
+
+    # -- the backward's accumulation --------------------------------------------------------------
+    def start_backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor | None,
+        dlse: torch.Tensor | None,
+    ) -> None:
+        cdt = out.dtype
+        self.out, self.lse = out, lse
+        self.dout = torch.zeros_like(out) if dout is None else dout
+        self.dlse = torch.zeros_like(lse) if dlse is None else torch.where(torch.isfinite(lse), dlse, 0)
+        self.dq_piece: dict[Piece, torch.Tensor] = {}
+        self.grads = {
+            "dq": q.new_zeros(q.shape, dtype=cdt),
+            "dk": k.new_zeros(k.shape, dtype=cdt),
+            "dv": k.new_zeros(k.shape, dtype=cdt),
+        }
+
+    def attend_backward(
+        self, q: torch.Tensor, piece: Piece, blocks: tuple[Block, ...], kb: torch.Tensor, vb: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds the piece's query gradients; returns the key/value gradients of ``blocks``
+        (B, n, nkv, D), in the accumulation dtype."""
+        hs = self.plan.head_sets(piece.r, piece.o, q.device)
+        gq, gk, gv = self.pieces.backward(
+            self._rows(piece, "dout", self.dout),
+            self._rows(piece, "dlse", self.dlse),
+            self._rows(piece, "q", q),
+            kb,
+            vb,
+            hs,
+            self._rows(piece, "out", self.out),
+            self._rows(piece, "lse", self.lse),
+            self.offset(piece, blocks),
+            self.scale,
+            self.aux[(piece, blocks)],
+        )
+        cdt = self.out.dtype
+        dq = self.dq_piece.get(piece)
+        self.dq_piece[piece] = gq.to(cdt) if dq is None else dq.add_(gq)
+        return gk.to(cdt), gv.to(cdt)
+
+    def finish_backward(self) -> None:
+        """Add every piece's query gradients to dq."""
+        dq = self.grads["dq"]
+        for piece, g in self.dq_piece.items():
+            heads = self.plan.head_sets(piece.r, piece.o, g.device).heads
+            dq[:, self.plan.query_slice(piece)].index_add_(2, heads, g)
+        self.dq_piece, self.piece_rows = {}, {}
+
+    def add_key_grads(self, piece: Piece, blk: Block, gk: torch.Tensor, gv: torch.Tensor) -> None:
+        """Add the gradients of one block of this rank's keys and values."""
+        sl = self.plan.key_slice(piece, blk)
+        kvh = self.plan.head_sets(piece.r, piece.o, gk.device).kv_heads
+        self.grads["dk"][:, sl].index_add_(2, kvh, gk)
+        self.grads["dv"][:, sl].index_add_(2, kvh, gv)
+
+    def add_returned(self, bufs: dict[int, torch.Tensor], device: torch.device, B: int, D: int) -> None:
+        """Add the key/value gradients other ranks computed for this rank's keys."""
+        cdt = self.out.dtype
+        for dst, buf in bufs.items():
+            items = self.plan.send_items[dst]
+            grads = self.unpack(buf, items, cdt, device, B, D)
+            for piece, blk in items:
+                self.add_key_grads(piece, blk, *grads[block_key(piece, blk)])
+
+
+class SpanAttention(torch.autograd.Function):
+    """(out, lse) of the spanning pieces; backward returns key/value gradients to their owners."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, job: SpanJob, mode: Any):
+        saved = mode.forward(job, q, k, v)
+        out, lse = job.finish_forward(q)
+        ctx.job, ctx.mode = job, mode
+        ctx.save_for_backward(q, k, v, out, lse, *saved)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        job = ctx.job
+        job.start_backward(q, k, out, lse, dout, dlse)
+        ctx.mode.backward(job, q, k, v, saved)
+        job.finish_backward()
+        g = job.grads
+        return g["dq"].to(q.dtype), g["dk"].to(k.dtype), g["dv"].to(v.dtype), None, None
