@@ -9,11 +9,20 @@ and attends within it; all branches of a query share one softmax (LongNet, Ding 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from . import (
     _ops,  # noqa: F401  (importing it registers the op, its fake and its autograd)
     backends,
     hardware,
+)
+from ._warnings import (
+    BackendFallbackWarning,
+    DilatedAttentionWarning,
+    ExtensionWarning,
+    LayoutWarning,
+    SlowPathWarning,
+    UncoveredPositionsWarning,
 )
 from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
 from .functional import dilated_attention
@@ -34,7 +43,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
@@ -45,12 +54,18 @@ def __getattr__(name: str):
 __all__ = [
     "BACKEND_CHOICES",
     "BACKEND_NAMES",
+    "BackendFallbackWarning",
     "DilatedAttention",
+    "DilatedAttentionWarning",
+    "ExtensionWarning",
+    "LayoutWarning",
     "MultiheadDilatedAttention",
     "RingDilatedAttention",
     "RingDilatedAttentionV2Collective",
     "RingMultiheadDilatedAttention",
+    "SlowPathWarning",
     "StandardizedRingConfig",
+    "UncoveredPositionsWarning",
     "__version__",
     "backends",
     "dilated_attention",

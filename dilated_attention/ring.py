@@ -58,6 +58,7 @@ from . import _validation as V
 from . import backends as _backends
 from .flops import accumulation_dtype
 from .functional import dilated_attention
+from .modules import MultiheadDilatedAttention
 
 __all__ = [
     "COMM_MODES",
@@ -823,12 +824,13 @@ def _merge(
         covered, torch.log(torch.where(covered, s, torch.ones_like(s))) + m, torch.full_like(s, float("-inf"))
     )
     lse_w = torch.where(covered, lse, torch.zeros_like(lse))
-    out = None
+    merged: torch.Tensor | None = None
     for (o, _), li in zip(pieces, lses, strict=True):
         weight = torch.exp(li - lse_w).transpose(1, 2)[..., None]  # (B, l, H, 1)
         term = o.to(dtype) * weight
-        out = term if out is None else out + term
-    return out, lse
+        merged = term if merged is None else merged + term
+    assert merged is not None  # pieces is not empty
+    return merged, lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -924,6 +926,10 @@ class RingDilatedAttention(nn.Module):
         ring_size: the number of ranks expected; a group of another size (larger than one) is an
             error. None accepts any.
     """
+
+    attention_backend: str
+    check_consistency: bool
+    ring_size: int | None
 
     def __init__(
         self,
@@ -1104,7 +1110,11 @@ class RingDilatedAttention(nn.Module):
         group, P, rank = _resolve_group(self.process_group)
         if self.ring_size is not None and P > 1 and P != self.ring_size:
             raise ValueError(f"ring_size={self.ring_size} but the process group has {P} ranks")
-        local = {"is_causal": is_causal, "softmax_scale": scale, "backend": self.attention_backend}
+        local: dict[str, Any] = {
+            "is_causal": is_causal,
+            "softmax_scale": scale,
+            "backend": self.attention_backend,
+        }
         if P == 1:
             return dilated_attention(
                 q, k, v, self.segment_lengths, self.dilation_rates, return_lse=return_lse, **local
@@ -1210,16 +1220,11 @@ class StandardizedRingConfig:
 
     @property
     def head_dim(self) -> int:
+        assert self.embed_dim is not None and self.num_heads is not None  # set by __post_init__
         return self.embed_dim // self.num_heads
 
 
-def _multihead_base() -> type:
-    from .modules import MultiheadDilatedAttention
-
-    return MultiheadDilatedAttention
-
-
-class RingMultiheadDilatedAttention(_multihead_base()):
+class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     """:class:`dilated_attention.MultiheadDilatedAttention` whose attention is a
     :class:`RingDilatedAttention`: each rank passes its chunk (B, N/P, E) of the sequence and gets
     its chunk of the output. The projections and the sub-layer LayerNorm act per position, so
@@ -1234,6 +1239,8 @@ class RingMultiheadDilatedAttention(_multihead_base()):
 
     ``forward(query, key=None, value=None, is_causal=False) -> (out, None)``.
     """
+
+    attention: RingDilatedAttention  # type: ignore[assignment]  # the base class's attention, spread over ranks
 
     def __init__(
         self,
@@ -1301,7 +1308,7 @@ class RingMultiheadDilatedAttention(_multihead_base()):
         """Build the module of a :class:`StandardizedRingConfig` (``kwargs`` add or override arguments)."""
         if not isinstance(config, StandardizedRingConfig):
             raise TypeError(f"config must be a StandardizedRingConfig, got {type(config).__name__}")
-        args = {
+        args: dict[str, Any] = {
             "embed_dim": config.embed_dim,
             "num_heads": config.num_heads,
             "segment_lengths": config.segment_lengths,
