@@ -83,9 +83,15 @@ dist-check:
 	cd $(DIST_VENV) && bin/python -c "$$DIST_SMOKE_TEST"
 
 define DIST_SMOKE_TEST
-import sys, torch, dilated_attention as da
+import os, sys, warnings, torch
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter('always')
+    import dilated_attention as da
 assert da.__file__.startswith(sys.prefix), f'imported {da.__file__}, not the copy installed in {sys.prefix}'
+assert not [w for w in seen if issubclass(w.category, da.DilatedAttentionWarning)], [str(w.message) for w in seen]
 assert da._ops.has_kernel('cpu'), 'the installed extension has no CPU kernels'
+assert os.path.exists(os.path.join(os.path.dirname(da.__file__), '_build_info.json')), 'no _build_info.json'
+assert os.path.exists(os.path.join(os.path.dirname(da.__file__), 'py.typed')), 'no py.typed'
 q = torch.randn(1, 64, 2, 16)
 out = da.dilated_attention(q, q, q, [16, 32], [1, 2], backend='native')
 print('installed', da.__version__, 'from', da.__file__, '- native forward ok:', tuple(out.shape))
@@ -93,4 +99,4 @@ endef
 export DIST_SMOKE_TEST
 
 clean:
-	rm -rf build dist dilated_attention/_C*.so *.egg-info
+	rm -rf build dist dilated_attention/_C*.so dilated_attention/_build_info.json *.egg-info

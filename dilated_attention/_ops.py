@@ -13,6 +13,7 @@ Both backward kernels are deterministic (no atomics): the same inputs give the s
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from collections.abc import Sequence
 from types import ModuleType
@@ -25,10 +26,12 @@ from .flops import accumulation_dtype
 
 __all__ = ["EXTENSION_ERROR", "cpu_isa", "has_kernel", "native_forward"]
 
-_BUILD_HINT = (
+_REBUILD = (
     "Build it against the torch you run: `pip install --no-build-isolation -e .` (or `make install`) "
-    "in the source tree, or `pip install --no-build-isolation .` for a copy. Until then the sdpa and "
-    "manual backends run (backend='auto' picks them) and native cannot"
+    "in the source tree, or `pip install --no-build-isolation .` for a copy"
+)
+_BUILD_HINT = _REBUILD + (
+    ". Until then the sdpa and manual backends run (backend='auto' picks them) and native cannot"
 )
 
 
@@ -51,6 +54,16 @@ def _load_extension() -> tuple[ModuleType | None, str | None]:
             f"means it was built against another PyTorch or Python than the ones running now (torch "
             f"{torch.__version__}, CUDA {torch.version.cuda}). {_BUILD_HINT}."
         )
+    built = _build_info(module)
+    if built is not None and built.get("torch") != torch.__version__:
+        warn_once(
+            ("extension-torch", built.get("torch"), torch.__version__),
+            f"dilated_attention: the compiled extension {getattr(module, '__file__', name)} was built "
+            f"against torch {built.get('torch')} (CUDA {built.get('cuda')}) and runs with torch "
+            f"{torch.__version__} (CUDA {torch.version.cuda}); a mismatch can fail or crash in the "
+            f"kernels. {_REBUILD}.",
+            ExtensionWarning,
+        )
     missing = [op for op in ("fwd", "bwd") if not hasattr(torch.ops.dilated_attention, op)]
     if missing:
         return None, (
@@ -58,6 +71,17 @@ def _load_extension() -> tuple[ModuleType | None, str | None]:
             f"torch.ops.dilated_attention.{', '.join(missing)} (a stale build?). {_BUILD_HINT}."
         )
     return module, None
+
+
+def _build_info(module: ModuleType) -> dict[str, Any] | None:
+    """What ``setup.py`` recorded beside the extension (torch, CUDA, Python), or None."""
+    path = os.path.join(os.path.dirname(getattr(module, "__file__", None) or "."), "_build_info.json")
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
 
 
 _C, EXTENSION_ERROR = _load_extension()

@@ -157,3 +157,32 @@ def test_return_lse_overloads_return_what_they_declare():
     pair = da.dilated_attention(q, q, q, [4], [1], return_lse=True)
     assert isinstance(pair, tuple) and len(pair) == 2 and pair[1].shape == (1, 2, 8)
     assert os.path.exists(os.path.join(ROOT, "dilated_attention", "py.typed"))
+
+
+def test_extension_built_for_another_torch_warns(monkeypatch):
+    """setup.py records the torch it built against (_build_info.json); another torch at run time
+    gives an ExtensionWarning that names both and what to run."""
+    from dilated_attention import ExtensionWarning, _ops
+
+    monkeypatch.setattr(_ops, "_build_info", lambda module: {"torch": "2.0.0+cu118", "cuda": "11.8"})
+    with pytest.warns(ExtensionWarning, match=r"built against torch 2\.0\.0\+cu118 \(CUDA 11\.8\)") as seen:
+        module, error = _ops._load_extension()
+    assert module is not None and error is None  # it loaded: native stays usable
+    assert f"runs with torch {torch.__version__}" in str(seen[0].message)
+    assert "pip install --no-build-isolation -e ." in str(seen[0].message)
+    monkeypatch.setattr(_ops, "_build_info", lambda module: {"torch": torch.__version__, "cuda": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExtensionWarning)
+        _ops._load_extension()
+
+
+def test_build_info_is_read_beside_the_extension(tmp_path):
+    from dilated_attention import _ops
+
+    fake = type(sys)("fake")
+    fake.__file__ = str(tmp_path / "_C.so")
+    assert _ops._build_info(fake) is None
+    (tmp_path / "_build_info.json").write_text('{"torch": "9.9", "cuda": null, "python": "3.11"}')
+    assert _ops._build_info(fake) == {"torch": "9.9", "cuda": None, "python": "3.11"}
+    (tmp_path / "_build_info.json").write_text("not json")
+    assert _ops._build_info(fake) is None
