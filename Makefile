@@ -5,25 +5,30 @@ TORCH_SPEC ?= torch==2.14.1
 # The tested range of the optional extra `transformers` (pyproject.toml), so that its tests run.
 TRANSFORMERS_SPEC ?= transformers>=5.23,<5.24
 
-.PHONY: help deps install lint format test test-slow train bench cuda-check gpu-check clean
+.PHONY: help deps install lint typecheck format test test-slow train bench cuda-check gpu-check dist dist-check clean
 
 help:
 	@echo "make install     build and install the package (editable) into the current Python"
-	@echo "make lint        check formatting and lint (ruff, clang-format), changing nothing"
+	@echo "make lint        check formatting, lint and types (ruff, clang-format, mypy), changing nothing"
+	@echo "make typecheck   type-check the package (mypy)"
 	@echo "make format      format the Python and C/C++/CUDA sources in place"
 	@echo "make test        run the test suite"
 	@echo "make train       train the example GPT on the bundled corpus, then sample from it"
 	@echo "make bench       CPU benchmark of every backend against the alternatives"
 	@echo "make cuda-check  compile the CUDA kernels, and check they assemble for sm_60/61 (no GPU needed)"
 	@echo "make gpu-check   verify the CUDA kernels on this machine's GPU (scripts/gpu_check.sh)"
+	@echo "make dist        build the source distribution and a wheel into dist/"
+	@echo "make dist-check  build the sdist, build a wheel from it in a fresh venv, install it there and import it"
 
 deps:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -q "setuptools>=64" wheel ninja tqdm numpy pytest expecttest matplotlib
+	$(PYTHON) -m pip install -q "setuptools>=77" wheel ninja build tqdm numpy pytest expecttest matplotlib
 	$(PYTHON) -m pip install -q "$(TRANSFORMERS_SPEC)"
 
 # The formatters' versions are pinned: another version may format the same code differently.
 LINT_TOOLS ?= ruff==0.17.6 clang-format==23.1.5
+# The type checker's version is pinned too: a new mypy release may find new errors in the same code.
+TYPECHECK_TOOLS ?= mypy==2.4.1
 C_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
 
 install: deps
@@ -34,6 +39,11 @@ lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	clang-format --dry-run --Werror $(C_SOURCES)
+	$(MAKE) --no-print-directory typecheck
+
+typecheck:
+	$(PYTHON) -m pip install -q $(TYPECHECK_TOOLS)
+	$(PYTHON) -m mypy
 
 format:
 	$(PYTHON) -m pip install -q $(LINT_TOOLS)
@@ -62,5 +72,40 @@ cuda-check:
 gpu-check:
 	bash scripts/gpu_check.sh
 
+# The sdist and a wheel, built against the torch installed here (no download of another torch).
+dist:
+	rm -rf dist
+	$(PYTHON) -m build --sdist --wheel --no-isolation --outdir dist .
+
+# What a user of the source distribution does: a fresh virtual environment that sees the installed
+# torch (--system-site-packages), a wheel built from the sdist alone (pip unpacks it elsewhere, so a
+# file the sdist lacks fails the build), installed there and imported from outside the checkout.
+# CPU kernels only (DILATED_ATTENTION_CPU_ONLY=1) so that the kernels compile once, in a minute or two.
+DIST_VENV ?= build/dist-venv
+dist-check:
+	rm -rf dist $(DIST_VENV)
+	$(PYTHON) -m build --sdist --no-isolation --outdir dist .
+	$(PYTHON) -m venv --system-site-packages --without-pip $(DIST_VENV)
+	DILATED_ATTENTION_CPU_ONLY=1 $(DIST_VENV)/bin/python -m pip wheel -q --no-build-isolation --no-deps \
+		--wheel-dir dist dist/dilated_attention-*.tar.gz
+	$(DIST_VENV)/bin/python -m pip install -q --no-deps --no-index dist/dilated_attention-*.whl
+	cd $(DIST_VENV) && bin/python -c "$$DIST_SMOKE_TEST"
+
+define DIST_SMOKE_TEST
+import os, sys, warnings, torch
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter('always')
+    import dilated_attention as da
+assert da.__file__.startswith(sys.prefix), f'imported {da.__file__}, not the copy installed in {sys.prefix}'
+assert not [w for w in seen if issubclass(w.category, da.DilatedAttentionWarning)], [str(w.message) for w in seen]
+assert da._ops.has_kernel('cpu'), 'the installed extension has no CPU kernels'
+assert os.path.exists(os.path.join(os.path.dirname(da.__file__), '_build_info.json')), 'no _build_info.json'
+assert os.path.exists(os.path.join(os.path.dirname(da.__file__), 'py.typed')), 'no py.typed'
+q = torch.randn(1, 64, 2, 16)
+out = da.dilated_attention(q, q, q, [16, 32], [1, 2], backend='native')
+print('installed', da.__version__, 'from', da.__file__, '- native forward ok:', tuple(out.shape))
+endef
+export DIST_SMOKE_TEST
+
 clean:
-	rm -rf build dilated_attention/_C*.so *.egg-info
+	rm -rf build dist dilated_attention/_C*.so dilated_attention/_build_info.json *.egg-info

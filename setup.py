@@ -8,11 +8,13 @@ honoured (see ``_default_arch_list`` for the default).
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 
 import torch
 import torch.utils.cpp_extension as cpp_extension
@@ -130,7 +132,25 @@ def _extension():
     )
 
 
+class _BuildExtension(BuildExtension):
+    """torch's build_ext, which also writes ``_build_info.json`` beside the extension: the torch
+    and Python it was built against, so that ``dilated_attention._ops`` can say when it runs with
+    others (an extension built for another torch fails obscurely, or not at all until it crashes)."""
+
+    def build_extensions(self) -> None:
+        super().build_extensions()
+        for ext in self.extensions:
+            folder = os.path.dirname(self.get_ext_fullpath(ext.name))
+            info = {
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "python": ".".join(map(str, sys.version_info[:2])),
+            }
+            with open(os.path.join(folder, "_build_info.json"), "w") as f:
+                json.dump(info, f)
+
+
 setup(
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
 )

@@ -23,7 +23,9 @@ What would not fit in memory or would take longer than ``--max-seconds`` per cal
 the previous N of the same method) is skipped and recorded with the reason.
 
 It writes ``<out>/<tag>.csv``, ``.json`` (rows plus machine, versions, date) and ``.png``
-(time and memory against N, log-log), and prints the target checks of the CPU kernel:
+(time and memory against N, log-log); where results of that name exist already (the committed
+ones in ``benchmarks/results/``), it writes ``<tag>-<date>-<time>.*`` beside them instead, unless
+``--overwrite`` is given. It prints the target checks of the CPU kernel:
 native forward+backward against the fastest alternative, native forward FLOP rate against
 ``torch.mm`` (2048 x 2048, float32) measured in the same run, peak bytes per token at two N, and
 the long-sequence scale run.
@@ -977,6 +979,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="N = 1K..8K, one repeat, no scale run")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default=None, help="file name stem (default: device and machine)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace existing results of the same name (default: write new ones beside them)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -988,7 +995,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.from_json:
-        return report_saved(args.from_json, args.out, args.tag)
+        return report_saved(args.from_json, args.out, args.tag, args.overwrite)
     from tqdm import tqdm
 
     device = torch.device(args.device)
@@ -1078,8 +1085,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     )
 
-    report(rows, meta, mm, cfg, os.path.join(args.out, args.tag or machine_tag(meta)))
+    report(rows, meta, mm, cfg, output_stem(args.out, args.tag or machine_tag(meta), args.overwrite))
     return 0
+
+
+def output_stem(out: str, tag: str, overwrite: bool = False) -> str:
+    """``<out>/<tag>``, or ``<out>/<tag>-<date>-<time>`` where results named ``<tag>`` exist and
+    ``overwrite`` is not set: a new run never replaces saved (e.g. committed) results unasked."""
+    stem = os.path.join(out, tag)
+    if overwrite or not any(os.path.exists(stem + ext) for ext in (".csv", ".json", ".png", ".txt")):
+        return stem
+    fresh = f"{stem}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while any(os.path.exists(fresh + ext) for ext in (".csv", ".json", ".png")):
+        n += 1
+        fresh = f"{stem}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{n}"
+    print(
+        f"results named {tag!r} exist in {out}: writing {os.path.basename(fresh)}.* beside them (--overwrite replaces them)"
+    )
+    return fresh
 
 
 def report(rows: list[dict], meta: dict, mm: float, cfg: dict, stem: str) -> None:
@@ -1093,7 +1117,7 @@ def report(rows: list[dict], meta: dict, mm: float, cfg: dict, stem: str) -> Non
         print(f"wrote {path}")
 
 
-def report_saved(path: str, out: str, tag: str | None) -> int:
+def report_saved(path: str, out: str, tag: str | None, overwrite: bool = False) -> int:
     """--from-json: the report of a run saved as JSON, with this version's checks."""
     try:
         with open(path) as f:
@@ -1105,7 +1129,7 @@ def report_saved(path: str, out: str, tag: str | None) -> int:
         raise SystemExit(
             f"--from-json {path}: not a saved benchmark run ({type(exc).__name__}: {exc})"
         ) from None
-    report(rows, meta, mm, cfg, os.path.join(out, tag or machine_tag(meta)))
+    report(rows, meta, mm, cfg, output_stem(out, tag or machine_tag(meta), overwrite))
     return 0
 
 

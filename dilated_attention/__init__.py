@@ -11,11 +11,20 @@ and attends within it; all branches of a query share one softmax (LongNet, Ding 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from . import (
     _ops,  # noqa: F401  (importing it registers the op, its fake and its autograd)
     backends,
     hardware,
+)
+from ._warnings import (
+    BackendFallbackWarning,
+    DilatedAttentionWarning,
+    ExtensionWarning,
+    LayoutWarning,
+    SlowPathWarning,
+    UncoveredPositionsWarning,
 )
 from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
 from .decode import DilatedKVCache, dilated_attention_decode
@@ -37,7 +46,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
@@ -48,13 +57,19 @@ def __getattr__(name: str):
 __all__ = [
     "BACKEND_CHOICES",
     "BACKEND_NAMES",
+    "BackendFallbackWarning",
     "DilatedAttention",
+    "DilatedAttentionWarning",
     "DilatedKVCache",
+    "ExtensionWarning",
+    "LayoutWarning",
     "MultiheadDilatedAttention",
     "RingDilatedAttention",
     "RingDilatedAttentionV2Collective",
     "RingMultiheadDilatedAttention",
+    "SlowPathWarning",
     "StandardizedRingConfig",
+    "UncoveredPositionsWarning",
     "__version__",
     "backends",
     "dilated_attention",

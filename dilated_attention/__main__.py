@@ -31,7 +31,7 @@ _DTYPES = {
 def _cpu_isa() -> str:
     try:
         return _ops.cpu_isa()
-    except ValueError as exc:  # a bad DILATED_ATTENTION_CPU_ISA: the report says so and goes on
+    except (ValueError, RuntimeError) as exc:  # a bad DILATED_ATTENTION_CPU_ISA, or no extension
         return f"error: {exc}"
 
 
@@ -44,7 +44,7 @@ def environment_report(
     gpus = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
-            cap = hardware.compute_capability(i)
+            cap = hardware.compute_capability(i) or (0, 0)
             gpus.append(
                 {
                     "index": i,
@@ -69,6 +69,7 @@ def environment_report(
         "gpus": gpus,
         "extension": {
             "file": getattr(_ops._C, "__file__", None),
+            "error": _ops.EXTENSION_ERROR,
             "cpu_kernels": _ops.has_kernel("cpu"),
             "cpu_isa": _cpu_isa(),
             "cuda_kernels": _ops.has_kernel("cuda"),
@@ -104,11 +105,14 @@ def format_report(r: dict[str, Any]) -> str:
     else:
         lines.append("GPU              none")
     ext = r["extension"]
-    lines.append(
-        f"extension        CPU kernels: {yes[ext['cpu_kernels']]} ({ext['cpu_isa']}), "
-        f"CUDA kernels: {yes[ext['cuda_kernels']]}"
-        f"  ({ext['file']})"
-    )
+    if ext.get("error"):
+        lines.append(f"extension        not loaded: {ext['error']}")
+    else:
+        lines.append(
+            f"extension        CPU kernels: {yes[ext['cpu_kernels']]} ({ext['cpu_isa']}), "
+            f"CUDA kernels: {yes[ext['cuda_kernels']]}"
+            f"  ({ext['file']})"
+        )
     lines.append("")
     what = f"{r['device']}, {r['dtype']}, head dim {r['head_dim']}" + (", dropout" if r["dropout"] else "")
     lines.append(f"backends for {what}:")

@@ -3,14 +3,68 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import torch
 
 from . import _validation as V
+from ._warnings import LayoutWarning, UncoveredPositionsWarning, warn_once
 from .backends import BackendSelector, check_backend_name, default_selector
 from .flops import accumulation_dtype
 
+# More heads than this in dimension 2 of q, with fewer positions in dimension 1, looks like a
+# (B, H, N, D) tensor passed for (B, N, H, D).
+_MAX_PLAUSIBLE_HEADS = 128
+
 __all__ = ["dilated_attention"]
+
+
+@overload
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: bool = ...,
+    backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def dilated_attention(
@@ -45,7 +99,8 @@ def dilated_attention(
             this device), ``"native"``, ``"flash_attn_3"``, ``"flash_attn_2"``, ``"xformers"``,
             ``"sdpa"`` or ``"manual"``. A backend that cannot run falls back along
             ``flash_attn_3 -> flash_attn_2 -> sdpa -> manual`` (``xformers``/``native -> sdpa ->
-            manual``) with one logged WARNING; see ``dilated_attention.backends``.
+            manual``) with one :class:`~dilated_attention.BackendFallbackWarning`; see
+            ``dilated_attention.backends``.
 
     Returns:
         ``out`` (B, N, Hq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
@@ -87,6 +142,8 @@ def _attention(
     scale = V.resolve_scale(softmax_scale, q.shape[-1])
     dropout_p = V.check_dropout(dropout_p)
     B, N, Hq, _ = q.shape
+    if not torch.compiler.is_compiling():
+        _advise(q, segs, rates)
     if B == 0 or N == 0:
         # Empty, but connected to the inputs so that autograd gives (empty) gradients.
         zero = q.sum() + k.sum() + v.sum()  # 0 for empty inputs
@@ -99,3 +156,28 @@ def _attention(
         q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p
     )
     return (out, lse) if return_lse else out
+
+
+def _advise(q: torch.Tensor, segment_lengths: list[int], dilation_rates: list[int]) -> None:
+    """Warn (once per cause) about inputs that run but are most likely not what was meant."""
+    N, Hq = int(q.shape[1]), int(q.shape[2])
+    if N < Hq and Hq > _MAX_PLAUSIBLE_HEADS:
+        warn_once(
+            ("layout", N, Hq),
+            f"dilated_attention: q of shape {tuple(q.shape)} is read as (B, N, H, D): {N} positions and "
+            f"{Hq} heads. If it is (B, H, N, D), pass q.transpose(1, 2), k.transpose(1, 2) and "
+            f"v.transpose(1, 2) (the output is then (B, N, H, D)).",
+            LayoutWarning,
+        )
+    # Branch (w, r) gives head h the positions whose index in their segment is h % r modulo r, so
+    # the heads of a branch reach the phases 0 .. min(r, Hq) - 1 only. Position p = Hq then has no
+    # head in any branch exactly when every r exceeds Hq (and N > Hq): its output is 0.
+    if N > Hq and min(dilation_rates) > Hq:
+        warn_once(
+            ("uncovered", tuple(segment_lengths), tuple(dilation_rates), Hq),
+            f"dilated_attention: every dilation rate ({dilation_rates}) exceeds the number of query "
+            f"heads ({Hq}), so the positions whose index in their segment is >= {Hq} modulo the rate "
+            f"are attended from by no head of any branch: their output is 0 (docs/SPEC.md section 3). "
+            f"Use a rate <= {Hq} in at least one branch (LongNet's first branch has r = 1).",
+            UncoveredPositionsWarning,
+        )

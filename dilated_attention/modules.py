@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
 
 from . import _validation as V
 from . import hardware
+from ._warnings import LayoutWarning, warn_once
 from .backends import BackendSelector, check_backend_name
 from .functional import _attention
 
@@ -109,6 +110,7 @@ class DilatedAttention(nn.Module):
         self._curves: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _curve(self, N: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.grid is not None  # ordering == "hilbert"
         H, W = self.grid
         if N != H * W:
             raise ValueError(
@@ -129,7 +131,7 @@ class DilatedAttention(nn.Module):
             V.check_qkv(q, k, v)
             perm, inv = self._curve(q.shape[1], q.device)
             q, k, v = (t.index_select(1, perm) for t in (q, k, v))  # (B, N, H, D) in curve order
-        out = _attention(
+        out = _attention(  # return_lse=False: the output alone
             q,
             k,
             v,
@@ -141,9 +143,16 @@ class DilatedAttention(nn.Module):
             backend=self.attention_backend,
             selector=self._selector,
         )
+        out = cast(torch.Tensor, out)
         if self.ordering == "hilbert":
             out = out.index_select(1, inv)  # back to row-major order
         return out
+
+    if TYPE_CHECKING:  # nn.Module.__call__ is typed as returning Any; give callers forward's types
+
+        def __call__(
+            self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+        ) -> torch.Tensor: ...
 
     @property
     def selected_backends(self) -> str:
@@ -189,6 +198,32 @@ def _resolve_dtype(dtype: Any, device: Any) -> torch.dtype | None:
     return dtype
 
 
+def _check_causal_mask(mask: Any, batch_heads: int, N: int) -> None:
+    """A ValueError unless ``mask`` is the causal mask in one of ``nn.MultiheadAttention``'s forms."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.shape not in ((N, N), (batch_heads, N, N)):
+        raise ValueError(
+            f"attn_mask must be the causal mask, (N, N) or (B * num_heads, N, N) = ({N}, {N}) or "
+            f"({batch_heads}, {N}, {N}), got shape {tuple(mask.shape)}"
+        )
+    future = torch.ones(N, N, dtype=torch.bool, device=mask.device).triu_(1)
+    if mask.dtype == torch.bool:
+        causal = bool(torch.equal(mask, future.expand_as(mask)))
+    elif mask.is_floating_point():
+        expected = torch.zeros(N, N, dtype=mask.dtype, device=mask.device).masked_fill_(future, float("-inf"))
+        causal = bool(torch.equal(mask, expected.expand_as(mask)))
+    else:
+        raise ValueError(f"attn_mask must be a bool or floating tensor, got {mask.dtype}")
+    if not causal:
+        raise ValueError(
+            "attn_mask is not the causal mask; MultiheadDilatedAttention accepts only the causal mask "
+            "(True, or -inf, exactly above the diagonal), which is is_causal=True: a dilated pattern "
+            "decides which keys a query sees, so an arbitrary dense mask has no meaning here. For "
+            "padding, give key_padding_mask; for causal attention, is_causal=True alone is enough."
+        )
+
+
 class MultiheadDilatedAttention(nn.Module):
     """Multi-head dilated attention in the manner of ``nn.MultiheadAttention(batch_first=True)``.
 
@@ -203,7 +238,10 @@ class MultiheadDilatedAttention(nn.Module):
         segment_lengths, dilation_rates: the branches (see :class:`DilatedAttention`).
         dropout: dropout on the attention weights, in training mode only.
         bias: biases in the projections.
-        layer_norm: the sub-layer LayerNorm before ``out_proj``.
+        layer_norm: the sub-layer LayerNorm before ``out_proj``. With ``layer_norm=False``, one
+            branch whose segment covers the whole sequence (``segment_lengths=[w]`` with
+            ``w >= N``, ``dilation_rates=[1]``) and the same weights, the module computes what
+            ``nn.MultiheadAttention(batch_first=True)`` computes (see :meth:`from_torch`).
         gamma_init: Xavier gain of ``v_proj`` and ``out_proj``.
         device, dtype: of the parameters; ``dtype="auto"`` takes
             :func:`dilated_attention.hardware.recommended_dtype` of ``device``.
@@ -213,13 +251,30 @@ class MultiheadDilatedAttention(nn.Module):
     Both spellings of the width and head count are accepted (``embed_dim``/``dim``,
     ``num_heads``/``heads``); giving both with different values is an error.
 
-    ``forward(query, key=None, value=None, is_causal=False) -> (out, None)``: query, key and
-    value (B, N, E) (or (N, E) unbatched), all of the same length N; ``forward(x)`` is
-    self-attention. The second result stands where ``nn.MultiheadAttention`` returns its attention
-    weights, which dilated attention never forms.
+    ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False,
+    attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)``: the arguments
+    of ``nn.MultiheadAttention.forward``, in its order. query, key and value are (B, N, E) (or
+    (N, E) unbatched), all of the same length N; ``forward(x)`` is self-attention. The second
+    result stands where ``nn.MultiheadAttention`` returns its attention weights, which dilated
+    attention never forms: ``need_weights=True`` is an error, and ``average_attn_weights`` is
+    accepted and changes nothing. ``attn_mask`` may only be the causal mask (boolean, True above
+    the diagonal, or float, -inf above the diagonal and 0 elsewhere, (N, N) or (B * H, N, N)),
+    which means ``is_causal=True``; any other mask is an error, since a dilated pattern is not a
+    dense mask. :meth:`from_torch` converts an ``nn.MultiheadAttention`` with its weights.
     """
 
     batch_first = True
+    embed_dim: int
+    num_heads: int
+    head_dim: int
+    dropout: float
+    gamma_init: float
+    attention: DilatedAttention
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    norm: nn.LayerNorm | None
+    out_proj: nn.Linear
 
     def __init__(
         self,
@@ -325,14 +380,32 @@ class MultiheadDilatedAttention(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
+        """``(out, None)``; see the class docstring for the arguments."""
+        if key_padding_mask is not None:
+            raise NotImplementedError(
+                "key_padding_mask is not supported by this version of MultiheadDilatedAttention"
+            )
+        V.check_bool(need_weights, "need_weights")
+        V.check_bool(average_attn_weights, "average_attn_weights")
+        is_causal = V.check_bool(is_causal, "is_causal")
+        if need_weights:
+            raise ValueError(
+                "need_weights=True: dilated attention never forms the (N, N) attention weights (its "
+                "memory stays linear in N; a query attends to a few dilated segments, not to a dense "
+                "row), so there are none to return. Pass need_weights=False; the second result is None."
+            )
         if (key is None) != (value is None):
             raise ValueError(
                 "give both key and value, or neither (self-attention), got only "
                 f"{'key' if value is None else 'value'}"
             )
-        if key is None:
+        if key is None or value is None:
             key = value = query
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor):
@@ -351,6 +424,11 @@ class MultiheadDilatedAttention(nn.Module):
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         B, N, _ = query.shape
+        if attn_mask is not None:
+            _check_causal_mask(attn_mask, B * self.num_heads, N)
+            is_causal = True
+        if not torch.compiler.is_compiling():
+            self._check_layout(query)
         q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)  # (B, N, H, D)
         k = self.k_proj(key).view(B, N, self.num_heads, self.head_dim)
         v = self.v_proj(value).view(B, N, self.num_heads, self.head_dim)
@@ -359,6 +437,107 @@ class MultiheadDilatedAttention(nn.Module):
             x = self.norm(x)
         x = self.out_proj(x)
         return (x.squeeze(0) if unbatched else x), None
+
+    if TYPE_CHECKING:  # nn.Module.__call__ is typed as returning Any; give callers forward's types
+
+        def __call__(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor | None = None,
+            value: torch.Tensor | None = None,
+            key_padding_mask: torch.Tensor | None = None,
+            need_weights: bool = False,
+            attn_mask: torch.Tensor | None = None,
+            average_attn_weights: bool = True,
+            is_causal: bool = False,
+        ) -> tuple[torch.Tensor, None]: ...
+
+    def _check_layout(self, query: torch.Tensor) -> None:
+        """Warn once when a (B, N, E) input looks sequence-first, (N, B, E): the first dimension
+        reaches the longest segment while the second is shorter and at most an eighth of it."""
+        first, second = int(query.shape[0]), int(query.shape[1])
+        longest = max(self.segment_lengths)
+        if second < longest <= first and first >= 8 * second:
+            warn_once(
+                ("sequence-first", first, second),
+                f"{type(self).__name__}: input of shape {tuple(query.shape)} is read as (B, N, E) = "
+                f"batch {first}, {second} positions, shorter than the segment length {longest}. If it "
+                f"is sequence-first (N, B, E), as nn.MultiheadAttention takes by default, pass "
+                f"x.transpose(0, 1) (the output is then (B, N, E)).",
+                LayoutWarning,
+            )
+
+    @classmethod
+    def from_torch(
+        cls,
+        mha: nn.MultiheadAttention,
+        segment_lengths: int | Sequence[int],
+        dilation_rates: int | Sequence[int],
+        *,
+        layer_norm: bool = False,
+        attention_backend: str = "auto",
+        ordering: str = "sequence",
+        grid: Sequence[int] | None = None,
+    ) -> MultiheadDilatedAttention:
+        """A module with the weights of ``mha`` (its in_proj, split into q/k/v, and out_proj),
+        dropout, device and dtype, attending with the given branches.
+
+        ``layer_norm=False`` (the default here) keeps ``nn.MultiheadAttention``'s layout, so that
+        with ``segment_lengths=[w]``, ``w >= N``, and ``dilation_rates=[1]`` the result equals
+        ``mha(x, x, x, need_weights=False)`` for (B, N, E) inputs. The converted module is batch-first:
+        an ``mha`` built with ``batch_first=False`` gives a :class:`LayoutWarning` saying so.
+        Separate key/value widths (``kdim``/``vdim``), ``add_bias_kv`` and ``add_zero_attn`` have
+        no counterpart and are a ``ValueError``.
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+        E, H = mha.embed_dim, mha.num_heads
+        if not mha._qkv_same_embed_dim:
+            raise ValueError(
+                f"mha has kdim={mha.kdim} and vdim={mha.vdim} besides embed_dim={E}; "
+                "MultiheadDilatedAttention projects keys and values of width embed_dim only"
+            )
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError(
+                "mha was built with add_bias_kv=True or add_zero_attn=True: these append a key to the "
+                "sequence, which has no place in a dilated pattern"
+            )
+        if not mha.batch_first:
+            warn_once(
+                ("from_torch-batch-first",),
+                "MultiheadDilatedAttention.from_torch: the source module takes sequence-first inputs "
+                "(batch_first=False); the converted module takes (B, N, E): pass x.transpose(0, 1).",
+                LayoutWarning,
+            )
+        weight = mha.in_proj_weight
+        has_bias = mha.in_proj_bias is not None
+        new = cls(
+            E,
+            H,
+            segment_lengths,
+            dilation_rates,
+            dropout=float(mha.dropout),
+            bias=has_bias,
+            layer_norm=layer_norm,
+            device=weight.device,
+            dtype=weight.dtype,
+            attention_backend=attention_backend,
+            ordering=ordering,
+            grid=grid,
+        )
+        with torch.no_grad():
+            for i, proj in enumerate((new.q_proj, new.k_proj, new.v_proj)):
+                proj.weight.copy_(weight[i * E : (i + 1) * E])
+                if proj.bias is not None and mha.in_proj_bias is not None:
+                    proj.bias.copy_(mha.in_proj_bias[i * E : (i + 1) * E])
+            new.out_proj.weight.copy_(mha.out_proj.weight)
+            if new.out_proj.bias is not None:
+                if mha.out_proj.bias is not None:
+                    new.out_proj.bias.copy_(mha.out_proj.bias)
+                else:
+                    new.out_proj.bias.zero_()
+        new.train(mha.training)
+        return new
 
     def extra_repr(self) -> str:
         return (

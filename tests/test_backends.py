@@ -20,7 +20,7 @@ from common import grads, make_inputs
 from reference import reference_attention
 from tolerance import assert_within_rule
 
-from dilated_attention import backends, hardware
+from dilated_attention import BackendFallbackWarning, SlowPathWarning, backends, hardware
 from dilated_attention import dilated_attention as dattn
 from dilated_attention.backends import BackendRequest, BackendSelector, get_backend, resolve
 from dilated_attention.backends.patterns import PatternCache, build_positions
@@ -230,8 +230,8 @@ def _records(caplog, level):
         ("xformers", ["xformers"], "sdpa"),
     ],
 )
-def test_fallback_chain_with_packages_absent(caplog, asked, chain, runs):
-    """flash_attn and xformers are not installed here: the documented chains, one WARNING that
+def test_fallback_chain_with_packages_absent(caplog, recwarn, asked, chain, runs):
+    """flash_attn and xformers are not installed here: the documented chains, one warning that
     names what was asked, why not and what runs instead, and one INFO, however many calls."""
     q, k, v = make_inputs(1, 16, 2, 2, 8, torch.float32)
     ref, _ = reference_attention(q, k, v, [4, 8], [1, 2])
@@ -239,9 +239,11 @@ def test_fallback_chain_with_packages_absent(caplog, asked, chain, runs):
         for _ in range(3):
             out = dattn(q, k, v, [4, 8], [1, 2], backend=asked)
             torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    warnings, infos = _records(caplog, logging.WARNING), _records(caplog, logging.INFO)
-    assert len(warnings) == 1 and len(infos) == 1
-    msg = warnings[0].getMessage()
+    infos = _records(caplog, logging.INFO)
+    warned = [w for w in recwarn if issubclass(w.category, BackendFallbackWarning)]
+    assert len(warned) == 1 and len(infos) == 1 and not _records(caplog, logging.WARNING)
+    assert warned[0].filename == __file__  # the warning points at the caller's line
+    msg = str(warned[0].message)
     assert f"{asked!r} was requested" in msg and f"using {runs!r} instead" in msg
     for name in chain:
         assert f"{name}:" in msg
@@ -249,22 +251,71 @@ def test_fallback_chain_with_packages_absent(caplog, asked, chain, runs):
     assert f"using attention backend {runs!r}" in infos[0].getMessage()
 
 
-def test_native_with_dropout_falls_back_to_sdpa(caplog):
+def test_native_with_dropout_falls_back_to_sdpa(recwarn):
     q, k, v = make_inputs(1, 16, 2, 2, 8, torch.float32)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        dattn(q, k, v, [4], [1], dropout_p=0.1, backend="native")
-        dattn(q, k, v, [4], [1], dropout_p=0.1, backend="native")
-    (w,) = _records(caplog, logging.WARNING)
-    assert "'native' was requested" in w.getMessage() and "dropout" in w.getMessage()
-    assert "using 'sdpa' instead" in w.getMessage()
+    dattn(q, k, v, [4], [1], dropout_p=0.1, backend="native")
+    dattn(q, k, v, [4], [1], dropout_p=0.1, backend="native")
+    (w,) = [str(w.message) for w in recwarn if w.category is BackendFallbackWarning]
+    assert "'native' was requested" in w and "dropout" in w
+    assert "using 'sdpa' instead" in w
 
 
-def test_auto_picks_native_then_sdpa_for_dropout_without_warning(caplog):
+def test_fallback_warns_once_per_cause_across_modules_and_shows_by_default():
+    """Twelve selectors meeting one cause give one warning, and it shows in a plain script (no
+    logging configured, Python's default warning filters)."""
+    import subprocess
+
+    script = (
+        "import torch, dilated_attention as da\n"
+        "q = torch.randn(1, 16, 2, 8)\n"
+        "layers = [da.DilatedAttention([4], [1], attention_backend='flash_attn_2') for _ in range(12)]\n"
+        "for layer in layers:\n"
+        "    layer(q, q, q)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("BackendFallbackWarning") == 1, run.stderr
+    assert "'flash_attn_2' was requested" in run.stderr and "using 'sdpa' instead" in run.stderr
+
+
+def test_half_precision_on_manual_warns_slow_path(recwarn):
+    q, k, v = make_inputs(1, 16, 2, 2, 8, torch.bfloat16)
+    for _ in range(2):
+        dattn(q, k, v, [4], [1], backend="manual")
+    (w,) = [str(w.message) for w in recwarn if w.category is SlowPathWarning]
+    assert "bfloat16" in w and "manual" in w
+    dattn(q.float(), k.float(), v.float(), [4], [1], backend="manual")  # float32: nothing to say
+    assert len([w for w in recwarn if w.category is SlowPathWarning]) == 1
+
+
+@pytest.mark.parametrize(
+    "cap,dtype,head_dim,slow",
+    [
+        ((8, 0), torch.bfloat16, 64, False),
+        ((9, 0), torch.float16, 128, False),
+        ((7, 5), torch.float16, 64, True),
+        ((8, 6), torch.bfloat16, 20, True),
+        ((8, 0), torch.bfloat16, 16, True),
+        ((7, 5), torch.float32, 64, False),
+    ],
+)
+def test_slow_path_of_native_on_cuda(fake_gpu, cap, dtype, head_dim, slow):
+    from dilated_attention.backends.advice import slow_path
+
+    fake_gpu["cap"] = cap
+    why = slow_path("native", BackendRequest(torch.device("cuda", 0), dtype, head_dim))
+    assert (why is not None) == slow
+    if slow:
+        assert "SIMT" in why
+
+
+def test_auto_picks_native_then_sdpa_for_dropout_without_warning(caplog, recwarn):
     q, k, v = make_inputs(1, 16, 2, 2, 8, torch.float32)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         dattn(q, k, v, [4], [1])
         dattn(q, k, v, [4], [1], dropout_p=0.2)
     assert not _records(caplog, logging.WARNING)
+    assert not [w for w in recwarn if w.category is BackendFallbackWarning]
     infos = [r.getMessage() for r in _records(caplog, logging.INFO)]
     assert len(infos) == 2
     assert "'native'" in infos[0] and "(auto)" in infos[0]
@@ -313,7 +364,7 @@ def test_choice_is_made_once_per_key(monkeypatch):
     assert len(sel.selections()) == 3
 
 
-def test_selector_is_thread_safe_and_logs_once(caplog):
+def test_selector_is_thread_safe_and_logs_once(caplog, recwarn):
     sel = BackendSelector("threads")
     q, k, _ = make_inputs(1, 8, 2, 2, 4, torch.float32, requires_grad=False)
     barrier = threading.Barrier(8)
@@ -334,7 +385,8 @@ def test_selector_is_thread_safe_and_logs_once(caplog):
         for t in threads:
             t.join()
     assert not errors and set(names) == {"sdpa"} and len(names) == 400
-    assert len(_records(caplog, logging.WARNING)) == 1 and len(_records(caplog, logging.INFO)) == 1
+    assert len([w for w in recwarn if w.category is BackendFallbackWarning]) == 1
+    assert len(_records(caplog, logging.INFO)) == 1
 
 
 def test_selector_copies_and_pickles_empty():

@@ -119,6 +119,18 @@ def test_report_of_a_saved_run(bench, tmp_path, capsys):
     data = json.loads((tmp_path / "out" / "cpu-test-2core-avx2.json").read_text())
     assert [s["speedup"] for s in data["checks"]["speed"]] == pytest.approx([4.0, 4.0])
     assert (tmp_path / "out" / "cpu-test-2core-avx2.csv").exists()
+    # A second report of the same name goes beside the first, unless --overwrite says otherwise.
+    first = (tmp_path / "out" / "cpu-test-2core-avx2.json").read_text()
+    assert bench.main(["--from-json", str(saved), "--out", str(tmp_path / "out")]) == 0
+    assert "writing cpu-test-2core-avx2-" in capsys.readouterr().out
+    assert (tmp_path / "out" / "cpu-test-2core-avx2.json").read_text() == first
+    beside = sorted((tmp_path / "out").glob("cpu-test-2core-avx2-*.json"))
+    assert len(beside) == 1
+    beside[0].unlink()
+    (tmp_path / "out" / "cpu-test-2core-avx2.json").write_text("{}")
+    assert bench.main(["--from-json", str(saved), "--out", str(tmp_path / "out"), "--overwrite"]) == 0
+    assert json.loads((tmp_path / "out" / "cpu-test-2core-avx2.json").read_text())["rows"]
+    assert not list((tmp_path / "out").glob("cpu-test-2core-avx2-*.json"))
 
 
 def test_saved_run_that_is_not_one_is_named(bench, tmp_path):

@@ -515,7 +515,8 @@ def test_ddp_under_torchrun(data_dir, tmp_path):
         "--standalone",
         "--nproc_per_node=2",
         str(GPT_DIR / "train.py"),
-        *tiny_train_args(data_dir, tmp_path, max_iters=10, eval_interval=10, gradient_accumulation_steps=2),
+        # the default gradient_accumulation_steps (1) with 2 processes: one micro-batch each
+        *tiny_train_args(data_dir, tmp_path, max_iters=10, eval_interval=10),
     ]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

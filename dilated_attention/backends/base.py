@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +102,7 @@ class Backend:
 
 
 def check_device_dtype(
-    request: BackendRequest, name: str, dtypes_by_device: dict[str, Sequence[torch.dtype]]
+    request: BackendRequest, name: str, dtypes_by_device: Mapping[str, Sequence[torch.dtype]]
 ) -> list[str]:
     """Reasons from a table ``{device type: supported dtypes}``."""
     dev = request.device.type

@@ -47,7 +47,7 @@ class _FlashBackend(GatheredBackend):
     def _module(self) -> tuple[Any, list[str]]:
         mod, why = import_optional(self.module_name)
         if mod is None:
-            return None, [why]
+            return None, [str(why)]
         if not callable(getattr(mod, "flash_attn_func", None)):
             return None, [f"{self.module_name} has no flash_attn_func"]
         return mod, []

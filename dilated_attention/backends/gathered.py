@@ -207,10 +207,11 @@ class _MergedAttention(torch.autograd.Function):
                     1, it.pos.reshape(-1), og.reshape(B, it.rows * it.m, hg.num_q_heads, D).to(acc)
                 )
                 _scatter_rows_(lse_b, hg.q_heads, it.pos, lg[..., : it.m])
-            if out_acc is None:
+            if out_acc is None or lse_acc is None:
                 out_acc, lse_acc = out_b, lse_b
             else:
                 lse_acc = merge_into_(out_acc, lse_acc, out_b, lse_b)
+        assert out_acc is not None  # the plan has at least one branch
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.backend, ctx.plan, ctx.is_causal, ctx.scale, ctx.aux = backend, plan, is_causal, scale, aux

@@ -62,7 +62,9 @@ class NativeBackend(Backend):
         dev = request.device.type
         if dev not in ("cpu", "cuda"):
             return [f"native has kernels for cpu and cuda only, got {request.device}"]
-        if not _ops.has_kernel(dev):
+        if _ops.EXTENSION_ERROR is not None:
+            why.append(_ops.EXTENSION_ERROR)
+        elif not _ops.has_kernel(dev):
             why.append(f"the extension was built without {dev.upper()} kernels")
         else:
             from .. import hardware

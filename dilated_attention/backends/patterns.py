@@ -201,6 +201,7 @@ def head_groups(Hq: int, Hkv: int, r: int, native_gqa: bool, device: torch.devic
         grouped = native_gqa and len(qh) == g * len(uniq) and kvh == [uniq[j // g] for j in range(len(qh))]
         if not grouped:
             uniq, g = kvh, 1
+        kv: slice | torch.Tensor
         if len(uniq) == 1:
             kv = slice(uniq[0], uniq[0] + 1)
         elif len({b - a for a, b in itertools.pairwise(uniq)}) == 1 and uniq[1] > uniq[0]:

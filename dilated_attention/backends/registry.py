@@ -7,7 +7,8 @@ An explicit request that cannot run falls back along its chain (SPEC section 4):
     native -> sdpa -> manual
     sdpa -> manual
 
-with one WARNING that names what was asked, why it cannot run, and what runs instead. ``auto``
+with one warning (``warnings.warn``, :class:`~dilated_attention.BackendFallbackWarning`, once per
+cause in the process) that names what was asked, why it cannot run, and what runs instead. ``auto``
 takes the first backend of :func:`dilated_attention.hardware.recommended_backends` that can run.
 The backend in use is logged once at INFO. The choice is cached per selector (one per module;
 one for the functional API) and per (requested name, device, dtype, head dim, dropout or not), so
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import hardware
+from .._warnings import BackendFallbackWarning, SlowPathWarning, warn_once
+from .advice import slow_path
 from .base import Backend, BackendRequest, dtype_name
 from .flash import FlashAttn2Backend, FlashAttn3Backend
 from .manual import ManualBackend
@@ -118,7 +121,7 @@ def resolve(requested: str, request: BackendRequest) -> Selection:
         candidates = hardware.recommended_backends(request.device, request.dtype, request.head_dim)
     else:
         candidates = [requested, *FALLBACKS[requested]]
-    skipped = []
+    skipped: list[tuple[str, tuple[str, ...]]] = []
     for name in candidates:
         why = _REGISTRY[name].reasons(request)
         if not why:
@@ -137,8 +140,8 @@ def resolve(requested: str, request: BackendRequest) -> Selection:
 class BackendSelector:
     """Chooses a backend once per (requested name, device, dtype, head dim, dropout) and remembers it.
 
-    One selector per module (and one for the functional API): the WARNING of a fallback and the
-    INFO naming the backend in use are logged once per selector and key. Thread-safe; copies and
+    One selector per module (and one for the functional API): the INFO naming the backend in use
+    is logged once per selector and key; the warning of a fallback is given once per cause. Thread-safe; copies and
     pickles start with an empty memory.
     """
 
@@ -152,7 +155,7 @@ class BackendSelector:
         return {"owner": self.owner}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["owner"])
+        BackendSelector.__init__(self, state["owner"])
 
     def select(self, requested: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> Backend:
         """The backend to run (q, k) with: a dictionary lookup once chosen."""
@@ -180,22 +183,21 @@ class BackendSelector:
     def _log(self, sel: Selection) -> None:
         where = f"{sel.request.device} {dtype_name(sel.request.dtype)}"
         if sel.fell_back:
-            logger.warning(
-                "%s: attention backend %r was requested but cannot run on %s (%s); using %r instead",
-                self.owner,
-                sel.requested,
-                sel.request.describe(),
-                _reasons_text(sel.skipped),
-                sel.name,
+            warn_once(
+                ("fallback", sel.requested, sel.name, sel.request.cache_key),
+                f"{self.owner}: attention backend {sel.requested!r} was requested but cannot run on "
+                f"{sel.request.describe()} ({_reasons_text(sel.skipped)}); using {sel.name!r} instead",
+                BackendFallbackWarning,
             )
+        slow = slow_path(sel.name, sel.request)
+        if slow:
+            warn_once(("slow", sel.name, sel.request.cache_key), f"{self.owner}: {slow}", SlowPathWarning)
         how = (
             "requested"
             if sel.requested == sel.name
             else ("auto" if sel.requested == "auto" else f"fallback from {sel.requested!r}")
         )
-        extra = (
-            f"; passed over {_reasons_text(sel.skipped)}" if sel.skipped and sel.requested == "auto" else ""
-        )
+        extra = f"; passed over {_reasons_text(sel.skipped)}" if sel.skipped else ""
         logger.info("%s: using attention backend %r on %s (%s%s)", self.owner, sel.name, where, how, extra)
 
     def selections(self) -> list[Selection]:

@@ -52,7 +52,7 @@ class XformersBackend(GatheredBackend):
         why = []
         xops, missing = import_optional("xformers.ops")
         if xops is None:
-            why.append(missing.replace("xformers.ops", "xformers"))
+            why.append(str(missing).replace("xformers.ops", "xformers"))
         else:
             fmha = getattr(xops, "fmha", None)
             lacks = [n for n in _NEEDED if not hasattr(xops, n)]

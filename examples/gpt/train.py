@@ -151,7 +151,13 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device {name!r} was asked for, but CUDA is not available here")
+            raise ValueError(
+                f"device {name!r} was asked for, but CUDA is not available here (torch "
+                f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device=cpu or "
+                f"--device=auto"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: there are {torch.cuda.device_count()} CUDA devices")
         if local_rank is not None:
             device = torch.device("cuda", local_rank)
         elif device.index is None:
@@ -165,12 +171,6 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     """The training dtype for ``dtype="auto"``: the package's recommendation for ``device``
     (float32 on CPU; on GPUs bfloat16 from sm80 on, float16 on sm7x, float32 before)."""
     return hardware.recommended_dtype(device)
-    major, _ = torch.cuda.get_device_capability(device)
-    if major >= 8:
-        return torch.bfloat16
-    if major == 7:
-        return torch.float16
-    return torch.float32
 
 
 # Dense bf16/fp16 tensor-core peaks (no sparsity), FLOP/s.
@@ -198,7 +198,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype, given: float) -> tuple[
             if key in name:
                 return spec_flops, f"{name} {dtype} spec"
     n = 4096 if device.type == "cuda" else 1024
-    return flops.matmul_flops(device, dtype, n=n), f"measured {str(dtype).replace('torch.', '')} matmul"
+    name = str(dtype).replace("torch.", "")
+    # The best of three medians: other work on the machine only ever slows a measurement down, and
+    # a peak measured too low would put the MFU above 100%.
+    best = max(flops.matmul_flops(device, dtype, n=n) for _ in range(3))
+    return best, f"{name} {n}x{n} matmul measured once at the start"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +286,27 @@ def backend_in_use(cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -
     return name if name == cfg.attention_backend else f"{name} (asked: {cfg.attention_backend})"
 
 
+def check_same_attention(config: dict[str, Any], saved: dict[str, Any]) -> None:
+    """A ValueError when the attention pattern asked for differs from the checkpoint's: its weights
+    were trained for that pattern (the backend may change: it computes the same function)."""
+    dense, saved_dense = config["attention_backend"] == "dense", saved["attention_backend"] == "dense"
+    if dense != saved_dense:
+        raise ValueError(
+            f"resume: the checkpoint was trained with {'dense' if saved_dense else 'dilated'} attention, "
+            f"the config asks for {'dense' if dense else 'dilated'} attention"
+        )
+    if dense:
+        return
+    asked = (list(config["segment_lengths"]), list(config["dilation_rates"]))
+    had = (list(saved["segment_lengths"]), list(saved["dilation_rates"]))
+    if asked != had:
+        raise ValueError(
+            f"resume: segment_lengths={asked[0]}, dilation_rates={asked[1]} differ from the checkpoint's "
+            f"segment_lengths={had[0]}, dilation_rates={had[1]}; resume with the checkpoint's pattern "
+            f"or train from scratch"
+        )
+
+
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, batches: Batches, cfg: TrainConfig, ctx: Any) -> dict[str, float]:
     """Mean loss of ``eval_iters`` batches of each split (the same batches at every evaluation);
@@ -331,12 +356,14 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=backend)
-        if cfg.gradient_accumulation_steps % world != 0:
+        # gradient_accumulation_steps counts micro-batches per iteration over all processes
+        # (nanoGPT's convention); fewer than the processes means one per process.
+        if cfg.gradient_accumulation_steps > world and cfg.gradient_accumulation_steps % world != 0:
             raise ValueError(
                 f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be a multiple "
-                f"of the number of processes ({world})"
+                f"of the number of processes ({world}), or at most {world}"
             )
-        grad_accum = cfg.gradient_accumulation_steps // world
+        grad_accum = max(1, cfg.gradient_accumulation_steps // world)
     else:
         rank, world, grad_accum = 0, 1, cfg.gradient_accumulation_steps
         device = resolve_device(cfg.device)
@@ -383,11 +410,13 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         "gradient_checkpointing": cfg.gradient_checkpointing,
     }
     iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    checkpoint_peak: tuple[float, str] | None = None
     ckpt_path = out_dir / "ckpt.pt"
     if cfg.init_from == "resume":
         if not ckpt_path.exists():
             raise FileNotFoundError(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
         checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+        check_same_attention(model_args, checkpoint["model_args"])
         for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size"):
             if model_args[k] != checkpoint["model_args"][k] and not (k == "n_kv_head" and model_args[k] == 0):
                 log(
@@ -400,6 +429,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
                 f"{model_args['block_size']}"
             )
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+        if "peak_flops" in checkpoint:  # the MFU keeps the peak the run started with
+            checkpoint_peak = (float(checkpoint["peak_flops"]), str(checkpoint["peak_flops_source"]))
     gptconf = GPTConfig(**model_args)
     model = GPT(gptconf)
     if checkpoint is not None:
@@ -434,14 +465,19 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         else f" segments {list(gptconf.segment_lengths)} rates {list(gptconf.dilation_rates)}"
     )
     flops_per_iter = raw_model.flops_per_sequence(cfg.block_size) * cfg.batch_size * grad_accum * world
-    peak, peak_src = peak_flops(device, ptdtype, cfg.peak_flops)
+    saved_peak = checkpoint_peak if cfg.peak_flops == 0 else None
+    peak, peak_src = saved_peak or peak_flops(device, ptdtype, cfg.peak_flops)
+    peak_note = f"{peak_src}, kept in the checkpoint" if saved_peak else peak_src
+    heads = f"{gptconf.n_head} heads" + (
+        f" ({gptconf.n_kv_head} kv)" if gptconf.n_kv_head != gptconf.n_head else ""
+    )
     log(
-        f"model {raw_model.get_num_params() / 1e6:.2f}M params | {cfg.n_layer} layers, {cfg.n_head} heads, "
-        f"{cfg.n_embd} dims, block {cfg.block_size} | attention {backend_name}{attn_note}"
+        f"model {raw_model.get_num_params() / 1e6:.2f}M params | {gptconf.n_layer} layers, {heads}, "
+        f"{gptconf.n_embd} dims, block {gptconf.block_size} | attention {backend_name}{attn_note}"
     )
     log(
         f"device {device} x{world} | dtype {str(ptdtype).replace('torch.', '')} | {tokens_per_iter:,} tokens/iter | "
-        f"MFU peak {peak / 1e12:.2f} TFLOP/s per device ({peak_src})"
+        f"MFU peak {peak / 1e12:.3f} TFLOP/s per device ({peak_note})"
     )
 
     if cfg.dataset == "passkey" and master and cfg.block_size <= 8192:
@@ -468,6 +504,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
             "best_val_loss": best_val_loss,
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
             "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state()},
+            "peak_flops": peak,
+            "peak_flops_source": peak_src,
         }
         if device.type == "cuda":
             state["rng"]["cuda"] = torch.cuda.get_rng_state(device)
@@ -487,7 +525,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
     }
     t_start = time.time()
     t0 = time.time()
-    local_iter, running_mfu, tok_s = 0, -1.0, 0.0
+    local_iter, tok_s = 0, 0.0
+    window_time, window_iters = 0.0, 0  # the iterations since the last progress line
     while True:
         lr = get_lr(iter_num, cfg)
         for group in optimizer.param_groups:
@@ -524,18 +563,19 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
 
         t1 = time.time()
         dt, t0 = t1 - t0, t1
+        if local_iter >= 2:  # the first iterations (allocation, compilation) are not timed
+            window_time, window_iters = window_time + dt, window_iters + 1
         if iter_num % cfg.log_interval == 0 and master:
             lossf = loss_sum.item()
             summary["losses"].append((iter_num, lossf))
-            if local_iter >= 2:  # let the first iterations (allocation, compilation) pass
-                mfu = flops_per_iter / (dt * peak * world)
-                running_mfu = mfu if running_mfu < 0 else 0.9 * running_mfu + 0.1 * mfu
-            tok_s = tokens_per_iter / dt
-            mfu_text = f"{running_mfu * 100:.2f}%" if running_mfu >= 0 else "--"
-            log(
-                f"iter {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | {dt * 1000:.0f} ms | {tok_s:,.0f} tok/s | "
-                f"mfu {mfu_text} | attn {backend_name}"
-            )
+            timing = "-- ms/iter | -- tok/s | mfu --"
+            if window_iters:  # averages over the iterations since the last progress line
+                per_iter = window_time / window_iters
+                tok_s = tokens_per_iter / per_iter
+                mfu = flops_per_iter / (per_iter * peak * world)
+                timing = f"{per_iter * 1000:.0f} ms/iter | {tok_s:,.0f} tok/s | mfu {mfu * 100:.2f}%"
+            window_time, window_iters = 0.0, 0
+            log(f"iter {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | {timing} | attn {backend_name}")
         iter_num += 1
         local_iter += 1
 

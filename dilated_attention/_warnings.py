@@ -1,0 +1,99 @@
+"""What a user must see: ``warnings.warn`` once per cause, with categories that can be filtered.
+
+Python shows a ``UserWarning`` by default, so these reach a user's own script without any
+logging set up (the package's logger, by contrast, stays silent until the user configures
+logging). Each cause (a backend that cannot run these inputs, a branch configuration that leaves
+positions without a head, ...) is warned about once per process, however many modules or calls
+meet it; ``warnings.simplefilter("ignore", DilatedAttentionWarning)`` silences them all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Hashable
+from types import FrameType
+
+import torch
+
+__all__ = [
+    "BackendFallbackWarning",
+    "DilatedAttentionWarning",
+    "ExtensionWarning",
+    "LayoutWarning",
+    "SlowPathWarning",
+    "UncoveredPositionsWarning",
+    "reset_warnings",
+    "warn_once",
+]
+
+
+class DilatedAttentionWarning(UserWarning):
+    """Base class of every warning this package emits."""
+
+
+class BackendFallbackWarning(DilatedAttentionWarning):
+    """A requested attention backend cannot run these inputs; another one runs instead."""
+
+
+class ExtensionWarning(DilatedAttentionWarning):
+    """The compiled extension is missing or does not match this PyTorch; ``native`` cannot run."""
+
+
+class SlowPathWarning(DilatedAttentionWarning):
+    """float16/bfloat16 inputs are sent to kernels that are slow for them."""
+
+
+class UncoveredPositionsWarning(DilatedAttentionWarning):
+    """The branches leave positions that no head attends from: their output is 0."""
+
+
+class LayoutWarning(DilatedAttentionWarning):
+    """The inputs look like another layout than the one expected (e.g. (B, H, N, D) for (B, N, H, D))."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_seen: set[Hashable] = set()
+_lock = threading.Lock()
+
+
+def _stacklevel() -> int:
+    """The stack level of the first caller outside this package and torch (the user's line),
+    counted as ``warnings.warn`` counts it from ``warn_once`` (importlib's frames are not counted)."""
+    frame: FrameType | None = sys._getframe(1)  # warn_once: level 1
+    level = 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            frame = frame.f_back  # skipped by warnings.warn too
+            continue
+        if not os.path.abspath(name).startswith((_PACKAGE_DIR, _TORCH_DIR)):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
+
+
+def warn_once(cause: Hashable, message: str, category: type[Warning] = DilatedAttentionWarning) -> bool:
+    """``warnings.warn(message, category)`` the first time ``cause`` is met in this process.
+
+    Returns whether it warned. ``cause`` identifies what went wrong (not where), so that twelve
+    layers meeting the same problem give one warning.
+    """
+    key = (category, cause)
+    with _lock:
+        if key in _seen:
+            return False
+        _seen.add(key)
+    # Both count warn_once's own frame as level 1.
+    warnings.warn(message, category, stacklevel=_stacklevel())
+    return True
+
+
+def reset_warnings() -> None:
+    """Forget which causes were warned about, so that each warns again (for tests)."""
+    with _lock:
+        _seen.clear()

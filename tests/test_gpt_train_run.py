@@ -1,0 +1,83 @@
+"""The example's training script as a user meets it: device errors, what resume shows and refuses,
+the MFU peak measured once, and progress lines averaged over a window."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_gpt_example import data_dir, one_thread, tiny_train_args, train  # noqa: F401  (fixtures)
+
+
+def _run(args: list[str]) -> tuple[dict, list[str]]:
+    lines: list[str] = []
+    return train.main(args, log=lines.append), lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(data_dir, tmp_path):  # noqa: F811  (the fixture)
+    with pytest.raises(
+        ValueError, match=r"'cuda' was asked for, but CUDA is not available here.*--device=cpu"
+    ):
+        train.main(tiny_train_args(data_dir, tmp_path, device="cuda"), log=lambda *_: None)
+
+
+def test_resume_shows_the_real_shape_and_refuses_another_pattern(data_dir, tmp_path):  # noqa: F811
+    common = {"max_iters": 2, "eval_interval": 2, "always_save_checkpoint": True}
+    _run(tiny_train_args(data_dir, tmp_path, **common))
+    # The config says 3 layers and 4 heads; the checkpoint has 2 and 2: the log shows the model's.
+    out, lines = _run(
+        tiny_train_args(data_dir, tmp_path, init_from="resume", n_layer=3, n_head=4, max_iters=3)
+    )
+    (model_line,) = [line for line in lines if line.startswith("model ")]
+    assert "2 layers, 2 heads, 32 dims, block 64" in model_line, model_line
+    assert out["iter_num"] == 3
+    with pytest.raises(ValueError, match=r"segment_lengths=\[16, 64\], dilation_rates=\[1, 2\] differ"):
+        _run(
+            tiny_train_args(
+                data_dir, tmp_path, init_from="resume", segment_lengths="16,64", dilation_rates="1,2"
+            )
+        )
+    with pytest.raises(ValueError, match="trained with dilated attention, the config asks for dense"):
+        _run(tiny_train_args(data_dir, tmp_path, init_from="resume", attention_backend="dense"))
+    # Another backend computes the same function: allowed.
+    _run(tiny_train_args(data_dir, tmp_path, init_from="resume", attention_backend="sdpa", max_iters=4))
+
+
+def test_mfu_peak_is_measured_once_and_kept_on_resume(data_dir, tmp_path):  # noqa: F811
+    common = {"max_iters": 2, "eval_interval": 2, "always_save_checkpoint": True, "peak_flops": 0}
+    _, lines = _run(tiny_train_args(data_dir, tmp_path, **common))
+    first = re.search(r"MFU peak ([0-9.]+) TFLOP/s per device \((.*)\)", "\n".join(lines))
+    assert first and "measured once at the start" in first.group(2)
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert saved["peak_flops"] > 0 and f"{saved['peak_flops'] / 1e12:.3f}" == first.group(1)
+    _, lines = _run(tiny_train_args(data_dir, tmp_path, **{**common, "max_iters": 3}, init_from="resume"))
+    again = re.search(r"MFU peak ([0-9.]+) TFLOP/s per device \((.*)\)", "\n".join(lines))
+    assert again and again.group(1) == first.group(1) and "kept in the checkpoint" in again.group(2)
+
+
+def test_progress_lines_average_over_the_window(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Every iteration takes 1 s on a fake clock except one that takes 7 s: the line after it
+    reports the mean over the window since the previous line, not the last iteration alone."""
+    clock = {"t": 0.0, "calls": 0}
+    real_step = train.torch.nn.utils.clip_grad_norm_
+
+    def slow_step(*args, **kwargs):  # called once per iteration, between the clock readings
+        clock["calls"] += 1
+        clock["t"] += 7.0 if clock["calls"] == 5 else 1.0
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train.time, "time", lambda: clock["t"])
+    monkeypatch.setattr(train.torch.nn.utils, "clip_grad_norm_", slow_step)
+    _, lines = _run(
+        tiny_train_args(data_dir, tmp_path, max_iters=9, eval_interval=100, log_interval=4, peak_flops=1e12)
+    )
+    progress = [line for line in lines if line.startswith("iter ")]
+    assert [line.split(":")[0] for line in progress] == ["iter 0", "iter 4", "iter 8"]
+    assert "-- ms/iter | -- tok/s | mfu --" in progress[0]  # iteration 0 warms up, untimed
+    # iterations 2..4 (iterations 0 and 1 warm up): 1 s, 1 s, 7 s -> 3 s each on average
+    assert "3000 ms/iter" in progress[1], progress[1]
+    tokens_per_iter = 4 * 64
+    assert f"{tokens_per_iter / 3.0:,.0f} tok/s" in progress[1]
+    assert "1000 ms/iter" in progress[2], progress[2]  # iterations 5..8

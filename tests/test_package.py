@@ -1,0 +1,188 @@
+"""The package as a user meets it: without the compiled extension, its warnings, its sdist, its types."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import warnings
+
+import pytest
+import torch
+from common import make_inputs
+
+import dilated_attention as da
+from dilated_attention import LayoutWarning, UncoveredPositionsWarning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Run before `import dilated_attention`: makes the import of the compiled extension fail the way an
+# unbuilt checkout (ModuleNotFoundError) or a build for another torch (ImportError: undefined
+# symbol) makes it fail.
+_BLOCK_EXTENSION = """
+import importlib.abc, sys
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "dilated_attention._C":
+            if {mode!r} == "missing":
+                raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+            raise ImportError(name + ".so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev")
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def _run_without_extension(mode: str, body: str) -> subprocess.CompletedProcess:
+    script = _BLOCK_EXTENSION.format(mode=mode) + textwrap.dedent(body)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests")}
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
+
+
+@pytest.mark.parametrize("mode", ["missing", "mismatched"])
+def test_without_the_extension_sdpa_and_manual_run_and_native_says_why(mode):
+    run = _run_without_extension(
+        mode,
+        """
+        import warnings
+        import torch
+        import dilated_attention as da
+        from reference import reference_attention
+        from dilated_attention.backends import BackendRequest, get_backend
+        q = torch.randn(1, 24, 2, 8, dtype=torch.float64)
+        ref, _ = reference_attention(q, q, q, [8, 16], [1, 2])
+        for backend in ("auto", "sdpa", "manual", "native"):
+            out = da.dilated_attention(q, q, q, [8, 16], [1, 2], backend=backend)
+            torch.testing.assert_close(out, ref)
+        why = get_backend("native").reasons(BackendRequest(torch.device("cpu"), torch.float32, 8))
+        print("NATIVE:", why)
+        try:
+            da._ops.native_forward(q, q, q, [8], [1], False, 1.0)
+        except RuntimeError as exc:
+            print("RAISES:", exc)
+        from dilated_attention.__main__ import main
+        main([])
+        """,
+    )
+    assert run.returncode == 0, run.stderr
+    out, err = run.stdout, run.stderr
+    # One warning at import, naming what happened and what to run; it points at the user's import.
+    assert err.count("ExtensionWarning") == 1, err
+    assert "pip install --no-build-isolation -e ." in err and "<string>" in err
+    if mode == "missing":
+        assert "is not built" in err and "unbuilt source checkout" in err
+    else:
+        assert "failed to load" in err and "undefined symbol" in err and torch.__version__ in err
+    assert "circular import" not in out + err
+    # A requested native falls back to sdpa with the reason; auto takes sdpa silently.
+    assert "BackendFallbackWarning" in err and "using 'sdpa' instead" in err
+    assert 'NATIVE: ["the compiled extension dilated_attention._C' in out
+    assert "RAISES: dilated_attention: the compiled extension" in out
+    assert "extension        not loaded:" in out and "recommended      dtype float32, backend sdpa" in out
+
+
+def test_uncovered_positions_warn_once_and_only_when_some_position_has_no_head():
+    q, k, v = make_inputs(1, 16, 2, 2, 8, torch.float32, requires_grad=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        da.dilated_attention(q, k, v, [4, 8], [1, 4])  # r = 1 covers everything
+        da.dilated_attention(q, k, v, [8], [2])  # r <= H: every position has a head
+        assert not [w for w in seen if w.category is UncoveredPositionsWarning]
+        for _ in range(3):
+            out = da.dilated_attention(q, k, v, [8, 16], [4, 8])  # every r > H = 2
+    (w,) = [w for w in seen if w.category is UncoveredPositionsWarning]
+    assert "every dilation rate ([4, 8]) exceeds the number of query heads (2)" in str(w.message)
+    assert w.filename == __file__
+    # The warning is true: position H = 2 has output 0 in every head.
+    assert out[0, 2].abs().max().item() == 0.0
+
+
+def test_transposed_layout_warns_once_with_the_fix():
+    q = torch.randn(1, 4, 160, 8)  # (B, H, N, D) passed as (B, N, H, D): "160 heads"
+    with pytest.warns(LayoutWarning, match=r"pass q.transpose\(1, 2\)") as seen:
+        da.dilated_attention(q, q, q, [32], [1])
+        da.dilated_attention(q, q, q, [32], [1])
+    assert len([w for w in seen if w.category is LayoutWarning]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayoutWarning)
+        da.dilated_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), [32], [1])
+        small = torch.randn(1, 4, 8, 8)  # a short sequence with 8 heads is plausible
+        da.dilated_attention(small, small, small, [4], [1])
+
+
+def test_warnings_can_be_silenced_by_their_base_class():
+    q = torch.randn(1, 16, 2, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.simplefilter("ignore", da.DilatedAttentionWarning)
+        da.dilated_attention(q, q, q, [8], [4], backend="flash_attn_2")
+    assert not seen
+
+
+def test_sdist_carries_every_source_and_header(tmp_path):
+    """The source distribution holds every C/C++/CUDA file git tracks under csrc/ (the build of
+    an sdist without its headers fails), the license, the changelog and py.typed."""
+    pytest.importorskip("build")
+    tracked = subprocess.run(
+        ["git", "ls-files", "csrc"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    if tracked.returncode != 0 or not tracked.stdout:
+        pytest.skip("not a git checkout")
+    run = subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(tmp_path), ROOT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "DILATED_ATTENTION_CPU_ONLY": "1"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    (sdist,) = tmp_path.glob("dilated_attention-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    missing = set(tracked.stdout.split()) - names
+    assert not missing, f"the sdist lacks {sorted(missing)}"
+    for name in ("LICENSE", "CHANGELOG.md", "dilated_attention/py.typed", "setup.py", "pyproject.toml"):
+        assert name in names
+    assert not [n for n in names if n.endswith(".so")]
+
+
+def test_return_lse_overloads_return_what_they_declare():
+    """mypy checks the declared types (tests/typing/check_types.py, run by `make typecheck`); here,
+    that at run time the calls return what the overloads say."""
+    q = torch.randn(1, 8, 2, 4)
+    assert isinstance(da.dilated_attention(q, q, q, [4], [1]), torch.Tensor)
+    assert isinstance(da.dilated_attention(q, q, q, [4], [1], return_lse=False), torch.Tensor)
+    pair = da.dilated_attention(q, q, q, [4], [1], return_lse=True)
+    assert isinstance(pair, tuple) and len(pair) == 2 and pair[1].shape == (1, 2, 8)
+    assert os.path.exists(os.path.join(ROOT, "dilated_attention", "py.typed"))
+
+
+def test_extension_built_for_another_torch_warns(monkeypatch):
+    """setup.py records the torch it built against (_build_info.json); another torch at run time
+    gives an ExtensionWarning that names both and what to run."""
+    from dilated_attention import ExtensionWarning, _ops
+
+    monkeypatch.setattr(_ops, "_build_info", lambda module: {"torch": "2.0.0+cu118", "cuda": "11.8"})
+    with pytest.warns(ExtensionWarning, match=r"built against torch 2\.0\.0\+cu118 \(CUDA 11\.8\)") as seen:
+        module, error = _ops._load_extension()
+    assert module is not None and error is None  # it loaded: native stays usable
+    assert f"runs with torch {torch.__version__}" in str(seen[0].message)
+    assert "pip install --no-build-isolation -e ." in str(seen[0].message)
+    monkeypatch.setattr(_ops, "_build_info", lambda module: {"torch": torch.__version__, "cuda": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExtensionWarning)
+        _ops._load_extension()
+
+
+def test_build_info_is_read_beside_the_extension(tmp_path):
+    from dilated_attention import _ops
+
+    fake = type(sys)("fake")
+    fake.__file__ = str(tmp_path / "_C.so")
+    assert _ops._build_info(fake) is None
+    (tmp_path / "_build_info.json").write_text('{"torch": "9.9", "cuda": null, "python": "3.11"}')
+    assert _ops._build_info(fake) == {"torch": "9.9", "cuda": None, "python": "3.11"}
+    (tmp_path / "_build_info.json").write_text("not json")
+    assert _ops._build_info(fake) is None
