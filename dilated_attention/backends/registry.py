@@ -183,11 +183,15 @@ class BackendSelector:
     def _log(self, sel: Selection) -> None:
         where = f"{sel.request.device} {dtype_name(sel.request.dtype)}"
         if sel.fell_back:
-            warn_once(
-                ("fallback", sel.requested, sel.name, sel.request.cache_key),
+            message = (
                 f"{self.owner}: attention backend {sel.requested!r} was requested but cannot run on "
-                f"{sel.request.describe()} ({_reasons_text(sel.skipped)}); using {sel.name!r} instead",
-                BackendFallbackWarning,
+                f"{sel.request.describe()} ({_reasons_text(sel.skipped)}); using {sel.name!r} instead"
+            )
+            # The contract's logged WARNING (once per selection), and a warning a user sees without
+            # any logging set up (once per cause in the process).
+            logger.warning("%s", message)
+            warn_once(
+                ("fallback", sel.requested, sel.name, sel.request.cache_key), message, BackendFallbackWarning
             )
         slow = slow_path(sel.name, sel.request)
         if slow:
