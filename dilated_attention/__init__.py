@@ -16,7 +16,7 @@ from . import (
     hardware,
 )
 from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
-from .functional import dilated_attention
+from .functional import dilated_attention, dilated_attention_varlen
 from .hardware import recommended_backends, recommended_dtype
 from .hilbert import hilbert_permutation
 from .modules import DilatedAttention, MultiheadDilatedAttention
@@ -54,6 +54,7 @@ __all__ = [
     "__version__",
     "backends",
     "dilated_attention",
+    "dilated_attention_varlen",
     "get_pattern_cache",
     "hardware",
     "hilbert_permutation",

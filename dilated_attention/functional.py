@@ -10,7 +10,7 @@ from . import _validation as V
 from .backends import BackendSelector, check_backend_name, default_selector
 from .flops import accumulation_dtype
 
-__all__ = ["dilated_attention"]
+__all__ = ["dilated_attention", "dilated_attention_varlen"]
 
 
 def dilated_attention(
@@ -97,5 +97,115 @@ def _attention(
     impl = (selector or default_selector()).select(backend, q, k, dropout_p)
     out, lse = impl.forward(
         q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p
+    )
+    return (out, lse) if return_lse else out
+
+
+def dilated_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LongNet dilated attention on packed sequences (FlashAttention's varlen convention, SPEC
+    section 7).
+
+    Args:
+        q: queries of all sequences, one after another, (T, Hq, D).
+        k, v: keys and values, (T, Hkv, D), ``Hq % Hkv == 0``.
+        cu_seqlens: int32 (S + 1,) on q's device: ``cu_seqlens[0] = 0``, non-decreasing,
+            ``cu_seqlens[S] = T``. Sequence ``i`` is the rows ``[cu_seqlens[i], cu_seqlens[i+1])``
+            and is a sequence of its own: positions, segments, head phases and causal masking start
+            again at its first row, and no query reads a key of another sequence. Empty sequences
+            are allowed.
+        max_seqlen: the length of the longest sequence (or more; an error if one is longer).
+        segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p, backend: as in
+            :func:`dilated_attention`, applied to each sequence.
+        return_lse: also return the log-sum-exp, (Hq, T), float32 (float64 for float64 inputs).
+
+    The result equals :func:`dilated_attention` run on each sequence alone, forward and backward.
+    The ``native`` backend runs all sequences in one call of the fused kernels; the gather-based
+    backends read the sequence lengths on the host (``cu_seqlens.tolist()``) to build their index
+    tensors (cached per lengths, branch and head offset).
+
+    Returns:
+        ``out`` (T, Hq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
+    """
+    return _attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        segment_lengths,
+        dilation_rates,
+        is_causal=is_causal,
+        softmax_scale=softmax_scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        backend=backend,
+    )
+
+
+def _attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    selector: BackendSelector | None = None,
+    lengths: Sequence[int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dilated_attention_varlen` with the backend chosen by ``selector``; ``lengths``, when
+    the caller knows them, spares reading ``cu_seqlens`` on the host."""
+    check_backend_name(backend)
+    max_seqlen = V.check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen)
+    segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
+    is_causal = V.check_bool(is_causal, "is_causal")
+    return_lse = V.check_bool(return_lse, "return_lse")
+    scale = V.resolve_scale(softmax_scale, q.shape[-1])
+    dropout_p = V.check_dropout(dropout_p)
+    T, Hq, _ = q.shape
+    impl = (selector or default_selector()).select(backend, q.unsqueeze(0), k.unsqueeze(0), dropout_p)
+    # The native op checks cu_seqlens itself; the others need the lengths on the host. Under
+    # torch.compile nothing is read back, so that the native op stays in one graph.
+    if lengths is None and not (impl.name == "native" and torch.compiler.is_compiling()):
+        lengths = V.varlen_lengths(cu_seqlens, T, max_seqlen)
+    if T == 0:
+        # Empty, but connected to the inputs so that autograd gives (empty) gradients.
+        zero = q.sum() + k.sum() + v.sum()
+        out = q * 0 + zero
+        acc = accumulation_dtype(q.dtype)
+        lse = q.new_zeros((Hq, 0), dtype=acc) + zero.to(acc)
+        return (out, lse) if return_lse else out
+    out, lse = impl.forward_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        lengths,
+        segs,
+        rates,
+        is_causal=is_causal,
+        softmax_scale=scale,
+        dropout_p=dropout_p,
     )
     return (out, lse) if return_lse else out
