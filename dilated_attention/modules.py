@@ -20,7 +20,8 @@ import torch.nn as nn
 from . import _validation as V
 from . import hardware
 from .backends import BackendSelector, check_backend_name
-from .functional import _attention
+from ._padding import pack_padding_mask
+from .functional import _attention, _attention_varlen
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
@@ -85,8 +86,15 @@ class DilatedAttention(nn.Module):
             row-major order are attended in Hilbert-curve order; the output is in row-major order).
         grid: ``(height, width)`` of the token grid, with ``ordering="hilbert"`` only.
 
-    ``forward(q, k, v, is_causal=False)``: q (B, N, Hq, D), k and v (B, N, Hkv, D) with
-    ``Hq % Hkv == 0``; returns (B, N, Hq, D).
+    ``forward(q, k, v, is_causal=False, key_padding_mask=None)``: q (B, N, Hq, D), k and v
+    (B, N, Hkv, D) with ``Hq % Hkv == 0``; returns (B, N, Hq, D).
+
+    ``key_padding_mask`` (B, N), bool or 0/1: **True (1) marks a real token, False (0) padding** (the
+    opposite of ``nn.MultiheadAttention``, whose True means "ignore"). The real tokens of each row
+    must form one contiguous run (right padding, or left padding as in batched generation; a row
+    with a gap is a ValueError naming it). Each row's run is attended as a sequence of its own
+    starting at position 0 (SPEC section 7), with no work on padded positions; padded positions
+    give output 0 and no gradient.
     """
 
     def __init__(
@@ -122,9 +130,16 @@ class DilatedAttention(nn.Module):
         return curve
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dropout_p = self.attention_dropout if self.training else 0.0
+        if key_padding_mask is not None:
+            return self._forward_padded(q, k, v, is_causal, key_padding_mask, dropout_p)
         if self.ordering == "hilbert":
             V.check_qkv(q, k, v)
             perm, inv = self._curve(q.shape[1], q.device)
@@ -144,6 +159,40 @@ class DilatedAttention(nn.Module):
         if self.ordering == "hilbert":
             out = out.index_select(1, inv)  # back to row-major order
         return out
+
+    def _forward_padded(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool,
+        key_padding_mask: torch.Tensor,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """The rows of ``key_padding_mask`` as packed sequences (see the class docstring)."""
+        if self.ordering == "hilbert":
+            raise ValueError("key_padding_mask is not supported with ordering='hilbert' (a padded grid)")
+        V.check_qkv(q, k, v)
+        B, N, Hq, D = q.shape
+        rows = pack_padding_mask(key_padding_mask, B, N, q.device)
+        if rows.full:  # nothing is padded
+            return self.forward(q, k, v, is_causal=is_causal)
+        out = _attention_varlen(
+            rows.gather(q),
+            rows.gather(k),
+            rows.gather(v),
+            rows.cu_seqlens,
+            rows.max_seqlen,
+            self.segment_lengths,
+            self.dilation_rates,
+            is_causal=is_causal,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            backend=self.attention_backend,
+            selector=self._selector,
+            lengths=rows.lengths,
+        )  # (T, Hq, D)
+        return rows.scatter(out, B, N)
 
     @property
     def selected_backends(self) -> str:
@@ -213,9 +262,13 @@ class MultiheadDilatedAttention(nn.Module):
     Both spellings of the width and head count are accepted (``embed_dim``/``dim``,
     ``num_heads``/``heads``); giving both with different values is an error.
 
-    ``forward(query, key=None, value=None, is_causal=False) -> (out, None)``: query, key and
-    value (B, N, E) (or (N, E) unbatched), all of the same length N; ``forward(x)`` is
-    self-attention. The second result stands where ``nn.MultiheadAttention`` returns its attention
+    ``forward(query, key=None, value=None, is_causal=False, key_padding_mask=None) -> (out, None)``:
+    query, key and value (B, N, E) (or (N, E) unbatched), all of the same length N; ``forward(x)``
+    is self-attention. ``key_padding_mask`` (B, N) (or (N,) unbatched), bool or 0/1: **True (1) =
+    a real token**, False (0) = padding (the opposite of ``nn.MultiheadAttention``); each row's real
+    tokens must be one contiguous run and are attended as a sequence of their own (see
+    :class:`DilatedAttention`); padded positions get attention output 0 (the output projection's
+    bias still applies) and pass no gradient to the real tokens. The second result stands where ``nn.MultiheadAttention`` returns its attention
     weights, which dilated attention never forms.
     """
 
@@ -326,6 +379,7 @@ class MultiheadDilatedAttention(nn.Module):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
         if (key is None) != (value is None):
             raise ValueError(
@@ -350,11 +404,14 @@ class MultiheadDilatedAttention(nn.Module):
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dim() == 1:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
         B, N, _ = query.shape
         q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)  # (B, N, H, D)
         k = self.k_proj(key).view(B, N, self.num_heads, self.head_dim)
         v = self.v_proj(value).view(B, N, self.num_heads, self.head_dim)
-        x = self.attention(q, k, v, is_causal=is_causal).reshape(B, N, self.embed_dim)  # (B, N, E)
+        x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+        x = x.reshape(B, N, self.embed_dim)  # (B, N, E)
         if self.norm is not None:
             x = self.norm(x)
         x = self.out_proj(x)
