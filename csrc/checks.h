@@ -136,12 +136,15 @@ inline Problem check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(q.dim() == 3, "dilated_attention varlen: q must be 3-D (T, Hq, D), got shape ", q.sizes());
   TORCH_CHECK(k.dim() == 3, "dilated_attention varlen: k must be 3-D (T, Hkv, D), got shape ", k.sizes());
   TORCH_CHECK(v.dim() == 3, "dilated_attention varlen: v must be 3-D (T, Hkv, D), got shape ", v.sizes());
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt, "dilated_attention varlen: cu_seqlens must be int32, got ",
-              cu_seqlens.dtype());
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt,
+              "dilated_attention varlen: cu_seqlens must be int32, got ",
+              c10::toString(cu_seqlens.scalar_type()));
   TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1,
-              "dilated_attention varlen: cu_seqlens must be 1-D of shape (S + 1,), got shape ", cu_seqlens.sizes());
-  TORCH_CHECK(cu_seqlens.device() == q.device(), "dilated_attention varlen: cu_seqlens must be on q's device ",
-              q.device(), ", got ", cu_seqlens.device());
+              "dilated_attention varlen: cu_seqlens must be 1-D of shape (S + 1,), got shape ",
+              cu_seqlens.sizes());
+  TORCH_CHECK(cu_seqlens.device() == q.device(),
+              "dilated_attention varlen: cu_seqlens must be on q's device ", q.device(), ", got ",
+              cu_seqlens.device());
   TORCH_CHECK(max_seqlen >= 0, "dilated_attention varlen: max_seqlen must be >= 0, got ", max_seqlen);
   TORCH_CHECK(q.size(0) <= INT32_MAX, "dilated_attention varlen: T must fit in int32 (cu_seqlens), got ",
               q.size(0));
@@ -160,8 +163,9 @@ inline std::vector<Sequence> varlen_sequences(const at::Tensor& cu_seqlens, int6
   std::vector<Sequence> seqs;
   seqs.reserve(S);
   for (int64_t i = 0; i < S; ++i) {
-    TORCH_CHECK(cu[i + 1] >= cu[i], "dilated_attention varlen: cu_seqlens must be non-decreasing, got cu_seqlens[",
-                i, "] = ", cu[i], " > cu_seqlens[", i + 1, "] = ", cu[i + 1]);
+    TORCH_CHECK(cu[i + 1] >= cu[i],
+                "dilated_attention varlen: cu_seqlens must be non-decreasing, got cu_seqlens[", i,
+                "] = ", cu[i], " > cu_seqlens[", i + 1, "] = ", cu[i + 1]);
     const int64_t len = (int64_t)cu[i + 1] - cu[i];
     TORCH_CHECK(len <= max_seqlen, "dilated_attention varlen: sequence ", i, " has length ", len,
                 " > max_seqlen = ", max_seqlen);
@@ -176,11 +180,12 @@ inline std::vector<Sequence> varlen_sequences(const at::Tensor& cu_seqlens, int6
 inline void check_varlen_backward_inputs(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
                                          const at::Tensor& lse, const c10::optional<at::Tensor>& dlse) {
   TORCH_CHECK(dout.dim() == 3 && out.dim() == 3,
-              "dilated_attention varlen backward: dout and out must be 3-D (T, Hq, D), got shapes ", dout.sizes(),
-              " and ", out.sizes());
+              "dilated_attention varlen backward: dout and out must be 3-D (T, Hq, D), got shapes ",
+              dout.sizes(), " and ", out.sizes());
   const std::vector<int64_t> lse_shape = {q.size(1), q.size(0)};
   TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape),
-              "dilated_attention varlen backward: lse must have shape (Hq, T) = ", lse_shape, ", got ", lse.sizes());
+              "dilated_attention varlen backward: lse must have shape (Hq, T) = ", lse_shape, ", got ",
+              lse.sizes());
   if (dlse.has_value() && dlse->defined())
     TORCH_CHECK(dlse->sizes() == lse.sizes(), "dilated_attention varlen backward: dlse must have shape ",
                 lse.sizes(), ", got ", dlse->sizes());

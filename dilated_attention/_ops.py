@@ -114,7 +114,9 @@ def native_forward(
 
 
 @torch.library.register_fake("dilated_attention::varlen_fwd")
-def _varlen_fwd_fake(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale):
+def _varlen_fwd_fake(
+    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
+):
     T, Hq, D = q.shape
     out = q.new_empty((T, Hq, D))
     lse = q.new_empty((Hq, T), dtype=accumulation_dtype(q.dtype))

@@ -19,8 +19,8 @@ import torch.nn as nn
 
 from . import _validation as V
 from . import hardware
-from .backends import BackendSelector, check_backend_name
 from ._padding import pack_padding_mask
+from .backends import BackendSelector, check_backend_name
 from .functional import _attention, _attention_varlen
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
@@ -173,7 +173,7 @@ class DilatedAttention(nn.Module):
         if self.ordering == "hilbert":
             raise ValueError("key_padding_mask is not supported with ordering='hilbert' (a padded grid)")
         V.check_qkv(q, k, v)
-        B, N, Hq, D = q.shape
+        B, N = q.shape[:2]
         rows = pack_padding_mask(key_padding_mask, B, N, q.device)
         if rows.full:  # nothing is padded
             return self.forward(q, k, v, is_causal=is_causal)

@@ -722,8 +722,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q_in, const 
                                                   int64_t max_seqlen, at::IntArrayRef segment_lengths,
                                                   at::IntArrayRef dilation_rates, bool is_causal,
                                                   double softmax_scale) {
-  const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths, dilation_rates,
-                                        is_causal, softmax_scale);
+  const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
+                                        dilation_rates, is_causal, softmax_scale);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
   const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, P.N, max_seqlen);
   at::Tensor out = at::empty({P.N, P.Hq, P.D}, q_in.options());
@@ -1026,8 +1026,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
     const at::Tensor& cu_seqlens, int64_t max_seqlen, at::IntArrayRef segment_lengths,
     at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
-  const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths, dilation_rates,
-                                        is_causal, softmax_scale);
+  const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
+                                        dilation_rates, is_causal, softmax_scale);
   check_varlen_backward_inputs(q_in, dout_in, out_in, lse_in, dlse_in);
   c10::optional<at::Tensor> dlse;
   if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->unsqueeze(0);

@@ -355,7 +355,9 @@ class GatheredBackend(Backend):
         raise NotImplementedError
 
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
-        return self._run(q, k, v, q.shape[1], segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p)
+        return self._run(
+            q, k, v, q.shape[1], segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p
+        )
 
     def forward_varlen(
         self,
