@@ -176,8 +176,8 @@ inline std::vector<Sequence> varlen_sequences(const at::Tensor& cu_seqlens, int6
   return seqs;
 }
 
-// Checks of the extra tensors of the packed backward: dout and out (T, Hq, D), lse and dlse (Hq, T).
-inline void check_varlen_backward_inputs(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
+// The shapes of the extra tensors of the packed backward: dout and out (T, Hq, D), lse and dlse (Hq, T).
+inline void check_varlen_backward_shapes(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
                                          const at::Tensor& lse, const c10::optional<at::Tensor>& dlse) {
   TORCH_CHECK(dout.dim() == 3 && out.dim() == 3,
               "dilated_attention varlen backward: dout and out must be 3-D (T, Hq, D), got shapes ",
@@ -189,6 +189,19 @@ inline void check_varlen_backward_inputs(const at::Tensor& q, const at::Tensor& 
   if (dlse.has_value() && dlse->defined())
     TORCH_CHECK(dlse->sizes() == lse.sizes(), "dilated_attention varlen backward: dlse must have shape ",
                 lse.sizes(), ", got ", dlse->sizes());
+}
+
+// Checks of the extra tensors of the packed backward: their shapes, then those of
+// check_backward_inputs on their (1, ...) views. Returns dlse's (1, Hq, T) view.
+inline c10::optional<at::Tensor> check_varlen_backward_inputs(const Problem& P, const at::Tensor& q,
+                                                              const at::Tensor& dout, const at::Tensor& out,
+                                                              const at::Tensor& lse,
+                                                              const c10::optional<at::Tensor>& dlse) {
+  check_varlen_backward_shapes(q, dout, out, lse, dlse);
+  c10::optional<at::Tensor> dlse3;
+  if (dlse.has_value() && dlse->defined()) dlse3 = dlse->unsqueeze(0);
+  check_backward_inputs(P, q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), dlse3);
+  return dlse3;
 }
 
 // A view whose last dimension is contiguous; copies only when it is not.

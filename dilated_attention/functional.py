@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -81,19 +82,12 @@ def _attention(
     """:func:`dilated_attention` with the backend chosen by ``selector`` (one per module)."""
     check_backend_name(backend)
     V.check_qkv(q, k, v)
-    segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
-    is_causal = V.check_bool(is_causal, "is_causal")
-    return_lse = V.check_bool(return_lse, "return_lse")
-    scale = V.resolve_scale(softmax_scale, q.shape[-1])
-    dropout_p = V.check_dropout(dropout_p)
+    segs, rates, is_causal, return_lse, scale, dropout_p = _check_options(
+        segment_lengths, dilation_rates, is_causal, return_lse, softmax_scale, q.shape[-1], dropout_p
+    )
     B, N, Hq, _ = q.shape
     if B == 0 or N == 0:
-        # Empty, but connected to the inputs so that autograd gives (empty) gradients.
-        zero = q.sum() + k.sum() + v.sum()  # 0 for empty inputs
-        out = q * 0 + zero
-        acc = accumulation_dtype(q.dtype)
-        lse = q.new_zeros((B, Hq, N), dtype=acc) + zero.to(acc)
-        return (out, lse) if return_lse else out
+        return _empty(q, k, v, (B, Hq, N), return_lse)
     impl = (selector or default_selector()).select(backend, q, k, dropout_p)
     out, lse = impl.forward(
         q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p
@@ -177,11 +171,9 @@ def _attention_varlen(
     the caller knows them, spares reading ``cu_seqlens`` on the host."""
     check_backend_name(backend)
     max_seqlen = V.check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen)
-    segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
-    is_causal = V.check_bool(is_causal, "is_causal")
-    return_lse = V.check_bool(return_lse, "return_lse")
-    scale = V.resolve_scale(softmax_scale, q.shape[-1])
-    dropout_p = V.check_dropout(dropout_p)
+    segs, rates, is_causal, return_lse, scale, dropout_p = _check_options(
+        segment_lengths, dilation_rates, is_causal, return_lse, softmax_scale, q.shape[-1], dropout_p
+    )
     T, Hq, _ = q.shape
     impl = (selector or default_selector()).select(backend, q.unsqueeze(0), k.unsqueeze(0), dropout_p)
     # The native op checks cu_seqlens itself; the others need the lengths on the host. Under
@@ -189,12 +181,7 @@ def _attention_varlen(
     if lengths is None and not (impl.name == "native" and torch.compiler.is_compiling()):
         lengths = V.varlen_lengths(cu_seqlens, T, max_seqlen)
     if T == 0:
-        # Empty, but connected to the inputs so that autograd gives (empty) gradients.
-        zero = q.sum() + k.sum() + v.sum()
-        out = q * 0 + zero
-        acc = accumulation_dtype(q.dtype)
-        lse = q.new_zeros((Hq, 0), dtype=acc) + zero.to(acc)
-        return (out, lse) if return_lse else out
+        return _empty(q, k, v, (Hq, 0), return_lse)
     out, lse = impl.forward_varlen(
         q,
         k,
@@ -208,4 +195,36 @@ def _attention_varlen(
         softmax_scale=scale,
         dropout_p=dropout_p,
     )
+    return (out, lse) if return_lse else out
+
+
+def _check_options(
+    segment_lengths: Any,
+    dilation_rates: Any,
+    is_causal: Any,
+    return_lse: Any,
+    softmax_scale: Any,
+    head_dim: int,
+    dropout_p: Any,
+) -> tuple[list[int], list[int], bool, bool, float, float]:
+    """The checked options of both functions: (segs, rates, is_causal, return_lse, scale, dropout_p)."""
+    segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
+    return (
+        segs,
+        rates,
+        V.check_bool(is_causal, "is_causal"),
+        V.check_bool(return_lse, "return_lse"),
+        V.resolve_scale(softmax_scale, head_dim),
+        V.check_dropout(dropout_p),
+    )
+
+
+def _empty(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse_shape: tuple[int, ...], return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The result for empty inputs, connected to them so that autograd gives (empty) gradients."""
+    zero = q.sum() + k.sum() + v.sum()  # 0 for empty inputs
+    out = q * 0 + zero
+    acc = accumulation_dtype(q.dtype)
+    lse = q.new_zeros(lse_shape, dtype=acc) + zero.to(acc)
     return (out, lse) if return_lse else out

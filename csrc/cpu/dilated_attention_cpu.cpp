@@ -1028,11 +1028,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
   const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
                                         dilation_rates, is_causal, softmax_scale);
-  check_varlen_backward_inputs(q_in, dout_in, out_in, lse_in, dlse_in);
-  c10::optional<at::Tensor> dlse;
-  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->unsqueeze(0);
-  check_backward_inputs(P, q_in.unsqueeze(0), dout_in.unsqueeze(0), out_in.unsqueeze(0), lse_in.unsqueeze(0),
-                        dlse);
+  const c10::optional<at::Tensor> dlse =
+      check_varlen_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
   const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, P.N, max_seqlen);
   auto grads = bwd_sequences(P, seqs, dout_in.unsqueeze(0), q_in.unsqueeze(0), k_in.unsqueeze(0),
