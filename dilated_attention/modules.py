@@ -410,7 +410,12 @@ class MultiheadDilatedAttention(nn.Module):
         q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)  # (B, N, H, D)
         k = self.k_proj(key).view(B, N, self.num_heads, self.head_dim)
         v = self.v_proj(value).view(B, N, self.num_heads, self.head_dim)
-        x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+        if key_padding_mask is None:
+            x = self.attention(q, k, v, is_causal=is_causal)
+        elif isinstance(self.attention, DilatedAttention):
+            x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+        else:
+            raise ValueError(f"key_padding_mask is not supported by {type(self.attention).__name__}")
         x = x.reshape(B, N, self.embed_dim)  # (B, N, E)
         if self.norm is not None:
             x = self.norm(x)
