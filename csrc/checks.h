@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstdint>
+#include <vector>
 
 #include "dilated_attention.h"
 
@@ -110,6 +112,96 @@ inline void check_backward_inputs(const Problem& p, const at::Tensor& q, const a
     TORCH_CHECK(dlse->device() == q.device(), "dilated_attention backward: dlse must be on ", q.device(),
                 ", got ", dlse->device());
   }
+}
+
+// One sequence of a call: rows [start, start + len) of batch entry b. A fixed-length batch
+// (B, N, ...) is B sequences (b, 0, N); a packed batch (T, ...) is seen as (1, T, ...) and its
+// cu_seqlens give the sequences (0, cu_seqlens[i], cu_seqlens[i + 1] - cu_seqlens[i]).
+struct Sequence {
+  int64_t b, start, len;
+};
+
+inline std::vector<Sequence> fixed_sequences(int64_t B, int64_t N) {
+  std::vector<Sequence> seqs;
+  for (int64_t b = 0; b < B; ++b) seqs.push_back({b, 0, N});
+  return seqs;
+}
+
+// Checks of a packed (varlen) call: q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S + 1,)
+// on q's device, max_seqlen >= 0; then the checks of check_inputs on the (1, T, H, D) views.
+inline Problem check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                   at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                                   bool is_causal, double softmax_scale) {
+  TORCH_CHECK(q.dim() == 3, "dilated_attention varlen: q must be 3-D (T, Hq, D), got shape ", q.sizes());
+  TORCH_CHECK(k.dim() == 3, "dilated_attention varlen: k must be 3-D (T, Hkv, D), got shape ", k.sizes());
+  TORCH_CHECK(v.dim() == 3, "dilated_attention varlen: v must be 3-D (T, Hkv, D), got shape ", v.sizes());
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt,
+              "dilated_attention varlen: cu_seqlens must be int32, got ",
+              c10::toString(cu_seqlens.scalar_type()));
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1,
+              "dilated_attention varlen: cu_seqlens must be 1-D of shape (S + 1,), got shape ",
+              cu_seqlens.sizes());
+  TORCH_CHECK(cu_seqlens.device() == q.device(),
+              "dilated_attention varlen: cu_seqlens must be on q's device ", q.device(), ", got ",
+              cu_seqlens.device());
+  TORCH_CHECK(max_seqlen >= 0, "dilated_attention varlen: max_seqlen must be >= 0, got ", max_seqlen);
+  TORCH_CHECK(q.size(0) <= INT32_MAX, "dilated_attention varlen: T must fit in int32 (cu_seqlens), got ",
+              q.size(0));
+  return check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), segment_lengths, dilation_rates,
+                      is_causal, softmax_scale);
+}
+
+// The sequences of cu_seqlens, checked: cu_seqlens[0] = 0, non-decreasing, cu_seqlens[S] = T and
+// no sequence longer than max_seqlen. Reads the S + 1 values on the host (on CUDA: one small copy
+// that waits for the stream).
+inline std::vector<Sequence> varlen_sequences(const at::Tensor& cu_seqlens, int64_t T, int64_t max_seqlen) {
+  const at::Tensor c = cu_seqlens.to(at::kCPU).contiguous();
+  const int32_t* cu = c.data_ptr<int32_t>();
+  const int64_t S = c.size(0) - 1;
+  TORCH_CHECK(cu[0] == 0, "dilated_attention varlen: cu_seqlens[0] must be 0, got ", cu[0]);
+  std::vector<Sequence> seqs;
+  seqs.reserve(S);
+  for (int64_t i = 0; i < S; ++i) {
+    TORCH_CHECK(cu[i + 1] >= cu[i],
+                "dilated_attention varlen: cu_seqlens must be non-decreasing, got cu_seqlens[", i,
+                "] = ", cu[i], " > cu_seqlens[", i + 1, "] = ", cu[i + 1]);
+    const int64_t len = (int64_t)cu[i + 1] - cu[i];
+    TORCH_CHECK(len <= max_seqlen, "dilated_attention varlen: sequence ", i, " has length ", len,
+                " > max_seqlen = ", max_seqlen);
+    seqs.push_back({0, cu[i], len});
+  }
+  TORCH_CHECK(cu[S] == T, "dilated_attention varlen: cu_seqlens[", S, "] (the last) must equal T = ", T,
+              " (the rows of q), got ", cu[S]);
+  return seqs;
+}
+
+// The shapes of the extra tensors of the packed backward: dout and out (T, Hq, D), lse and dlse (Hq, T).
+inline void check_varlen_backward_shapes(const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
+                                         const at::Tensor& lse, const c10::optional<at::Tensor>& dlse) {
+  TORCH_CHECK(dout.dim() == 3 && out.dim() == 3,
+              "dilated_attention varlen backward: dout and out must be 3-D (T, Hq, D), got shapes ",
+              dout.sizes(), " and ", out.sizes());
+  const std::vector<int64_t> lse_shape = {q.size(1), q.size(0)};
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape),
+              "dilated_attention varlen backward: lse must have shape (Hq, T) = ", lse_shape, ", got ",
+              lse.sizes());
+  if (dlse.has_value() && dlse->defined())
+    TORCH_CHECK(dlse->sizes() == lse.sizes(), "dilated_attention varlen backward: dlse must have shape ",
+                lse.sizes(), ", got ", dlse->sizes());
+}
+
+// Checks of the extra tensors of the packed backward: their shapes, then those of
+// check_backward_inputs on their (1, ...) views. Returns dlse's (1, Hq, T) view.
+inline c10::optional<at::Tensor> check_varlen_backward_inputs(const Problem& P, const at::Tensor& q,
+                                                              const at::Tensor& dout, const at::Tensor& out,
+                                                              const at::Tensor& lse,
+                                                              const c10::optional<at::Tensor>& dlse) {
+  check_varlen_backward_shapes(q, dout, out, lse, dlse);
+  c10::optional<at::Tensor> dlse3;
+  if (dlse.has_value() && dlse->defined()) dlse3 = dlse->unsqueeze(0);
+  check_backward_inputs(P, q.unsqueeze(0), dout.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), dlse3);
+  return dlse3;
 }
 
 // A view whose last dimension is contiguous; copies only when it is not.

@@ -11,6 +11,15 @@
 //     (B, nk, Hkv, D); with is_causal, key j is visible to query i when j <= i + causal_offset.
 // dilated_attention::piece_bwd(dout, q, k, v, out, lse, dlse, ...) -> (dq, dk, dv)
 //     Its gradients for the given out and lse (the merged ones of the rows, in the ring).
+// dilated_attention::varlen_fwd(q, k, v, cu_seqlens, max_seqlen, ...) -> (out, lse)
+//     Packed sequences (FlashAttention's varlen convention, SPEC section 7): q (T, Hq, D), k and v
+//     (T, Hkv, D), cu_seqlens int32 (S + 1,) on q's device; sequence i is the rows
+//     [cu_seqlens[i], cu_seqlens[i + 1]) and attends as a sequence of its own. out (T, Hq, D),
+//     lse (Hq, T). max_seqlen bounds the sequences' lengths (an error if one is longer).
+// dilated_attention::varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, ...)
+//     -> (dq, dk, dv)
+//
+// The fixed-length op is the packed one with S = B sequences of N rows: both run the same kernels.
 //
 // Each device registers its implementation with TORCH_LIBRARY_IMPL in cpu/ and cuda/.
 #include <Python.h>
@@ -66,4 +75,11 @@ TORCH_LIBRARY(dilated_attention, m) {
   m.def(
       "piece_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "bool is_causal, int causal_offset, float softmax_scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, "
+      "int[] dilation_rates, bool is_causal, float softmax_scale) -> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+      "Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, int[] dilation_rates, bool is_causal, "
+      "float softmax_scale) -> (Tensor dq, Tensor dk, Tensor dv)");
 }

@@ -28,7 +28,7 @@ from ._warnings import (
 )
 from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
 from .decode import DilatedKVCache, dilated_attention_decode
-from .functional import dilated_attention
+from .functional import dilated_attention, dilated_attention_varlen
 from .hardware import recommended_backends, recommended_dtype
 from .hilbert import hilbert_permutation
 from .modules import DilatedAttention, MultiheadDilatedAttention
@@ -74,6 +74,7 @@ __all__ = [
     "backends",
     "dilated_attention",
     "dilated_attention_decode",
+    "dilated_attention_varlen",
     "get_pattern_cache",
     "hardware",
     "hilbert_permutation",

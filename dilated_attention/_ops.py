@@ -6,6 +6,11 @@ The schema lives in ``csrc/dilated_attention.cpp``:
   softmax_scale) -> (out, lse)``
 * ``torch.ops.dilated_attention.bwd(dout, q, k, v, out, lse, dlse, segment_lengths,
   dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
+* ``torch.ops.dilated_attention.varlen_fwd(q, k, v, cu_seqlens, max_seqlen, segment_lengths,
+  dilation_rates, is_causal, softmax_scale) -> (out, lse)``: packed sequences, q (T, Hq, D), k and
+  v (T, Hkv, D), cu_seqlens int32 (S + 1,), out (T, Hq, D), lse (Hq, T)
+* ``torch.ops.dilated_attention.varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen,
+  segment_lengths, dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
 * ``torch.ops.dilated_attention.piece_fwd/piece_bwd``: the pieces of sequence parallelism (see
   the end of this file); CPU only.
 
@@ -32,6 +37,7 @@ __all__ = [
     "has_kernel",
     "has_piece_kernel",
     "native_forward",
+    "native_varlen_forward",
     "piece_backward",
     "piece_forward",
 ]
@@ -288,4 +294,101 @@ def piece_backward(
     results over more keys than ``k``: the gradients are then this piece's share)."""
     return _piece_bwd(
         dout, q, k, v, out, lse, dlse, bool(is_causal), int(causal_offset), float(softmax_scale)
+    )
+
+
+def _varlen_fwd_fake(
+    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
+):
+    T, Hq, D = q.shape
+    out = q.new_empty((T, Hq, D))
+    lse = q.new_empty((Hq, T), dtype=accumulation_dtype(q.dtype))
+    return out, lse
+
+
+def _varlen_bwd_fake(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    cu_seqlens,
+    max_seqlen,
+    segment_lengths,
+    dilation_rates,
+    is_causal,
+    softmax_scale,
+):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.config = (
+        int(max_seqlen),
+        list(segment_lengths),
+        list(dilation_rates),
+        bool(is_causal),
+        float(softmax_scale),
+    )
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = ctx.config
+    dq, dk, dv = torch.ops.dilated_attention.varlen_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse,
+        cu_seqlens,
+        max_seqlen,
+        segment_lengths,
+        dilation_rates,
+        is_causal,
+        softmax_scale,
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+if _C is not None:
+    torch.library.register_fake("dilated_attention::varlen_fwd")(_varlen_fwd_fake)
+    torch.library.register_fake("dilated_attention::varlen_bwd")(_varlen_bwd_fake)
+    torch.library.register_autograd(
+        "dilated_attention::varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context
+    )
+
+
+def native_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    is_causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the fused packed op: ``out`` (T, Hq, D) and ``lse`` (Hq, T). Differentiable.
+
+    ``RuntimeError`` saying what to run when the extension is not loaded."""
+    _require_extension()
+    return torch.ops.dilated_attention.varlen_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        int(max_seqlen),
+        list(segment_lengths),
+        list(dilation_rates),
+        bool(is_causal),
+        float(softmax_scale),
     )

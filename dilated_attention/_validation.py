@@ -124,3 +124,50 @@ def check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: Any) -> int:
+    """Check a packed batch: q (T, Hq, D), k and v (T, Hkv, D) (as :func:`check_qkv`), cu_seqlens an
+    int32 (S + 1,) tensor on q's device, max_seqlen an int >= 0. Returns max_seqlen as an int."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (T, H, D) for packed sequences, got shape {tuple(t.shape)}")
+    check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D of shape (S + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    max_seqlen = _as_int(max_seqlen, "max_seqlen")
+    if max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+    return max_seqlen
+
+
+def varlen_lengths(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> list[int]:
+    """The sequence lengths of ``cu_seqlens`` (read on the host), checked: ``cu_seqlens[0] = 0``,
+    non-decreasing, ``cu_seqlens[-1] = T`` and no length above ``max_seqlen``."""
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0]}")
+    lengths = []
+    for i in range(len(cu) - 1):
+        n = cu[i + 1] - cu[i]
+        if n < 0:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {cu[i]} > "
+                f"cu_seqlens[{i + 1}] = {cu[i + 1]}"
+            )
+        if n > max_seqlen:
+            raise ValueError(f"sequence {i} has length {n} > max_seqlen = {max_seqlen}")
+        lengths.append(n)
+    if cu[-1] != T:
+        raise ValueError(
+            f"cu_seqlens[-1] (cu_seqlens[{len(cu) - 1}]) must equal T = {T}, the rows of q, got {cu[-1]}"
+        )
+    return lengths

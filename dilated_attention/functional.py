@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -16,7 +16,7 @@ from .flops import accumulation_dtype
 # (B, H, N, D) tensor passed for (B, N, H, D).
 _MAX_PLAUSIBLE_HEADS = 128
 
-__all__ = ["dilated_attention"]
+__all__ = ["dilated_attention", "dilated_attention_varlen"]
 
 
 @overload
@@ -136,21 +136,14 @@ def _attention(
     """:func:`dilated_attention` with the backend chosen by ``selector`` (one per module)."""
     check_backend_name(backend)
     V.check_qkv(q, k, v)
-    segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
-    is_causal = V.check_bool(is_causal, "is_causal")
-    return_lse = V.check_bool(return_lse, "return_lse")
-    scale = V.resolve_scale(softmax_scale, q.shape[-1])
-    dropout_p = V.check_dropout(dropout_p)
+    segs, rates, is_causal, return_lse, scale, dropout_p = _check_options(
+        segment_lengths, dilation_rates, is_causal, return_lse, softmax_scale, q.shape[-1], dropout_p
+    )
     B, N, Hq, _ = q.shape
     if not torch.compiler.is_compiling():
         _advise(q, segs, rates)
     if B == 0 or N == 0:
-        # Empty, but connected to the inputs so that autograd gives (empty) gradients.
-        zero = q.sum() + k.sum() + v.sum()  # 0 for empty inputs
-        out = q * 0 + zero
-        acc = accumulation_dtype(q.dtype)
-        lse = q.new_zeros((B, Hq, N), dtype=acc) + zero.to(acc)
-        return (out, lse) if return_lse else out
+        return _empty(q, k, v, (B, Hq, N), return_lse)
     impl = (selector or default_selector()).select(backend, q, k, dropout_p)
     out, lse = impl.forward(
         q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p
@@ -181,3 +174,138 @@ def _advise(q: torch.Tensor, segment_lengths: list[int], dilation_rates: list[in
             f"Use a rate <= {Hq} in at least one branch (LongNet's first branch has r = 1).",
             UncoveredPositionsWarning,
         )
+
+
+def dilated_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LongNet dilated attention on packed sequences (FlashAttention's varlen convention, SPEC
+    section 7).
+
+    Args:
+        q: queries of all sequences, one after another, (T, Hq, D).
+        k, v: keys and values, (T, Hkv, D), ``Hq % Hkv == 0``.
+        cu_seqlens: int32 (S + 1,) on q's device: ``cu_seqlens[0] = 0``, non-decreasing,
+            ``cu_seqlens[S] = T``. Sequence ``i`` is the rows ``[cu_seqlens[i], cu_seqlens[i+1])``
+            and is a sequence of its own: positions, segments, head phases and causal masking start
+            again at its first row, and no query reads a key of another sequence. Empty sequences
+            are allowed.
+        max_seqlen: the length of the longest sequence (or more; an error if one is longer).
+        segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p, backend: as in
+            :func:`dilated_attention`, applied to each sequence.
+        return_lse: also return the log-sum-exp, (Hq, T), float32 (float64 for float64 inputs).
+
+    The result equals :func:`dilated_attention` run on each sequence alone, forward and backward.
+    The ``native`` backend runs all sequences in one call of the fused kernels; the gather-based
+    backends read the sequence lengths on the host (``cu_seqlens.tolist()``) to build their index
+    tensors (cached per lengths, branch and head offset).
+
+    Returns:
+        ``out`` (T, Hq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
+    """
+    return _attention_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        segment_lengths,
+        dilation_rates,
+        is_causal=is_causal,
+        softmax_scale=softmax_scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        backend=backend,
+    )
+
+
+def _attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    selector: BackendSelector | None = None,
+    lengths: Sequence[int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dilated_attention_varlen` with the backend chosen by ``selector``; ``lengths``, when
+    the caller knows them, spares reading ``cu_seqlens`` on the host."""
+    check_backend_name(backend)
+    max_seqlen = V.check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen)
+    segs, rates, is_causal, return_lse, scale, dropout_p = _check_options(
+        segment_lengths, dilation_rates, is_causal, return_lse, softmax_scale, q.shape[-1], dropout_p
+    )
+    T, Hq, _ = q.shape
+    impl = (selector or default_selector()).select(backend, q.unsqueeze(0), k.unsqueeze(0), dropout_p)
+    # The native op checks cu_seqlens itself; the others need the lengths on the host. Under
+    # torch.compile nothing is read back, so that the native op stays in one graph.
+    if lengths is None and not (impl.name == "native" and torch.compiler.is_compiling()):
+        lengths = V.varlen_lengths(cu_seqlens, T, max_seqlen)
+    if T == 0:
+        return _empty(q, k, v, (Hq, 0), return_lse)
+    out, lse = impl.forward_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        lengths,
+        segs,
+        rates,
+        is_causal=is_causal,
+        softmax_scale=scale,
+        dropout_p=dropout_p,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _check_options(
+    segment_lengths: Any,
+    dilation_rates: Any,
+    is_causal: Any,
+    return_lse: Any,
+    softmax_scale: Any,
+    head_dim: int,
+    dropout_p: Any,
+) -> tuple[list[int], list[int], bool, bool, float, float]:
+    """The checked options of both functions: (segs, rates, is_causal, return_lse, scale, dropout_p)."""
+    segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
+    return (
+        segs,
+        rates,
+        V.check_bool(is_causal, "is_causal"),
+        V.check_bool(return_lse, "return_lse"),
+        V.resolve_scale(softmax_scale, head_dim),
+        V.check_dropout(dropout_p),
+    )
+
+
+def _empty(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse_shape: tuple[int, ...], return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The result for empty inputs, connected to them so that autograd gives (empty) gradients."""
+    zero = q.sum() + k.sum() + v.sum()  # 0 for empty inputs
+    out = q * 0 + zero
+    acc = accumulation_dtype(q.dtype)
+    lse = q.new_zeros(lse_shape, dtype=acc) + zero.to(acc)
+    return (out, lse) if return_lse else out

@@ -19,9 +19,10 @@ import torch.nn as nn
 
 from . import _validation as V
 from . import hardware
+from ._padding import pack_padding_mask
 from ._warnings import LayoutWarning, warn_once
 from .backends import BackendSelector, check_backend_name
-from .functional import _attention
+from .functional import _attention, _attention_varlen
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
@@ -86,8 +87,15 @@ class DilatedAttention(nn.Module):
             row-major order are attended in Hilbert-curve order; the output is in row-major order).
         grid: ``(height, width)`` of the token grid, with ``ordering="hilbert"`` only.
 
-    ``forward(q, k, v, is_causal=False)``: q (B, N, Hq, D), k and v (B, N, Hkv, D) with
-    ``Hq % Hkv == 0``; returns (B, N, Hq, D).
+    ``forward(q, k, v, is_causal=False, key_padding_mask=None)``: q (B, N, Hq, D), k and v
+    (B, N, Hkv, D) with ``Hq % Hkv == 0``; returns (B, N, Hq, D).
+
+    ``key_padding_mask`` (B, N), bool or 0/1: **True (1) marks a real token, False (0) padding** (the
+    opposite of ``nn.MultiheadAttention``, whose True means "ignore"). The real tokens of each row
+    must form one contiguous run (right padding, or left padding as in batched generation; a row
+    with a gap is a ValueError naming it). Each row's run is attended as a sequence of its own
+    starting at position 0 (SPEC section 7), with no work on padded positions; padded positions
+    give output 0 and no gradient.
     """
 
     def __init__(
@@ -124,9 +132,16 @@ class DilatedAttention(nn.Module):
         return curve
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dropout_p = self.attention_dropout if self.training else 0.0
+        if key_padding_mask is not None:
+            return self._forward_padded(q, k, v, is_causal, key_padding_mask, dropout_p)
         if self.ordering == "hilbert":
             V.check_qkv(q, k, v)
             perm, inv = self._curve(q.shape[1], q.device)
@@ -151,8 +166,47 @@ class DilatedAttention(nn.Module):
     if TYPE_CHECKING:  # nn.Module.__call__ is typed as returning Any; give callers forward's types
 
         def __call__(
-            self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            is_causal: bool = False,
+            key_padding_mask: torch.Tensor | None = None,
         ) -> torch.Tensor: ...
+
+    def _forward_padded(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool,
+        key_padding_mask: torch.Tensor,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        """The rows of ``key_padding_mask`` as packed sequences (see the class docstring)."""
+        if self.ordering == "hilbert":
+            raise ValueError("key_padding_mask is not supported with ordering='hilbert' (a padded grid)")
+        V.check_qkv(q, k, v)
+        B, N = q.shape[:2]
+        rows = pack_padding_mask(key_padding_mask, B, N, q.device)
+        if rows.full:  # nothing is padded
+            return self.forward(q, k, v, is_causal=is_causal)
+        out = _attention_varlen(
+            rows.gather(q),
+            rows.gather(k),
+            rows.gather(v),
+            rows.cu_seqlens,
+            rows.max_seqlen,
+            self.segment_lengths,
+            self.dilation_rates,
+            is_causal=is_causal,
+            softmax_scale=self.softmax_scale,
+            dropout_p=dropout_p,
+            backend=self.attention_backend,
+            selector=self._selector,
+            lengths=rows.lengths,
+        )  # (T, Hq, D)
+        return rows.scatter(out, B, N)
 
     @property
     def selected_backends(self) -> str:
@@ -254,7 +308,12 @@ class MultiheadDilatedAttention(nn.Module):
     ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False,
     attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)``: the arguments
     of ``nn.MultiheadAttention.forward``, in its order. query, key and value are (B, N, E) (or
-    (N, E) unbatched), all of the same length N; ``forward(x)`` is self-attention. The second
+    (N, E) unbatched), all of the same length N; ``forward(x)`` is self-attention.
+    ``key_padding_mask`` (B, N) (or (N,) unbatched), bool or 0/1: **True (1) = a real token**,
+    False (0) = padding (the opposite of ``nn.MultiheadAttention``); each row's real tokens must be
+    one contiguous run and are attended as a sequence of their own (see :class:`DilatedAttention`);
+    padded positions get attention output 0 (the output projection's bias still applies) and pass
+    no gradient to the real tokens. The second
     result stands where ``nn.MultiheadAttention`` returns its attention weights, which dilated
     attention never forms: ``need_weights=True`` is an error, and ``average_attn_weights`` is
     accepted and changes nothing. ``attn_mask`` may only be the causal mask (boolean, True above
@@ -387,10 +446,6 @@ class MultiheadDilatedAttention(nn.Module):
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
         """``(out, None)``; see the class docstring for the arguments."""
-        if key_padding_mask is not None:
-            raise NotImplementedError(
-                "key_padding_mask is not supported by this version of MultiheadDilatedAttention"
-            )
         V.check_bool(need_weights, "need_weights")
         V.check_bool(average_attn_weights, "average_attn_weights")
         is_causal = V.check_bool(is_causal, "is_causal")
@@ -423,6 +478,8 @@ class MultiheadDilatedAttention(nn.Module):
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dim() == 1:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
         B, N, _ = query.shape
         if attn_mask is not None:
             _check_causal_mask(attn_mask, B * self.num_heads, N)
@@ -432,7 +489,13 @@ class MultiheadDilatedAttention(nn.Module):
         q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)  # (B, N, H, D)
         k = self.k_proj(key).view(B, N, self.num_heads, self.head_dim)
         v = self.v_proj(value).view(B, N, self.num_heads, self.head_dim)
-        x = self.attention(q, k, v, is_causal=is_causal).reshape(B, N, self.embed_dim)  # (B, N, E)
+        if key_padding_mask is None:
+            x = self.attention(q, k, v, is_causal=is_causal)
+        elif isinstance(self.attention, DilatedAttention):
+            x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+        else:
+            raise ValueError(f"key_padding_mask is not supported by {type(self.attention).__name__}")
+        x = x.reshape(B, N, self.embed_dim)  # (B, N, E)
         if self.norm is not None:
             x = self.norm(x)
         x = self.out_proj(x)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles and links the extension with its CUDA kernels in a scratch directory, then loads the
-# result and checks that dilated_attention::fwd/bwd have CPU and CUDA kernels. Needs nvcc and a
+# result and checks that dilated_attention::fwd/bwd/varlen_fwd/varlen_bwd have CPU and CUDA kernels. Needs nvcc and a
 # CUDA-enabled torch, no GPU. The installed extension (dilated_attention/_C*.so) is left alone.
 #
 #   scripts/check_cuda_build.sh                                   # sm_75 and sm_80 (a few minutes on 2 cores)
@@ -63,9 +63,9 @@ import torch
 libs = glob.glob(f"{sys.argv[1]}/dilated_attention/_C*.so")
 assert len(libs) == 1, f"expected one built library, found {libs}"
 torch.ops.load_library(libs[0])
-missing = [f"{op} on {key}" for op in ("fwd", "bwd") for key in ("CPU", "CUDA")
+missing = [f"{op} on {key}" for op in ("fwd", "bwd", "varlen_fwd", "varlen_bwd") for key in ("CPU", "CUDA")
            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dilated_attention::{op}", key)]
 if missing:
     sys.exit(f"check_cuda_build: the built library lacks kernels for {', '.join(missing)}")
-print(f"check_cuda_build: {libs[0].rsplit('/', 1)[-1]} loads; dilated_attention::fwd and ::bwd have CPU and CUDA kernels")
+print(f"check_cuda_build: {libs[0].rsplit('/', 1)[-1]} loads; dilated_attention::fwd, ::bwd, ::varlen_fwd and ::varlen_bwd have CPU and CUDA kernels")
 EOF

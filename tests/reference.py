@@ -7,6 +7,7 @@ tolerance rule of SPEC section 4.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -100,3 +101,32 @@ def reference_piece(
     out = torch.einsum("bhpx,bxhd->bphd", weights / safe, vd)  # (B, nq, Hq, D)
     lse = torch.where(covered, torch.log(safe) + row_max, neg_inf).squeeze(-1)  # (B, Hq, nq)
     return out, lse
+
+
+def reference_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: Sequence[int],
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences (SPEC section 7), each run alone through :func:`reference_attention`:
+    q (T, Hq, D), k and v (T, Hkv, D); returns out (T, Hq, D) and lse (Hq, T)."""
+    dtype = dtype or torch.float64
+    _T, Hq, D = q.shape
+    outs = [q.new_zeros((0, Hq, D), dtype=dtype)]
+    lses = [q.new_zeros((Hq, 0), dtype=dtype)]
+    for s, e in itertools.pairwise(cu_seqlens):
+        if e == s:
+            continue
+        o, lse = reference_attention(
+            q[s:e][None], k[s:e][None], v[s:e][None], segment_lengths, dilation_rates, is_causal,
+            softmax_scale, dtype,
+        )  # fmt: skip
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

@@ -31,7 +31,7 @@ import pytest
 import torch
 from common import grads, load_script
 from common import make_inputs as _make_inputs
-from reference import multiplicity, reference_attention
+from reference import multiplicity, reference_attention, reference_varlen
 from tolerance import assert_within_rule
 
 from dilated_attention import dilated_attention as dattn
@@ -53,6 +53,11 @@ _WALK_SOURCE = r"""
 #include <vector>
 #include "cuda/tiling.h"
 
+/* The tiling of a longer sequence (packed sequences: every sequence runs with the tiling of the
+ * longest), or 0 for the tiling of N itself. */
+static int64_t g_tile_rows = 0;
+extern "C" void da_replay_tile_rows(int64_t n) { g_tile_rows = n; }
+
 /* Replays, for every thread block, what the CUDA kernels do with their rows: the walk over
  * (head, branch, segment, chunk), the block-wide "any row active" test, and each warp's skip and
  * mask decisions. work[1] counts the pairs that warps compute (rows_per_warp x other_tile per
@@ -69,8 +74,9 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
   br.n = nb;
   for (int64_t i = 0; i < nb; ++i) { br.w[i] = w[i]; br.r[i] = r[i]; }
   const int64_t warps = 4, G = Hq / Hkv;
-  const da_tiling t = R > 0 ? da_make_tiling(N, R, interleaved, warps, rows_per_warp)
-                            : da_choose_tiling(N, &br, causal, warps, rows_per_warp);
+  const int64_t tn = g_tile_rows > 0 ? g_tile_rows : N;
+  const da_tiling t = R > 0 ? da_make_tiling(tn, R, interleaved, warps, rows_per_warp)
+                            : da_choose_tiling(tn, &br, causal, warps, rows_per_warp);
   chosen[0] = t.R;
   chosen[1] = t.interleaved;
   work[0] = work[1] = 0.0;
@@ -205,6 +211,7 @@ def walk_lib(tmp_path_factory):
         + [ctypes.c_int64] * 5
         + [i64p, i64p, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int]
     )
+    so.da_replay_tile_rows.argtypes = [ctypes.c_int64]
     so.da_cost.restype = ctypes.c_double
     so.da_cost.argtypes = [ctypes.c_int64, ctypes.c_int64, i64p, i64p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return so
@@ -322,6 +329,34 @@ def test_kernel_walk_random_configs(walk_lib):
         got, _ = replay(walk_lib, N, Hq, Hkv, segs, rates, causal, rows_are, R, il, rpw, ot)
         expected = multiplicity(N, Hq, segs, rates, causal)
         assert torch.equal(got, expected), (N, Hq, Hkv, segs, rates, causal, rows_are, R, il, rpw, ot)
+
+
+def test_kernel_walk_of_packed_sequences(walk_lib):
+    """Packed sequences: each sequence's thread blocks run with the tiling of the longest and walk
+    their own sequence only; the pairs visited are still the reference's, sequence by sequence."""
+    g = torch.Generator().manual_seed(11)
+
+    def ri(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    try:
+        for _ in range(30 if SLOW else 12):
+            N = ri(1, 80)
+            n_max = N + ri(0, 200)
+            Hkv = ri(1, 2)
+            Hq = Hkv * ri(1, 3)
+            nb = ri(1, 3)
+            segs = [ri(1, 100) for _ in range(nb)]
+            rates = [ri(1, s) for s in segs]
+            causal, rows_are = bool(ri(0, 1)), ri(0, 1)
+            R, il = ri(0, 9), ri(0, 1)
+            rpw, ot = [(16, 64), (4, 32), (1, 8)][ri(0, 2)]
+            walk_lib.da_replay_tile_rows(n_max)
+            got, _ = replay(walk_lib, N, Hq, Hkv, segs, rates, causal, rows_are, R, il, rpw, ot)
+            expected = multiplicity(N, Hq, segs, rates, causal)
+            assert torch.equal(got, expected), (N, n_max, Hq, Hkv, segs, rates, causal, rows_are, R, il)
+    finally:
+        walk_lib.da_replay_tile_rows(0)
 
 
 def _cost(lib, N, segs, rates, R, il, rpw=16, causal=False):
@@ -480,6 +515,7 @@ def emu(tmp_path_factory):
     so.da_emu_forward.argtypes = head + [vp] * 5 + [ctypes.c_char_p, ctypes.c_int]
     so.da_emu_backward.argtypes = head + [vp] * 10 + [ctypes.c_char_p, ctypes.c_int]
     so.da_emu_options.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
+    so.da_emu_varlen.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     yield so
     so.da_emu_options(0, 1, 0)
 
@@ -707,6 +743,51 @@ def test_emulated_random_configs(emu):
         check_emulated(
             emu, ri(1, 2), N, Hq, Hkv, D, segs, rates, bool(ri(0, 1)), dtype, family, (R, il, rpw, ot)
         )
+
+
+def check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, causal, dtype, family, tiling):
+    """Packed sequences through the emulated kernels (one sequence per blockIdx.z) against the
+    per-sequence float64 reference under the SPEC section 4 rule, forward and backward."""
+    cu_list = [0]
+    for n in lengths:
+        cu_list.append(cu_list[-1] + n)
+    T = cu_list[-1]
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    q, k, v = (t.detach().contiguous() for t in make_inputs(1, T, Hq, Hkv, D, dtype, device="cpu"))
+    g = torch.Generator().manual_seed(12)
+    dout = torch.randn(1, T, Hq, D, generator=g, dtype=torch.float64)
+    emu.da_emu_varlen(cu.data_ptr(), len(lengths))
+    try:
+        out, lse, got = emulated(
+            emu, q, k, v, segs, rates, causal, family, tiling, dout.to(dtype).contiguous(), None
+        )
+    finally:
+        emu.da_emu_varlen(None, -1)
+    q64, k64, v64 = (t[0].double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_varlen(q64, k64, v64, cu_list, segs, rates, causal)
+    ql, kl, vl = (t[0].clone().requires_grad_() for t in (q, k, v))
+    outl, lsel = reference_varlen(ql, kl, vl, cu_list, segs, rates, causal, dtype=dtype)
+    assert_within_rule("out", out[0], out64, outl, dtype)
+    assert_within_rule("lse", lse[0], lse64, lsel, dtype)
+    ref = torch.autograd.grad((out64 * dout[0]).sum(), (q64, k64, v64))
+    plain = torch.autograd.grad((outl.double() * dout[0]).sum(), (ql, kl, vl))
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
+        assert_within_rule(name, a[0], e, p, dtype)
+
+
+# (lengths, Hq, Hkv, D, segment_lengths, dilation_rates): empty sequences, length 1, lengths that
+# are no multiple of any w, one sequence longer than every w.
+EMU_VARLEN_CONFIGS = [
+    pytest.param([5, 0, 1, 37, 20], 4, 2, 32, [8, 16], [1, 2], id="empty-and-one-gqa"),
+    pytest.param([150, 3, 0, 41], 2, 1, 64, [16, 32, 64], [1, 2, 4], id="longer-than-every-w"),
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lengths,Hq,Hkv,D,segs,rates", EMU_VARLEN_CONFIGS)
+def test_emulated_kernels_on_packed_sequences(emu, lengths, Hq, Hkv, D, segs, rates, is_causal):
+    check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 0, (0, 0, 16, 64))
+    check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.float32, 1, (3, 1, 2, 16))
 
 
 def _load_bench():
@@ -1065,3 +1146,41 @@ def test_longnet_branches_against_cpu_kernel(is_causal):
     ref = torch.autograd.grad(out64, (q64, k64, v64), dout)
     for a, e in zip(got, ref, strict=True):
         torch.testing.assert_close(a.cpu().double(), e, atol=5e-2, rtol=5e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_packed_sequences_match_reference(dtype, is_causal):
+    """The varlen op on the GPU against the per-sequence float64 reference, and the CPU op."""
+    from dilated_attention import dilated_attention_varlen
+
+    lengths, Hq, Hkv, D, segs, rates = [5, 0, 1, 137, 20, 64], 4, 2, 64, [8, 32, 128], [1, 2, 4]
+    cu_list = [0]
+    for n in lengths:
+        cu_list.append(cu_list[-1] + n)
+    T = cu_list[-1]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    q, k, v = (t[0].detach().requires_grad_() for t in make_inputs(1, T, Hq, Hkv, D, dtype))
+    out, lse = dilated_attention_varlen(
+        q, k, v, cu, max(lengths), segs, rates, is_causal=is_causal, return_lse=True, backend="native"
+    )
+    assert out.is_cuda and out.shape == (T, Hq, D) and lse.shape == (Hq, T)
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_varlen(q64, k64, v64, cu_list, segs, rates, is_causal)
+    ql, kl, vl = (t.detach().cpu().clone().requires_grad_() for t in (q, k, v))
+    outl, lsel = reference_varlen(ql, kl, vl, cu_list, segs, rates, is_causal, dtype=dtype)
+    assert_within_rule("out", out.cpu(), out64, outl, dtype)
+    assert_within_rule("lse", lse.cpu(), lse64, lsel, dtype)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = grads(out, lse, (q, k, v), dout.cuda(), None)
+    ref = grads(out64, lse64, (q64, k64, v64), dout, None)
+    plain = grads(outl, lsel, (ql, kl, vl), dout, None)
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
+        assert_within_rule(name, a.cpu(), e, p, dtype)
+    with pytest.raises(RuntimeError, match="cu_seqlens must be on q's device"):
+        torch.ops.dilated_attention.varlen_fwd(q, k, v, cu.cpu(), 137, segs, rates, False, 0.1)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        bad = cu.clone()
+        bad[2] = 1000
+        torch.ops.dilated_attention.varlen_fwd(q, k, v, bad, 137, segs, rates, False, 0.1)

@@ -47,6 +47,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -565,14 +566,36 @@ static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* 
 
 /* Positions per forward block: enough that the most dilated branch still has QT queries in it,
  * but small enough to give every thread several blocks. */
-static int64_t block_size(const Problem& P) {
+static int64_t block_size(const Problem& P, const std::vector<Sequence>& seqs) {
   int64_t rmax = 1;
   for (int64_t i = 0; i < P.branches.n; ++i) rmax = da_max64(rmax, P.branches.r[i]);
   int64_t qb = da_min64(QT * rmax, 1024);
   const int64_t want = 8 * (int64_t)at::get_num_threads();
-  while (qb > QT && P.B * P.Hq * da_ceil_div(P.N, qb) < want) qb /= 2;
+  auto blocks = [&](int64_t qb) {
+    int64_t n = 0;
+    for (const Sequence& sq : seqs) n += P.Hq * da_ceil_div(sq.len, qb);
+    return n;
+  };
+  while (qb > QT && blocks(qb) < want) qb /= 2;
   return da_max64(qb, 1);
 }
+
+/*
+ * The tasks of a call, sequence by sequence: sequence i owns the task ids [first[i], first[i + 1]).
+ * locate(task) gives the sequence and the task's index inside it (a binary search).
+ */
+struct TaskSplit {
+  std::vector<int64_t> first;
+  TaskSplit(const std::vector<Sequence>& seqs, const std::function<int64_t(const Sequence&)>& count) {
+    first.push_back(0);
+    for (const Sequence& sq : seqs) first.push_back(first.back() + count(sq));
+  }
+  int64_t total() const { return first.back(); }
+  void locate(int64_t task, int64_t* seq, int64_t* local) const {
+    *seq = (int64_t)(std::upper_bound(first.begin(), first.end(), task) - first.begin()) - 1;
+    *local = task - first[*seq];
+  }
+};
 
 /*
  * A zeroed CPU tensor for the kernels' own buffers (the head-major copies and accumulators). On
@@ -621,16 +644,17 @@ static void set_strides(const at::Tensor& t, int64_t* sb, int64_t* sn, int64_t* 
   *sh = t.stride(2);
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
-                                           const at::Tensor& v_in, at::IntArrayRef segment_lengths,
-                                           at::IntArrayRef dilation_rates, bool is_causal,
-                                           double softmax_scale) {
-  const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
-  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
-  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q_in.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
-  if (P.B == 0 || P.N == 0) return {out, lse};
-  const int64_t QB = block_size(P), nblocks = da_ceil_div(P.N, QB);
+/*
+ * The forward of every sequence of a call, into out (B, N, Hq, D) and lse (B, Hq, N) (a packed call
+ * passes its (1, T, ...) views): tasks (sequence, head, block of QB positions), each run by
+ * fwd_block on the sequence's rows as a sequence of its own (positions, segments, phases and causal
+ * masking start at its first row).
+ */
+static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, const at::Tensor& q_in,
+                          const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& out, at::Tensor& lse) {
+  const int64_t QB = block_size(P, seqs);
+  const TaskSplit split(seqs, [&](const Sequence& sq) { return P.Hq * da_ceil_div(sq.len, QB); });
+  if (split.total() == 0) return;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_fwd", [&] {
     using T = std::conditional_t<std::is_same<scalar_t, double>::value, double, float>;
@@ -658,16 +682,55 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Ten
     scalar_t* out_p = out.data_ptr<scalar_t>();
     T* lse_p = lse.data_ptr<T>();
     parallel_tasks(
-        P.B * P.Hq * nblocks, [&] { return FwdScratch<T>(QB, P.D, Dp); },
+        split.total(), [&] { return FwdScratch<T>(QB, P.D, Dp); },
         [&](int64_t task, FwdScratch<T>& s) {
-          const int64_t blk = task % nblocks, bh = task / nblocks;
-          const int64_t h = bh % P.Hq, b = bh / P.Hq;
-          const int64_t a0 = blk * QB, a1 = da_min64(a0 + QB, P.N);
-          fwd_block(isa, F, b, h, a0, a1, &s);
-          fwd_write<scalar_t, T>(s, out_p + b * out.stride(0) + h * out.stride(2), out.stride(1),
-                                 lse_p + bh * P.N, a0, a1, P.D, Dp);
+          int64_t i, local;
+          split.locate(task, &i, &local);
+          const Sequence& sq = seqs[i];
+          const int64_t nblocks = da_ceil_div(sq.len, QB), blk = local % nblocks, h = local / nblocks;
+          const int64_t a0 = blk * QB, a1 = da_min64(a0 + QB, sq.len);
+          Fwd<T> S = F;  // the sequence's rows as a sequence of their own
+          S.q += sq.start * F.q_sn;
+          S.k += sq.start * F.k_sn;
+          S.v += sq.start * F.v_sn;
+          S.N = sq.len;
+          fwd_block(isa, S, sq.b, h, a0, a1, &s);
+          fwd_write<scalar_t, T>(
+              s, out_p + sq.b * out.stride(0) + sq.start * out.stride(1) + h * out.stride(2), out.stride(1),
+              lse_p + sq.b * lse.stride(0) + h * lse.stride(1) + sq.start, a0, a1, P.D, Dp);
         });
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                                           const at::Tensor& v_in, at::IntArrayRef segment_lengths,
+                                           at::IntArrayRef dilation_rates, bool is_causal,
+                                           double softmax_scale) {
+  const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
+  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q_in.options());
+  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
+  if (P.B == 0 || P.N == 0) return {out, lse};
+  fwd_sequences(P, fixed_sequences(P.B, P.N), q_in, k_in, v_in, out, lse);
+  return {out, lse};
+}
+
+// The packed form: q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S + 1,); out (T, Hq, D) and
+// lse (Hq, T). Rows of empty sequences do not exist; every row belongs to one sequence.
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                  const at::Tensor& v_in, const at::Tensor& cu_seqlens,
+                                                  int64_t max_seqlen, at::IntArrayRef segment_lengths,
+                                                  at::IntArrayRef dilation_rates, bool is_causal,
+                                                  double softmax_scale) {
+  const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
+                                        dilation_rates, is_causal, softmax_scale);
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
+  const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, P.N, max_seqlen);
+  at::Tensor out = at::empty({P.N, P.Hq, P.D}, q_in.options());
+  at::Tensor lse = at::empty({P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
+  if (P.N == 0) return {out, lse};
+  at::Tensor out4 = out.unsqueeze(0), lse3 = lse.unsqueeze(0);
+  fwd_sequences(P, seqs, q_in.unsqueeze(0), k_in.unsqueeze(0), v_in.unsqueeze(0), out4, lse3);
   return {out, lse};
 }
 
@@ -703,7 +766,8 @@ struct Bwd {
   T *dq, *dk, *dv;            // accumulators, rows of Dp values
   int64_t q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, do_sb, do_sn, do_sh;
   int64_t dq_sb, dq_sn, dq_sh, dk_sb, dk_sn, dk_sh, dv_sb, dv_sn, dv_sh;
-  const T *lse, *delta;  // (B, Hq, N)
+  const T *lse, *delta;  // (B, Hq, N), row p of head h of batch entry b at b * lse_sb + h * lse_sh + p
+  int64_t lse_sb, lse_sh;
   int64_t N, Hq, Hkv, D, Dp;
   da_branches br;
   int causal;
@@ -795,8 +859,8 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
       const T* qp = P.q + b * P.q_sb + g.seg_first * P.q_sn + h * P.q_sh;
       const T* dop = P.dout + b * P.do_sb + g.seg_first * P.do_sn + h * P.do_sh;
       T* dqp = P.dq + b * P.dq_sb + g.seg_first * P.dq_sn + h * P.dq_sh;
-      const T* lse_h = P.lse + (b * P.Hq + h) * P.N + g.seg_first;
-      const T* delta_h = P.delta + (b * P.Hq + h) * P.N + g.seg_first;
+      const T* lse_h = P.lse + b * P.lse_sb + h * P.lse_sh + g.seg_first;
+      const T* delta_h = P.delta + b * P.lse_sb + h * P.lse_sh + g.seg_first;
       for (int64_t qt0 = P.causal ? kt0 : 0; qt0 < c; qt0 += QT) {
         const int64_t nq = da_min64(QT, c - qt0);
         for (int64_t i = 0; i < nq; ++i) {
@@ -849,13 +913,16 @@ static void bwd_task(Isa isa, const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
-    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
-  const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
-  check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
-  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
+/*
+ * The backward of every sequence of a call: dq (B, N, Hq, D), dk and dv (B, N, Hkv, D) from the
+ * (B, N, ...) inputs, out, lse (B, Hq, N) and dlse (a packed call passes its (1, T, ...) views).
+ * Branch by branch, tasks (sequence, key/value head, segment, phase) run bwd_task on the
+ * sequence's rows as a sequence of their own; within one branch they write disjoint rows.
+ */
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
+    const Problem& P, const std::vector<Sequence>& seqs, const at::Tensor& dout_in, const at::Tensor& q_in,
+    const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
+    const c10::optional<at::Tensor>& dlse_in) {
   const at::Tensor dout_c = last_dim_contiguous(dout_in), out_c = last_dim_contiguous(out_in);
   const at::Tensor lse = lse_in.contiguous();
   at::Tensor dlse;
@@ -895,6 +962,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     set_strides<T>(dv_acc, &A.dv_sb, &A.dv_sn, &A.dv_sh);
     A.lse = lse.data_ptr<T>();
     A.delta = delta.data_ptr<T>();
+    A.lse_sb = lse.stride(0);
+    A.lse_sh = lse.stride(1);
     A.N = P.N;
     A.Hq = P.Hq;
     A.Hkv = P.Hkv;
@@ -905,16 +974,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     A.scale = (T)P.scale;
     A.scale2 = (T)(P.scale * 1.44269504088896340736);
     const int64_t G = P.Hq / P.Hkv;
-    // Branch by branch: within one, tasks (b, hk, segment, phase) write disjoint rows.
+    // Branch by branch: within one, tasks (sequence, hk, segment, phase) write disjoint rows.
     for (int64_t bi = 0; bi < P.branches.n; ++bi) {
-      const int64_t nseg = da_ceil_div(P.N, P.branches.w[bi]);
+      const int64_t w = P.branches.w[bi];
       const int64_t nph = da_min64(G, P.branches.r[bi]);
+      const TaskSplit split(seqs, [&](const Sequence& sq) { return P.Hkv * da_ceil_div(sq.len, w) * nph; });
       parallel_tasks(
-          P.B * P.Hkv * nseg * nph, [&] { return BwdScratch<T>(P.D, Dp); },
+          split.total(), [&] { return BwdScratch<T>(P.D, Dp); },
           [&](int64_t task, BwdScratch<T>& s) {
-            const int64_t ph = task % nph, seg = (task / nph) % nseg;
-            const int64_t bh = task / (nph * nseg), hk = bh % P.Hkv, b = bh / P.Hkv;
-            bwd_task(isa, A, bi, b, hk, seg, ph, &s);
+            int64_t i, local;
+            split.locate(task, &i, &local);
+            const Sequence& sq = seqs[i];
+            const int64_t nseg = da_ceil_div(sq.len, w);
+            const int64_t ph = local % nph, seg = (local / nph) % nseg, hk = local / (nph * nseg);
+            Bwd<T> S = A;  // the sequence's rows as a sequence of their own
+            S.q += sq.start * A.q_sn;
+            S.k += sq.start * A.k_sn;
+            S.v += sq.start * A.v_sn;
+            S.dout += sq.start * A.do_sn;
+            S.dq += sq.start * A.dq_sn;
+            S.dk += sq.start * A.dk_sn;
+            S.dv += sq.start * A.dv_sn;
+            S.lse += sq.start;
+            S.delta += sq.start;
+            S.N = sq.len;
+            bwd_task(isa, S, bi, sq.b, hk, seg, ph, &s);
           });
     }
     // Back to the inputs' dtype and (B, N, H, D) layout, the input copies released first.
@@ -924,6 +1008,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     dv = dv_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
   });
   return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
+    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+  const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
+  return bwd_sequences(P, fixed_sequences(P.B, P.N), dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in);
+}
+
+// The packed form: dout and out (T, Hq, D), lse and dlse (Hq, T); dq (T, Hq, D), dk and dv (T, Hkv, D).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
+    const at::Tensor& cu_seqlens, int64_t max_seqlen, at::IntArrayRef segment_lengths,
+    at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+  const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
+                                        dilation_rates, is_causal, softmax_scale);
+  const c10::optional<at::Tensor> dlse =
+      check_varlen_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
+  const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, P.N, max_seqlen);
+  auto grads = bwd_sequences(P, seqs, dout_in.unsqueeze(0), q_in.unsqueeze(0), k_in.unsqueeze(0),
+                             v_in.unsqueeze(0), out_in.unsqueeze(0), lse_in.unsqueeze(0), dlse);
+  return {std::get<0>(grads).squeeze(0), std::get<1>(grads).squeeze(0), std::get<2>(grads).squeeze(0)};
 }
 
 #include "piece_cpu.h"  // the pieces of a segment that spans ranks, on the kernels above
@@ -937,6 +1048,8 @@ const char* cpu_kernel_isa() {
 TORCH_LIBRARY_IMPL(dilated_attention, CPU, m) {
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
+  m.impl("varlen_fwd", &varlen_fwd_cpu);
+  m.impl("varlen_bwd", &varlen_bwd_cpu);
 }
 
 }  // namespace dilated_attention

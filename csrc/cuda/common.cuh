@@ -94,6 +94,28 @@ __device__ __forceinline__ int warp_max_int(int v) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Sequences                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+/*
+ * The rows that the thread blocks of grid index z (blockIdx.z) work on: one sequence, the rows
+ * [start, start + N) of batch entry b. A fixed-length call has B sequences (z, 0, p.N); a packed
+ * call has S sequences (0, cu_seqlens[z], cu_seqlens[z + 1] - cu_seqlens[z]) of its (1, T, ...)
+ * tensors. Every kernel sees its sequence as a sequence of its own (positions, segments, phases
+ * and causal masking from its first row); lse and delta rows stay at b * Hq * p.N + h * p.N +
+ * start + x.
+ */
+struct SeqRows {
+  int64_t b, start, N;
+};
+
+__device__ __forceinline__ SeqRows sequence_rows(const Params& p, int64_t z) {
+  if (p.cu_seqlens == nullptr) return SeqRows{z, 0, p.N};
+  const int64_t start = p.cu_seqlens[z];
+  return SeqRows{0, start, (int64_t)p.cu_seqlens[z + 1] - start};
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* The walk                                                                                     */
 /* ------------------------------------------------------------------------------------------ */
 

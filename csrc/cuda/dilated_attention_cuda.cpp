@@ -7,6 +7,11 @@
 // out (B, N, Hq, D) contiguous in the input dtype, lse (B, Hq, N) float32 (float64 for float64
 // inputs); rows that no branch covers get out = 0 and lse = -inf.
 //
+// The packed (varlen) forms run the same kernels: their thread blocks take one sequence each along
+// the grid's z (sequence_rows in common.cuh), with the tiling of the longest sequence; blocks whose
+// rows lie past their sequence's end return at once. cu_seqlens is read once on the host to check
+// it (a small copy that waits for the stream).
+//
 // The backward is deterministic: dq and dk/dv are computed by two
 // passes that each own their output rows, without atomics (bitwise reproducible run to run).
 //
@@ -20,6 +25,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -80,10 +86,11 @@ bool env_tiling(int64_t* R, int64_t* interleaved) {
   return true;
 }
 
-da_tiling make_tiling(const Problem& P, int64_t rows_per_warp) {
+// The tiling of sequences of up to N rows (every sequence of a packed batch uses its longest's).
+da_tiling make_tiling(int64_t N, const Problem& P, int64_t rows_per_warp) {
   int64_t R = 1, il = 0;
-  if (env_tiling(&R, &il)) return da_make_tiling(P.N, R, il, 4, rows_per_warp);
-  return da_choose_tiling(P.N, &P.branches, P.is_causal ? 1 : 0, 4, rows_per_warp);
+  if (env_tiling(&R, &il)) return da_make_tiling(N, R, il, 4, rows_per_warp);
+  return da_choose_tiling(N, &P.branches, P.is_causal ? 1 : 0, 4, rows_per_warp);
 }
 
 // Limits of the launch grid and of the kernels' 32-bit indices.
@@ -107,7 +114,30 @@ Params base_params(const Problem& P) {
   p.br = P.branches;
   p.is_causal = P.is_causal ? 1 : 0;
   p.scale = P.scale;
+  p.cu_seqlens = nullptr;
+  p.num_seqs = P.B;
   return p;
+}
+
+// The sequences of a call as the kernels see them: cu_seqlens (device, int32) or null for B
+// sequences of N rows, how many, and the length of the longest (which sizes the tiling).
+struct Seqs {
+  const int32_t* cu_seqlens;
+  int64_t count;
+  int64_t max_len;
+};
+
+Seqs fixed_seqs(const Problem& P) {
+  return Seqs{nullptr, P.B, P.N};
+}
+
+Seqs packed_seqs(const at::Tensor& cu_seqlens, int64_t T, int64_t max_seqlen) {
+  const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, T, max_seqlen);
+  int64_t longest = 0;
+  for (const Sequence& sq : seqs) longest = std::max(longest, sq.len);
+  TORCH_CHECK(seqs.size() <= 65535,
+              "dilated_attention: on CUDA a packed batch holds at most 65535 sequences, got ", seqs.size());
+  return Seqs{cu_seqlens.data_ptr<int32_t>(), (int64_t)seqs.size(), longest};
 }
 
 // What the kernels need to know of the device (only c10/cuda and the CUDA runtime are used, so
@@ -178,17 +208,19 @@ bool tc_fits(int kernel, DType t, const Params& p, const Device& prop) {
 }
 
 // Launches kernel `kernel` (forward, dq or dk/dv) with the tensor cores or SIMT.
-void run(int kernel, const Problem& P, DType t, Params p, bool use_tc, const Device& prop,
+void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool use_tc, const Device& prop,
          cudaStream_t stream) {
+  p.cu_seqlens = S.cu_seqlens;
+  p.num_seqs = S.count;
   if (use_tc) {
-    p.tiling = make_tiling(P, 16);
+    p.tiling = make_tiling(S.max_len, P, 16);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for N = ", P.N);
     tc_call(kernel, t, p, true, stream);
   } else {
     int64_t rpw = 4;
     simt_plan(P, t, prop, kernel, &rpw, &p.other_tile);
-    p.tiling = make_tiling(P, rpw);
+    p.tiling = make_tiling(S.max_len, P, rpw);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for N = ", P.N);
     if (kernel == cuda::kFwd)
@@ -201,19 +233,9 @@ void run(int kernel, const Problem& P, DType t, Params p, bool use_tc, const Dev
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
-                                            const at::Tensor& v_in, at::IntArrayRef segment_lengths,
-                                            at::IntArrayRef dilation_rates, bool is_causal,
-                                            double softmax_scale) {
-  const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
-  TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
-  check_sizes(P);
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
-  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
-  if (P.B == 0 || P.N == 0) return {out, lse};
-
+// The forward of the sequences S of (B, N, ...) inputs into out (B, N, Hq, D) and lse (B, Hq, N).
+void fwd_sequences(const Problem& P, const Seqs& S, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor& out,
+                   at::Tensor& lse) {
   const DType t = dtype_of(q);
   const Device prop = device_info(q.device().index());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -230,25 +252,55 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   p.out = tensor4(out);
   p.lse = lse.data_ptr();
   use_tc = use_tc && tc_fits(cuda::kFwd, t, p, prop);
-  run(cuda::kFwd, P, t, p, use_tc, prop, stream);
-  return {out, lse};
+  run(cuda::kFwd, P, S, t, p, use_tc, prop, stream);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
-    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                            const at::Tensor& v_in, at::IntArrayRef segment_lengths,
+                                            at::IntArrayRef dilation_rates, bool is_causal,
+                                            double softmax_scale) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
-  check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in),
-             dout = last_dim_contiguous(dout_in);
-  const at::Tensor out = last_dim_contiguous(out_in);
-  const at::Tensor lse = lse_in.contiguous();
-  at::Tensor dlse;
-  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse.scalar_type()).contiguous();
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+                   v = last_dim_contiguous(v_in);
+  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
+  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (P.B == 0 || P.N == 0) return {out, lse};
+  fwd_sequences(P, fixed_seqs(P), q, k, v, out, lse);
+  return {out, lse};
+}
+
+// The packed form (SPEC section 7): q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S + 1,);
+// out (T, Hq, D), lse (Hq, T).
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                   const at::Tensor& v_in, const at::Tensor& cu_seqlens,
+                                                   int64_t max_seqlen, at::IntArrayRef segment_lengths,
+                                                   at::IntArrayRef dilation_rates, bool is_causal,
+                                                   double softmax_scale) {
+  const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
+                                        dilation_rates, is_causal, softmax_scale);
+  TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
+  check_sizes(P);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor cu = cu_seqlens.contiguous();
+  const Seqs S = packed_seqs(cu, P.N, max_seqlen);
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+                   v = last_dim_contiguous(v_in);
+  at::Tensor out = at::empty({P.N, P.Hq, P.D}, q.options());
+  at::Tensor lse = at::empty({P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
+  if (P.N == 0) return {out, lse};
+  at::Tensor out4 = out.unsqueeze(0), lse3 = lse.unsqueeze(0);
+  fwd_sequences(P, S, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4, lse3);
+  return {out, lse};
+}
+
+// The backward of the sequences S of (B, N, ...) inputs: dq, dk, dv of the inputs' shapes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, const Seqs& S, at::Tensor dout,
+                                                             at::Tensor q, at::Tensor k, at::Tensor v,
+                                                             const at::Tensor& out, const at::Tensor& lse,
+                                                             const at::Tensor& dlse) {
   at::Tensor dq = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
   at::Tensor dk = at::empty({P.B, P.N, P.Hkv, P.D}, q.options());
   at::Tensor dv = at::empty({P.B, P.N, P.Hkv, P.D}, q.options());
@@ -283,9 +335,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   p.dv = tensor4(dv);
   const bool tc_dq = use_tc && tc_fits(cuda::kDq, t, p, prop);
   const bool tc_dkv = use_tc && tc_fits(cuda::kDkv, t, p, prop);
-  run(cuda::kDq, P, t, p, tc_dq, prop, stream);
-  run(cuda::kDkv, P, t, p, tc_dkv, prop, stream);
+  run(cuda::kDq, P, S, t, p, tc_dq, prop, stream);
+  run(cuda::kDkv, P, S, t, p, tc_dkv, prop, stream);
   return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
+    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+  const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
+  check_sizes(P);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  at::Tensor dlse;
+  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse_in.scalar_type()).contiguous();
+  return bwd_sequences(P, fixed_seqs(P), last_dim_contiguous(dout_in), last_dim_contiguous(q_in),
+                       last_dim_contiguous(k_in), last_dim_contiguous(v_in), last_dim_contiguous(out_in),
+                       lse_in.contiguous(), dlse);
+}
+
+// The packed form: dout and out (T, Hq, D), lse and dlse (Hq, T); dq (T, Hq, D), dk and dv (T, Hkv, D).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
+    const at::Tensor& cu_seqlens, int64_t max_seqlen, at::IntArrayRef segment_lengths,
+    at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+  const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
+                                        dilation_rates, is_causal, softmax_scale);
+  const c10::optional<at::Tensor> dlse4 =
+      check_varlen_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
+  check_sizes(P);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor cu = cu_seqlens.contiguous();
+  const Seqs S = packed_seqs(cu, P.N, max_seqlen);
+  at::Tensor dlse;
+  if (dlse4.has_value()) dlse = dlse4->to(lse_in.scalar_type()).contiguous();
+  auto grads =
+      bwd_sequences(P, S, last_dim_contiguous(dout_in).unsqueeze(0), last_dim_contiguous(q_in).unsqueeze(0),
+                    last_dim_contiguous(k_in).unsqueeze(0), last_dim_contiguous(v_in).unsqueeze(0),
+                    last_dim_contiguous(out_in).unsqueeze(0), lse_in.contiguous().unsqueeze(0), dlse);
+  return {std::get<0>(grads).squeeze(0), std::get<1>(grads).squeeze(0), std::get<2>(grads).squeeze(0)};
 }
 
 }  // namespace
@@ -293,6 +385,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 TORCH_LIBRARY_IMPL(dilated_attention, CUDA, m) {
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
+  m.impl("varlen_fwd", &varlen_fwd_cuda);
+  m.impl("varlen_bwd", &varlen_bwd_cuda);
 }
 
 }  // namespace dilated_attention

@@ -29,7 +29,12 @@ struct Params {
   void* lse;                    // forward: written; backward: read
   void* delta;                  // backward: rowsum(dout * out) - dlse
   const void* dlse;             // backward: gradient of lse, or nullptr
-  int64_t B, N, Hq, Hkv, D, G;  // G = Hq / Hkv
+  int64_t B, N, Hq, Hkv, D, G;  // G = Hq / Hkv; B, N of the tensors (a packed call: 1 and T)
+  // The sequences, one per blockIdx.z (sequence_rows in common.cuh): num_seqs = B sequences of N
+  // rows when cu_seqlens is null; else num_seqs = S packed sequences of the (1, T, ...) tensors,
+  // sequence i the rows [cu_seqlens[i], cu_seqlens[i + 1]) (int32, on the device).
+  const int32_t* cu_seqlens;
+  int64_t num_seqs;
   da_branches br;
   int is_causal;
   double scale;      // softmax scale

@@ -51,9 +51,9 @@ __device__ __forceinline__ acc_t simt_dot(const acc_t* a, const acc_t* b, int64_
 
 // Fills the fixed fields of a SIMT walk; the warp's rows are its rows_per_warp rows.
 template <typename W>
-__device__ __forceinline__ void simt_walk_init(W& w, const Params& p, int64_t base, int64_t last, int64_t h0,
-                                               int G, int rows_are, int warp) {
-  w.N = p.N;
+__device__ __forceinline__ void simt_walk_init(W& w, const Params& p, int64_t N, int64_t base, int64_t last,
+                                               int64_t h0, int G, int rows_are, int warp) {
+  w.N = N;
   w.base = base;
   w.last = last;
   w.h0 = h0;
@@ -63,7 +63,7 @@ __device__ __forceinline__ void simt_walk_init(W& w, const Params& p, int64_t ba
   w.other_tile = p.other_tile;
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i)
-    w.pos[i] = i < p.tiling.rows_per_warp ? da_row_position(&p.tiling, base, warp, i) : p.N;
+    w.pos[i] = i < p.tiling.rows_per_warp ? da_row_position(&p.tiling, base, warp, i) : N;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -80,23 +80,24 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   acc_t* sV = sK + KT * ld;                        // [KT][D]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.G;
+  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
-  if (base >= p.N) return;
-  const int64_t last = da_tile_last(&p.tiling, base, p.N);
-  const scalar_t* q = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + h * p.q.sh;
-  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  if (base >= N) return;
+  const int64_t last = da_tile_last(&p.tiling, base, N);
+  const scalar_t* q = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn + h * p.q.sh;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
   const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E);
 
   for (int64_t row = warp; row < M; row += kSimtWarps) {
     const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
-    const scalar_t* src = x < p.N ? q + x * p.q.sn : nullptr;
+    const scalar_t* src = x < N ? q + x * p.q.sn : nullptr;
     for (int64_t d = lane; d < D; d += 32) sQ[row * D + d] = src ? (acc_t)src[d] * sl2 : (acc_t)0;
   }
 
   Walk<kMaxRowsPerWarp> cur;
-  simt_walk_init(cur, p, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
+  simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
   cur.start(p.br);
 
   acc_t m[kMaxRowsPerWarp], l[kMaxRowsPerWarp], acc[kMaxRowsPerWarp][kMaxCols];
@@ -152,12 +153,12 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
     cur.next(p.br);
   }
 
-  scalar_t* out = static_cast<scalar_t*>(p.out.data) + b * p.out.sb + h * p.out.sh;
-  acc_t* lse = static_cast<acc_t*>(p.lse) + (b * p.Hq + h) * p.N;
+  scalar_t* out = static_cast<scalar_t*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
+  acc_t* lse = static_cast<acc_t*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
-    if (x >= p.N) continue;
+    if (x >= N) continue;
     const bool empty = l[i] == (acc_t)0;
     const acc_t inv = empty ? (acc_t)0 : (acc_t)1 / l[i];
 #pragma unroll
@@ -206,21 +207,23 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   acc_t* sV = sK + KT * ld;                        // [KT][ld]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.G;
+  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
-  if (base >= p.N) return;
-  const int64_t last = da_tile_last(&p.tiling, base, p.N);
-  const scalar_t* q = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + h * p.q.sh;
-  const scalar_t* dout = static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh;
-  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
-  const acc_t* lse = static_cast<const acc_t*>(p.lse) + (b * p.Hq + h) * p.N;
-  const acc_t* delta = static_cast<const acc_t*>(p.delta) + (b * p.Hq + h) * p.N;
+  if (base >= N) return;
+  const int64_t last = da_tile_last(&p.tiling, base, N);
+  const scalar_t* q = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn + h * p.q.sh;
+  const scalar_t* dout =
+      static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn + h * p.dout.sh;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
+  const acc_t* lse = static_cast<const acc_t*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
+  const acc_t* delta = static_cast<const acc_t*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
   const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E), log2e = (acc_t)DA_LOG2E;
 
   for (int64_t row = warp; row < M; row += kSimtWarps) {
     const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
-    const bool ok = x < p.N;
+    const bool ok = x < N;
     for (int64_t d = lane; d < D; d += 32) {
       sQ[row * D + d] = ok ? (acc_t)q[x * p.q.sn + d] * sl2 : (acc_t)0;
       sdO[row * D + d] = ok ? (acc_t)dout[x * p.dout.sn + d] : (acc_t)0;
@@ -228,16 +231,16 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   }
 
   Walk<kMaxRowsPerWarp> cur;
-  simt_walk_init(cur, p, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
+  simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
   cur.start(p.br);
 
   acc_t lse2[kMaxRowsPerWarp], dl[kMaxRowsPerWarp], dq[kMaxRowsPerWarp][kMaxCols];
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
-    const acc_t L = x < p.N ? lse[x] : (acc_t)0;
+    const acc_t L = x < N ? lse[x] : (acc_t)0;
     lse2[i] = L == -da_inf<acc_t>() ? da_inf<acc_t>() : L * log2e;
-    dl[i] = x < p.N ? delta[x] : (acc_t)0;
+    dl[i] = x < N ? delta[x] : (acc_t)0;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) dq[i][t] = 0;
   }
@@ -285,12 +288,12 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
     cur.next(p.br);
   }
 
-  scalar_t* dqp = static_cast<scalar_t*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh;
+  scalar_t* dqp = static_cast<scalar_t*>(p.dq.data) + b * p.dq.sb + sq.start * p.dq.sn + h * p.dq.sh;
   const acc_t scale = (acc_t)p.scale;
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
-    if (x >= p.N) continue;
+    if (x >= N) continue;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) {
       const int64_t d = lane + 32 * t;
@@ -312,21 +315,22 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   acc_t* sDl = sL + QT;                            // [QT] delta
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t b = blockIdx.z, hk = blockIdx.y;
+  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const int64_t N = sq.N, b = sq.b, hk = blockIdx.y;
   const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
-  if (base >= p.N) return;
-  const int64_t last = da_tile_last(&p.tiling, base, p.N);
-  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
-  const scalar_t* q_all = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb;
-  const scalar_t* do_all = static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb;
-  const acc_t* lse_all = static_cast<const acc_t*>(p.lse) + b * p.Hq * p.N;
-  const acc_t* delta_all = static_cast<const acc_t*>(p.delta) + b * p.Hq * p.N;
+  if (base >= N) return;
+  const int64_t last = da_tile_last(&p.tiling, base, N);
+  const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
+  const scalar_t* q_all = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
+  const scalar_t* do_all = static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
+  const acc_t* lse_all = static_cast<const acc_t*>(p.lse) + b * p.Hq * p.N + sq.start;
+  const acc_t* delta_all = static_cast<const acc_t*>(p.delta) + b * p.Hq * p.N + sq.start;
   const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E), log2e = (acc_t)DA_LOG2E;
 
   for (int64_t row = warp; row < M; row += kSimtWarps) {
     const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
-    const bool ok = x < p.N;
+    const bool ok = x < N;
     for (int64_t d = lane; d < D; d += 32) {
       sK[row * D + d] = ok ? (acc_t)k[x * p.k.sn + d] * sl2 : (acc_t)0;
       sV[row * D + d] = ok ? (acc_t)v[x * p.v.sn + d] : (acc_t)0;
@@ -334,7 +338,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   }
 
   Walk<kMaxRowsPerWarp> cur;
-  simt_walk_init(cur, p, base, last, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, warp);
+  simt_walk_init(cur, p, N, base, last, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, warp);
   cur.start(p.br);
 
   acc_t dk[kMaxRowsPerWarp][kMaxCols], dv[kMaxRowsPerWarp][kMaxCols];
@@ -410,13 +414,13 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     cur.next(p.br);
   }
 
-  scalar_t* dkp = static_cast<scalar_t*>(p.dk.data) + b * p.dk.sb + hk * p.dk.sh;
-  scalar_t* dvp = static_cast<scalar_t*>(p.dv.data) + b * p.dv.sb + hk * p.dv.sh;
+  scalar_t* dkp = static_cast<scalar_t*>(p.dk.data) + b * p.dk.sb + sq.start * p.dk.sn + hk * p.dk.sh;
+  scalar_t* dvp = static_cast<scalar_t*>(p.dv.data) + b * p.dv.sb + sq.start * p.dv.sn + hk * p.dv.sh;
   const acc_t scale = (acc_t)p.scale;
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
-    if (x >= p.N) continue;
+    if (x >= N) continue;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) {
       const int64_t d = lane + 32 * t;
@@ -446,16 +450,16 @@ void simt_run(const Params& p, int kernel, cudaStream_t stream) {
   static SmemOptIn opt_in[3];  // one per kernel of this dtype
   switch (kernel) {
     case kFwd:
-      simt_launch(simt_fwd_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.B), smem, p,
-                  stream, opt_in[kFwd]);
+      simt_launch(simt_fwd_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.num_seqs), smem,
+                  p, stream, opt_in[kFwd]);
       break;
     case kDq:
-      simt_launch(simt_dq_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.B), smem, p,
+      simt_launch(simt_dq_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hq, (unsigned)p.num_seqs), smem, p,
                   stream, opt_in[kDq]);
       break;
     default:
-      simt_launch(simt_dkv_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hkv, (unsigned)p.B), smem, p,
-                  stream, opt_in[kDkv]);
+      simt_launch(simt_dkv_kernel<scalar_t, acc_t>, dim3(tiles, (unsigned)p.Hkv, (unsigned)p.num_seqs), smem,
+                  p, stream, opt_in[kDkv]);
       break;
   }
 }

@@ -145,24 +145,25 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   T* sV = sK + Cfg::STAGES * KT * LDS;     // [STAGES][KT][LDS]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.G;
+  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
-  if (base >= p.N) return;
-  const int64_t last = da_tile_last(&tl, base, p.N);
+  if (base >= N) return;
+  const int64_t last = da_tile_last(&tl, base, N);
 
-  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh;
-  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn + h * p.q.sh;
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
 
   tc_load_rows<T, DP, LDS>(sQ, q, kTcRows, p.D, [&](int row) -> int64_t {
     const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
-    return x < p.N ? x * p.q.sn : -1;
+    return x < N ? x * p.q.sn : -1;
   });
   cp_async_commit();
 
   Walk<2> cur;
-  cur.N = p.N;
+  cur.N = N;
   cur.base = base;
   cur.last = last;
   cur.h0 = h;
@@ -258,15 +259,15 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   }
   cp_async_wait<0>();
 
-  T* out = static_cast<T*>(p.out.data) + b * p.out.sb + h * p.out.sh;
-  float* lse = static_cast<float*>(p.lse) + (b * p.Hq + h) * p.N;
+  T* out = static_cast<T*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
+  float* lse = static_cast<float*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     float lsum = l[ri];
     lsum += __shfl_xor_sync(DA_FULL_MASK, lsum, 1);
     lsum += __shfl_xor_sync(DA_FULL_MASK, lsum, 2);
     const int64_t x = cur.pos[ri];
-    if (x >= p.N) continue;
+    if (x >= N) continue;
     const bool empty = lsum == 0.f;  // no branch covers the row (or every score was -inf)
     const float inv = empty ? 0.f : 1.f / lsum;
     T* o = out + x * p.out.sn;
@@ -297,29 +298,30 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   T* sV = sK + STAGES * KT * LDS;          // [STAGES][KT][LDS]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.G;
+  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
-  if (base >= p.N) return;
-  const int64_t last = da_tile_last(&tl, base, p.N);
+  if (base >= N) return;
+  const int64_t last = da_tile_last(&tl, base, N);
 
-  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh;
-  const T* dout = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh;
-  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn + h * p.q.sh;
+  const T* dout = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn + h * p.dout.sh;
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
 
   tc_load_rows<T, DP, LDS>(sQ, q, kTcRows, p.D, [&](int row) -> int64_t {
     const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
-    return x < p.N ? x * p.q.sn : -1;
+    return x < N ? x * p.q.sn : -1;
   });
   tc_load_rows<T, DP, LDS>(sdO, dout, kTcRows, p.D, [&](int row) -> int64_t {
     const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
-    return x < p.N ? x * p.dout.sn : -1;
+    return x < N ? x * p.dout.sn : -1;
   });
   cp_async_commit();
 
   Walk<2> cur;
-  cur.N = p.N;
+  cur.N = N;
   cur.base = base;
   cur.last = last;
   cur.h0 = h;
@@ -331,15 +333,15 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   cur.start(p.br);
 
   // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
-  const float* lse = static_cast<const float*>(p.lse) + (b * p.Hq + h) * p.N;
-  const float* delta = static_cast<const float*>(p.delta) + (b * p.Hq + h) * p.N;
+  const float* lse = static_cast<const float*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
+  const float* delta = static_cast<const float*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
   float lse2[2], dl[2];
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t x = cur.pos[ri];
-    const float L = x < p.N ? lse[x] : 0.f;
+    const float L = x < N ? lse[x] : 0.f;
     lse2[ri] = L == -INFINITY ? INFINITY : L * (float)DA_LOG2E;
-    dl[ri] = x < p.N ? delta[x] : 0.f;
+    dl[ri] = x < N ? delta[x] : 0.f;
   }
 
   auto load_kv = [&](const Walk<2>& w, int stage) {
@@ -410,12 +412,12 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   }
   cp_async_wait<0>();
 
-  T* dq = static_cast<T*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh;
+  T* dq = static_cast<T*>(p.dq.data) + b * p.dq.sb + sq.start * p.dq.sn + h * p.dq.sh;
   const float scale = (float)p.scale;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t x = cur.pos[ri];
-    if (x >= p.N) continue;
+    if (x >= N) continue;
     T* o = dq + x * p.dq.sn;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
@@ -445,27 +447,28 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   float* sDl = sL + STAGES * QT;                                  // [STAGES][QT] delta
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
-  const int64_t b = blockIdx.z, hk = blockIdx.y / Cfg::CHUNKS;
+  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const int64_t N = sq.N, b = sq.b, hk = blockIdx.y / Cfg::CHUNKS;
   const int c0 = (int)(blockIdx.y % Cfg::CHUNKS) * DC;  // first accumulator column
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
-  if (base >= p.N) return;
-  const int64_t last = da_tile_last(&tl, base, p.N);
+  if (base >= N) return;
+  const int64_t last = da_tile_last(&tl, base, N);
 
-  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
   tc_load_rows<T, DP, LDS>(sK, k, kTcRows, p.D, [&](int row) -> int64_t {
     const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
-    return x < p.N ? x * p.k.sn : -1;
+    return x < N ? x * p.k.sn : -1;
   });
   tc_load_rows<T, DP, LDS>(sV, v, kTcRows, p.D, [&](int row) -> int64_t {
     const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
-    return x < p.N ? x * p.v.sn : -1;
+    return x < N ? x * p.v.sn : -1;
   });
   cp_async_commit();
 
   Walk<2> cur;
-  cur.N = p.N;
+  cur.N = N;
   cur.base = base;
   cur.last = last;
   cur.h0 = hk * p.G;
@@ -476,10 +479,10 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   tc_thread_rows(tl, base, warp, lane, cur.pos);
   cur.start(p.br);
 
-  const T* q_all = static_cast<const T*>(p.q.data) + b * p.q.sb;
-  const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb;
-  const float* lse_all = static_cast<const float*>(p.lse) + b * p.Hq * p.N;
-  const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N;
+  const T* q_all = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
+  const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
+  const float* lse_all = static_cast<const float*>(p.lse) + b * p.Hq * p.N + sq.start;
+  const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N + sq.start;
 
   // Queries o0 .. o0+QT-1 of the walk's current head and segment: q and dout rows, lse, delta.
   auto load_q = [&](const Walk<2>& w, int stage) {
@@ -568,13 +571,13 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   }
   cp_async_wait<0>();
 
-  T* dk = static_cast<T*>(p.dk.data) + b * p.dk.sb + hk * p.dk.sh;
-  T* dv = static_cast<T*>(p.dv.data) + b * p.dv.sb + hk * p.dv.sh;
+  T* dk = static_cast<T*>(p.dk.data) + b * p.dk.sb + sq.start * p.dk.sn + hk * p.dk.sh;
+  T* dv = static_cast<T*>(p.dv.data) + b * p.dv.sb + sq.start * p.dv.sn + hk * p.dv.sh;
   const float scale = (float)p.scale;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t x = cur.pos[ri];
-    if (x >= p.N) continue;
+    if (x >= N) continue;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int d = c0 + ct * 8 + 2 * tq;
@@ -605,7 +608,7 @@ template <typename T, int DP>
 TcConfig tc_fwd_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcFwdCfg<DP>::SMEM, 1};
   if (launch) {
-    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
     static SmemOptIn opt_in;
     tc_launch(tc_fwd_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
   }
@@ -616,7 +619,7 @@ template <typename T, int DP>
 TcConfig tc_dq_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcDqCfg<DP>::SMEM, 1};
   if (launch) {
-    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
     static SmemOptIn opt_in;
     tc_launch(tc_dq_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
   }
@@ -627,7 +630,8 @@ template <typename T, int DP>
 TcConfig tc_dkv_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcDkvCfg<DP>::SMEM, TcDkvCfg<DP>::CHUNKS};
   if (launch) {
-    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks), (unsigned)p.B);
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks),
+                    (unsigned)p.num_seqs);
     static SmemOptIn opt_in;
     tc_launch(tc_dkv_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
   }

@@ -97,6 +97,26 @@ class Backend:
         (B, Hq, N) in float32 (float64 for float64 inputs). Arguments are already validated."""
         raise NotImplementedError
 
+    def forward_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        lengths: Sequence[int] | None,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        *,
+        is_causal: bool,
+        softmax_scale: float,
+        dropout_p: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed sequences (SPEC section 7): q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32
+        (S + 1,), ``lengths`` the S sequence lengths read on the host (None where the backend
+        needs none). Returns ``out`` (T, Hq, D) and ``lse`` (Hq, T). Arguments are validated."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<dilated attention backend {self.name!r}>"
 

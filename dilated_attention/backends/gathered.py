@@ -63,7 +63,7 @@ class _Item:
 
 
 def _plan(
-    N: int,
+    N: int | tuple[int, ...],
     Hq: int,
     Hkv: int,
     segment_lengths: Sequence[int],
@@ -349,7 +349,41 @@ class GatheredBackend(Backend):
         raise NotImplementedError
 
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
-        _, N, Hq, _ = q.shape
+        return self._run(
+            q, k, v, q.shape[1], segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p
+        )
+
+    def forward_varlen(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        lengths,
+        segment_lengths,
+        dilation_rates,
+        *,
+        is_causal,
+        softmax_scale,
+        dropout_p=0.0,
+    ):
+        # The packed rows as one (1, T, H, D) batch whose index patterns restart at every sequence.
+        out, lse = self._run(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            tuple(lengths),
+            segment_lengths,
+            dilation_rates,
+            is_causal,
+            softmax_scale,
+            dropout_p,
+        )
+        return out.squeeze(0), lse.squeeze(0)
+
+    def _run(self, q, k, v, N, segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p):
+        Hq = q.shape[2]
         plan = _plan(N, Hq, k.shape[2], segment_lengths, dilation_rates, self.native_gqa(q.device), q.device)
         if self.merged_backward(q.device, dropout_p):
             return _MergedAttention.apply(q, k, v, self, plan, bool(is_causal), float(softmax_scale))

@@ -83,3 +83,24 @@ class NativeBackend(Backend):
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling():
             _warn_if_simt(q)
         return _ops.native_forward(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale)
+
+    def forward_varlen(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        lengths,
+        segment_lengths,
+        dilation_rates,
+        *,
+        is_causal,
+        softmax_scale,
+        dropout_p=0.0,
+    ):
+        if dropout_p > 0:
+            raise RuntimeError(f"the native backend has no attention dropout, got dropout_p={dropout_p}")
+        return _ops.native_varlen_forward(
+            q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
+        )

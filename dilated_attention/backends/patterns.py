@@ -11,6 +11,11 @@ causal masking inside a sub-sequence is plain lower-triangular masking).
 
 The index tensors are cached per ``(N, w, r, offset, device)`` in a bounded LRU cache that is safe
 to use from several threads.
+
+Packed sequences (SPEC section 7) are the same per sequence, each sequence's positions shifted by
+its first row: the full segments of all sequences form one group, and the shorter last segments
+(one per sequence whose length is not a multiple of ``w``) form one group per length. They are
+cached per ``(sequence lengths, w, r, offset, device)``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ __all__ = [
     "CacheInfo",
     "PatternCache",
     "build_positions",
+    "build_varlen_positions",
     "dilated_positions",
     "get_pattern_cache",
 ]
@@ -69,11 +75,44 @@ def build_positions(N: int, w: int, r: int, offset: int, device: torch.device) -
     return tuple(groups)
 
 
+def build_varlen_positions(
+    lengths: tuple[int, ...], w: int, r: int, offset: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """:func:`build_positions` for packed sequences of the given lengths, rows of a (T, ...) tensor.
+
+    Each sequence is split on its own (its segments start at its first row; a sequence shorter than
+    ``w`` is one segment). Returns the full segments of all sequences as one group ``(rows, m)``
+    and the shorter last segments as one group per sub-sequence length; empty groups are left out.
+    """
+    full_starts: list[int] = []
+    tails: dict[int, list[int]] = {}  # sub-sequence length -> first rows of those last segments
+    start = 0
+    for n in lengths:
+        n_full, tail = divmod(n, w)
+        full_starts.extend(range(start, start + n_full * w, w))
+        m_tail = len(range(offset, tail, r))
+        if m_tail > 0:
+            tails.setdefault(m_tail, []).append(start + n_full * w)
+        start += n
+    groups = []
+    m_full = len(range(offset, w, r))
+    if full_starts and m_full > 0:
+        seg_start = torch.tensor(full_starts, dtype=torch.int64, device=device)  # (rows,)
+        within = offset + r * torch.arange(m_full, device=device, dtype=torch.int64)  # (m,)
+        groups.append(seg_start[:, None] + within[None, :])  # (rows, m)
+    for m_tail, starts in sorted(tails.items()):
+        seg_start = torch.tensor(starts, dtype=torch.int64, device=device)
+        within = offset + r * torch.arange(m_tail, device=device, dtype=torch.int64)
+        groups.append(seg_start[:, None] + within[None, :])
+    return tuple(groups)
+
+
 class PatternCache:
     """A bounded, thread-safe LRU cache of :func:`build_positions` results.
 
-    Keyed by ``(N, w, r, offset, device)``. Bounded both in entries and in bytes of index
-    tensors; the least recently used entries are evicted first.
+    Keyed by ``(N, w, r, offset, device)``, where ``N`` is a sequence length or, for packed
+    sequences, the tuple of their lengths. Bounded both in entries and in bytes of index tensors;
+    the least recently used entries are evicted first.
     """
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -111,9 +150,13 @@ class PatternCache:
             _, groups = self._data.popitem(last=False)
             self._nbytes -= self._size(groups)
 
-    def get(self, N: int, w: int, r: int, offset: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The position groups of ``(N, w, r, offset)`` on ``device``, built once and cached."""
-        key = (int(N), int(w), int(r), int(offset), torch.device(device))
+    def get(
+        self, N: int | tuple[int, ...], w: int, r: int, offset: int, device: torch.device
+    ) -> tuple[torch.Tensor, ...]:
+        """The position groups of ``(N, w, r, offset)`` on ``device``, built once and cached; ``N``
+        a tuple of lengths: those of packed sequences (:func:`build_varlen_positions`)."""
+        n = tuple(int(x) for x in N) if isinstance(N, tuple) else int(N)
+        key = (n, int(w), int(r), int(offset), torch.device(device))
         with self._lock:
             groups = self._data.get(key)
             if groups is not None:
@@ -122,7 +165,10 @@ class PatternCache:
                 return groups
             self._misses += 1
         # Built outside the lock so that other threads are not held up by an allocation.
-        groups = build_positions(N, w, r, offset, key[-1])
+        if isinstance(n, tuple):
+            groups = build_varlen_positions(n, int(w), int(r), int(offset), key[-1])
+        else:
+            groups = build_positions(n, w, r, offset, key[-1])
         with self._lock:
             existing = self._data.get(key)
             if existing is not None:  # another thread built it meanwhile
@@ -164,9 +210,14 @@ def get_pattern_cache() -> PatternCache:
     return _CACHE
 
 
-def dilated_positions(N: int, w: int, r: int, offset: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """:func:`build_positions` through the process-wide cache (directly while being compiled)."""
+def dilated_positions(
+    N: int | tuple[int, ...], w: int, r: int, offset: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """:func:`build_positions` (``N`` a tuple of lengths: :func:`build_varlen_positions`) through
+    the process-wide cache (directly while being compiled)."""
     if torch.compiler.is_compiling():
+        if isinstance(N, tuple):
+            return build_varlen_positions(N, w, r, offset, torch.device(device))
         return build_positions(N, w, r, offset, torch.device(device))
     return _CACHE.get(N, w, r, offset, device)
 

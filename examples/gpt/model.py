@@ -13,6 +13,12 @@ Generation uses the library's key/value cache (``dilated_attention.DilatedKVCach
 section 8): a new token reads, per branch, only the cached keys of its segment and head phase, so
 the cached result equals a full recompute. ``"dense"`` decodes as one branch that covers the
 whole block.
+
+Packed documents: ``GPT.forward(idx, targets, doc_starts=...)`` takes a (B, T) mask of the
+positions where a new document begins in a row. Each document is then a sequence of its own:
+positions restart at 0 and attention never crosses a document boundary (the rows go to
+``dilated_attention.dilated_attention_varlen`` as packed sequences; ``"dense"`` uses a
+block-diagonal causal mask).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from dilated_attention import DilatedKVCache, _validation, dilated_attention, flops
+from dilated_attention import DilatedKVCache, _validation, dilated_attention, dilated_attention_varlen, flops
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +139,35 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
 
 
+@dataclass(frozen=True)
+class PackedDocuments:
+    """Documents packed into the rows of a (B, T) batch.
+
+    ``cu_seqlens`` int32 (S + 1,): the documents as packed sequences of the B * T flattened tokens;
+    ``max_seqlen``: a bound on their length (T); ``positions`` (B, T): each token's position in its
+    document; ``doc_ids`` (B, T): each token's document, numbered over the whole batch.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    positions: torch.Tensor
+    doc_ids: torch.Tensor
+
+    @classmethod
+    def from_starts(cls, doc_starts: torch.Tensor) -> PackedDocuments:
+        """From a (B, T) bool mask, True where a document begins (every row begins one)."""
+        B, T = doc_starts.shape
+        starts = doc_starts.to(torch.bool).clone()
+        starts[:, 0] = True
+        flat = starts.reshape(-1)
+        first = flat.nonzero().squeeze(1)  # (S,) first token of each document
+        cu = torch.cat([first, first.new_full((1,), B * T)]).to(torch.int32)
+        ar = torch.arange(T, device=doc_starts.device)
+        begin = torch.where(starts, ar, 0).cummax(dim=1).values  # (B, T) first token of its document
+        doc_ids = (flat.long().cumsum(0) - 1).view(B, T)
+        return cls(cu, T, ar - begin, doc_ids)
+
+
 class CausalSelfAttention(nn.Module):
     """Causal self-attention by dilated attention (or dense attention, for comparison)."""
 
@@ -147,14 +182,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, kv_cache: DilatedKVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, kv_cache: DilatedKVCache | None = None, docs: PackedDocuments | None = None
+    ) -> torch.Tensor:
         B, T, C = x.shape  # (B, T, C)
         kv_dim = self.n_kv_head * self.head_dim
         q, k, v = self.c_attn(x).split([C, kv_dim, kv_dim], dim=2)
         q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
-        if kv_cache is not None:
+        if docs is not None:
+            y = self._attend_packed(q, k, v, docs)
+        elif kv_cache is not None:
             y = self._attend_cached(q, k, v, kv_cache)
         else:
             y = self._attend(q, k, v)
@@ -194,6 +233,36 @@ class CausalSelfAttention(nn.Module):
             segs, rates, backend = cfg.segment_lengths, cfg.dilation_rates, cfg.attention_backend
         return kv_cache.attend(self.layer_idx, q, k, v, segs, rates, backend=backend)
 
+    def _attend_packed(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: PackedDocuments
+    ) -> torch.Tensor:
+        """Causal attention inside each document only: q (B, T, H, D), k, v (B, T, Hkv, D)."""
+        dropout_p = self.dropout if self.training else 0.0
+        cfg = self.config
+        B, T = q.shape[:2]
+        if cfg.attention_backend == "dense":
+            G = self.n_head // self.n_kv_head
+            same = docs.doc_ids[:, :, None] == docs.doc_ids[:, None, :]  # (B, T, T)
+            mask = same & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            qt = q.transpose(1, 2)  # (B, H, T, D)
+            kt = k.repeat_interleave(G, dim=2).transpose(1, 2)
+            vt = v.repeat_interleave(G, dim=2).transpose(1, 2)
+            y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], dropout_p=dropout_p)
+            return y.transpose(1, 2)  # (B, T, H, D)
+        y = dilated_attention_varlen(
+            q.reshape(B * T, *q.shape[2:]),
+            k.reshape(B * T, *k.shape[2:]),
+            v.reshape(B * T, *v.shape[2:]),
+            docs.cu_seqlens,
+            docs.max_seqlen,
+            cfg.segment_lengths,
+            cfg.dilation_rates,
+            is_causal=True,
+            dropout_p=dropout_p,
+            backend=cfg.attention_backend,
+        )  # (B * T, H, D)
+        return y.view(B, T, *y.shape[1:])
+
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
@@ -215,8 +284,10 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, kv_cache: DilatedKVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(
+        self, x: torch.Tensor, kv_cache: DilatedKVCache | None = None, docs: PackedDocuments | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, docs)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -261,7 +332,11 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: DilatedKVCache | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        kv_cache: DilatedKVCache | None = None,
+        doc_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and the loss.
 
@@ -270,6 +345,8 @@ class GPT(nn.Module):
         logits (B, 1, V). With a ``kv_cache`` (``dilated_attention.DilatedKVCache``), ``idx`` are
         the tokens after each sequence's cached positions: their keys and values are appended, they
         attend to the cache, and the cache is advanced by ``T``.
+        ``doc_starts`` (B, T) bool: True where a new document begins in a row (packed documents,
+        see the module docstring; not with a ``kv_cache``).
         """
         device = idx.device
         B, T = idx.shape
@@ -281,14 +358,25 @@ class GPT(nn.Module):
             raise ValueError(
                 f"cannot forward a sequence of length {end}: block size is only {self.config.block_size}"
             )
-        pos = start + torch.arange(T, dtype=torch.long, device=device)  # (B, T)
+        docs = None
+        if doc_starts is not None:
+            if kv_cache is not None:
+                raise ValueError("doc_starts (packed documents) cannot be combined with a kv_cache")
+            if doc_starts.shape != idx.shape:
+                raise ValueError(
+                    f"doc_starts must have idx's shape {tuple(idx.shape)}, got {tuple(doc_starts.shape)}"
+                )
+            docs = PackedDocuments.from_starts(doc_starts)
+            pos = docs.positions  # (B, T): positions restart in every document
+        else:
+            pos = start + torch.arange(T, dtype=torch.long, device=device)  # (B, T)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         use_ckpt = self.config.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
             if use_ckpt and kv_cache is None:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, None, docs, use_reentrant=False)
             else:
-                x = block(x, kv_cache)
+                x = block(x, kv_cache, docs)
         if kv_cache is not None:
             kv_cache.advance(T)
         x = self.transformer.ln_f(x)

@@ -4,7 +4,8 @@
 (vocabulary 256). Files are taken in sorted order; every tenth file goes to the validation
 split, so both splits sample the whole library. The token files are cached as
 ``data/stdlib/{train,val}.bin`` (uint8; uint16 when the vocabulary exceeds 256) next to
-``meta.json``, relative to this script, and reused on later runs.
+``meta.json``, relative to this script, and reused on later runs. ``{train,val}_docs.npy`` hold
+the offset of each file (document) in its split, for training on packed documents.
 
 ``python prepare.py [--max_bytes=N] [--force]`` writes them; ``train.py`` does it on its own
 when they are missing. The long-range task (``passkey``) is generated on the fly by
@@ -68,7 +69,8 @@ def prepare_stdlib(
     """
     out = Path(data_dir or DATA_DIR / "stdlib")
     meta_path = out / "meta.json"
-    if meta_path.exists() and (out / "train.bin").exists() and (out / "val.bin").exists() and not force:
+    cached = [out / n for n in ("train.bin", "val.bin", "train_docs.npy", "val_docs.npy")]
+    if meta_path.exists() and all(p.exists() for p in cached) and not force:
         meta = json.loads(meta_path.read_text())
         if meta.get("max_bytes", 0) == max_bytes:
             logger.info("using the cached corpus in %s", out)
@@ -78,6 +80,8 @@ def prepare_stdlib(
     train_parts: list[bytes] = []
     val_parts: list[bytes] = []
     total = 0
+    starts: dict[str, list[int]] = {"train": [], "val": []}  # each document's offset in its split
+    sizes = {"train": 0, "val": 0}
     for i, path in enumerate(files):
         try:
             data = path.read_bytes()
@@ -86,7 +90,11 @@ def prepare_stdlib(
             continue
         if max_bytes and total + len(data) > max_bytes:
             data = data[: max_bytes - total]
-        (val_parts if i % VAL_EVERY == VAL_EVERY - 1 else train_parts).append(data)
+        split = "val" if i % VAL_EVERY == VAL_EVERY - 1 else "train"
+        (val_parts if split == "val" else train_parts).append(data)
+        if data:
+            starts[split].append(sizes[split])
+            sizes[split] += len(data)
         total += len(data)
         if max_bytes and total >= max_bytes:
             break
@@ -102,6 +110,9 @@ def prepare_stdlib(
         tmp = out / f"{name}.bin.tmp{os.getpid()}"
         arr.astype(token_dtype(256)).tofile(tmp)
         os.replace(tmp, out / f"{name}.bin")
+        tmp = out / f"{name}_docs.tmp{os.getpid()}.npy"
+        np.save(tmp, np.asarray(starts[name], dtype=np.int64))
+        os.replace(tmp, out / f"{name}_docs.npy")
     meta: dict[str, Any] = {
         "vocab_size": 256,
         "dtype": "uint8",

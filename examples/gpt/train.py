@@ -68,6 +68,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     batch_size: int = 8
     block_size: int = 256
+    packed: bool = False  # rows hold several documents; attention stays inside each (stdlib only)
     # model
     n_layer: int = 4
     n_head: int = 4
@@ -130,6 +131,8 @@ class TrainConfig:
             raise ValueError(
                 f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        if self.packed and self.dataset == "passkey":
+            raise ValueError("packed=True needs a corpus of documents (dataset='stdlib'), not 'passkey'")
         if self.dataset == "passkey" and self.block_size < passkey.min_seq_len(self.passkey_digits):
             raise ValueError(
                 f"block_size {self.block_size} is too short for the passkey task "
@@ -211,7 +214,16 @@ def peak_flops(device: torch.device, dtype: torch.dtype, given: float) -> tuple[
 
 
 class Batches:
-    """Random batches of ``block_size`` tokens: x (B, T) inputs, y (B, T) targets (-1 = ignored)."""
+    """Random batches of ``block_size`` tokens: x (B, T) inputs, y (B, T) targets (-1 = ignored),
+    and, with ``packed``, doc_starts (B, T) bool (else None).
+
+    Packed documents: a row is filled with pieces of documents (the corpus's files) drawn at
+    random, each a window of one document at a random offset, of a random length between
+    ``block_size // 8`` and ``block_size // 2`` tokens (less where the document or the row ends), so
+    a row holds about four documents. ``doc_starts`` marks where each begins; the model attends
+    within each document only, and the target of a document's last token (which would be the next
+    document's first token) is -1, ignored by the loss.
+    """
 
     def __init__(self, cfg: TrainConfig, data_dir: Path, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
@@ -222,6 +234,13 @@ class Batches:
         self.vocab_size, self.tokenizer = int(meta["vocab_size"]), meta.get("tokenizer", "bytes")
         self.np_dtype = np.dtype(meta.get("dtype", token_dtype(self.vocab_size).name))
         self.files = {split: data_dir / f"{split}.bin" for split in ("train", "val")}
+        self.docs = {}
+        if cfg.packed:
+            for split in ("train", "val"):
+                path = data_dir / f"{split}_docs.npy"
+                if not path.exists():
+                    raise FileNotFoundError(f"packed=True: {path} (document offsets) does not exist")
+                self.docs[split] = np.load(path)
         for split, path in self.files.items():
             if not path.exists():
                 raise FileNotFoundError(f"dataset {cfg.dataset!r}: {path} does not exist")
@@ -232,7 +251,9 @@ class Batches:
                     f"block_size + 1 = {cfg.block_size + 1}"
                 )
 
-    def get(self, split: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(
+        self, split: str, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
         if cfg.dataset == "passkey":
             x, y, _ = passkey.passkey_batch(cfg.batch_size, cfg.block_size, cfg.passkey_digits, generator)
@@ -246,11 +267,41 @@ class Batches:
             y = torch.stack(
                 [torch.from_numpy(data[i + 1 : i + 1 + cfg.block_size].astype(np.int64)) for i in ix.tolist()]
             )
+        starts = None
+        if cfg.packed:
+            x, y, starts = self.packed_rows(data, self.docs[split], generator)
         if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(
-                self.device, non_blocking=True
-            )
-        return x.to(self.device), y.to(self.device)
+            x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
+        starts = None if starts is None else starts.to(self.device)
+        return x.to(self.device), y.to(self.device), starts
+
+    def packed_rows(
+        self, data: np.ndarray, docs: np.ndarray, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x, y (B, T) and doc_starts (B, T) of rows packed with document pieces (class doc)."""
+        B, T = self.cfg.batch_size, self.cfg.block_size
+        ends = np.append(docs[1:], len(data))
+        x = np.zeros((B, T), dtype=np.int64)
+        y = np.full((B, T), -1, dtype=np.int64)
+        starts = np.zeros((B, T), dtype=bool)
+
+        def draw(lo: int, hi: int) -> int:  # uniform in [lo, hi)
+            return int(torch.randint(lo, hi, (1,), generator=generator))
+
+        for b in range(B):
+            t = 0
+            while t < T:
+                d = draw(0, len(docs))
+                lo, hi = int(docs[d]), int(ends[d])
+                if hi - lo < 2:
+                    continue
+                n = min(T - t, draw(max(1, T // 8), max(2, T // 2 + 1)), hi - lo - 1)
+                off = lo + draw(0, hi - lo - n)  # tokens [off, off + n], all of document d
+                x[b, t : t + n] = data[off : off + n]
+                y[b, t : t + n - 1] = data[off + 1 : off + n]  # y[b, t + n - 1] stays -1
+                starts[b, t] = True
+                t += n
+        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(starts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,9 +368,9 @@ def estimate_loss(model: torch.nn.Module, batches: Batches, cfg: TrainConfig, ct
         gen = torch.Generator().manual_seed(cfg.seed + 1000 + s)
         losses, digit, key = [], [], []
         for _ in range(cfg.eval_iters):
-            x, y = batches.get(split, gen)
+            x, y, doc_starts = batches.get(split, gen)
             with ctx:
-                logits, loss = model(x, y)
+                logits, loss = model(x, y, doc_starts=doc_starts)
             losses.append(loss.item())
             if cfg.dataset == "passkey":
                 d, k = passkey.answer_accuracy(logits.float(), y)
@@ -548,9 +599,9 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         for micro in range(grad_accum):
             if ddp:  # synchronise gradients only at the last micro step
                 model.require_backward_grad_sync = micro == grad_accum - 1
-            x, y = batches.get("train", data_gen)
+            x, y, doc_starts = batches.get("train", data_gen)
             with ctx:
-                _, loss = model(x, y)
+                _, loss = model(x, y, doc_starts=doc_starts)
                 loss = loss / grad_accum
             loss_sum += loss.detach()
             scaler.scale(loss).backward()

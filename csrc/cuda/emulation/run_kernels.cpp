@@ -1,6 +1,7 @@
 // Runs the CUDA kernels of csrc/cuda on the CPU through cuda_emulation.h, for tests without a GPU
 // (tests/test_cuda.py loads it with ctypes). It mirrors what dilated_attention_cuda.cpp does on the
-// host (tiling, the delta pass, the dq and dk/dv passes) for contiguous (B, N, H, D) tensors, and
+// host (tiling, the delta pass, the dq and dk/dv passes) for contiguous (B, N, H, D) tensors (or,
+// after da_emu_varlen, packed sequences of (1, T, H, D) tensors), and
 // guards every buffer: outputs start as NaN bytes and every buffer is fenced by canary bytes that
 // must survive the run. Build:
 //   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>
@@ -12,6 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../simt.cu"
@@ -64,6 +66,15 @@ struct Problem4 {
   int64_t R, interleaved, rows_per_warp, other_tile;
 };
 
+// Packed sequences for the next calls (da_emu_varlen): cu_seqlens (S + 1 values), or none.
+struct Packed {
+  std::vector<int32_t> cu;
+};
+Packed& packed() {
+  static Packed p;
+  return p;
+}
+
 size_t elem_size(int dtype) {
   return dtype == 0 || dtype == 1 ? 2 : dtype == 2 ? 4 : 8;
 }
@@ -79,6 +90,19 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
   p->br = P.br;
   p->is_causal = P.causal;
   p->scale = P.scale;
+  p->num_seqs = P.B;
+  int64_t tile_rows = P.N;  // the longest sequence
+  const std::vector<int32_t>& cu = packed().cu;
+  if (!cu.empty()) {
+    if (P.B != 1 || cu.front() != 0 || cu.back() != P.N) {
+      snprintf(err, errlen, "packed sequences need B = 1 and cu_seqlens from 0 to N");
+      return 1;
+    }
+    p->cu_seqlens = cu.data();
+    p->num_seqs = (int64_t)cu.size() - 1;
+    tile_rows = 0;
+    for (size_t i = 0; i + 1 < cu.size(); ++i) tile_rows = std::max<int64_t>(tile_rows, cu[i + 1] - cu[i]);
+  }
   const int64_t rpw = P.family == 0 ? 16 : P.rows_per_warp;
   if (P.family == 0 && (P.dtype > 1 || P.D < 32 || P.D > 256 || P.D % 8)) {
     snprintf(err, errlen, "the tensor-core kernels take float16/bfloat16 and D in 32..256, D %% 8 == 0");
@@ -88,15 +112,15 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
     snprintf(err, errlen, "SIMT: rows_per_warp in 1..4 and other_tile in 1..32");
     return 1;
   }
-  p->tiling = P.R > 0 ? da_make_tiling(P.N, P.R, P.interleaved, 4, rpw)
-                      : da_choose_tiling(P.N, &P.br, P.causal, 4, rpw);
+  p->tiling = P.R > 0 ? da_make_tiling(tile_rows, P.R, P.interleaved, 4, rpw)
+                      : da_choose_tiling(tile_rows, &P.br, P.causal, 4, rpw);
   p->other_tile = (int)P.other_tile;
   return 0;
 }
 
 template <typename T>
 void tc_forward(const Params& p) {
-  const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
+  const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
   switch (tc_padded_dim(p.D)) {
     case 32: run_grid(tc_fwd_kernel<T, 32>, grid, TcFwdCfg<32>::SMEM, p); break;
     case 64: run_grid(tc_fwd_kernel<T, 64>, grid, TcFwdCfg<64>::SMEM, p); break;
@@ -109,10 +133,10 @@ void tc_forward(const Params& p) {
 
 template <typename T, int DP>
 void tc_backward_dp(const Params& p) {
-  const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B);
+  const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
   run_grid(tc_dq_kernel<T, DP>, grid, TcDqCfg<DP>::SMEM, p);
   const dim3 grid_kv((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS),
-                     (unsigned)p.B);
+                     (unsigned)p.num_seqs);
   run_grid(tc_dkv_kernel<T, DP>, grid_kv, TcDkvCfg<DP>::SMEM, p);
 }
 
@@ -132,7 +156,7 @@ template <typename scalar_t, typename acc_t>
 void simt_forward(const Params& p) {
   const size_t smem = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kFwd) * sizeof(acc_t);
   run_grid(simt_fwd_kernel<scalar_t, acc_t>,
-           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B), smem, p);
+           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs), smem, p);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -140,9 +164,9 @@ void simt_backward(const Params& p) {
   const size_t s_dq = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kDq) * sizeof(acc_t);
   const size_t s_kv = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kDkv) * sizeof(acc_t);
   run_grid(simt_dq_kernel<scalar_t, acc_t>,
-           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.B), s_dq, p);
+           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs), s_dq, p);
   run_grid(simt_dkv_kernel<scalar_t, acc_t>,
-           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hkv, (unsigned)p.B), s_kv, p);
+           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hkv, (unsigned)p.num_seqs), s_kv, p);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -188,6 +212,12 @@ extern "C" void da_emu_options(int order, unsigned seed, int eager) {
   da_emu::options().order = order;
   da_emu::options().seed = seed;
   da_emu::options().eager_copies = eager != 0;
+}
+
+// Packed sequences for the calls that follow: cu_seqlens[0..S] (0 .. N, non-decreasing), which the
+// calls then take with B = 1; S < 0 returns to fixed-length batches.
+extern "C" void da_emu_varlen(const int32_t* cu_seqlens, int64_t S) {
+  packed().cu.assign(cu_seqlens, cu_seqlens + (S < 0 ? 0 : S + 1));
 }
 
 // Forward: out (B, N, Hq, D) and lse (B, Hq, N) from contiguous q, k, v. Returns 0 or 1 (err set).
