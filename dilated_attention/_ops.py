@@ -7,7 +7,9 @@ The schema lives in ``csrc/dilated_attention.cpp``:
 * ``torch.ops.dilated_attention.bwd(dout, q, k, v, out, lse, dlse, segment_lengths,
   dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
 
-Both backward kernels are deterministic (no atomics): the same inputs give the same bits.
+Both backward kernels are deterministic (no atomics): the same inputs give the same bits. The
+backward has no derivative of its own: a second backward (after ``create_graph=True``) raises a
+``RuntimeError`` rather than returning wrong second-order gradients.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _C
+from ._autograd import no_double_backward
 from .flops import accumulation_dtype
 
 __all__ = ["cpu_isa", "has_kernel", "native_forward"]
@@ -87,6 +90,7 @@ def _backward(ctx, dout, dlse):
         is_causal,
         softmax_scale,
     )
+    dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
     return dq, dk, dv, None, None, None, None
 
 

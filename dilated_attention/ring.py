@@ -277,9 +277,10 @@ class _Plan:
             heads = list(range(o, self.Hq, r))
             kv_heads = sorted({h // G for h in heads})
             kv_select = [kv_heads.index(h // G) for h in heads]
-            self._heads[key] = _HeadSets(
-                *(torch.tensor(x, dtype=torch.long, device=device) for x in (heads, kv_heads, kv_select))
-            )
+            with torch.inference_mode(False):  # kept for later calls, which may be training ones
+                self._heads[key] = _HeadSets(
+                    *(torch.tensor(x, dtype=torch.long, device=device) for x in (heads, kv_heads, kv_select))
+                )
         return self._heads[key]
 
     def num_kv_heads(self, r: int, o: int) -> int:

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from .._autograd import first_order_only, no_double_backward
 from .base import Backend, lse_dtype
 from .patterns import HeadGroup, dilated_positions, head_groups
 
@@ -156,15 +156,19 @@ def merge_branches(
     return out, lse
 
 
-def lse_with_grad(lse: torch.Tensor, q: torch.Tensor, out_k: torch.Tensor, scale: float) -> torch.Tensor:
+def lse_with_grad(
+    lse: torch.Tensor, q: torch.Tensor, out_k: torch.Tensor, scale: float, backend: str = "gather-based"
+) -> torch.Tensor:
     """Give a kernel's non-differentiable ``lse`` its exact first-order gradient.
 
     lse (Bb, H, m); q (Bb, m, H, D); ``out_k`` = attention(q.detach(), k.detach(), values=k), the
     same kernel with the keys as values (differentiable in its value argument). Since
     ``d lse_p / d s_px = P_px``: ``d lse_p / d q_p = scale * out_k[p]`` and
     ``d lse_p / d k_x = scale * P_px q_p``, which is the value-gradient of ``out_k`` along ``q``.
-    The added term is exactly zero in value.
+    The added term is exactly zero in value. Its gradient is exact to first order only, so a second
+    backward through it raises a ``RuntimeError`` naming ``backend``.
     """
+    q, out_k = first_order_only(backend, q), first_order_only(backend, out_k)
     qd, okd = q.detach(), out_k.detach()
     t = ((q - qd) * okd).sum(-1) + (qd * (out_k - okd)).sum(-1)  # (Bb, m, H), == 0
     return lse + (scale * t).transpose(1, 2).to(lse.dtype)
@@ -206,8 +210,15 @@ class _MergedAttention(torch.autograd.Function):
         return out, lse_acc
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout, dlse):
+        with torch.no_grad():
+            dq, dk, dv = _MergedAttention._backward(ctx, dout, dlse)
+        # A kernel backward has no derivative: a second backward raises, naming the backend.
+        dq, dk, dv = no_double_backward(ctx.backend.name, (dq, dk, dv), (dout, dlse, *ctx.saved_tensors[:3]))
+        return dq, dk, dv, None, None, None, None
+
+    @staticmethod
+    def _backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         backend, is_causal, scale = ctx.backend, ctx.is_causal, ctx.scale
         acc = lse.dtype
@@ -258,7 +269,7 @@ class _MergedAttention(torch.autograd.Function):
                     )
                     _add_heads_(dq, hg.q_heads, it.pos, dqg)
                     _add_heads_(dk, hg.kv_heads, it.pos, dkg)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _autograd_attention(

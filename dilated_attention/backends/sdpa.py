@@ -127,5 +127,5 @@ class SdpaBackend(GatheredBackend):
         out_k, lse, _ = self.attn_forward(q.detach(), k.detach(), k, is_causal=is_causal, scale=scale)
         lse = lse[..., :m]
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            lse = lse_with_grad(lse, q, out_k, scale)
+            lse = lse_with_grad(lse, q, out_k, scale, self.name)
         return out, lse

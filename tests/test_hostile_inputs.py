@@ -1,0 +1,167 @@
+"""Inputs and uses that a randomized run against the float64 reference found mishandled: double
+backward, dynamic-shape compilation, inference mode, large logits and long causal segments in
+float32, non-finite values, extreme arguments, and several branches in low precision.
+
+Every check compares with the float64 reference of ``tests/reference.py`` or with a property of
+SPEC sections 2-4, never with the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import make_inputs
+from reference import reference_attention
+
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention, backends
+from dilated_attention import dilated_attention as dattn
+
+RUNNABLE = ["native", "sdpa", "manual"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def fresh_selection():
+    backends.default_selector().clear()
+    yield
+    backends.default_selector().clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# Double backward: exact (manual) or a clear error, never a wrong number
+# ----------------------------------------------------------------------------------------------
+
+
+def test_manual_double_backward_is_exact():
+    q, k, v = make_inputs(1, 10, 2, 1, 3, torch.float64, seed=2)
+
+    def f(q, k, v):
+        return dattn(q, k, v, [4, 8], [1, 2], is_causal=True, return_lse=True, backend="manual")
+
+    assert torch.autograd.gradgradcheck(f, (q, k, v), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "backend,runs,dropout_p",
+    [("native", "native", 0.0), ("auto", "native", 0.0), ("sdpa", "sdpa", 0.0), ("sdpa", "sdpa", 0.25)],
+)
+def test_double_backward_raises_naming_the_backend(backend, runs, dropout_p):
+    q, k, v = make_inputs(1, 16, 2, 2, 8, torch.float64)
+    out = dattn(q, k, v, [8, 16], [1, 2], dropout_p=dropout_p, backend=backend)
+    # Both a loss whose dout depends on the inputs and one whose dout is constant.
+    for loss in (out.square().sum(), out.sum()):
+        (gq,) = torch.autograd.grad(loss, q, create_graph=True, retain_graph=True)
+        with pytest.raises(RuntimeError, match=rf"'{runs}' backend has no second-order.*backend='manual'"):
+            torch.autograd.grad(gq.square().sum(), (q, k, v))
+
+
+def test_first_order_grads_unchanged_by_create_graph():
+    q, k, v = make_inputs(1, 16, 2, 2, 8, torch.float64)
+    for backend in RUNNABLE:
+        out = dattn(q, k, v, [8], [2], is_causal=True, backend=backend)
+        plain = torch.autograd.grad(out.square().sum(), (q, k, v), retain_graph=True)
+        graph = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+        for a, b in zip(plain, graph, strict=True):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile with dynamic shapes
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_loss_and_grads(q, k, v, loss, got, segs, rates):
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64, _ = reference_attention(q2, k2, v2, segs, rates, True)
+    loss64 = out64.square().sum()
+    ref = torch.autograd.grad(loss64, (q2, k2, v2))
+    torch.testing.assert_close(loss.double(), loss64, rtol=1e-4, atol=1e-4)
+    for a, e in zip(got, ref, strict=True):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "backend,how",
+    [("native", "dynamic"), ("sdpa", "dynamic"), ("manual", "dynamic"), ("sdpa", "mark_dynamic")],
+)
+def test_compile_dynamic_shapes_fullgraph_without_recompiles(backend, how):
+    """Several N, fullgraph: native compiles once for every N; the gather-based backends once for
+    every N whose segment layout (which branches have a shorter last segment) is the same."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    segs, rates = [8, 16], [1, 2]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def f(q, k, v):
+        return dattn(q, k, v, segs, rates, is_causal=True, backend=backend).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend=counter, dynamic=True if how == "dynamic" else None)
+    lengths = [32, 48, 80, 64] if backend != "native" else [32, 48, 37, 61]
+    first = None
+    for N in lengths:
+        q, k, v = make_inputs(2, N, 4, 2, 8, torch.float32)
+        if how == "mark_dynamic":
+            for t in (q, k, v):
+                torch._dynamo.mark_dynamic(t, 1)
+        loss = compiled(q, k, v)
+        _check_loss_and_grads(q, k, v, loss, torch.autograd.grad(loss, (q, k, v)), segs, rates)
+        first = counter.frame_count if first is None else first  # the first N compiles
+    assert counter.frame_count == first, f"recompiled for N in {lengths}: {counter.frame_count} vs {first}"
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------
+# Inference mode does not poison what later training calls use
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+def test_train_then_inference_mode_then_train_functional(backend):
+    backends.patterns.get_pattern_cache().clear()
+    segs, rates = [8, 16], [2, 4]  # fresh (N, w, r): the first use is under inference mode
+    q, k, v = make_inputs(1, 48, 4, 2, 8, torch.float32)
+    with torch.inference_mode():
+        dattn(q, k, v, segs, rates, is_causal=True, backend=backend)
+    for _ in range(2):
+        out = dattn(q, k, v, segs, rates, is_causal=True, backend=backend)
+        (gq,) = torch.autograd.grad(out.square().sum(), q)
+        assert torch.isfinite(gq).all()
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("module", ["DilatedAttention", "hilbert", "MultiheadDilatedAttention"])
+def test_train_then_inference_mode_then_train_modules(backend, module):
+    backends.patterns.get_pattern_cache().clear()
+    if module == "MultiheadDilatedAttention":
+        m = MultiheadDilatedAttention(32, 4, [8, 16], [1, 2], attention_backend=backend)
+        x = torch.randn(2, 48, 32)
+
+        def step():
+            return m(x)[0]
+    else:
+        grid = (6, 8) if module == "hilbert" else None
+        m = DilatedAttention(
+            [8, 16], [1, 2], attention_backend=backend, ordering="hilbert" if grid else "sequence", grid=grid
+        )
+        q, k, v = make_inputs(2, 48, 4, 2, 8, torch.float32)
+
+        def step():
+            return m(q, k, v, is_causal=True)
+
+    m.eval()
+    with torch.inference_mode():
+        step()
+    m.train()
+    for _ in range(2):
+        step().square().sum().backward()
+    m.eval()
+    with torch.inference_mode():
+        assert torch.isfinite(step()).all()
