@@ -84,7 +84,7 @@ def _attention(
     segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
     is_causal = V.check_bool(is_causal, "is_causal")
     return_lse = V.check_bool(return_lse, "return_lse")
-    scale = V.resolve_scale(softmax_scale, q.shape[-1])
+    scale = V.check_scale_for_dtype(V.resolve_scale(softmax_scale, q.shape[-1]), q.dtype)
     dropout_p = V.check_dropout(dropout_p)
     B, N, Hq, _ = q.shape
     if B == 0 or N == 0:
@@ -95,6 +95,7 @@ def _attention(
         lse = q.new_zeros((B, Hq, N), dtype=acc) + zero.to(acc)
         return (out, lse) if return_lse else out
     impl = (selector or default_selector()).select(backend, q, k, dropout_p)
+    segs, rates = V.effective_branches(segs, rates, N, Hq)
     out, lse = impl.forward(
         q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p
     )

@@ -8,10 +8,13 @@ SPEC sections 2-4, never with the code under test.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from common import make_inputs
+from common import grads, make_inputs
 from reference import reference_attention
+from tolerance import assert_within_rule
 
 from dilated_attention import DilatedAttention, MultiheadDilatedAttention, backends
 from dilated_attention import dilated_attention as dattn
@@ -165,3 +168,112 @@ def test_train_then_inference_mode_then_train_modules(backend, module):
     m.eval()
     with torch.inference_mode():
         assert torch.isfinite(step()).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments at the edge: scale sign, scale overflow, huge segment lengths and rates
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("scale", [-0.7, 0.0, -0.2])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_non_positive_softmax_scale(backend, scale, is_causal):
+    B, N, Hq, Hkv, D, segs, rates = 1, 24, 4, 2, 8, [8, 16], [1, 2]
+
+    def run(q, k, v):
+        return dattn(
+            q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, return_lse=True, backend=backend
+        )
+
+    _check_rule(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float32, scale)
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize(
+    "dtype,scale",
+    [(torch.float32, 1e39), (torch.bfloat16, -1e39), (torch.float16, 3e38), (torch.float64, 1e308)],
+)
+def test_scale_not_finite_in_the_compute_dtype_is_rejected(backend, dtype, scale):
+    q, k, v = make_inputs(1, 8, 2, 2, 4, dtype, requires_grad=False)
+    with pytest.raises(
+        ValueError, match=r"softmax_scale must be finite in the compute dtype.*" + re.escape(repr(scale))
+    ):
+        dattn(q, k, v, [4], [1], softmax_scale=scale, backend=backend)
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize(
+    "segs,rates,equiv_segs,equiv_rates",
+    [
+        ([2**63 - 1], [2**63 - 5], [24], [24]),  # every head covers only position t = h
+        ([2**62, 8], [3, 2], [24, 8], [3, 2]),  # one segment, rate 3
+        ([2**63 - 1, 2**50], [2**63 - 1, 1], [24, 24], [24, 1]),
+    ],
+)
+def test_huge_segment_lengths_and_rates(backend, segs, rates, equiv_segs, equiv_rates):
+    """Values near the int64 limit mean what SPEC section 2 says (the reference evaluates the
+    equivalent small branches), with no overflow in any backend."""
+    q, k, v = make_inputs(1, 24, 4, 2, 8, torch.float64)
+    out, lse = dattn(q, k, v, segs, rates, is_causal=True, return_lse=True, backend=backend)
+    ref_out, ref_lse = reference_attention(q, k, v, equiv_segs, equiv_rates, True)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+    got = torch.autograd.grad((out * ref_out.detach()).sum(), (q, k, v))
+    ref = torch.autograd.grad((ref_out * ref_out.detach()).sum(), (q, k, v))
+    for a, e in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+def test_native_op_names_an_overflowing_segment_length():
+    q, k, v = make_inputs(1, 8, 2, 2, 4, torch.float32, requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"segment_lengths\[0\] = 9223372036854775807 exceeds 2\^40"):
+        torch.ops.dilated_attention.fwd(q, k, v, [2**63 - 1], [2**63 - 5], False, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Several branches in low precision: gradients summed in float32
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_rule(run, B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, scale=None, seed=0, dout_scale=1.0):
+    """``run(q, k, v) -> (out, lse)``: out, lse and the gradients within the rule of SPEC section 4
+    (``dout_scale`` makes the gradients large against the rule's absolute floor)."""
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed)
+    out, lse = run(q, k, v)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, is_causal, scale)
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    outl, lsel = reference_attention(ql, kl, vl, segs, rates, is_causal, scale, dtype=dtype)
+    assert_within_rule("out", out, out64, outl, dtype)
+    assert_within_rule("lse", lse, lse64, lsel, dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = dout_scale * torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dlse = dout_scale * torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    got = grads(out, lse, (q, k, v), dout, dlse)
+    ref = grads(out64, lse64, (q64, k64, v64), dout, dlse)
+    plain = grads(outl, lsel, (ql, kl, vl), dout, dlse)
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
+        assert_within_rule(name, a, e, p, dtype)
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "N,segs,rates",
+    [
+        (1, [1, 1, 1], [1, 1, 1]),
+        (1, [1] * 5, [1] * 5),
+        (4, [3, 4, 2, 1, 4], [2, 3, 1, 1, 4]),
+        (32, [4, 8, 16, 32, 32], [1, 1, 2, 1, 4]),
+    ],
+)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_keys_reached_by_several_branches_low_precision(backend, dtype, N, segs, rates, is_causal):
+    def run(q, k, v):
+        return dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend=backend)
+
+    # Gradients of a few hundred: each branch's share rounded to 8 (bfloat16) or 11 (float16) bits
+    # before the sum gives errors far above the rule's floor.
+    for seed in range(3):
+        _check_rule(run, 2, N, 4, 2, 16, segs, rates, is_causal, dtype, seed=seed, dout_scale=64.0)

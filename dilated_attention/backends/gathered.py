@@ -227,6 +227,10 @@ class _MergedAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         if dout is not None:
             dout = dout.to(q.dtype)
+        # Where a position's gradient sums several kernel calls (several branches, or the extra call
+        # for dlse), low-precision kernels would round each call's share before the sum: run them in
+        # the accumulation dtype instead, so that the sum is rounded once.
+        wide = acc if q.dtype != acc and (len(ctx.plan) > 1 or dlse is not None) else None
         i = 0
         for items in ctx.plan:
             for it in items:
@@ -236,6 +240,8 @@ class _MergedAttention(torch.autograd.Function):
                 qg = _gather(q, hg.q_heads, it.pos)
                 kg = _gather(k, hg.kv_heads, it.pos)
                 vg = _gather(v, hg.kv_heads, it.pos)
+                if wide is not None:
+                    qg, kg, vg = qg.to(wide), kg.to(wide), vg.to(wide)
                 lg = _gather_rows(lse, hg.q_heads, it.pos)  # merged lse of these rows: (B*R, h, m)
                 if lse_len != it.m:  # the kernel pads its lse: hand it back in the same layout
                     padded = lg.new_zeros((*lg.shape[:-1], lse_len))
@@ -244,6 +250,8 @@ class _MergedAttention(torch.autograd.Function):
                 if dout is not None:
                     og = _gather(out, hg.q_heads, it.pos)
                     dog = _gather(dout, hg.q_heads, it.pos)
+                    if wide is not None:
+                        og, dog = og.to(wide), dog.to(wide)
                     dqg, dkg, dvg = backend.attn_backward(
                         dog, qg, kg, vg, og, lg, extra, is_causal=is_causal, scale=scale
                     )
@@ -255,7 +263,7 @@ class _MergedAttention(torch.autograd.Function):
                     unit_out = torch.zeros_like(qg)
                     unit_out[..., 0] = 1
                     d_unit = torch.zeros_like(qg)
-                    d_unit[..., 0] = -dl.transpose(1, 2).to(q.dtype)
+                    d_unit[..., 0] = -dl.transpose(1, 2).to(qg.dtype)
                     dqg, dkg, _ = backend.attn_backward(
                         d_unit,
                         qg,
@@ -284,6 +292,11 @@ def _autograd_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, N, Hq, D = q.shape
     acc = lse_dtype(q.dtype)
+    out_dtype = q.dtype
+    if backend.computes_in_accumulation_dtype:
+        # One cast up front: the gradients of every gather and branch then add up in float32, and
+        # are rounded to q's dtype once, by the backward of this cast.
+        q, k, v = (t.to(acc) for t in (q, k, v))
     outs, lses = [], []
     for items in plan:
         vals_o, idx_o, vals_l, idx_l = [], [], [], []
@@ -307,7 +320,7 @@ def _autograd_attention(
         outs.append(out_b.view(B, N, Hq, D))
         lses.append(lse_b.view(B, Hq, N))
     out, lse = merge_branches(outs, lses)
-    return out.to(q.dtype), lse
+    return out.to(out_dtype), lse
 
 
 class GatheredBackend(Backend):
@@ -320,6 +333,10 @@ class GatheredBackend(Backend):
     * :meth:`attn_forward` and :meth:`attn_backward` (the merged path), and/or
     * :meth:`attn_autograd` (the autograd path).
     """
+
+    #: Whether :meth:`attn_autograd` computes in the accumulation dtype (float32 for float16 and
+    #: bfloat16) anyway: the driver then casts q, k and v once, not every gathered copy.
+    computes_in_accumulation_dtype = False
 
     def native_gqa(self, device: torch.device) -> bool:
         """Whether the kernel takes fewer key/value heads than query heads."""
