@@ -8,6 +8,8 @@ SPEC sections 2-4, never with the code under test.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 
 import pytest
@@ -236,15 +238,17 @@ def test_native_op_names_an_overflowing_segment_length():
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_rule(run, B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, scale=None, seed=0, dout_scale=1.0):
+def _check_rule(
+    run, B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, scale=None, seed=0, dout_scale=1.0, ref=reference_attention
+):
     """``run(q, k, v) -> (out, lse)``: out, lse and the gradients within the rule of SPEC section 4
     (``dout_scale`` makes the gradients large against the rule's absolute floor)."""
     q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed)
     out, lse = run(q, k, v)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, is_causal, scale)
+    out64, lse64 = ref(q64, k64, v64, segs, rates, is_causal, scale)
     ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    outl, lsel = reference_attention(ql, kl, vl, segs, rates, is_causal, scale, dtype=dtype)
+    outl, lsel = ref(ql, kl, vl, segs, rates, is_causal, scale, dtype=dtype)
     assert_within_rule("out", out, out64, outl, dtype)
     assert_within_rule("lse", lse, lse64, lsel, dtype)
     g = torch.Generator().manual_seed(seed + 1)
@@ -277,3 +281,190 @@ def test_keys_reached_by_several_branches_low_precision(backend, dtype, N, segs,
     # before the sum gives errors far above the rule's floor.
     for seed in range(3):
         _check_rule(run, 2, N, 4, 2, 16, segs, rates, is_causal, dtype, seed=seed, dout_scale=64.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# float32 accuracy of the native kernels: large logits, long causal segments
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "N,Hq,segs,rates,logit_std",
+    [
+        (128, 4, [32, 16, 16], [4, 2, 1], 4.0),
+        (200, 2, [128], [2], 4.0),
+        (96, 4, [256, 128, 128], [1, 1, 2], 3.0),
+        (96, 4, [256, 128], [4, 4], 4.0),
+        (160, 2, [64, 160], [1, 2], 2.5),
+    ],
+)
+def test_native_float32_large_logits(N, Hq, segs, rates, logit_std, is_causal):
+    """Logits of standard deviation 2.5-4 (q and k of D=64 scaled by logit_std ** 0.5): the
+    probabilities the backward recomputes must be as accurate as the forward's."""
+    gain = logit_std**0.5
+
+    def run(q, k, v):
+        q2, k2 = q * gain, k * gain
+        return dattn(q2, k2, v, segs, rates, is_causal=is_causal, return_lse=True, backend="native")
+
+    def reference(q, k, v, segs, rates, is_causal, scale=None, dtype=None):
+        return reference_attention(q * gain, k * gain, v, segs, rates, is_causal, scale, dtype)
+
+    for seed in range(2):
+        _check_rule(run, 1, N, Hq, Hq, 64, segs, rates, is_causal, torch.float32, seed=seed, ref=reference)
+
+
+def _causal_segment_sample(q, k, v, dout, rows, keys, dtype, block=1024):
+    """One causal segment (w = N, r = 1, one head) computed densely in ``dtype`` by rows of
+    ``block`` queries: out, lse and dq of ``rows``, dk and dv of ``keys``."""
+    q, k, v, dout = (t[0, :, 0].to(dtype) for t in (q, k, v, dout))  # (N, D)
+    N, D = q.shape
+    scale = D**-0.5
+    pos = torch.arange(N)
+    lse = torch.empty(N, dtype=dtype)
+    out = torch.empty(N, D, dtype=dtype)
+    for a in range(0, N, block):
+        s = (q[a : a + block] @ k.T) * scale
+        s = s.masked_fill(pos[None, :] > pos[a : a + block, None], -math.inf)
+        lse[a : a + block] = torch.logsumexp(s, dim=-1)
+        out[a : a + block] = torch.softmax(s, dim=-1) @ v
+    delta = (dout * out).sum(-1)  # (N,)
+
+    s_r = (q[rows] @ k.T) * scale  # (R, N)
+    s_r = s_r.masked_fill(pos[None, :] > rows[:, None], -math.inf)
+    p_r = torch.exp(s_r - lse[rows, None])
+    dq = scale * (p_r * (dout[rows] @ v.T - delta[rows, None])) @ k
+
+    s_k = (q @ k[keys].T) * scale  # (N, X)
+    s_k = s_k.masked_fill(pos[:, None] < keys[None, :], -math.inf)
+    p_k = torch.exp(s_k - lse[:, None])
+    dv = p_k.T @ dout
+    dk = scale * (p_k * (dout @ v[keys].T - delta[:, None])).T @ q
+    return {"out": out[rows], "lse": lse[rows], "dq": dq, "dk": dk, "dv": dv}
+
+
+def _check_long_causal_segment(N):
+    D = 16
+    q, k, v = make_inputs(1, N, 1, 1, D, torch.float32, seed=N)
+    g = torch.Generator().manual_seed(1)
+    # Gradients of about 64: their errors stand well above the rule's absolute floor.
+    dout = 64 * torch.randn(1, N, 1, D, generator=g, dtype=torch.float64)
+    out, lse = dattn(q, k, v, [N], [1], is_causal=True, return_lse=True, backend="native")
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.float())
+    rows = torch.tensor([N // 2, N - 2, N - 1])  # queries that read half or all of the segment
+    keys = torch.tensor([0, 1, N // 8])  # keys read by nearly every query
+    got = {"out": out[0, rows, 0], "lse": lse[0, 0, rows], "dq": dq[0, rows, 0], "dk": dk[0, keys, 0]}
+    got["dv"] = dv[0, keys, 0]
+    ref = _causal_segment_sample(q, k, v, dout, rows, keys, torch.float64)
+    plain = _causal_segment_sample(q, k, v, dout, rows, keys, torch.float32)
+    for name in got:
+        assert_within_rule(f"{name} (N={N})", got[name], ref[name], plain[name], torch.float32)
+
+
+LONG_SEGMENTS = [16384] + ([32768, 65536] if os.environ.get("DILATED_ATTENTION_SLOW") == "1" else [])
+
+
+@pytest.mark.parametrize("N", LONG_SEGMENTS)
+def test_native_float32_long_causal_segment(N):
+    """One causal segment of 16K (32K and 64K with DILATED_ATTENTION_SLOW=1): out, lse and dq of the
+    last rows, dk and dv of the first keys (sums over the whole segment) within the rule, against
+    float64 and plain float32 computations of those rows and keys."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_long_causal_segment(N)
+    finally:
+        torch.set_num_threads(n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite values reach exactly the rows that read them
+# ----------------------------------------------------------------------------------------------
+
+NF_SHAPE = (1, 24, 4, 2, 8)  # B, N, Hq, Hkv, D
+NF_SEGS, NF_RATES = [8, 16], [1, 2]
+
+
+def _readers(N, Hq, Hkv, is_causal):
+    """reads[h, p, x]: row p of query head h reads key x (some branch); covered[h, p]."""
+    from reference import multiplicity
+
+    mult = multiplicity(N, Hq, NF_SEGS, NF_RATES, is_causal) > 0
+    return mult, mult.any(-1)
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "tensor,value",
+    [("v", math.nan), ("v", math.inf), ("v", -math.inf), ("q", math.nan), ("q", math.inf), ("k", math.nan)],
+)
+def test_nonfinite_value_reaches_exactly_the_rows_that_read_it(backend, is_causal, tensor, value):
+    _, N, Hq, Hkv, D = NF_SHAPE
+    reads, covered = _readers(N, Hq, Hkv, is_causal)
+    G = Hq // Hkv
+    for pos, head, ch in [(5, 1, 3), (13, 0, 0), (20, 1, 7)]:
+        q, k, v = make_inputs(*NF_SHAPE, torch.float32, requires_grad=False)
+        clean = dattn(q, k, v, NF_SEGS, NF_RATES, is_causal=is_causal, return_lse=True, backend=backend)
+        bad = {"q": q, "k": k, "v": v}[tensor].clone()
+        bad[0, pos, head, ch] = value
+        args = {"q": q, "k": k, "v": v, tensor: bad}
+        out, lse = dattn(
+            args["q"], args["k"], args["v"], NF_SEGS, NF_RATES, is_causal=is_causal, return_lse=True, backend=backend
+        )
+        if tensor == "q":  # row pos of head `head` reads its own query
+            hit = torch.zeros(Hq, N, dtype=torch.bool)
+            hit[head, pos] = covered[head, pos]
+        else:  # the rows of the query heads of key/value head `head` that read key pos
+            hit = torch.zeros(Hq, N, dtype=torch.bool)
+            for h in range(head * G, (head + 1) * G):
+                hit[h] = reads[h, :, pos]
+        assert hit.any()
+        hit_bnh = hit.T[None]  # (1, N, Hq)
+        channels = slice(ch, ch + 1) if tensor == "v" else slice(None)
+        # Rows that do not read it: exactly as without it.
+        same = ~hit_bnh
+        torch.testing.assert_close(out[same], clean[0][same], rtol=0, atol=0)
+        torch.testing.assert_close(lse[~hit[None]], clean[1][~hit[None]], rtol=0, atol=0)
+        # Rows that read it: non-finite where it enters (v: its channel only; q, k: the row and lse).
+        assert not torch.isfinite(out[hit_bnh][:, channels]).any()
+        if tensor == "v":
+            other = torch.ones(D, dtype=torch.bool)
+            other[ch] = False
+            torch.testing.assert_close(out[hit_bnh][:, other], clean[0][hit_bnh][:, other], rtol=0, atol=0)
+            torch.testing.assert_close(lse, clean[1], rtol=0, atol=0)
+        else:
+            assert not torch.isfinite(lse[hit[None]]).any()
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+def test_all_minus_inf_key_gives_nan_rows(backend):
+    """Every entry of key 3 is -inf: the scores of the rows that read it are NaN (q has entries of
+    both signs), so out and lse are NaN there, on every backend."""
+    q, k, v = make_inputs(1, 8, 1, 1, 4, torch.float32, requires_grad=False)
+    k = k.clone()
+    k[0, 3] = -math.inf
+    out, lse = dattn(q, k, v, [8], [1], is_causal=True, return_lse=True, backend=backend)
+    assert torch.isnan(out[0, 3:]).all() and torch.isnan(lse[0, 0, 3:]).all()
+    assert torch.isfinite(out[0, :3]).all() and torch.isfinite(lse[0, 0, :3]).all()
+
+
+@pytest.mark.parametrize("backend", RUNNABLE)
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+def test_nonfinite_value_backward_stays_in_its_segment(backend, tensor):
+    """The backward may spread a non-finite value within the dilated sub-sequences it touches
+    (docs/backends.md), never to another segment."""
+    q, k, v = make_inputs(1, 32, 2, 2, 8, torch.float32, requires_grad=False)
+    bad = {"q": q, "k": k, "v": v}[tensor].clone()
+    bad[0, 5, 1, 2] = math.nan  # segment 0 of w = 16
+    args = {"q": q, "k": k, "v": v, tensor: bad}
+    inputs = [t.clone().requires_grad_() for t in (args["q"], args["k"], args["v"])]
+    clean = [t.clone().requires_grad_() for t in (q, k, v)]
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(1, 32, 2, 8, generator=g)
+    for ins in (inputs, clean):
+        out = dattn(*ins, [16], [1], is_causal=True, backend=backend)
+        out.backward(dout)
+    for a, c in zip(inputs, clean, strict=True):
+        torch.testing.assert_close(a.grad[0, 16:], c.grad[0, 16:], rtol=0, atol=0)

@@ -119,6 +119,52 @@ def _add_heads_(dst: torch.Tensor, heads: Any, pos: torch.Tensor, val: torch.Ten
         dst.view(B, N * H, D).index_add_(1, idx, val.reshape(B, R * m * h, D).to(dst.dtype))
 
 
+class _NonFinite:
+    """Non-finite values reach exactly the rows that read them (SPEC sections 2-3), which dense
+    kernels do not do on their own.
+
+    * Causal: a masked key's weight is 0, but 0 * inf and 0 * NaN are NaN, so a non-finite value
+      would reach the earlier rows of its sub-sequence. The kernel gets v with non-finite entries
+      replaced by 0, and each row then adds the non-finite entries of the keys it reads, a prefix
+      sum along the sub-sequence: + 0 where there are none (exact), inf or NaN where there are.
+    * ``poison_scores`` (kernels that turn a NaN score into weight 0, as PyTorch's fused CPU kernel
+      does): a row whose query, or one of whose keys, is non-finite gets NaN in out and lse.
+    """
+
+    def __init__(self, q, k, v, is_causal: bool, poison_scores: bool):
+        self.is_causal = is_causal
+        self.v_kernel, self.v_bad = v, None
+        if is_causal:
+            self.v_kernel = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+            self.v_bad = v - self.v_kernel  # 0 where finite, else the inf or NaN itself
+        self.zq = self.zk = None
+        if poison_scores:
+            self.zq = q.sum(-1, keepdim=True) * 0  # (B, N, Hq, 1): NaN for a non-finite row, else 0
+            self.zk = k.sum(-1, keepdim=True) * 0
+
+    @staticmethod
+    def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
+        """(Bb, m, hk, E) -> (Bb, m, h, E): the key/value head of each query head."""
+        return x if x.shape[2] == h else x.repeat_interleave(h // x.shape[2], dim=2)
+
+    def _reads(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the keys each row reads: a prefix sum when causal, else the whole sub-sequence."""
+        return x.cumsum(1) if self.is_causal else x.sum(1, keepdim=True)
+
+    def apply(self, it: _Item, og: torch.Tensor, lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's out (Bb, m, h, D) and lse (Bb, h, m) of item ``it``, corrected."""
+        hg, h = it.heads, og.shape[2]
+        if self.v_bad is not None:
+            og = og + self._reads(self._heads(_gather(self.v_bad, hg.kv_heads, it.pos), h)).to(og.dtype)
+        if self.zq is not None:
+            z = _gather(self.zq, hg.q_heads, it.pos) + self._reads(
+                self._heads(_gather(self.zk, hg.kv_heads, it.pos), h)
+            )  # (Bb, m, h, 1)
+            og = og + z.to(og.dtype)
+            lg = lg + z[..., 0].transpose(1, 2).to(lg.dtype)
+        return og, lg
+
+
 def _merge_into_(
     out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> torch.Tensor:
@@ -148,7 +194,7 @@ def merge_branches(
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # lse does not depend on m
     e = torch.exp(L - m)  # (k, B, Hq, N); 0 where a branch does not cover the row
     s = e.sum(dim=0)
-    covered = s > 0
+    covered = s != 0  # NaN (a non-finite score) stays NaN rather than counting as uncovered
     s_safe = torch.where(covered, s, torch.ones_like(s))
     lse = torch.where(covered, torch.log(s_safe) + m, torch.full_like(s, -math.inf))
     alpha = (e / s_safe).permute(0, 1, 3, 2).unsqueeze(-1)  # (k, B, N, Hq, 1)
@@ -185,6 +231,7 @@ class _MergedAttention(torch.autograd.Function):
         out_acc: torch.Tensor | None = None
         lse_acc: torch.Tensor | None = None
         aux = []
+        nonfinite = _NonFinite(q, k, v, is_causal, backend.hides_nonfinite_scores)
         for items in plan:
             out_b = q.new_zeros((B, N, Hq, D), dtype=acc)
             lse_b = q.new_full((B, Hq, N), -math.inf, dtype=acc)
@@ -192,9 +239,10 @@ class _MergedAttention(torch.autograd.Function):
                 hg = it.heads
                 qg = _gather(q, hg.q_heads, it.pos)  # (B*R, m, h, D)
                 kg = _gather(k, hg.kv_heads, it.pos)  # (B*R, m, hk, D)
-                vg = _gather(v, hg.kv_heads, it.pos)
+                vg = _gather(nonfinite.v_kernel, hg.kv_heads, it.pos)
                 og, lg, extra = backend.attn_forward(qg, kg, vg, is_causal=is_causal, scale=scale)
                 aux.append((lg.shape[-1], extra))
+                og, lg = nonfinite.apply(it, og, lg[..., : it.m])
                 out_b[:, :, hg.q_heads].index_copy_(
                     1, it.pos.reshape(-1), og.reshape(B, it.rows * it.m, hg.num_q_heads, D).to(acc)
                 )
@@ -297,6 +345,7 @@ def _autograd_attention(
         # One cast up front: the gradients of every gather and branch then add up in float32, and
         # are rounded to q's dtype once, by the backward of this cast.
         q, k, v = (t.to(acc) for t in (q, k, v))
+    nonfinite = _NonFinite(q, k, v, is_causal, backend.hides_nonfinite_scores)
     outs, lses = [], []
     for items in plan:
         vals_o, idx_o, vals_l, idx_l = [], [], [], []
@@ -305,8 +354,9 @@ def _autograd_attention(
             R, m, h = it.rows, it.m, hg.num_q_heads
             qg = _gather(q, hg.q_heads, it.pos)
             kg = _gather(k, hg.kv_heads, it.pos)
-            vg = _gather(v, hg.kv_heads, it.pos)
+            vg = _gather(nonfinite.v_kernel, hg.kv_heads, it.pos)
             og, lg = backend.attn_autograd(qg, kg, vg, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+            og, lg = nonfinite.apply(it, og, lg[..., :m])
             hq = torch.arange(hg.q_heads.start, Hq, hg.q_heads.step, device=q.device)  # (h,)
             idx_o.append((it.pos.reshape(R, m, 1) * Hq + hq).reshape(-1))  # into (N*Hq)
             vals_o.append(og.reshape(B, R * m * h, D).to(acc))
@@ -337,6 +387,9 @@ class GatheredBackend(Backend):
     #: Whether :meth:`attn_autograd` computes in the accumulation dtype (float32 for float16 and
     #: bfloat16) anyway: the driver then casts q, k and v once, not every gathered copy.
     computes_in_accumulation_dtype = False
+
+    #: Whether the kernel turns a NaN score into weight 0 (the driver then makes such rows NaN).
+    hides_nonfinite_scores = False
 
     def native_gqa(self, device: torch.device) -> bool:
         """Whether the kernel takes fewer key/value heads than query heads."""

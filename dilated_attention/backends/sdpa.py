@@ -85,6 +85,9 @@ class SdpaBackend(GatheredBackend):
                 return [f"sdpa on cuda needs a head dim that is a multiple of 8, got {request.head_dim}"]
         return []
 
+    # PyTorch's fused CPU kernel gives out = 0, lse = 0 for a row whose scores are NaN.
+    hides_nonfinite_scores = True
+
     def native_gqa(self, device: torch.device) -> bool:
         return device.type == "cpu"
 
