@@ -446,7 +446,8 @@ template <typename T>
 DA_INLINE bool rows_finite(const T* rows, int64_t stride, int64_t n, int64_t D) {
   bool ok = true;
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) ok &= rows[j * stride + d] - rows[j * stride + d] == 0;  // NaN for inf, NaN
+    for (int64_t d = 0; d < D; ++d)
+      ok &= rows[j * stride + d] - rows[j * stride + d] == 0;  // NaN for inf, NaN
   return ok;
 }
 
@@ -526,7 +527,8 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
             // ones through 0 * inf in a masked lane: each query row takes only its own keys.
             for (int64_t i = 0; i < nq; ++i) {
               const int64_t nki = da_min64(nk, jq0 + i - kt0 + 1);
-              if (nki > 0) gemm<T, B>(s->acct + i * Dp, Dp, s->st + i, 1, ld, vp + kt0 * vs, vs, 1, Dp / W, nki, true);
+              if (nki > 0)
+                gemm<T, B>(s->acct + i * Dp, Dp, s->st + i, 1, ld, vp + kt0 * vs, vs, 1, Dp / W, nki, true);
             }
           } else {
             gemm<T, B>(s->acct, Dp, s->st, 1, ld, vp + kt0 * vs, vs, nq, Dp / W, nk, true);  // += P V
@@ -858,10 +860,10 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
         gemm<T, B>(s->s, ld, s->q2, Dp, 1, s->kt, ld, nq, nv, D, false);  // S2 = (scale2 Q) K^T
         gemm<T, B>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false);  // dP = dO V^T
         ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale);
-        gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);  // dV += P^T dO
-        gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);   // dK += dS^T Q
+        gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);             // dV += P^T dO
+        gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);              // dK += dS^T Q
         gemm<T, B>(s->dqt, Dp, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk, false);  // dS K
-        add_rows<T, B>(dqp + qt0 * dqs, dqs, s->dqt, nq, Dp);                              // dQ += dS K
+        add_rows<T, B>(dqp + qt0 * dqs, dqs, s->dqt, nq, Dp);                            // dQ += dS K
         if (++tiles % SUM_TILES == 0) {  // a partial sum of dk and dv, then afresh
           add_rows<T, B>(dkp + kt0 * r * P.dk_sn, r * P.dk_sn, s->dkt, nk, Dp);
           add_rows<T, B>(dvp + kt0 * r * P.dv_sn, r * P.dv_sn, s->dvt, nk, Dp);
