@@ -14,8 +14,9 @@ import re
 
 import pytest
 import torch
-from common import grads, make_inputs
+from common import make_inputs
 from reference import reference_attention
+from test_backends import check_against_reference
 from tolerance import assert_within_rule
 
 from dilated_attention import DilatedAttention, MultiheadDilatedAttention, backends
@@ -188,7 +189,7 @@ def test_non_positive_softmax_scale(backend, scale, is_causal):
             q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, return_lse=True, backend=backend
         )
 
-    _check_rule(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float32, scale)
+    check_against_reference(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float32, scale)
 
 
 @pytest.mark.parametrize("backend", RUNNABLE)
@@ -238,42 +239,6 @@ def test_native_op_names_an_overflowing_segment_length():
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_rule(
-    run,
-    B,
-    N,
-    Hq,
-    Hkv,
-    D,
-    segs,
-    rates,
-    is_causal,
-    dtype,
-    scale=None,
-    seed=0,
-    dout_scale=1.0,
-    ref=reference_attention,
-):
-    """``run(q, k, v) -> (out, lse)``: out, lse and the gradients within the rule of SPEC section 4
-    (``dout_scale`` makes the gradients large against the rule's absolute floor)."""
-    q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed)
-    out, lse = run(q, k, v)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out64, lse64 = ref(q64, k64, v64, segs, rates, is_causal, scale)
-    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    outl, lsel = ref(ql, kl, vl, segs, rates, is_causal, scale, dtype=dtype)
-    assert_within_rule("out", out, out64, outl, dtype)
-    assert_within_rule("lse", lse, lse64, lsel, dtype)
-    g = torch.Generator().manual_seed(seed + 1)
-    dout = dout_scale * torch.randn(out.shape, generator=g, dtype=torch.float64)
-    dlse = dout_scale * torch.randn(lse.shape, generator=g, dtype=torch.float64)
-    got = grads(out, lse, (q, k, v), dout, dlse)
-    ref = grads(out64, lse64, (q64, k64, v64), dout, dlse)
-    plain = grads(outl, lsel, (ql, kl, vl), dout, dlse)
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
-        assert_within_rule(name, a, e, p, dtype)
-
-
 @pytest.mark.parametrize("backend", RUNNABLE)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
@@ -293,7 +258,9 @@ def test_keys_reached_by_several_branches_low_precision(backend, dtype, N, segs,
     # Gradients of a few hundred: each branch's share rounded to 8 (bfloat16) or 11 (float16) bits
     # before the sum gives errors far above the rule's floor.
     for seed in range(3):
-        _check_rule(run, 2, N, 4, 2, 16, segs, rates, is_causal, dtype, seed=seed, dout_scale=64.0)
+        check_against_reference(
+            run, 2, N, 4, 2, 16, segs, rates, is_causal, dtype, seed=seed, dout_scale=64.0
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,7 +292,9 @@ def test_native_float32_large_logits(N, Hq, segs, rates, logit_std, is_causal):
         return reference_attention(q * gain, k * gain, v, segs, rates, is_causal, scale, dtype)
 
     for seed in range(2):
-        _check_rule(run, 1, N, Hq, Hq, 64, segs, rates, is_causal, torch.float32, seed=seed, ref=reference)
+        check_against_reference(
+            run, 1, N, Hq, Hq, 64, segs, rates, is_causal, torch.float32, seed=seed, ref=reference
+        )
 
 
 def _causal_segment_sample(q, k, v, dout, rows, keys, dtype, block=1024):
