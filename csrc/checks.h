@@ -36,6 +36,10 @@ inline void check_branches(at::IntArrayRef segment_lengths, at::IntArrayRef dila
     TORCH_CHECK(r >= 1, "dilated_attention: dilation_rates[", i, "] must be >= 1, got ", r);
     TORCH_CHECK(r <= w, "dilated_attention: dilation_rates[", i, "] = ", r,
                 " must not exceed segment_lengths[", i, "] = ", w);
+    // Index arithmetic (segment start + w, position + r) must not overflow int64. The Python API
+    // brings larger branches down to equivalent ones (_validation.effective_branches).
+    TORCH_CHECK(w <= ((int64_t)1 << 40), "dilated_attention: segment_lengths[", i, "] = ", w,
+                " exceeds 2^40; use an equivalent w = max(N, r) (the whole sequence is one segment)");
     out->w[i] = w;
     out->r[i] = r;
   }

@@ -14,7 +14,9 @@ The schema lives in ``csrc/dilated_attention.cpp``:
 * ``torch.ops.dilated_attention.piece_fwd/piece_bwd``: the pieces of sequence parallelism (see
   the end of this file); CPU only.
 
-Both backward kernels are deterministic (no atomics): the same inputs give the same bits.
+Both backward kernels are deterministic (no atomics): the same inputs give the same bits. The
+backward has no derivative of its own: a second backward (after ``create_graph=True``) raises a
+``RuntimeError`` rather than returning wrong second-order gradients.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._autograd import no_double_backward
 from ._warnings import ExtensionWarning, warn_once
 from .flops import accumulation_dtype
 
@@ -187,6 +190,7 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[
         is_causal,
         softmax_scale,
     )
+    dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
     return dq, dk, dv, None, None, None, None
 
 

@@ -10,6 +10,7 @@ import torch
 
 MAX_HEAD_DIM = 256
 MAX_BRANCHES = 16
+_HUGE_SEGMENT = 2**40  # above any sequence length; below it, index arithmetic cannot overflow int64
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -109,6 +110,43 @@ def resolve_scale(softmax_scale: Any, head_dim: int) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
     return scale
+
+
+def check_scale_for_dtype(scale: float, dtype: torch.dtype) -> float:
+    """``scale`` if it is finite in the dtype the scores are computed in (float32 for float16,
+    bfloat16 and float32 inputs, float64 for float64), with room for the kernels' base-2 factor
+    ``log2(e)``; else a ValueError naming it."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    limit = torch.finfo(compute).max / 2
+    if not abs(scale) <= limit:
+        raise ValueError(
+            f"softmax_scale must be finite in the compute dtype {str(compute).replace('torch.', '')} of "
+            f"{str(dtype).replace('torch.', '')} inputs (|softmax_scale| <= {limit:.3g}), got {scale!r}"
+        )
+    return scale
+
+
+def effective_branches(
+    segment_lengths: list[int], dilation_rates: list[int], N: int, num_heads: int
+) -> tuple[list[int], list[int]]:
+    """The same branches, with a segment length above ``2**40`` (and its rate) brought down to what
+    the sequence and the heads can tell apart, so that no backend does index arithmetic near the
+    int64 limit (where it would overflow).
+
+    Such a ``w`` exceeds any ``N``, so it makes the whole sequence one segment, as ``w' = max(N, r')``
+    does; a rate ``r >= max(N, num_heads)`` covers, in head ``h``, only the position ``t = h`` of the
+    segment (``h % r == h`` and ``t % r == t``), as ``r' = max(N, num_heads)`` does. Other branches
+    are returned as they are.
+    """
+    cap = max(N, num_heads, 1)
+    segs, rates = [], []
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
+        if w > _HUGE_SEGMENT:
+            r = min(r, cap)
+            w = max(N, r)
+        segs.append(w)
+        rates.append(r)
+    return segs, rates
 
 
 def check_dropout(dropout_p: Any) -> float:

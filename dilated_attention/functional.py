@@ -137,7 +137,7 @@ def _attention(
     check_backend_name(backend)
     V.check_qkv(q, k, v)
     segs, rates, is_causal, return_lse, scale, dropout_p = _check_options(
-        segment_lengths, dilation_rates, is_causal, return_lse, softmax_scale, q.shape[-1], dropout_p
+        segment_lengths, dilation_rates, is_causal, return_lse, softmax_scale, q.shape[-1], dropout_p, q.dtype
     )
     B, N, Hq, _ = q.shape
     if not torch.compiler.is_compiling():
@@ -145,6 +145,7 @@ def _attention(
     if B == 0 or N == 0:
         return _empty(q, k, v, (B, Hq, N), return_lse)
     impl = (selector or default_selector()).select(backend, q, k, dropout_p)
+    segs, rates = V.effective_branches(segs, rates, N, Hq)
     out, lse = impl.forward(
         q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p
     )
@@ -253,9 +254,10 @@ def _attention_varlen(
     check_backend_name(backend)
     max_seqlen = V.check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen)
     segs, rates, is_causal, return_lse, scale, dropout_p = _check_options(
-        segment_lengths, dilation_rates, is_causal, return_lse, softmax_scale, q.shape[-1], dropout_p
+        segment_lengths, dilation_rates, is_causal, return_lse, softmax_scale, q.shape[-1], dropout_p, q.dtype
     )
     T, Hq, _ = q.shape
+    segs, rates = V.effective_branches(segs, rates, max_seqlen, Hq)
     impl = (selector or default_selector()).select(backend, q.unsqueeze(0), k.unsqueeze(0), dropout_p)
     # The native op checks cu_seqlens itself; the others need the lengths on the host. Under
     # torch.compile nothing is read back, so that the native op stays in one graph.
@@ -287,15 +289,17 @@ def _check_options(
     softmax_scale: Any,
     head_dim: int,
     dropout_p: Any,
+    dtype: torch.dtype,
 ) -> tuple[list[int], list[int], bool, bool, float, float]:
-    """The checked options of both functions: (segs, rates, is_causal, return_lse, scale, dropout_p)."""
+    """The checked options of both functions: (segs, rates, is_causal, return_lse, scale, dropout_p);
+    the scale must be finite in the inputs' ``dtype``."""
     segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
     return (
         segs,
         rates,
         V.check_bool(is_causal, "is_causal"),
         V.check_bool(return_lse, "return_lse"),
-        V.resolve_scale(softmax_scale, head_dim),
+        V.check_scale_for_dtype(V.resolve_scale(softmax_scale, head_dim), dtype),
         V.check_dropout(dropout_p),
     )
 

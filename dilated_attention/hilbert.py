@@ -165,6 +165,11 @@ def _curve_cells(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.lru_cache(maxsize=64)
 def _cached_permutation(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode(False):  # cached: never inference tensors, whatever mode the caller is in
+        return _permutation(height, width)
+
+
+def _permutation(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     start = time.perf_counter()
     rows, cols = _curve_cells(height, width)
     n = height * width

@@ -51,7 +51,7 @@ def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[t
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(L - m)  # 0 where a part does not cover the row
     s = e.sum(dim=0)
-    covered = s > 0
+    covered = s != 0  # a NaN (non-finite score) stays NaN rather than counting as uncovered
     s_safe = torch.where(covered, s, torch.ones_like(s))
     lse = torch.where(covered, torch.log(s_safe) + m, torch.full_like(s, -math.inf))
     alpha = (e / s_safe).transpose(-1, -2).unsqueeze(-1)  # (k, ..., n, H, 1)

@@ -127,8 +127,9 @@ class DilatedAttention(nn.Module):
             )
         curve = self._curves.get(device)
         if curve is None:
-            perm, inv = _hilbert_permutation(H, W)
-            curve = self._curves[device] = (perm.to(device), inv.to(device))
+            with torch.inference_mode(False):  # kept for later calls, which may be training ones
+                perm, inv = _hilbert_permutation(H, W)
+                curve = self._curves[device] = (perm.to(device), inv.to(device))
         return curve
 
     def forward(

@@ -45,24 +45,42 @@ CONFIGS = [
 ]
 
 
-def check_against_reference(run, B, N, Hq, Hkv, D, segs, rates, is_causal, dtype, scale=None, with_dlse=True):
+def check_against_reference(
+    run,
+    B,
+    N,
+    Hq,
+    Hkv,
+    D,
+    segs,
+    rates,
+    is_causal,
+    dtype,
+    scale=None,
+    with_dlse=True,
+    seed=0,
+    dout_scale=1.0,
+    ref=reference_attention,
+):
     """``run(q, k, v) -> (out, lse)`` against the float64 reference, forward and backward, within
-    the tolerance rule of SPEC section 4."""
-    q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype)
+    the tolerance rule of SPEC section 4. ``seed`` picks the inputs, ``dout_scale`` multiplies the
+    output gradients (large gradients stand above the rule's absolute floor), and ``ref`` stands
+    for :func:`reference_attention` (same signature)."""
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed)
     out, lse = run(q, k, v)
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert lse.shape == (B, Hq, N)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, is_causal, scale)
+    out64, lse64 = ref(q64, k64, v64, segs, rates, is_causal, scale)
     ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    outl, lsel = reference_attention(ql, kl, vl, segs, rates, is_causal, scale, dtype=dtype)
+    outl, lsel = ref(ql, kl, vl, segs, rates, is_causal, scale, dtype=dtype)
     assert_within_rule("out", out, out64, outl, dtype)
     assert_within_rule("lse", lse, lse64, lsel, dtype)
 
-    g = torch.Generator().manual_seed(1)
-    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64) if with_dlse else None
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = dout_scale * torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dlse = dout_scale * torch.randn(lse.shape, generator=g, dtype=torch.float64) if with_dlse else None
     got = grads(out, lse, (q, k, v), dout, dlse)
     ref = grads(out64, lse64, (q64, k64, v64), dout, dlse)
     plain = grads(outl, lsel, (ql, kl, vl), dout, dlse)

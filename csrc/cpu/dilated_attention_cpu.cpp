@@ -75,6 +75,12 @@ namespace {
 // block_size()). Rows are padded to PAD_BYTES, the widest vector, whatever width a call runs at.
 enum { QT = 64, KB = 64, KF = 64, PAD_BYTES = 64 };
 
+// Long sums go in two levels, so that their rounding error does not grow with the segment length:
+// the forward merges a query tile's online-softmax state into the block's every SUM_TILES key
+// tiles, and the backward adds a key tile's dk and dv into their rows every SUM_TILES query tiles
+// (and each key tile's share of dq on its own). 8 tiles are 512 keys or queries.
+enum { SUM_TILES = 8 };
+
 /* ------------------------------------------------------------------------------------------ */
 /* Vectors                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
@@ -436,6 +442,16 @@ DA_INLINE void online_softmax(T* st, int64_t ld, int64_t nk, int64_t nv, T* mt, 
   }
 }
 
+/* Whether rows[j * stride + d] is finite for j < n, d < D. */
+template <typename T>
+DA_INLINE bool rows_finite(const T* rows, int64_t stride, int64_t n, int64_t D) {
+  bool ok = true;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d)
+      ok &= rows[j * stride + d] - rows[j * stride + d] == 0;  // NaN for inf, NaN
+  return ok;
+}
+
 /* Merge a query tile's state (m2, l2, acc2) into the block's rows row0 + i * step. */
 template <typename T>
 DA_INLINE void merge_tile(T* m, T* l, T* acc, const T* m2, const T* l2, const T* acc2, int64_t n,
@@ -507,7 +523,25 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
             if (c != 1)
               for (int64_t d = 0; d < Dp; ++d) s->acct[i * Dp + d] *= c;
           }
-          gemm<T, B>(s->acct, Dp, s->st, 1, ld, vp + kt0 * vs, vs, nq, Dp / W, nk, true);  // += P V
+          if (diag && !rows_finite(vp + kt0 * vs, vs, nk, D)) {
+            // A non-finite value must reach only the queries that see its key, not the earlier
+            // ones through 0 * inf in a masked lane: each query row takes only its own keys.
+            for (int64_t i = 0; i < nq; ++i) {
+              const int64_t nki = da_min64(nk, jq0 + i - kt0 + 1);
+              if (nki > 0)
+                gemm<T, B>(s->acct + i * Dp, Dp, s->st + i, 1, ld, vp + kt0 * vs, vs, 1, Dp / W, nki, true);
+            }
+          } else {
+            gemm<T, B>(s->acct, Dp, s->st, 1, ld, vp + kt0 * vs, vs, nq, Dp / W, nk, true);  // += P V
+          }
+          if (kt0 / KF % SUM_TILES == SUM_TILES - 1 && kt0 + KF < nk_all) {  // a partial sum, then afresh
+            merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acct, nq, g.first + q0 * r - a0, r, Dp);
+            for (int64_t i = 0; i < ld; ++i) {
+              s->mt[i] = neg_inf<T>();
+              s->lt[i] = 0;
+            }
+            for (int64_t i = 0; i < nq * Dp; ++i) s->acct[i] = 0;
+          }
         }
         merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acct, nq, g.first + q0 * r - a0, r, Dp);
       }
@@ -545,10 +579,13 @@ static void fwd_block(Isa isa, const Fwd<T>& P, int64_t b, int64_t h, int64_t a0
   }
 }
 
-/* out = acc / l and lse = (m + log2(l)) ln2 for the block's rows; uncovered rows: 0 and -inf. */
+/* out = acc / l and lse = m * unit + ln(l) for the block's rows, in double (one rounding of the
+ * result); uncovered rows: 0 and -inf. unit = softmax_scale / scale2 turns the base-2 scores back
+ * into natural ones: ln 2, corrected for the rounding of scale2 to T, which would otherwise scale
+ * lse by up to one unit in the last place of T. */
 template <typename scalar_t, typename T>
 static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* lse, int64_t a0, int64_t a1,
-                      int64_t D, int64_t Dp) {
+                      int64_t D, int64_t Dp, double unit) {
   for (int64_t p = a0; p < a1; ++p) {
     const int64_t row = p - a0;
     const T l = s.l[row];
@@ -559,9 +596,15 @@ static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* 
     } else {
       const T inv = (T)1 / l;
       for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s.acc[row * Dp + d] * inv);
-      lse[p] = (s.m[row] + log2(l)) * (T)0.69314718055994530942;
+      lse[p] = (T)((double)s.m[row] * unit + ::log((double)l));
     }
   }
+}
+
+/* softmax_scale / scale2: ln 2, up to the rounding of scale2 (ln 2 itself where scale2 is 0). */
+template <typename T>
+static double score_unit(double scale, T scale2) {
+  return scale2 != 0 ? scale / (double)scale2 : 0.69314718055994530942;
 }
 
 /* Positions per forward block: enough that the most dilated branch still has QT queries in it,
@@ -695,9 +738,10 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
           S.v += sq.start * F.v_sn;
           S.N = sq.len;
           fwd_block(isa, S, sq.b, h, a0, a1, &s);
-          fwd_write<scalar_t, T>(
-              s, out_p + sq.b * out.stride(0) + sq.start * out.stride(1) + h * out.stride(2), out.stride(1),
-              lse_p + sq.b * lse.stride(0) + h * lse.stride(1) + sq.start, a0, a1, P.D, Dp);
+          fwd_write<scalar_t, T>(s,
+                                 out_p + sq.b * out.stride(0) + sq.start * out.stride(1) + h * out.stride(2),
+                                 out.stride(1), lse_p + sq.b * lse.stride(0) + h * lse.stride(1) + sq.start,
+                                 a0, a1, P.D, Dp, score_unit(P.scale, F.scale2));
         });
   });
 }
@@ -771,7 +815,8 @@ struct Bwd {
   int64_t N, Hq, Hkv, D, Dp;
   da_branches br;
   int causal;
-  T scale, scale2;  // softmax_scale, and softmax_scale * log2(e)
+  T scale, scale2;  // softmax_scale, and softmax_scale * log2(e) as the forward rounds it
+  double unit;      // softmax_scale / scale2: natural units per base-2 unit of the scores
 };
 
 template <typename T>
@@ -780,10 +825,11 @@ struct BwdScratch {
   T *kt, *vt;      // (D, KB) keys and values of the tile, transposed
   T *dkt, *dvt;    // (KB, Dp) their gradients
   T *s, *dp;       // (QT, KB): scores then P; dout . v then dS
-  T *lse, *delta;  // (QT): lse * log2(e), delta
+  T *lse, *delta;  // (QT): lse in base 2 (lse / unit), delta
+  T *dqt, *q2;     // (QT, Dp): one key tile's share of dq; the tile's queries times scale2
   BwdScratch(int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp), (size_t)(KB * Dp),
-                              QT * KB, QT * KB, QT, QT})) {
+                              QT * KB, QT * KB, QT, QT, (size_t)(QT * Dp), (size_t)(QT * Dp)})) {
     kt = arena.take(D * KB);
     vt = arena.take(D * KB);
     dkt = arena.take(KB * Dp);
@@ -792,17 +838,21 @@ struct BwdScratch {
     dp = arena.take(QT * KB);
     lse = arena.take(QT);
     delta = arena.take(QT);
+    dqt = arena.take(QT * Dp);
+    q2 = arena.take(QT * Dp);
   }
 };
 
 /*
- * From scores s and dP (nq rows x ld key lanes): s <- P = exp(scale * s - lse) (as 2^(scale2 * s -
- * lse2) with scale2 = scale log2(e), lse2 = lse log2(e)), dp <- dS = scale * P * (dP - delta), with P = dS = 0 for key lanes past nk and, when causal, for keys after
- * the query (key kt0 + j > query qt0 + i, off = qt0 - kt0). Cost: nq * ld exps.
+ * From base-2 scores s2 and dP (nq rows x ld key lanes): s <- P = 2^(s2 - lse2), dp <- dS = scale * P *
+ * (dP - delta), with P = dS = 0 for key lanes past nk and, when causal, for keys after the query (key
+ * kt0 + j > query qt0 + i, off = qt0 - kt0). s2 is bit for bit the forward's score (same scaled
+ * queries, same order of summation), so the rounding of the score cancels against the lse the
+ * forward computed from it, as it does in the forward's own normalisation. Cost: nq * ld exps.
  */
 template <typename T, int B>
 DA_INLINE void ds_tile(T* s, T* dp, int64_t ld, int64_t nq, int64_t nk, int causal, int64_t off,
-                       const T* lse2, const T* delta, T scale, T scale2) {
+                       const T* lse2, const T* delta, T scale) {
   typedef Vec<T, B> X;
   typedef typename X::v V;
   const int W = Vec<T, B>::W;
@@ -813,7 +863,7 @@ DA_INLINE void ds_tile(T* s, T* dp, int64_t ld, int64_t nq, int64_t nk, int caus
     for (int64_t u = 0; u * W < ld; ++u) {
       T* sp = s + i * ld + u * W;
       T* dpp = dp + i * ld + u * W;
-      V p = l == neg_inf<T>() ? zero : X::exp2v(X::load(sp) * scale2 - l);
+      V p = l == neg_inf<T>() ? zero : X::exp2v(X::load(sp) - l);
       if ((u + 1) * W - 1 > last) p = iota + (T)(u * W) > (T)last ? zero : p;
       X::store(sp, p);
       X::store(dpp, p * scale * (X::load(dpp) - dl));
@@ -855,6 +905,7 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
     pack_transposed(s->kt, ld, kp + kt0 * ks, ks, nk, D, (T)1);
     pack_transposed(s->vt, ld, vp + kt0 * vs, vs, nk, D, (T)1);
     for (int64_t i = 0; i < nk * Dp; ++i) s->dkt[i] = s->dvt[i] = 0;
+    int64_t tiles = 0;  // query tiles summed into dkt and dvt
     for (int64_t h = h0; h < (hk + 1) * G; h += r) {
       const T* qp = P.q + b * P.q_sb + g.seg_first * P.q_sn + h * P.q_sh;
       const T* dop = P.dout + b * P.do_sb + g.seg_first * P.do_sn + h * P.do_sh;
@@ -864,18 +915,25 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
       for (int64_t qt0 = P.causal ? kt0 : 0; qt0 < c; qt0 += QT) {
         const int64_t nq = da_min64(QT, c - qt0);
         for (int64_t i = 0; i < nq; ++i) {
-          s->lse[i] = lse_h[(qt0 + i) * r] * (T)1.44269504088896340736;
+          s->lse[i] = (T)((double)lse_h[(qt0 + i) * r] / P.unit);
           s->delta[i] = delta_h[(qt0 + i) * r];
         }
         const T* qi = qp + qt0 * qs;
         const T* doi = dop + qt0 * dos;
-        gemm<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false);     // S = Q K^T
+        for (int64_t i = 0; i < nq; ++i)  // the forward's scaled queries (pack_transposed)
+          for (int64_t d = 0; d < D; ++d) s->q2[i * Dp + d] = qi[i * qs + d] * P.scale2;
+        gemm<T, B>(s->s, ld, s->q2, Dp, 1, s->kt, ld, nq, nv, D, false);  // S2 = (scale2 Q) K^T
         gemm<T, B>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false);  // dP = dO V^T
-        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale, P.scale2);
-        gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);  // dV += P^T dO
-        gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);   // dK += dS^T Q
-        gemm<T, B>(dqp + qt0 * dqs, dqs, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk,
-                   true);  // dQ += dS K
+        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale);
+        gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);             // dV += P^T dO
+        gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);              // dK += dS^T Q
+        gemm<T, B>(s->dqt, Dp, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk, false);  // dS K
+        add_rows<T, B>(dqp + qt0 * dqs, dqs, s->dqt, nq, Dp);                            // dQ += dS K
+        if (++tiles % SUM_TILES == 0) {  // a partial sum of dk and dv, then afresh
+          add_rows<T, B>(dkp + kt0 * r * P.dk_sn, r * P.dk_sn, s->dkt, nk, Dp);
+          add_rows<T, B>(dvp + kt0 * r * P.dv_sn, r * P.dv_sn, s->dvt, nk, Dp);
+          for (int64_t i = 0; i < nk * Dp; ++i) s->dkt[i] = s->dvt[i] = 0;
+        }
       }
     }
     add_rows<T, B>(dkp + kt0 * r * P.dk_sn, r * P.dk_sn, s->dkt, nk, Dp);
@@ -972,7 +1030,8 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
     A.br = P.branches;
     A.causal = P.is_causal;
     A.scale = (T)P.scale;
-    A.scale2 = (T)(P.scale * 1.44269504088896340736);
+    A.scale2 = (T)(P.scale * 1.44269504088896340736);  // as the forward's
+    A.unit = score_unit(P.scale, A.scale2);
     const int64_t G = P.Hq / P.Hkv;
     // Branch by branch: within one, tasks (sequence, hk, segment, phase) write disjoint rows.
     for (int64_t bi = 0; bi < P.branches.n; ++bi) {

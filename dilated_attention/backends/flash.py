@@ -112,7 +112,7 @@ class _FlashBackend(GatheredBackend):
                 )
         lse = lse.detach()[..., :m].to(lse_dtype(q.dtype))
         if need_grad:
-            lse = lse_with_grad(lse, q, out_k, scale)
+            lse = lse_with_grad(lse, q, out_k, scale, self.name)
         return out, lse
 
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from .._autograd import first_order_only, no_double_backward
 from ..merge import merge as merge_branches
 from ..merge import merge_into_
 from .base import Backend, lse_dtype
@@ -121,15 +121,65 @@ def _add_heads_(dst: torch.Tensor, heads: Any, pos: torch.Tensor, val: torch.Ten
         dst.view(B, N * H, D).index_add_(1, idx, val.reshape(B, R * m * h, D).to(dst.dtype))
 
 
-def lse_with_grad(lse: torch.Tensor, q: torch.Tensor, out_k: torch.Tensor, scale: float) -> torch.Tensor:
+class _NonFinite:
+    """Non-finite values reach exactly the rows that read them (SPEC sections 2-3), which dense
+    kernels do not do on their own.
+
+    * Causal: a masked key's weight is 0, but 0 * inf and 0 * NaN are NaN, so a non-finite value
+      would reach the earlier rows of its sub-sequence. The kernel gets v with non-finite entries
+      replaced by 0, and each row then adds the non-finite entries of the keys it reads, a prefix
+      sum along the sub-sequence: + 0 where there are none (exact), inf or NaN where there are.
+    * ``poison_scores`` (kernels that turn a NaN score into weight 0, as PyTorch's fused CPU kernel
+      does): a row whose query, or one of whose keys, is non-finite gets NaN in out and lse.
+    """
+
+    def __init__(self, q, k, v, is_causal: bool, poison_scores: bool):
+        self.is_causal = is_causal
+        self.v_kernel, self.v_bad = v, None
+        if is_causal:
+            self.v_kernel = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+            self.v_bad = v - self.v_kernel  # 0 where finite, else the inf or NaN itself
+        self.zq = self.zk = None
+        if poison_scores:
+            self.zq = q.sum(-1, keepdim=True) * 0  # (B, N, Hq, 1): NaN for a non-finite row, else 0
+            self.zk = k.sum(-1, keepdim=True) * 0
+
+    @staticmethod
+    def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
+        """(Bb, m, hk, E) -> (Bb, m, h, E): the key/value head of each query head."""
+        return x if x.shape[2] == h else x.repeat_interleave(h // x.shape[2], dim=2)
+
+    def _reads(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the keys each row reads: a prefix sum when causal, else the whole sub-sequence."""
+        return x.cumsum(1) if self.is_causal else x.sum(1, keepdim=True)
+
+    def apply(self, it: _Item, og: torch.Tensor, lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's out (Bb, m, h, D) and lse (Bb, h, m) of item ``it``, corrected."""
+        hg, h = it.heads, og.shape[2]
+        if self.v_bad is not None:
+            og = og + self._reads(self._heads(_gather(self.v_bad, hg.kv_heads, it.pos), h)).to(og.dtype)
+        if self.zq is not None:
+            z = _gather(self.zq, hg.q_heads, it.pos) + self._reads(
+                self._heads(_gather(self.zk, hg.kv_heads, it.pos), h)
+            )  # (Bb, m, h, 1)
+            og = og + z.to(og.dtype)
+            lg = lg + z[..., 0].transpose(1, 2).to(lg.dtype)
+        return og, lg
+
+
+def lse_with_grad(
+    lse: torch.Tensor, q: torch.Tensor, out_k: torch.Tensor, scale: float, backend: str = "gather-based"
+) -> torch.Tensor:
     """Give a kernel's non-differentiable ``lse`` its exact first-order gradient.
 
     lse (Bb, H, m); q (Bb, m, H, D); ``out_k`` = attention(q.detach(), k.detach(), values=k), the
     same kernel with the keys as values (differentiable in its value argument). Since
     ``d lse_p / d s_px = P_px``: ``d lse_p / d q_p = scale * out_k[p]`` and
     ``d lse_p / d k_x = scale * P_px q_p``, which is the value-gradient of ``out_k`` along ``q``.
-    The added term is exactly zero in value.
+    The added term is exactly zero in value. Its gradient is exact to first order only, so a second
+    backward through it raises a ``RuntimeError`` naming ``backend``.
     """
+    q, out_k = first_order_only(backend, q), first_order_only(backend, out_k)
     qd, okd = q.detach(), out_k.detach()
     t = ((q - qd) * okd).sum(-1) + (qd * (out_k - okd)).sum(-1)  # (Bb, m, H), == 0
     return lse + (scale * t).transpose(1, 2).to(lse.dtype)
@@ -193,6 +243,7 @@ class _MergedAttention(torch.autograd.Function):
         out_acc: torch.Tensor | None = None
         lse_acc: torch.Tensor | None = None
         aux = []
+        nonfinite = _NonFinite(q, k, v, is_causal, backend.hides_nonfinite_scores)
         for items in plan:
             out_b = q.new_zeros((B, N, Hq, D), dtype=acc)
             lse_b = q.new_full((B, Hq, N), -math.inf, dtype=acc)
@@ -200,9 +251,10 @@ class _MergedAttention(torch.autograd.Function):
                 hg = it.heads
                 qg = _gather(q, hg.q_heads, it.pos)  # (B*R, m, h, D)
                 kg = _gather(k, hg.kv_heads, it.pos)  # (B*R, m, hk, D)
-                vg = _gather(v, hg.kv_heads, it.pos)
+                vg = _gather(nonfinite.v_kernel, hg.kv_heads, it.pos)
                 og, lg, extra = backend.attn_forward(qg, kg, vg, is_causal=is_causal, scale=scale)
                 aux.append((lg.shape[-1], extra))
+                og, lg = nonfinite.apply(it, og, lg[..., : it.m])
                 out_b[:, :, hg.q_heads].index_copy_(
                     1, it.pos.reshape(-1), og.reshape(B, it.rows * it.m, hg.num_q_heads, D).to(acc)
                 )
@@ -219,8 +271,15 @@ class _MergedAttention(torch.autograd.Function):
         return out, lse_acc
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout, dlse):
+        with torch.no_grad():
+            dq, dk, dv = _MergedAttention._backward(ctx, dout, dlse)
+        # A kernel backward has no derivative: a second backward raises, naming the backend.
+        dq, dk, dv = no_double_backward(ctx.backend.name, (dq, dk, dv), (dout, dlse, *ctx.saved_tensors[:3]))
+        return dq, dk, dv, None, None, None, None
+
+    @staticmethod
+    def _backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         backend, is_causal, scale = ctx.backend, ctx.is_causal, ctx.scale
         acc = lse.dtype
@@ -229,6 +288,10 @@ class _MergedAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         if dout is not None:
             dout = dout.to(q.dtype)
+        # Where a position's gradient sums several kernel calls (several branches, or the extra call
+        # for dlse), low-precision kernels would round each call's share before the sum: run them in
+        # the accumulation dtype instead, so that the sum is rounded once.
+        wide = acc if q.dtype != acc and (len(ctx.plan) > 1 or dlse is not None) else None
         i = 0
         for items in ctx.plan:
             for it in items:
@@ -238,6 +301,8 @@ class _MergedAttention(torch.autograd.Function):
                 qg = _gather(q, hg.q_heads, it.pos)
                 kg = _gather(k, hg.kv_heads, it.pos)
                 vg = _gather(v, hg.kv_heads, it.pos)
+                if wide is not None:
+                    qg, kg, vg = qg.to(wide), kg.to(wide), vg.to(wide)
                 lg = _gather_rows(lse, hg.q_heads, it.pos)  # merged lse of these rows: (B*R, h, m)
                 if lse_len != it.m:  # the kernel pads its lse: hand it back in the same layout
                     padded = lg.new_zeros((*lg.shape[:-1], lse_len))
@@ -245,6 +310,9 @@ class _MergedAttention(torch.autograd.Function):
                     lg = padded
                 og = _gather(out, hg.q_heads, it.pos)
                 dog = None if dout is None else _gather(dout, hg.q_heads, it.pos)
+                if wide is not None:
+                    og = og.to(wide)
+                    dog = None if dog is None else dog.to(wide)
                 dl = None if dlse is None else _gather_rows(dlse, hg.q_heads, it.pos)  # (B*R, h, m)
                 dqg, dkg, dvg = kernel_backward(
                     backend, dog, dl, qg, kg, vg, og, lg, extra, is_causal=is_causal, scale=scale
@@ -252,7 +320,7 @@ class _MergedAttention(torch.autograd.Function):
                 _add_heads_(dq, hg.q_heads, it.pos, dqg)
                 _add_heads_(dk, hg.kv_heads, it.pos, dkg)
                 _add_heads_(dv, hg.kv_heads, it.pos, dvg)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _autograd_attention(
@@ -267,6 +335,12 @@ def _autograd_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, N, Hq, D = q.shape
     acc = lse_dtype(q.dtype)
+    out_dtype = q.dtype
+    if backend.computes_in_accumulation_dtype:
+        # One cast up front: the gradients of every gather and branch then add up in float32, and
+        # are rounded to q's dtype once, by the backward of this cast.
+        q, k, v = (t.to(acc) for t in (q, k, v))
+    nonfinite = _NonFinite(q, k, v, is_causal, backend.hides_nonfinite_scores)
     outs, lses = [], []
     for items in plan:
         vals_o, idx_o, vals_l, idx_l = [], [], [], []
@@ -275,8 +349,9 @@ def _autograd_attention(
             R, m, h = it.rows, it.m, hg.num_q_heads
             qg = _gather(q, hg.q_heads, it.pos)
             kg = _gather(k, hg.kv_heads, it.pos)
-            vg = _gather(v, hg.kv_heads, it.pos)
+            vg = _gather(nonfinite.v_kernel, hg.kv_heads, it.pos)
             og, lg = backend.attn_autograd(qg, kg, vg, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+            og, lg = nonfinite.apply(it, og, lg[..., :m])
             hq = torch.arange(hg.q_heads.start, Hq, hg.q_heads.step, device=q.device)  # (h,)
             idx_o.append((it.pos.reshape(R, m, 1) * Hq + hq).reshape(-1))  # into (N*Hq)
             vals_o.append(og.reshape(B, R * m * h, D).to(acc))
@@ -290,7 +365,7 @@ def _autograd_attention(
         outs.append(out_b.view(B, N, Hq, D))
         lses.append(lse_b.view(B, Hq, N))
     out, lse = merge_branches(outs, lses)
-    return out.to(q.dtype), lse
+    return out.to(out_dtype), lse
 
 
 class GatheredBackend(Backend):
@@ -303,6 +378,13 @@ class GatheredBackend(Backend):
     * :meth:`attn_forward` and :meth:`attn_backward` (the merged path), and/or
     * :meth:`attn_autograd` (the autograd path).
     """
+
+    #: Whether :meth:`attn_autograd` computes in the accumulation dtype (float32 for float16 and
+    #: bfloat16) anyway: the driver then casts q, k and v once, not every gathered copy.
+    computes_in_accumulation_dtype = False
+
+    #: Whether the kernel turns a NaN score into weight 0 (the driver then makes such rows NaN).
+    hides_nonfinite_scores = False
 
     def native_gqa(self, device: torch.device) -> bool:
         """Whether the kernel takes fewer key/value heads than query heads."""

@@ -39,6 +39,8 @@ class ManualBackend(GatheredBackend):
             why.append(f"manual needs a floating dtype, got {request.dtype}")
         return why
 
+    computes_in_accumulation_dtype = True
+
     def native_gqa(self, device: torch.device) -> bool:
         return True
 

@@ -10,7 +10,8 @@ key ever enters a softmax, and no mask is needed besides the causal one (dilatio
 causal masking inside a sub-sequence is plain lower-triangular masking).
 
 The index tensors are cached per ``(N, w, r, offset, device)`` in a bounded LRU cache that is safe
-to use from several threads.
+to use from several threads. They are built outside inference mode, so a call under
+``torch.inference_mode()`` leaves nothing in the cache that a later training call cannot use.
 
 Packed sequences (SPEC section 7) are the same per sequence, each sequence's positions shifted by
 its first row: the full segments of all sequences form one group, and the shorter last segments
@@ -164,11 +165,14 @@ class PatternCache:
                 self._hits += 1
                 return groups
             self._misses += 1
-        # Built outside the lock so that other threads are not held up by an allocation.
-        if isinstance(n, tuple):
-            groups = build_varlen_positions(n, int(w), int(r), int(offset), key[-1])
-        else:
-            groups = build_positions(n, w, r, offset, key[-1])
+        # Built outside the lock so that other threads are not held up by an allocation, and never
+        # as inference tensors: a call under torch.inference_mode() must not leave in the shared
+        # cache tensors that a later training call cannot save for backward.
+        with torch.inference_mode(False):
+            if isinstance(n, tuple):
+                groups = build_varlen_positions(n, int(w), int(r), int(offset), key[-1])
+            else:
+                groups = build_positions(n, w, r, offset, key[-1])
         with self._lock:
             existing = self._data.get(key)
             if existing is not None:  # another thread built it meanwhile

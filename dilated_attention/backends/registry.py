@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from .. import hardware
 from .._warnings import BackendFallbackWarning, SlowPathWarning, warn_once
@@ -159,9 +160,12 @@ class BackendSelector:
 
     def select(self, requested: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> Backend:
         """The backend to run (q, k) with: a dictionary lookup once chosen."""
-        key = (requested, q.device, q.dtype, int(q.shape[-1]), bool(dropout_p > 0))
         if torch.compiler.is_compiling():
+            # Under dynamic=True the head dim and dropout_p are symbolic: specialise them (a guard each)
+            # so that the key is a constant; N never enters the key, so a new N does not recompile.
+            key = (requested, q.device, q.dtype, guard_scalar(q.shape[-1]), guard_scalar(dropout_p > 0))
             return _REGISTRY[_select_constant(self, key)]
+        key = (requested, q.device, q.dtype, int(q.shape[-1]), bool(dropout_p > 0))
         name = self._names.get(key)
         if name is None:
             name = self._choose(key, int(q.shape[2]), int(k.shape[2]))

@@ -44,6 +44,18 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # (B, M, H, D) <-> (B, H, M, D), a view
 
 
+def _positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float, float]:
+    """``(q', scale', sign)`` with ``scale' > 0`` and ``q' scale' == q scale`` exactly: PyTorch's
+    fused CPU kernel returns NaN for a causal call with ``scale <= 0``. A negative scale moves its
+    sign into q (exact); a zero scale makes every score 0, as ``q' = 0`` with ``scale' = 1`` does.
+    ``sign`` maps the kernel's dq back: ``dq = sign * dq'``."""
+    if scale > 0:
+        return q, scale, 1.0
+    if scale < 0:
+        return -q, -scale, -1.0
+    return torch.zeros_like(q), 1.0, 0.0
+
+
 class SdpaBackend(GatheredBackend):
     name = "sdpa"
     capabilities = Capabilities(
@@ -73,6 +85,9 @@ class SdpaBackend(GatheredBackend):
                 return [f"sdpa on cuda needs a head dim that is a multiple of 8, got {request.head_dim}"]
         return []
 
+    # PyTorch's fused CPU kernel gives out = 0, lse = 0 for a row whose scores are NaN.
+    hides_nonfinite_scores = True
+
     def native_gqa(self, device: torch.device) -> bool:
         return device.type == "cpu"
 
@@ -81,6 +96,7 @@ class SdpaBackend(GatheredBackend):
 
     # -- merged path -------------------------------------------------------------------------------
     def attn_forward(self, q, k, v, *, is_causal, scale):
+        q, scale, _ = _positive_scale(q, scale)
         if q.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 _t(q), _t(k), _t(v), 0.0, is_causal, scale=scale
@@ -92,6 +108,7 @@ class SdpaBackend(GatheredBackend):
         return _t(out), lse, (seed, offset)
 
     def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale):
+        q, scale, sign = _positive_scale(q, scale)
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, is_causal, scale=scale
@@ -113,19 +130,21 @@ class SdpaBackend(GatheredBackend):
                 is_causal,
                 scale=scale,
             )
+        dq = dq if sign == 1.0 else dq * sign
         return _t(dq), _t(dk), _t(dv)
 
     # -- autograd path (dropout) -------------------------------------------------------------------
     def attn_autograd(self, q, k, v, *, is_causal, scale, dropout_p):
         m = q.shape[1]
         gqa = q.shape[2] != k.shape[2]
+        qs, s, _ = _positive_scale(q, scale)  # autograd differentiates the sign change
         out = F.scaled_dot_product_attention(
-            _t(q), _t(k), _t(v), dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
+            _t(qs), _t(k), _t(v), dropout_p=dropout_p, is_causal=is_causal, scale=s, enable_gqa=gqa
         )
         out = _t(out)
         # The log-sum-exp does not depend on dropout: one call without it, keys as values.
         out_k, lse, _ = self.attn_forward(q.detach(), k.detach(), k, is_causal=is_causal, scale=scale)
         lse = lse[..., :m]
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            lse = lse_with_grad(lse, q, out_k, scale)
+            lse = lse_with_grad(lse, q, out_k, scale, self.name)
         return out, lse

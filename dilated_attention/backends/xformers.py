@@ -105,5 +105,5 @@ class XformersBackend(GatheredBackend):
             out_k = xops.memory_efficient_attention(
                 q.detach(), k.detach(), k, attn_bias=bias, p=0.0, scale=scale
             )
-            lse = lse_with_grad(lse, q, out_k, scale)
+            lse = lse_with_grad(lse, q, out_k, scale, self.name)
         return out, lse

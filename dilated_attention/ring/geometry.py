@@ -303,10 +303,11 @@ class Plan:
             kv_select = [kv_heads.index(h // G) for h in heads]
             nh, nkv = len(heads), len(kv_heads)
             grouped = nh % nkv == 0 and kv_select == [i // (nh // nkv) for i in range(nh)]
-            self._heads[key] = HeadSets(
-                *(torch.tensor(x, dtype=torch.long, device=device) for x in (heads, kv_heads, kv_select)),
-                grouped,
-            )
+            with torch.inference_mode(False):  # kept for later calls, which may be training ones
+                self._heads[key] = HeadSets(
+                    *(torch.tensor(x, dtype=torch.long, device=device) for x in (heads, kv_heads, kv_select)),
+                    grouped,
+                )
         return self._heads[key]
 
     def num_kv_heads(self, r: int, o: int) -> int:

@@ -272,7 +272,7 @@ class RingDilatedAttention(nn.Module):
         V.check_qkv(q, k, v)
         is_causal = V.check_bool(is_causal, "is_causal")
         return_lse = V.check_bool(return_lse, "return_lse")
-        scale = V.resolve_scale(self.softmax_scale, q.shape[-1])
+        scale = V.check_scale_for_dtype(V.resolve_scale(self.softmax_scale, q.shape[-1]), q.dtype)
         group, P, rank = resolve_group(self.process_group, self.ring_size)
         if self.ring_size is not None and P > 1 and P != self.ring_size:
             raise ValueError(f"ring_size={self.ring_size} but the process group has {P} ranks")

@@ -1,0 +1,69 @@
+"""Backward passes that have no derivative of their own say so when differentiated again."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["first_order_only", "no_double_backward"]
+
+
+def _message(backend: str) -> str:
+    return (
+        f"dilated_attention: the {backend!r} backend has no second-order gradients (its backward is "
+        f"a fused kernel); differentiate twice with backend='manual', which autograd differentiates "
+        f"end to end"
+    )
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The identity on ``grads``, connected to ``inputs``; its backward raises ``message``."""
+
+    @staticmethod
+    def forward(ctx, message, n, *tensors):
+        ctx.message = message
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *unused):
+        raise RuntimeError(ctx.message)
+
+
+def no_double_backward(
+    backend: str, grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor | None, ...]:
+    """``grads`` as they are, unless the backward runs with ``create_graph=True``: then they are
+    returned connected to ``inputs`` through a node that raises a ``RuntimeError`` naming ``backend``
+    when a second backward reaches it, instead of silently giving zero or wrong second-order
+    gradients."""
+    if not torch.is_grad_enabled():
+        return tuple(grads)
+    deps = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    present = [g for g in grads if g is not None]
+    if not deps or not present:
+        return tuple(grads)
+    wrapped = iter(_NoDoubleBackward.apply(_message(backend), len(present), *present, *deps))
+    return tuple(None if g is None else next(wrapped) for g in grads)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The identity; its backward passes the gradient on, marked with :func:`no_double_backward`."""
+
+    @staticmethod
+    def forward(ctx, backend, x):
+        ctx.backend = backend
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (grad,) = no_double_backward(ctx.backend, (grad,), (grad,))
+        return None, grad
+
+
+def first_order_only(backend: str, x: torch.Tensor) -> torch.Tensor:
+    """``x``, through a node whose gradient is exact to first order only: any second backward
+    through it raises a ``RuntimeError`` naming ``backend``."""
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return x
+    return _FirstOrderOnly.apply(backend, x)
