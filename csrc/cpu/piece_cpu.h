@@ -33,6 +33,7 @@ struct PieceArgs {
   int causal;
   int64_t offset;   // key j is visible to query i when j <= i + offset (causal only)
   T scale, scale2;  // softmax_scale, and softmax_scale * log2(e)
+  double unit;      // softmax_scale / scale2: natural units per base-2 unit of the scores
 };
 
 /*
@@ -130,15 +131,16 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
       for (int64_t qt0 = q_first; qt0 < P.nq; qt0 += QT) {
         const int64_t nq = da_min64(QT, P.nq - qt0);
         for (int64_t i = 0; i < nq; ++i) {
-          s->lse[i] = lse_h[qt0 + i] * (T)1.44269504088896340736;
+          s->lse[i] = (T)((double)lse_h[qt0 + i] / P.unit);
           s->delta[i] = delta_h[qt0 + i];
         }
         const T* qi = qp + qt0 * P.q_sn;
         const T* doi = dop + qt0 * P.do_sn;
-        gemm<T, B>(s->s, ld, qi, P.q_sn, 1, s->kt, ld, nq, nv, D, false);     // S = Q K^T
+        for (int64_t i = 0; i < nq; ++i)  // the forward's scaled queries, so that scores cancel its lse
+          for (int64_t d = 0; d < D; ++d) s->q2[i * Dp + d] = qi[i * P.q_sn + d] * P.scale2;
+        gemm<T, B>(s->s, ld, s->q2, Dp, 1, s->kt, ld, nq, nv, D, false);      // S2 = (scale2 Q) K^T
         gemm<T, B>(s->dp, ld, doi, P.do_sn, 1, s->vt, ld, nq, nv, D, false);  // dP = dO V^T
-        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 + P.offset - kt0, s->lse, s->delta, P.scale,
-                      P.scale2);
+        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 + P.offset - kt0, s->lse, s->delta, P.scale);
         gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, P.do_sn, nk, Dp / W, nq, true);  // dV += P^T dO
         gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, P.q_sn, nk, Dp / W, nq, true);   // dK += dS^T Q
         gemm<T, B>(dqp + qt0 * P.dq_sn, P.dq_sn, s->dp, ld, 1, kp + kt0 * P.k_sn, P.k_sn, nq, Dp / W, nk,
@@ -248,6 +250,7 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
         A.causal = is_causal;
         A.offset = causal_offset;
         A.scale2 = (T)(P.scale * 1.44269504088896340736);
+        A.unit = score_unit(P.scale, A.scale2);
         scalar_t* out_p = out.data_ptr<scalar_t>();
         T* lse_p = lse.data_ptr<T>();
         parallel_tasks(
@@ -256,7 +259,7 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
               const int64_t tile = task % ntiles, bh = task / ntiles;
               const int64_t h = bh % P.Hq, b = bh / P.Hq, qt0 = tile * QT, n = da_min64(QT, nq - qt0);
               piece_fwd_tile(isa, A, b, h, qt0, &s);
-              for (int64_t i = 0; i < n; ++i) {  // out = acc / l, lse = (m + log2 l) ln 2; no key: 0, -inf
+              for (int64_t i = 0; i < n; ++i) {  // out = acc / l, lse = m unit + ln l; no key: 0, -inf
                 scalar_t* o = out_p + b * out.stride(0) + (qt0 + i) * out.stride(1) + h * out.stride(2);
                 const T l = s.lt[i];
                 if (l == 0) {
@@ -265,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
                 } else {
                   const T inv = (T)1 / l;
                   for (int64_t d = 0; d < P.D; ++d) o[d] = (scalar_t)(s.acct[i * Dp + d] * inv);
-                  lse_p[bh * nq + qt0 + i] = (s.mt[i] + log2(l)) * (T)0.69314718055994530942;
+                  lse_p[bh * nq + qt0 + i] = (T)((double)s.mt[i] * A.unit + ::log((double)l));
                 }
               }
             });
@@ -330,6 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
         A.offset = causal_offset;
         A.scale = (T)P.scale;
         A.scale2 = (T)(P.scale * 1.44269504088896340736);
+        A.unit = score_unit(P.scale, A.scale2);
         parallel_tasks(
             P.B * P.Hkv, [&] { return BwdScratch<T>(P.D, Dp); },
             [&](int64_t task, BwdScratch<T>& s) { piece_bwd_task(isa, A, task / P.Hkv, task % P.Hkv, &s); });
