@@ -3,7 +3,7 @@ PYTHON ?= python3
 # torch with CUDA support compiles and links the CUDA kernels even on a machine without a GPU.
 TORCH_SPEC ?= torch==2.14.1
 
-.PHONY: help deps install lint format test test-slow train bench cuda-check clean
+.PHONY: help deps install lint format test test-slow train longcontext bench cuda-check clean
 
 help:
 	@echo "make install     build and install the package (editable) into the current Python"
@@ -11,6 +11,7 @@ help:
 	@echo "make format      format the Python and C/C++/CUDA sources in place"
 	@echo "make test        run the test suite"
 	@echo "make train       train the example GPT on the bundled corpus, then sample from it"
+	@echo "make longcontext  train the recall task with dilated, local and dense attention; table and plot"
 	@echo "make bench       CPU benchmark of every backend against the alternatives"
 	@echo "make cuda-check  compile the CUDA kernels (no GPU needed)"
 
@@ -46,6 +47,10 @@ test-slow:
 train:
 	$(PYTHON) examples/gpt/train.py examples/gpt/config/train_stdlib.py
 	$(PYTHON) examples/gpt/sample.py --start="def " --num_samples=1 --max_new_tokens=500
+
+# Three 10-minute trainings on a CPU; results in examples/gpt/out-longcontext/.
+longcontext:
+	$(PYTHON) examples/gpt/longcontext.py examples/gpt/config/recall.py
 
 bench:
 	$(PYTHON) benchmarks/bench.py
