@@ -443,6 +443,18 @@ def test_recall_batch():
         recall.recall_batch(1, 256, 4, 8, 1)
 
 
+def test_recall_sequence_length_warmup():
+    """Training sequences grow from an eighth of the block to the block, whole rows, at about
+    the tokens of a full batch; no warmup means full length."""
+    shapes = [recall.warmup_shape(it, 100, 2048, 4, 4, 64, 8) for it in range(0, 120, 10)]
+    assert shapes[0] == (32, 256) and shapes[-2:] == [(4, 2048), (4, 2048)]
+    lengths = [t for _, t in shapes]
+    assert lengths == sorted(lengths) and all(t % 8 == 0 for t in lengths)
+    assert all(0.75 * 4 * 2048 <= b * t <= 4 * 2048 for b, t in shapes)
+    assert recall.warmup_shape(0, 0, 2048, 4, 4, 64, 8) == (4, 2048)
+    assert recall.warmup_shape(0, 10, 256, 2, 8, 64, 8)[1] == 128  # the shortest that holds the task
+
+
 def test_recall_reachability():
     """Dilated branches spanning the block reach every record in two layers, dense attention too;
     the same branches cut to a quarter of the block only the records in the last quarter."""
@@ -632,11 +644,18 @@ def test_longcontext_pipeline(tmp_path):
     for r in rows.values():
         assert r["steps"] == 3 and 0.0 <= r["final_val_answer_acc"] <= 1.0
         assert r["tokens_per_second"] > 0 and r["peak_rss_mib"] > 0
+        assert r["side_by_side_tokens_per_second"] > 0
     d = tmp_path / "lc"
     for f in ("curves.csv", "summary.csv", "summary.md", "longcontext.png"):
         assert (d / f).stat().st_size > 0, f
     assert len((d / "curves.csv").read_text().splitlines()) == 1 + 3 * 2  # header, 2 evaluations each
     assert (d / "summary.md").read_text().count("\n") == 2 + 3
+    # --variants= with --merge: no training, the table again from the saved results
+    again = longcontext.run([*args, "--variants=", "--merge=true", "--throughput_rounds=0"])
+    assert [r["attention"] for r in again["summary"]] == ["dilated", "local", "dense"]
+    assert [r["final_val_answer_acc"] for r in again["summary"]] == [
+        r["final_val_answer_acc"] for r in rows.values()
+    ]
     with pytest.raises(ValueError, match="'sparse' is not one of"):
         longcontext.run([*args, "--variants=dilated,sparse"])
     with pytest.raises(ValueError, match="trains the recall task"):

@@ -90,21 +90,7 @@ def _run_variant(argv: list[str], log_path: str, result_path: str) -> None:
         "train_seconds": out["train_seconds"],
         "backend": out["backend"],
         "tokens": cfg.gradient_accumulation_steps
-        * sum(
-            b * t
-            for b, t in (
-                recall.warmup_shape(
-                    it,
-                    cfg.recall_len_warmup,
-                    cfg.block_size,
-                    cfg.batch_size,
-                    cfg.recall_pairs,
-                    cfg.recall_queries,
-                    cfg.recall_row,
-                )
-                for it in range(out["iter_num"])
-            )
-        ),
+        * sum(b * t for b, t in (recall.step_shape(cfg, it) for it in range(out["iter_num"]))),
         "peak_rss_mib": _peak_rss_mib(),
         "start_rss_mib": start_rss,
         "peak_cuda_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
@@ -124,6 +110,18 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         "--results", default="out-longcontext", help="output folder (relative to this script)"
     )
     parser.add_argument("--plot", type=_flag, default=True, help="write longcontext.png (matplotlib)")
+    parser.add_argument(
+        "--throughput_rounds",
+        type=int,
+        default=5,
+        help="after training, time this many steps of each variant side by side (0: none)",
+    )
+    parser.add_argument(
+        "--merge",
+        type=_flag,
+        default=False,
+        help="also tabulate the variants not run now from their results in --results (a rerun of one)",
+    )
     parser.add_argument(
         "--isolate", type=_flag, default=True, help="one process per variant (its own peak memory)"
     )
@@ -164,12 +162,66 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             _run_variant(*job)
         results[name] = json.loads(result_path.read_text())
 
+    if args.merge:
+        for name in VARIANTS:
+            path = results_dir / f"{name}.json"
+            if name not in results and path.exists():
+                results[name] = json.loads(path.read_text())
+        results = {name: results[name] for name in VARIANTS if name in results}
+    if args.throughput_rounds > 0:
+        for name, tok_s in measure_throughput(cfg, results, args.throughput_rounds).items():
+            results[name]["side_by_side_tokens_per_second"] = tok_s
     rows = summarize(results, cfg)
     write_tables(results, rows, results_dir)
     if args.plot:
         plot(results, cfg, results_dir / "longcontext.png")
     print((results_dir / "summary.md").read_text())
     return {"results": results, "summary": rows, "dir": str(results_dir)}
+
+
+def measure_throughput(
+    cfg: train.TrainConfig, results: dict[str, dict[str, Any]], rounds: int = 5
+) -> dict[str, float]:
+    """Training tokens/s of each variant at full length, measured side by side: in every round one
+    forward, backward and optimizer step of each, in turn; the median over the rounds. On a busy
+    machine this compares the attentions under the same load, which runs minutes apart do not."""
+    import time
+
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(cfg.seed)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    x, y, _, _ = recall.recall_batch(
+        cfg.batch_size, cfg.block_size, cfg.recall_pairs, cfg.recall_queries, cfg.recall_row
+    )
+    models = {}
+    for name, r in results.items():
+        gpt = GPT(
+            GPTConfig(
+                block_size=cfg.block_size,
+                vocab_size=recall.VOCAB_SIZE,
+                n_layer=cfg.n_layer,
+                n_head=cfg.n_head,
+                n_embd=cfg.n_embd,
+                bias=cfg.bias,
+                attention_backend="dense" if name == "dense" else cfg.attention_backend,
+                segment_lengths=r["segment_lengths"],
+                dilation_rates=r["dilation_rates"],
+            )
+        )
+        models[name] = (gpt, torch.optim.AdamW(gpt.parameters(), lr=1e-4))
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(rounds + 1):
+        for name, (gpt, opt) in models.items():
+            t0 = time.perf_counter()
+            _, loss = gpt(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i > 0:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    return {name: x.numel() / sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def summarize(results: dict[str, dict[str, Any]], cfg: train.TrainConfig) -> list[dict[str, Any]]:
@@ -220,7 +272,9 @@ def summarize(results: dict[str, dict[str, Any]], cfg: train.TrainConfig) -> lis
                 "steps_to_90": to90["iter"] if to90 else None,
                 "seconds_to_90": to90["seconds"] if to90 else None,
                 "tokens_per_second": r["tokens"] / max(r["train_seconds"], 1e-9),
+                "side_by_side_tokens_per_second": r.get("side_by_side_tokens_per_second"),
                 "peak_rss_mib": r["peak_rss_mib"],
+                "start_rss_mib": r["start_rss_mib"],
                 "peak_cuda_mib": r["peak_cuda_mib"],
             }
         )
@@ -255,11 +309,18 @@ def write_tables(results: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
     gpu = any(r["peak_cuda_mib"] is not None for r in rows)
     lines = [
         "| attention | branches (segment, rate) | pairs per query (% of dense) | reachable | steps | "
-        "answer accuracy (best) | to 90% | tokens/s | peak memory |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "answer accuracy (best) | to 90% | tokens/s in training | tokens/s side by side | "
+        "peak memory (over the start) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        mem = f"{r['peak_cuda_mib']:.0f} MiB GPU" if gpu else f"{r['peak_rss_mib']:.0f} MiB RSS"
+        mem = (
+            f"{r['peak_cuda_mib']:.0f} MiB GPU"
+            if gpu
+            else f"{r['peak_rss_mib']:.0f} MiB RSS (+{r['peak_rss_mib'] - r['start_rss_mib']:.0f})"
+        )
+        side = r["side_by_side_tokens_per_second"]
+        side = "–" if side is None else f"{side:,.0f}"
         to90 = (
             "–" if r["steps_to_90"] is None else f"{r['steps_to_90']} steps, {fmt_time(r['seconds_to_90'])}"
         )
@@ -267,7 +328,7 @@ def write_tables(results: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
             f"| {r['attention']} | {r['branches']} | {r['pairs_per_token_per_head']:.0f} "
             f"({r['pairs_vs_dense']:.0%}) | {r['reachable']:.0%} | {r['steps']} in {fmt_time(r['train_seconds'])} | "
             f"{r['final_val_answer_acc']:.1%} ({r['best_val_answer_acc']:.1%}) | {to90} | "
-            f"{r['tokens_per_second']:,.0f} | {mem} |"
+            f"{r['tokens_per_second']:,.0f} | {side} | {mem} |"
         )
     (results_dir / "summary.md").write_text("\n".join(lines) + "\n")
 

@@ -21,6 +21,7 @@ if the attention reaches that far (``reachable_fraction``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import passkey
 import torch
@@ -102,6 +103,20 @@ def warmup_shape(
     seq_len = shortest + (block_size - shortest) * it // warmup_iters
     seq_len = min(max(seq_len // row * row, shortest), block_size)
     return max(batch_size * block_size // seq_len, 1), seq_len
+
+
+def step_shape(cfg: Any, it: int) -> tuple[int, int]:
+    """``warmup_shape`` of step ``it`` for a training config (``block_size``, ``batch_size`` and the
+    ``recall_*`` keys of ``train.TrainConfig``)."""
+    return warmup_shape(
+        it,
+        cfg.recall_len_warmup,
+        cfg.block_size,
+        cfg.batch_size,
+        cfg.recall_pairs,
+        cfg.recall_queries,
+        cfg.recall_row,
+    )
 
 
 def reachable_fraction(

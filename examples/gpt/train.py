@@ -259,17 +259,7 @@ class Batches:
         if cfg.dataset == "passkey":
             x, y, _ = passkey.passkey_batch(cfg.batch_size, cfg.block_size, cfg.passkey_digits, generator)
         elif cfg.dataset == "recall":
-            shape = (cfg.batch_size, cfg.block_size)
-            if it is not None:
-                shape = recall.warmup_shape(
-                    it,
-                    cfg.recall_len_warmup,
-                    cfg.block_size,
-                    cfg.batch_size,
-                    cfg.recall_pairs,
-                    cfg.recall_queries,
-                    cfg.recall_row,
-                )
+            shape = (cfg.batch_size, cfg.block_size) if it is None else recall.step_shape(cfg, it)
             x, y, _, _ = recall.recall_batch(
                 *shape, cfg.recall_pairs, cfg.recall_queries, cfg.recall_row, generator
             )
