@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import multiprocessing
 import resource
 import sys
@@ -334,27 +335,32 @@ def write_tables(results: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
 
 
 def plot(results: dict[str, dict[str, Any]], cfg: train.TrainConfig, path: Path) -> None:
-    """Answer accuracy (validation) against steps and against training time, one line a variant."""
+    """Answer accuracy (validation) against steps and against training time, and the answer loss
+    against steps, one line a variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name, r in results.items():
         steps = [e["iter"] for e in r["evals"]]
         minutes = [e["seconds"] / 60 for e in r["evals"]]
         acc = [e["val_answer_acc"] for e in r["evals"]]
         axes[0].plot(steps, acc, marker=".", label=name)
         axes[1].plot(minutes, acc, marker=".", label=name)
-    chance = 1 / recall.N_VALUES
-    for ax, xlabel in zip(axes, ("training steps", "training time (minutes)"), strict=True):
-        ax.axhline(chance, color="gray", lw=0.8, ls=":", label="chance")
+        axes[2].plot(steps, [e["val"] for e in r["evals"]], marker=".", label=name)
+    for ax, xlabel in zip(axes, ("training steps", "training time (minutes)", "training steps"), strict=True):
         ax.set_xlabel(xlabel)
-        ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("answer accuracy (validation)")
-    axes[1].legend(loc="lower right")
+    for ax in axes[:2]:
+        ax.axhline(1 / recall.N_VALUES, color="gray", lw=0.8, ls=":", label="chance")
+        ax.set_ylim(0, 1.02)
+        ax.set_ylabel("answer accuracy (validation)")
+    axes[2].axhline(math.log(recall.N_VALUES), color="gray", lw=0.8, ls=":", label="chance (ln 64)")
+    axes[2].set_ylabel("answer loss (validation, nats)")
+    axes[1].legend(loc="upper left")
+    axes[2].legend(loc="upper right")
     fig.suptitle(
         f"recall over {cfg.block_size:,} tokens: {cfg.recall_pairs} records, {cfg.recall_queries} queries; "
         f"{cfg.n_layer} layers, {cfg.n_embd} dims, {cfg.n_head} heads"

@@ -1,21 +1,23 @@
-"""Multi-query associative recall: a long-range task that a small model learns on a CPU.
+"""Multi-query associative recall: a long-range lookup task for the example GPT.
 
 A sequence is a table of fixed-width rows. ``n_pairs`` rows, at random places, are records
-``k v v v v v v v`` (a key, then its value repeated); the other rows are noise. At the end come
-``n_pairs`` queries ``k v``, the keys of the table in a random order, each followed by its value::
+``k v v v v v v v`` (a key, then its value repeated); the other rows are blank. At the end come
+``n_queries`` keys of the table (drawn with replacement), one token each::
 
-    row 0       row 1          row 2 ...                               queries
-    n n n n ..  k7 v3 v3 v3 ..  n n n n ..  ...  k2 v9 v9 v9 ..  ...  | k2 v9 k7 v3 ...
+    row 0      row 1              row 2 ...                                   queries
+    _ _ _ _ .. k7 v3 v3 v3 v3 ..  _ _ _ _ ..  ...  k2 v9 v9 v9 v9 ..  ...  | k2 k7 k7 k2 ...
 
-Only the values of the queries are targets (the loss and the accuracy are on them): nothing
-before a query predicts its value but the record with the same key, anywhere in the sequence.
+The target of each query is its key's value (not the next input: the values never appear after
+the table, so a query cannot copy an earlier answer); only these targets count in the loss and
+the accuracy. Nothing before a query tells its value but the record with the same key, anywhere
+in the sequence.
 
-Tokens: keys ``[0, n_keys)``, values ``[n_keys, n_keys + n_values)``, noise above; the
-vocabulary is ``n_keys + n_values + n_noise``. The rows are as wide as the shortest segment of
-the branches the example uses, so that one layer of its local branch gathers each record's key
-and value into every position of the row, and the value is repeated so that the row has every
-phase of the dilated branches: a second layer reads the record from the query wherever it is,
-if the attention reaches that far (``reachable_fraction``).
+Tokens: keys ``[0, N_KEYS)``, values ``[N_KEYS, N_KEYS + N_VALUES)``, then the blank. The rows
+are as wide as the shortest segment of the branches the example uses, so that one layer of that
+branch can gather a record's key into its value positions, and the value is repeated so that the
+row has every phase of the dilated branches (rows wider than the largest rate): a second layer
+can then read the record from any query, if the attention reaches that far
+(``reachable_fraction``).
 """
 
 from __future__ import annotations
