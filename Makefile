@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.14.1
 # The tested range of the optional extra `transformers` (pyproject.toml), so that its tests run.
 TRANSFORMERS_SPEC ?= transformers>=5.23,<5.24
 
-.PHONY: help deps install lint typecheck format test test-slow train bench cuda-check gpu-check dist dist-check clean
+.PHONY: help deps install lint typecheck format test test-slow train longcontext bench cuda-check gpu-check dist dist-check clean
 
 help:
 	@echo "make install     build and install the package (editable) into the current Python"
@@ -14,6 +14,7 @@ help:
 	@echo "make format      format the Python and C/C++/CUDA sources in place"
 	@echo "make test        run the test suite"
 	@echo "make train       train the example GPT on the bundled corpus, then sample from it"
+	@echo "make longcontext  train the recall task with dilated, local and dense attention; table and plot"
 	@echo "make bench       CPU benchmark of every backend against the alternatives"
 	@echo "make cuda-check  compile the CUDA kernels, and check they assemble for sm_60/61 (no GPU needed)"
 	@echo "make gpu-check   verify the CUDA kernels on this machine's GPU (scripts/gpu_check.sh)"
@@ -60,6 +61,10 @@ test-slow:
 train:
 	$(PYTHON) examples/gpt/train.py examples/gpt/config/train_stdlib.py
 	$(PYTHON) examples/gpt/sample.py --start="def " --num_samples=1 --max_new_tokens=500
+
+# Three 10-minute trainings on a CPU; results in examples/gpt/out-longcontext/.
+longcontext:
+	$(PYTHON) examples/gpt/longcontext.py examples/gpt/config/recall.py
 
 bench:
 	$(PYTHON) benchmarks/bench.py

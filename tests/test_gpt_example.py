@@ -21,8 +21,10 @@ GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
 
 import configurator
+import longcontext
 import passkey
 import prepare
+import recall
 import sample
 import train
 from model import DILATED_BACKENDS, GPT, GPTConfig, attention_pairs
@@ -396,6 +398,65 @@ def test_passkey_receptive_field():
     assert short < 0.5 and full == 1.0 and dense == 1.0
 
 
+def test_recall_batch():
+    """Records are whole rows (a key, then its value), queries ask for keys of the table, the
+    targets are the values and appear nowhere after the table."""
+    B, T, P, Q, row = 3, 256, 6, 20, 4
+    x, y, rec, qpos = recall.recall_batch(B, T, P, Q, row, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (B, T) and rec.shape == qpos.shape == (B, Q)
+    assert ((x >= 0) & (x < recall.VOCAB_SIZE)).all()
+    for b in range(B):
+        assert (y[b] >= 0).sum() == Q and torch.equal(qpos[b], torch.arange(T - Q, T))
+        assert (rec[b] % row == 0).all() and (rec[b] < T - Q).all()
+        keys = x[b, rec[b]]
+        assert torch.equal(keys, x[b, qpos[b]]) and (keys < recall.N_KEYS).all()
+        for j in range(1, row):  # the record's value fills the rest of its row and is the target
+            assert torch.equal(x[b, rec[b] + j], y[b, qpos[b]])
+        table = x[b, : T - Q]
+        is_key = table < recall.N_KEYS
+        assert is_key.sum() == P and len(set(table[is_key].tolist())) == P  # distinct keys
+        assert ((table == recall.BLANK) | is_key | (table < recall.N_KEYS + recall.N_VALUES)).all()
+        assert (x[b, T - Q :] < recall.N_KEYS).all()  # the answers are never inputs
+    perfect = torch.nn.functional.one_hot(y.clamp(min=0), recall.VOCAB_SIZE).float()
+    assert recall.answer_accuracy(perfect, y) == 1.0
+    assert recall.answer_accuracy(torch.zeros_like(perfect), y) == 0.0  # argmax 0 is a key
+    a = recall.recall_batch(2, 128, 4, 8, 8, torch.Generator().manual_seed(5))
+    b = recall.recall_batch(2, 128, 4, 8, 8, torch.Generator().manual_seed(5))
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    with pytest.raises(ValueError, match="seq_len 40 is too short"):
+        recall.recall_batch(1, 40, 6, 8, 8)
+    with pytest.raises(ValueError, match="n_pairs must be <="):
+        recall.recall_batch(1, 4096, recall.N_KEYS + 1, 8, 8)
+    with pytest.raises(ValueError, match="row must be >= 2"):
+        recall.recall_batch(1, 256, 4, 8, 1)
+
+
+def test_recall_sequence_length_warmup():
+    """Training sequences grow from an eighth of the block to the block, whole rows, at about
+    the tokens of a full batch; no warmup means full length."""
+    shapes = [recall.warmup_shape(it, 100, 2048, 4, 4, 64, 8) for it in range(0, 120, 10)]
+    assert shapes[0] == (32, 256) and shapes[-2:] == [(4, 2048), (4, 2048)]
+    lengths = [t for _, t in shapes]
+    assert lengths == sorted(lengths) and all(t % 8 == 0 for t in lengths)
+    assert all(0.75 * 4 * 2048 <= b * t <= 4 * 2048 for b, t in shapes)
+    assert recall.warmup_shape(0, 0, 2048, 4, 4, 64, 8) == (4, 2048)
+    assert recall.warmup_shape(0, 10, 256, 2, 8, 64, 8)[1] == 128  # the shortest that holds the task
+
+
+def test_recall_reachability():
+    """Dilated branches spanning the block reach every record in two layers, dense attention too;
+    the same branches cut to a quarter of the block only the records in the last quarter."""
+    T, H, row = 512, 4, 8
+    args = {"n_pairs": 8, "n_queries": 32, "row": row, "samples": 16}
+    full = recall.reachable_fraction(T, 2, H, (row, 16, T), (1, 2, 4), **args)
+    local = recall.reachable_fraction(T, 2, H, (row, 16, T // 4), (1, 2, 2), **args)
+    one_layer = recall.reachable_fraction(T, 1, H, (row, 16, T), (1, 2, 4), **args)
+    dense = recall.reachable_fraction(T, 1, H, (1,), (1,), dense=True, **args)
+    assert full == 1.0 and dense == 1.0
+    assert 0.05 < local < 0.5, local
+    assert one_layer < 0.5, one_layer  # the query's phase reads only a part of each row
+
+
 # ---------------------------------------------------------------------------------------------
 # Training, checkpoints, sampling
 # ---------------------------------------------------------------------------------------------
@@ -499,6 +560,94 @@ def test_passkey_training_runs(tmp_path):
     ev = out["evals"][-1]
     assert 0.0 <= ev["val_digit_acc"] <= 1.0 and 0.0 <= ev["val_key_acc"] <= 1.0
     assert math.isfinite(ev["val"])
+
+
+def test_recall_training_runs(tmp_path):
+    out = train.main(
+        tiny_train_args(
+            tmp_path,
+            tmp_path,
+            dataset="recall",
+            block_size=128,
+            recall_pairs=4,
+            recall_queries=16,
+            recall_row=4,
+            segment_lengths="4,16,128",
+            dilation_rates="1,2,4",
+            max_iters=4,
+            eval_interval=2,
+            eval_iters=2,
+        ),
+        log=lambda *_: None,
+    )
+    assert [e["iter"] for e in out["evals"]] == [0, 2, 4]
+    assert all(0.0 <= e["val_answer_acc"] <= 1.0 and math.isfinite(e["val"]) for e in out["evals"])
+    secs = [e["seconds"] for e in out["evals"]]
+    assert secs[0] == 0.0 and secs == sorted(secs) and secs[-1] == out["train_seconds"] > 0
+    with pytest.raises(ValueError, match="too short for 4 recall records"):
+        train.main(
+            tiny_train_args(tmp_path, tmp_path, dataset="recall", block_size=32, recall_pairs=4),
+            log=lambda *_: None,
+        )
+
+
+def test_max_minutes_stops_training(data_dir, tmp_path):
+    """A wall-time budget ends the run early, with a last evaluation."""
+    out = train.main(
+        tiny_train_args(data_dir, tmp_path, max_iters=10_000, eval_interval=10_000, max_minutes=0.002),
+        log=lambda *_: None,
+    )
+    assert 1 <= out["iter_num"] < 10_000 and out["train_seconds"] >= 0.12
+    assert [e["iter"] for e in out["evals"]] == [0, out["iter_num"]]
+
+
+def test_longcontext_pipeline(tmp_path):
+    """The three attentions train a few steps each; the table, curves and plot are written."""
+    args = [
+        str(GPT_DIR / "config" / "recall.py"),
+        f"--results={tmp_path / 'lc'}",
+        "--isolate=false",
+        "--block_size=256",
+        "--recall_pairs=4",
+        "--recall_queries=16",
+        "--recall_row=8",
+        "--batch_size=2",
+        "--n_embd=32",
+        "--max_iters=3",
+        "--eval_interval=3",
+        "--eval_iters=1",
+        "--max_minutes=5",
+    ]
+    out = longcontext.run(args)
+    rows = {r["attention"]: r for r in out["summary"]}
+    assert list(rows) == ["dilated", "local", "dense"]
+    assert rows["dilated"]["branches"] == "(8,1) (8,2) (256,4)"
+    assert rows["local"]["branches"] == "(8,1) (8,2) (64,2)"
+    assert rows["dilated"]["reachable"] == rows["dense"]["reachable"] == 1.0
+    assert rows["local"]["reachable"] < 0.6
+    assert (
+        abs(rows["local"]["pairs_per_token_per_head"] / rows["dilated"]["pairs_per_token_per_head"] - 1) < 0.1
+    )
+    assert rows["dense"]["pairs_vs_dense"] == 1.0 and rows["dilated"]["pairs_vs_dense"] < 0.5
+    for r in rows.values():
+        assert r["steps"] == 3 and 0.0 <= r["final_val_answer_acc"] <= 1.0
+        assert r["tokens_per_second"] > 0 and r["peak_rss_mib"] > 0
+        assert r["side_by_side_tokens_per_second"] > 0
+    d = tmp_path / "lc"
+    for f in ("curves.csv", "summary.csv", "summary.md", "longcontext.png"):
+        assert (d / f).stat().st_size > 0, f
+    assert len((d / "curves.csv").read_text().splitlines()) == 1 + 3 * 2  # header, 2 evaluations each
+    assert (d / "summary.md").read_text().count("\n") == 2 + 3
+    # --variants= with --merge: no training, the table again from the saved results
+    again = longcontext.run([*args, "--variants=", "--merge=true", "--throughput_rounds=0"])
+    assert [r["attention"] for r in again["summary"]] == ["dilated", "local", "dense"]
+    assert [r["final_val_answer_acc"] for r in again["summary"]] == [
+        r["final_val_answer_acc"] for r in rows.values()
+    ]
+    with pytest.raises(ValueError, match="'sparse' is not one of"):
+        longcontext.run([*args, "--variants=dilated,sparse"])
+    with pytest.raises(ValueError, match="trains the recall task"):
+        longcontext.run([*args, "--dataset=passkey"])
 
 
 def test_auto_dtype_on_cpu():

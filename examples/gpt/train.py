@@ -40,6 +40,7 @@ if str(HERE) not in sys.path:
 
 import configurator
 import passkey
+import recall
 from model import ATTENTION_BACKENDS, GPT, GPTConfig
 from prepare import load_meta, prepare_stdlib, token_dtype
 
@@ -62,9 +63,15 @@ class TrainConfig:
     always_save_checkpoint: bool = False
     init_from: str = "scratch"  # "scratch" or "resume" (from out_dir/ckpt.pt)
     # data
-    dataset: str = "stdlib"  # "stdlib", "passkey", or a directory of data_dir with train.bin/val.bin
+    dataset: str = (
+        "stdlib"  # "stdlib", "passkey", "recall", or a directory of data_dir with train.bin/val.bin
+    )
     max_bytes: int = 0  # stdlib: cap on the corpus size (0 = all of it)
     passkey_digits: int = 5
+    recall_pairs: int = 16  # recall: key-value records in the table
+    recall_queries: int = 64  # recall: queries at the end (the answers: loss and accuracy)
+    recall_row: int = 8  # recall: tokens per row of the table
+    recall_len_warmup: int = 0  # recall: steps over which training sequences grow to block_size
     gradient_accumulation_steps: int = 1
     batch_size: int = 8
     block_size: int = 256
@@ -98,6 +105,7 @@ class TrainConfig:
     ddp_backend: str = "auto"  # "auto" (nccl on GPU, gloo on CPU), "nccl", "gloo"
     seed: int = 1337
     num_threads: int = 0  # torch.set_num_threads (0 = leave as is)
+    max_minutes: float = 0.0  # stop (after a last evaluation) when training took this long; 0 = no limit
     peak_flops: float = 0.0  # per device, for the MFU; 0 = from a table of GPUs, else measured
 
     def validate(self) -> None:
@@ -114,11 +122,21 @@ class TrainConfig:
             "batch_size",
             "block_size",
             "passkey_digits",
+            "recall_pairs",
+            "recall_queries",
+            "recall_row",
         )
-        for n in ("max_iters", "warmup_iters", "lr_decay_iters", "max_bytes", "num_threads"):
+        for n in (
+            "max_iters",
+            "warmup_iters",
+            "lr_decay_iters",
+            "max_bytes",
+            "num_threads",
+            "recall_len_warmup",
+        ):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
-        for n in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops"):
+        for n in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops", "max_minutes"):
             if not math.isfinite(getattr(self, n)) or getattr(self, n) < 0:
                 raise ValueError(f"{n} must be a finite number >= 0, got {getattr(self, n)}")
         if self.init_from not in ("scratch", "resume"):
@@ -138,6 +156,8 @@ class TrainConfig:
                 f"block_size {self.block_size} is too short for the passkey task "
                 f"(at least {passkey.min_seq_len(self.passkey_digits)})"
             )
+        if self.dataset == "recall":
+            recall.check_shape(self.block_size, self.recall_pairs, self.recall_queries, self.recall_row)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,6 +250,9 @@ class Batches:
         if cfg.dataset == "passkey":
             self.vocab_size, self.tokenizer, self.files = 256, "bytes", {}
             return
+        if cfg.dataset == "recall":
+            self.vocab_size, self.tokenizer, self.files = recall.VOCAB_SIZE, "recall", {}
+            return
         meta = load_meta(data_dir)
         self.vocab_size, self.tokenizer = int(meta["vocab_size"]), meta.get("tokenizer", "bytes")
         self.np_dtype = np.dtype(meta.get("dtype", token_dtype(self.vocab_size).name))
@@ -252,11 +275,18 @@ class Batches:
                 )
 
     def get(
-        self, split: str, generator: torch.Generator
+        self, split: str, generator: torch.Generator, it: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A batch ``(x, y, doc_starts)``; ``it`` (the training step) shortens recall sequences under
+        ``recall_len_warmup``."""
         cfg = self.cfg
         if cfg.dataset == "passkey":
             x, y, _ = passkey.passkey_batch(cfg.batch_size, cfg.block_size, cfg.passkey_digits, generator)
+        elif cfg.dataset == "recall":
+            shape = (cfg.batch_size, cfg.block_size) if it is None else recall.step_shape(cfg, it)
+            x, y, _, _ = recall.recall_batch(
+                *shape, cfg.recall_pairs, cfg.recall_queries, cfg.recall_row, generator
+            )
         else:
             # A new memmap every batch: numpy's memmap otherwise keeps growing resident memory.
             data = np.memmap(self.files[split], dtype=self.np_dtype, mode="r")
@@ -361,12 +391,12 @@ def check_same_attention(config: dict[str, Any], saved: dict[str, Any]) -> None:
 @torch.no_grad()
 def estimate_loss(model: torch.nn.Module, batches: Batches, cfg: TrainConfig, ctx: Any) -> dict[str, float]:
     """Mean loss of ``eval_iters`` batches of each split (the same batches at every evaluation);
-    for the passkey task also the accuracy on the key's digits."""
+    for the passkey task also the accuracy on the key's digits, for recall on the answers."""
     out: dict[str, float] = {}
     model.eval()
     for s, split in enumerate(("train", "val")):
         gen = torch.Generator().manual_seed(cfg.seed + 1000 + s)
-        losses, digit, key = [], [], []
+        losses, digit, key, answer = [], [], [], []
         for _ in range(cfg.eval_iters):
             x, y, doc_starts = batches.get(split, gen)
             with ctx:
@@ -376,10 +406,14 @@ def estimate_loss(model: torch.nn.Module, batches: Batches, cfg: TrainConfig, ct
                 d, k = passkey.answer_accuracy(logits.float(), y)
                 digit.append(d)
                 key.append(k)
+            elif cfg.dataset == "recall":
+                answer.append(recall.answer_accuracy(logits, y))
         out[split] = float(np.mean(losses))
         if digit:
             out[f"{split}_digit_acc"] = float(np.mean(digit))
             out[f"{split}_key_acc"] = float(np.mean(key))
+        if answer:
+            out[f"{split}_answer_acc"] = float(np.mean(answer))
     model.train()
     return out
 
@@ -566,6 +600,22 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         os.replace(tmp, ckpt_path)
         log(f"saved checkpoint to {ckpt_path}")
 
+    if cfg.dataset == "recall" and master and cfg.block_size <= 8192:
+        frac = recall.reachable_fraction(
+            cfg.block_size,
+            cfg.n_layer,
+            cfg.n_head,
+            gptconf.segment_lengths,
+            gptconf.dilation_rates,
+            dense=cfg.attention_backend == "dense",
+            n_pairs=cfg.recall_pairs,
+            n_queries=cfg.recall_queries,
+            row=cfg.recall_row,
+        )
+        log(
+            f"recall: {frac:.0%} of the queries can read their record with this attention and {cfg.n_layer} layers"
+        )
+
     summary: dict[str, Any] = {
         "losses": [],
         "evals": [],
@@ -578,28 +628,29 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
     t0 = time.time()
     local_iter, tok_s = 0, 0.0
     window_time, window_iters = 0.0, 0  # the iterations since the last progress line
+    train_seconds, out_of_time = 0.0, False  # time in training steps, evaluations excluded
     while True:
         lr = get_lr(iter_num, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters) and master:
+        if (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or out_of_time) and master:
             losses = estimate_loss(model, batches, cfg, ctx)
             extra = "".join(f" | {k} {v:.3f}" for k, v in losses.items() if k.endswith("acc"))
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{extra}")
-            summary["evals"].append({"iter": iter_num, **losses})
+            summary["evals"].append({"iter": iter_num, "seconds": train_seconds, **losses})
             if losses["val"] < best_val_loss or cfg.always_save_checkpoint:
                 best_val_loss = min(best_val_loss, losses["val"])
                 if iter_num > 0:
                     save_checkpoint()
             t0 = time.time()  # the evaluation does not count in the next iteration's time
-        if cfg.eval_only or iter_num >= cfg.max_iters:
+        if cfg.eval_only or iter_num >= cfg.max_iters or out_of_time:
             break
 
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
             if ddp:  # synchronise gradients only at the last micro step
                 model.require_backward_grad_sync = micro == grad_accum - 1
-            x, y, doc_starts = batches.get("train", data_gen)
+            x, y, doc_starts = batches.get("train", data_gen, iter_num)
             with ctx:
                 _, loss = model(x, y, doc_starts=doc_starts)
                 loss = loss / grad_accum
@@ -616,6 +667,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         dt, t0 = t1 - t0, t1
         if local_iter >= 2:  # the first iterations (allocation, compilation) are not timed
             window_time, window_iters = window_time + dt, window_iters + 1
+        train_seconds += dt
         if iter_num % cfg.log_interval == 0 and master:
             lossf = loss_sum.item()
             summary["losses"].append((iter_num, lossf))
@@ -629,8 +681,18 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
             log(f"iter {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | {timing} | attn {backend_name}")
         iter_num += 1
         local_iter += 1
+        out_of_time = cfg.max_minutes > 0 and train_seconds >= 60 * cfg.max_minutes
+        if ddp and cfg.max_minutes > 0:  # every process stops at the same step, as the master says
+            flag = torch.tensor([float(out_of_time)], device=device)
+            dist.broadcast(flag, 0)
+            out_of_time = bool(flag.item())
 
-    summary.update(iter_num=iter_num, best_val_loss=best_val_loss, seconds=time.time() - t_start)
+    summary.update(
+        iter_num=iter_num,
+        best_val_loss=best_val_loss,
+        seconds=time.time() - t_start,
+        train_seconds=train_seconds,
+    )
     if ddp:
         dist.destroy_process_group()
     return summary
