@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import torch
 
@@ -141,6 +142,60 @@ def _as_lengths(value: object, B: int, device: torch.device, name: str) -> torch
     return torch.full((B,), n, dtype=torch.int64, device=device)
 
 
+@overload
+def dilated_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: int | torch.Tensor,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    k: torch.Tensor | None = ...,
+    v: torch.Tensor | None = ...,
+    cache_leftpad: torch.Tensor | None = ...,
+    softmax_scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def dilated_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: int | torch.Tensor,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    k: torch.Tensor | None = ...,
+    v: torch.Tensor | None = ...,
+    cache_leftpad: torch.Tensor | None = ...,
+    softmax_scale: float | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def dilated_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: int | torch.Tensor,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    k: torch.Tensor | None = ...,
+    v: torch.Tensor | None = ...,
+    cache_leftpad: torch.Tensor | None = ...,
+    softmax_scale: float | None = ...,
+    return_lse: bool = ...,
+    backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def dilated_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -237,6 +292,7 @@ def dilated_attention_decode(
         raise ValueError(f"cache_leftpad must be in [0, {Ncap}], got {leftpad.tolist()}")
 
     if k is not None and hi == m and cache_leftpad is None:
+        assert v is not None  # given together with k, checked above
         # A prefill: the whole causal forward of the new tokens, by the backend asked for.
         k_cache[:, :m] = k
         v_cache[:, :m] = v
@@ -245,6 +301,7 @@ def dilated_attention_decode(
         )
 
     if k is not None:
+        assert v is not None  # given together with k, checked above
         new = seqlens[:, None] + torch.arange(m, device=q.device)  # (B, m)
         b = torch.arange(B, device=q.device)[:, None]
         k_cache[b, new] = k

@@ -177,6 +177,60 @@ def _advise(q: torch.Tensor, segment_lengths: list[int], dilation_rates: list[in
         )
 
 
+@overload
+def dilated_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def dilated_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def dilated_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: bool = ...,
+    backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def dilated_attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,6 +284,66 @@ def dilated_attention_varlen(
         return_lse=return_lse,
         backend=backend,
     )
+
+
+@overload
+def _attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+    selector: BackendSelector | None = ...,
+    lengths: Sequence[int] | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def _attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+    selector: BackendSelector | None = ...,
+    lengths: Sequence[int] | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def _attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = ...,
+    softmax_scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: bool = ...,
+    backend: str = ...,
+    selector: BackendSelector | None = ...,
+    lengths: Sequence[int] | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _attention_varlen(

@@ -137,7 +137,12 @@ def padded_attention(
     """
     starts, ends = _runs(mask)
     N = q.shape[1]
-    kw = {"is_causal": is_causal, "softmax_scale": softmax_scale, "dropout_p": dropout_p, "backend": backend}
+    kw: dict[str, Any] = {
+        "is_causal": is_causal,
+        "softmax_scale": softmax_scale,
+        "dropout_p": dropout_p,
+        "backend": backend,
+    }
     if is_causal and not bool(starts.any()):
         out = dilated_attention(q, k, v, segment_lengths, dilation_rates, **kw)
         return out * mask[:, :, None, None]
@@ -192,7 +197,12 @@ def dilated_attention_forward(
     k = key.transpose(1, 2)[:, :used]  # (B, used, Hkv, D)
     v = value.transpose(1, 2)[:, :used]
     if q_len == used:  # whole sequences: training, a forward, or the prefill of generate()
-        kw = {"is_causal": causal, "softmax_scale": scaling, "dropout_p": dropout, "backend": backend}
+        kw: dict[str, Any] = {
+            "is_causal": causal,
+            "softmax_scale": scaling,
+            "dropout_p": dropout,
+            "backend": backend,
+        }
         if mask is None:
             return dilated_attention(q, k, v, segs, rates, **kw), None
         return padded_attention(q, k, v, mask, segs, rates, **kw), None
@@ -243,6 +253,7 @@ def dilated_attention_mask(
             return None
         return torch.ones(batch_size, used, dtype=torch.bool, device=device)
     padding = prepare_padding_mask(attention_mask.to(device=device, dtype=torch.bool), kv_length, 0)
+    assert padding is not None  # None only for a None mask
     padding = padding[:, :used]
     if padding.shape[1] != used:
         raise ValueError(f"the attention mask covers {padding.shape[1]} positions, the model {used}")

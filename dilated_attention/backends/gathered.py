@@ -135,11 +135,13 @@ class _NonFinite:
 
     def __init__(self, q, k, v, is_causal: bool, poison_scores: bool):
         self.is_causal = is_causal
-        self.v_kernel, self.v_bad = v, None
+        self.v_kernel: torch.Tensor = v
+        self.v_bad: torch.Tensor | None = None
         if is_causal:
             self.v_kernel = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
             self.v_bad = v - self.v_kernel  # 0 where finite, else the inf or NaN itself
-        self.zq = self.zk = None
+        self.zq: torch.Tensor | None = None
+        self.zk: torch.Tensor | None = None
         if poison_scores:
             self.zq = q.sum(-1, keepdim=True) * 0  # (B, N, Hq, 1): NaN for a non-finite row, else 0
             self.zk = k.sum(-1, keepdim=True) * 0
@@ -159,6 +161,7 @@ class _NonFinite:
         if self.v_bad is not None:
             og = og + self._reads(self._heads(_gather(self.v_bad, hg.kv_heads, it.pos), h)).to(og.dtype)
         if self.zq is not None:
+            assert self.zk is not None  # set together with zq
             z = _gather(self.zq, hg.q_heads, it.pos) + self._reads(
                 self._heads(_gather(self.zk, hg.kv_heads, it.pos), h)
             )  # (Bb, m, h, 1)

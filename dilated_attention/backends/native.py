@@ -36,6 +36,7 @@ def _warn_if_simt(q: torch.Tensor) -> None:
     simt = _SIMT[key] = hardware.uses_simt_kernels(q.device, q.dtype, key[2])
     if simt:
         cap = hardware.compute_capability(q.device)
+        assert cap is not None  # uses_simt_kernels is False without a CUDA device
         why = f"the GPU is sm_{cap[0]}{cap[1]}" if cap < (8, 0) else f"the head dim is {key[2]}"
         warnings.warn(
             f"dilated_attention: native runs {str(q.dtype).replace('torch.', '')} inputs of head dim {key[2]} "

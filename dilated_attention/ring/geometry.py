@@ -304,10 +304,10 @@ class Plan:
             nh, nkv = len(heads), len(kv_heads)
             grouped = nh % nkv == 0 and kv_select == [i // (nh // nkv) for i in range(nh)]
             with torch.inference_mode(False):  # kept for later calls, which may be training ones
-                self._heads[key] = HeadSets(
-                    *(torch.tensor(x, dtype=torch.long, device=device) for x in (heads, kv_heads, kv_select)),
-                    grouped,
+                heads_t, kv_heads_t, kv_select_t = (
+                    torch.tensor(x, dtype=torch.long, device=device) for x in (heads, kv_heads, kv_select)
                 )
+                self._heads[key] = HeadSets(heads_t, kv_heads_t, kv_select_t, grouped)
         return self._heads[key]
 
     def num_kv_heads(self, r: int, o: int) -> int:

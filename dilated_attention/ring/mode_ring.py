@@ -85,6 +85,7 @@ def forward(job: SpanJob, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     for piece, blk, (kb, vb) in _own_blocks(job, k, v):
         job.attend(q, piece, (blk,), kb, vb)
     for n in range(len(steps)):
+        assert pending is not None  # posted for every step
         blocks = _receive_kv(job, pending, k)
         pending = _post_kv(job, k, v, steps[n + 1], "forward") if n + 1 < len(steps) else None
         for key, (kb, vb) in blocks.items():
@@ -104,15 +105,18 @@ def backward(
         job.add_key_grads(piece, blk, *job.attend_backward(q, piece, (blk,), kb, vb))
     grad_pending: Pending | None = None
     for n, d in enumerate(steps):
+        assert pending is not None  # posted for every step
         blocks = _receive_kv(job, pending, k)
         pending = _post_kv(job, k, v, steps[n + 1], "backward") if n + 1 < len(steps) else None
         back: dict[int, list[torch.Tensor]] = {}  # per owner, in message order
         for key, (kb, vb) in blocks.items():
             blk = key[-1]
-            gk = gv = None
+            gk: torch.Tensor | None = None
+            gv: torch.Tensor | None = None
             for piece in job.plan.readers[key]:  # summed over the pieces that read the block
                 g = job.attend_backward(q, piece, (blk,), kb, vb)
-                gk, gv = (g[0], g[1]) if gk is None else (gk + g[0], gv + g[1])
+                gk, gv = (g[0], g[1]) if gk is None or gv is None else (gk + g[0], gv + g[1])
+            assert gk is not None and gv is not None  # a block is received only when a piece reads it
             back.setdefault(blk.src, []).extend([gk.reshape(-1), gv.reshape(-1)])
         sends, recvs = batch_items(job.plan, "grad", d)
         data = {p: as_bytes(torch.cat(back[p])) for p in sends}

@@ -25,6 +25,7 @@ from ..backends import BackendSelector, check_backend_name
 from ..flops import accumulation_dtype
 from ..functional import _attention
 from ..merge import merge
+from ..modules import MultiheadDilatedAttention
 from . import mode_all_gather, mode_ring
 from .consistency import ConsistencyCheck, fingerprint
 from .geometry import LAYOUTS, Plan, make_layout
@@ -124,6 +125,13 @@ class RingDilatedAttention(nn.Module):
             5) or ``"zigzag"`` (rank ``j`` holds chunks ``j`` and ``2P-1-j`` of ``2P``, which
             balances causal work; shard with ``shard_sequence(x, layout="zigzag")``).
     """
+
+    attention_backend: str
+    check_consistency: bool
+    ring_size: int | None
+    layout: str
+    _selector: BackendSelector
+    _check: ConsistencyCheck
 
     def __init__(
         self,
@@ -390,16 +398,11 @@ class StandardizedRingConfig:
 
     @property
     def head_dim(self) -> int:
+        assert self.embed_dim is not None and self.num_heads is not None  # set by __post_init__
         return self.embed_dim // self.num_heads
 
 
-def _multihead_base() -> type:
-    from ..modules import MultiheadDilatedAttention
-
-    return MultiheadDilatedAttention
-
-
-class RingMultiheadDilatedAttention(_multihead_base()):
+class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     """:class:`dilated_attention.MultiheadDilatedAttention` whose attention is a
     :class:`RingDilatedAttention`: each rank passes its chunk (B, N/P, E) of the sequence and gets
     its chunk of the output. The projections and the sub-layer LayerNorm act per position, so
@@ -414,6 +417,10 @@ class RingMultiheadDilatedAttention(_multihead_base()):
 
     ``forward(query, key=None, value=None, is_causal=False) -> (out, None)``.
     """
+
+    # The ring module takes the place of the base class's DilatedAttention (same attributes and
+    # forward(q, k, v, is_causal); no key_padding_mask, which the base's forward checks for).
+    attention: RingDilatedAttention  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -483,7 +490,7 @@ class RingMultiheadDilatedAttention(_multihead_base()):
         """Build the module of a :class:`StandardizedRingConfig` (``kwargs`` add or override arguments)."""
         if not isinstance(config, StandardizedRingConfig):
             raise TypeError(f"config must be a StandardizedRingConfig, got {type(config).__name__}")
-        args = {
+        args: dict[str, Any] = {
             "embed_dim": config.embed_dim,
             "num_heads": config.num_heads,
             "segment_lengths": config.segment_lengths,

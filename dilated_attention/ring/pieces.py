@@ -19,7 +19,7 @@ q (B, nq, nh, D) over k, v (B, nk, nkv, D), where query head ``i`` reads key/val
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,14 +49,20 @@ class PieceAttention:
             if isinstance(backend, GatheredBackend) and backend.merged_backward(device, 0.0):
                 self.fallback = backend
             else:
-                self.fallback = get_backend("sdpa")
-        self.name = "native" if self.native else self.fallback.name
+                self.fallback = cast(GatheredBackend, get_backend("sdpa"))  # SdpaBackend
+        self.name = "native" if self.native else self._kernel.name
         logger.info("ring pieces on %s (%s)", device, self.name)
+
+    @property
+    def _kernel(self) -> GatheredBackend:
+        """The gather-based backend; only used when not ``native``."""
+        assert self.fallback is not None  # set whenever not native
+        return self.fallback
 
     # -- key/value heads -------------------------------------------------------------------
     def _heads_kv(self, k: torch.Tensor, hs: HeadSets, device: torch.device) -> tuple[torch.Tensor, bool]:
         """k as the kernel reads it, and whether its heads were expanded to one per query head."""
-        grouped = hs.grouped and (self.native or self.fallback.native_gqa(device))
+        grouped = hs.grouped and (self.native or self._kernel.native_gqa(device))
         if grouped:
             return k, False
         return k.index_select(2, hs.kv_select), True
@@ -83,21 +89,25 @@ class PieceAttention:
         nq, nk = q.shape[1], k.shape[1]
         causal = _mask_needed(offset, nk)
         if self.native:
-            out, lse = _ops.piece_forward(q, ke, ve, causal, offset if causal else 0, scale)
+            out, lse = _ops.piece_forward(
+                q, ke, ve, causal, offset if causal and offset is not None else 0, scale
+            )
             return out, lse, None
         parts = self._parts(nq, nk, causal, offset)
-        out_acc = lse_acc = None
+        out_acc: torch.Tensor | None = None
+        lse_acc: torch.Tensor | None = None
         aux = []
         for lo, hi, part_causal in parts:
-            o, lse, extra = self.fallback.attn_forward(
+            o, lse, extra = self._kernel.attn_forward(
                 q, ke[:, lo:hi], ve[:, lo:hi], is_causal=part_causal, scale=scale
             )
             aux.append((lse.shape[-1], extra))
             lse = lse[..., :nq]
-            if out_acc is None:
+            if out_acc is None or lse_acc is None:
                 out_acc, lse_acc = o.to(lse.dtype), lse
             else:
                 lse_acc = merge_into_(out_acc, lse_acc, o, lse)
+        assert out_acc is not None and lse_acc is not None  # there is at least one part
         return out_acc.to(q.dtype), lse_acc, aux
 
     @staticmethod
@@ -144,11 +154,11 @@ class PieceAttention:
                 lse,
                 dlse,
                 causal,
-                offset if causal else 0,
+                offset if causal and offset is not None else 0,
                 scale,
             )
         else:
-            dq = None
+            dq_acc: torch.Tensor | None = None
             dks, dvs = [], []
             for (lo, hi, part_causal), (lse_len, extra) in zip(
                 self._parts(nq, nk, causal, offset), aux, strict=True
@@ -158,7 +168,7 @@ class PieceAttention:
                     lse_p = lse.new_zeros((*lse.shape[:-1], lse_len))
                     lse_p[..., :nq] = lse
                 g = kernel_backward(
-                    self.fallback,
+                    self._kernel,
                     dout,
                     dlse,
                     q,
@@ -170,9 +180,11 @@ class PieceAttention:
                     is_causal=part_causal,
                     scale=scale,
                 )
-                dq = g[0] if dq is None else dq.to(lse.dtype) + g[0].to(lse.dtype)
+                dq_acc = g[0] if dq_acc is None else dq_acc.to(lse.dtype) + g[0].to(lse.dtype)
                 dks.append(g[1])
                 dvs.append(g[2])
+            assert dq_acc is not None  # there is at least one part
+            dq = dq_acc
             dk, dv = torch.cat(dks, dim=1), torch.cat(dvs, dim=1)
         if expanded:
             dk, dv = self._fold(dk, hs, k.shape[2]), self._fold(dv, hs, v.shape[2])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -99,12 +100,14 @@ def resolve_group(
             "it was given (dist.new_group returned NON_GROUP_MEMBER here); call forward only on the "
             "group's members"
         )
-    rank = dist.get_rank(process_group)
+    # The one int a group argument can be is NON_GROUP_MEMBER, refused above.
+    group = cast(dist.ProcessGroup, process_group)
+    rank = dist.get_rank(group)
     if rank < 0:
         raise RuntimeError(
             f"{who}: this process (global rank {dist.get_rank()}) is not a member of the process_group given"
         )
-    return process_group, dist.get_world_size(process_group), rank
+    return group, dist.get_world_size(group), rank
 
 
 class Comm:
