@@ -30,7 +30,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 try:
     import transformers as _transformers
@@ -48,9 +47,10 @@ except ImportError as exc:  # the package imports without transformers; this mod
     ) from exc
 
 from . import _validation as V
+from ._padding import pack_padding_mask
 from .backends import check_backend_name
 from .decode import dilated_attention_decode
-from .functional import dilated_attention
+from .functional import _attention_varlen, dilated_attention
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -132,30 +132,32 @@ def padded_attention(
     ``mask`` (B, N) bool, True = a real token. Each row's run of real tokens is a sequence of its
     own starting at position 0; padded positions give 0 (and zero gradients). Returns (B, N, Hq, D).
 
-    Causal attention with right padding only is one call of the functional API (no real token
-    reads the padding after it) with the padded rows zeroed; anything else is one call per row.
+    The rows' real tokens go to the packed (varlen) form of the functional API in one call: no work
+    on padded positions.
     """
-    starts, ends = _runs(mask)
-    N = q.shape[1]
+    B, N = q.shape[:2]
     kw: dict[str, Any] = {
         "is_causal": is_causal,
         "softmax_scale": softmax_scale,
         "dropout_p": dropout_p,
         "backend": backend,
     }
-    if is_causal and not bool(starts.any()):
-        out = dilated_attention(q, k, v, segment_lengths, dilation_rates, **kw)
-        return out * mask[:, :, None, None]
-    rows = []
-    for b, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-        if e == s:
-            rows.append(q[b : b + 1] * 0)
-            continue
-        out = dilated_attention(
-            q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], segment_lengths, dilation_rates, **kw
-        )
-        rows.append(F.pad(out, (0, 0, 0, 0, s, N - e)))
-    return torch.cat(rows)
+    rows = pack_padding_mask(mask, B, N, q.device)
+    if rows.full:  # nothing is padded
+        return dilated_attention(q, k, v, segment_lengths, dilation_rates, **kw)
+    out = _attention_varlen(
+        rows.gather(q),
+        rows.gather(k),
+        rows.gather(v),
+        rows.cu_seqlens,
+        rows.max_seqlen,
+        segment_lengths,
+        dilation_rates,
+        lengths=rows.lengths,
+        **kw,
+    )  # (T, Hq, D)
+    assert isinstance(out, torch.Tensor)  # return_lse is False
+    return rows.scatter(out, B, N)
 
 
 def dilated_attention_forward(

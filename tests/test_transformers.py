@@ -272,7 +272,7 @@ def test_what_it_cannot_honour_is_an_error():
     model = build(gpt2)
     x = torch.randint(1, V, (2, 8))
     holes = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1], [1] * 8])
-    with pytest.raises(ValueError, match=r"row 0 is \[1, 1, 0, 1, 1, 1, 1, 1\]"):
+    with pytest.raises(ValueError, match=r"row 0 is not one contiguous run .* row 0 starts 11011111"):
         model(x, attention_mask=holes)
     with pytest.raises(ValueError, match="4-D"):
         model(x, attention_mask=torch.zeros(2, 1, 8, 8))
