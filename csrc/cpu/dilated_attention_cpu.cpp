@@ -687,6 +687,33 @@ static void set_strides(const at::Tensor& t, int64_t* sb, int64_t* sn, int64_t* 
   *sh = t.stride(2);
 }
 
+/* Point an argument struct (Fwd, Bwd, PieceArgs) at its q, k, v rows. */
+template <typename T, typename Args>
+static void point_qkv(Args* A, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  A->q = q.data_ptr<T>();
+  A->k = k.data_ptr<T>();
+  A->v = v.data_ptr<T>();
+  set_strides<T>(q, &A->q_sb, &A->q_sn, &A->q_sh);
+  set_strides<T>(k, &A->k_sb, &A->k_sn, &A->k_sh);
+  set_strides<T>(v, &A->v_sb, &A->v_sn, &A->v_sh);
+}
+
+/* Point a backward's argument struct (Bwd, PieceArgs) at its rows and gradient accumulators. */
+template <typename T, typename Args>
+static void point_backward(Args* A, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& dout, const at::Tensor& dq, const at::Tensor& dk,
+                           const at::Tensor& dv) {
+  point_qkv<T>(A, q, k, v);
+  A->dout = dout.data_ptr<T>();
+  A->dq = dq.data_ptr<T>();
+  A->dk = dk.data_ptr<T>();
+  A->dv = dv.data_ptr<T>();
+  set_strides<T>(dout, &A->do_sb, &A->do_sn, &A->do_sh);
+  set_strides<T>(dq, &A->dq_sb, &A->dq_sn, &A->dq_sh);
+  set_strides<T>(dk, &A->dk_sb, &A->dk_sn, &A->dk_sh);
+  set_strides<T>(dv, &A->dv_sb, &A->dv_sn, &A->dv_sh);
+}
+
 /*
  * The forward of every sequence of a call, into out (B, N, Hq, D) and lse (B, Hq, N) (a packed call
  * passes its (1, T, ...) views): tasks (sequence, head, block of QB positions), each run by
@@ -707,12 +734,7 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
     const at::Tensor q = head_major_rows(q_in, st, Dp), k = head_major_rows(k_in, st, Dp),
                      v = head_major_rows(v_in, st, Dp);
     Fwd<T> F;
-    F.q = q.data_ptr<T>();
-    F.k = k.data_ptr<T>();
-    F.v = v.data_ptr<T>();
-    set_strides<T>(q, &F.q_sb, &F.q_sn, &F.q_sh);
-    set_strides<T>(k, &F.k_sb, &F.k_sn, &F.k_sh);
-    set_strides<T>(v, &F.v_sb, &F.v_sn, &F.v_sh);
+    point_qkv<T>(&F, q, k, v);
     F.N = P.N;
     F.Hq = P.Hq;
     F.Hkv = P.Hkv;
@@ -1004,20 +1026,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
                      dk_acc = zeroed_buffer({P.B, P.Hkv, P.N, Dp}, opt).transpose(1, 2),
                      dv_acc = zeroed_buffer({P.B, P.Hkv, P.N, Dp}, opt).transpose(1, 2);
     Bwd<T> A;
-    A.q = q.data_ptr<T>();
-    A.k = k.data_ptr<T>();
-    A.v = v.data_ptr<T>();
-    A.dout = dout.data_ptr<T>();
-    A.dq = dq_acc.data_ptr<T>();
-    A.dk = dk_acc.data_ptr<T>();
-    A.dv = dv_acc.data_ptr<T>();
-    set_strides<T>(q, &A.q_sb, &A.q_sn, &A.q_sh);
-    set_strides<T>(k, &A.k_sb, &A.k_sn, &A.k_sh);
-    set_strides<T>(v, &A.v_sb, &A.v_sn, &A.v_sh);
-    set_strides<T>(dout, &A.do_sb, &A.do_sn, &A.do_sh);
-    set_strides<T>(dq_acc, &A.dq_sb, &A.dq_sn, &A.dq_sh);
-    set_strides<T>(dk_acc, &A.dk_sb, &A.dk_sn, &A.dk_sh);
-    set_strides<T>(dv_acc, &A.dv_sb, &A.dv_sn, &A.dv_sh);
+    point_backward<T>(&A, q, k, v, dout, dq_acc, dk_acc, dv_acc);
     A.lse = lse.data_ptr<T>();
     A.delta = delta.data_ptr<T>();
     A.lse_sb = lse.stride(0);

@@ -235,12 +235,7 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
         const at::Tensor q = head_major_rows(q_in, st, Dp), k = head_major_rows(k_in, st, Dp),
                          v = head_major_rows(v_in, st, Dp);
         PieceArgs<T> A{};
-        A.q = q.data_ptr<T>();
-        A.k = k.data_ptr<T>();
-        A.v = v.data_ptr<T>();
-        set_strides<T>(q, &A.q_sb, &A.q_sn, &A.q_sh);
-        set_strides<T>(k, &A.k_sb, &A.k_sn, &A.k_sh);
-        set_strides<T>(v, &A.v_sb, &A.v_sn, &A.v_sh);
+        point_qkv<T>(&A, q, k, v);
         A.nq = nq;
         A.nk = nk;
         A.Hq = P.Hq;
@@ -307,20 +302,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
                          dk_acc = zeroed_buffer({P.B, P.Hkv, nk, Dp}, opt).transpose(1, 2),
                          dv_acc = zeroed_buffer({P.B, P.Hkv, nk, Dp}, opt).transpose(1, 2);
         PieceArgs<T> A{};
-        A.q = q.data_ptr<T>();
-        A.k = k.data_ptr<T>();
-        A.v = v.data_ptr<T>();
-        A.dout = dout.data_ptr<T>();
-        A.dq = dq_acc.data_ptr<T>();
-        A.dk = dk_acc.data_ptr<T>();
-        A.dv = dv_acc.data_ptr<T>();
-        set_strides<T>(q, &A.q_sb, &A.q_sn, &A.q_sh);
-        set_strides<T>(k, &A.k_sb, &A.k_sn, &A.k_sh);
-        set_strides<T>(v, &A.v_sb, &A.v_sn, &A.v_sh);
-        set_strides<T>(dout, &A.do_sb, &A.do_sn, &A.do_sh);
-        set_strides<T>(dq_acc, &A.dq_sb, &A.dq_sn, &A.dq_sh);
-        set_strides<T>(dk_acc, &A.dk_sb, &A.dk_sn, &A.dk_sh);
-        set_strides<T>(dv_acc, &A.dv_sb, &A.dv_sn, &A.dv_sh);
+        point_backward<T>(&A, q, k, v, dout, dq_acc, dk_acc, dv_acc);
         A.lse = lse.data_ptr<T>();
         A.delta = delta.data_ptr<T>();
         A.nq = nq;
