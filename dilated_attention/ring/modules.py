@@ -305,16 +305,20 @@ class RingDilatedAttention(nn.Module):
             out, lse = self._local(q, k, v, self.segment_lengths, self.dilation_rates, is_causal, scale)
             return (out, lse) if return_lse else out
         plan = self._plan(rank, P, local_len, Hq, k.shape[2], is_causal)
+        # On the fused op the local runs join the pieces' autograd node, which merges them without
+        # a differentiable merge (node.py); on other backends they are calls of the backend.
+        fused = self._selector.select(self.attention_backend, q, k).name == "native"
         outs, lses = [], []
-        for lo, hi, segs, rates in plan.local_runs:
+        for lo, hi, segs, rates in [] if fused else plan.local_runs:
             o, lse = self._local(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], segs, rates, is_causal, scale)
             if (lo, hi) != (0, local_len):
                 o = F.pad(o, (0, 0, 0, 0, lo, local_len - hi))  # zeros outside the run
                 lse = F.pad(lse, (lo, local_len - hi), value=float("-inf"))
             outs.append(o)
             lses.append(lse)
-        if plan.any_span:
-            job = SpanJob(plan, comm, self._piece_attention(q, k), self.comm, scale, is_causal)
+        if plan.any_span or (fused and plan.local_runs):
+            local_runs = plan.local_runs if fused else []
+            job = SpanJob(plan, comm, self._piece_attention(q, k), self.comm, scale, is_causal, local_runs)
             o, lse = SpanAttention.apply(q, k, v, job, _MODES[self.comm])
             outs.append(o)
             lses.append(lse)

@@ -1,4 +1,4 @@
-"""The spanning pieces of one forward call as one autograd node.
+"""The spanning pieces of one forward call, and the local runs on the fused op, as one autograd node.
 
 :class:`SpanAttention` returns ``(out, lse)`` of all spanning pieces of this rank, merged by
 log-sum-exp (B, l, Hq, D) and (B, Hq, l) in the accumulation dtype; its backward returns the
@@ -6,14 +6,24 @@ gradients of this rank's q, k and v, including the key/value gradients that othe
 for this rank's keys. The exchange itself is in :mod:`.mode_all_gather` and :mod:`.mode_ring`;
 :class:`SpanJob` holds what both need: the plan, the transport, the piece attention, and the
 helpers that cut a rank's tensors into pieces and blocks and pack them into messages.
+
+When the local runs run on the fused op (``native``), they are computed in the same node
+(``SpanJob.local_runs``): the pieces are merged into the op's ``(out, lse)`` in place, and the
+backward hands the op's backward and every piece the *merged* ``out`` and ``lse`` of the rows, as
+ring attention does (exact, docs/SPEC.md section 3). The merge then has no backward of its own,
+and the full-size copies of a differentiable merge (stacking the parts, weighting them, the
+zero-filled gradients of each part) are not made.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .. import _ops
 from ..flops import accumulation_dtype
 from ..merge import merge_into_
 from .geometry import Block, Piece, Plan, block_key
@@ -23,16 +33,25 @@ from .transport import Comm, from_bytes
 __all__ = ["SpanAttention", "SpanJob"]
 
 Items = list[tuple[Piece, Block]]
+Run = tuple[int, int, list[int], list[int]]  # (lo, hi, segment lengths, rates): a plan's local run
 
 
 class SpanJob:
     """One forward call's spanning pieces: plan, transport, piece attention, scale, mode."""
 
     def __init__(
-        self, plan: Plan, comm: Comm, pieces: PieceAttention, mode: str, scale: float, is_causal: bool
+        self,
+        plan: Plan,
+        comm: Comm,
+        pieces: PieceAttention,
+        mode: str,
+        scale: float,
+        is_causal: bool,
+        local_runs: Sequence[Run] = (),
     ) -> None:
         self.plan, self.comm, self.pieces, self.mode = plan, comm, pieces, mode
         self.scale, self.is_causal = scale, is_causal
+        self.local_runs = list(local_runs)  # the local runs computed in this node, on the fused op
         self.aux: dict[tuple, Any] = {}  # per kernel call, what its backward needs
         self.acc: dict[Piece, list[torch.Tensor]] = {}  # per piece: (out, lse) merged so far
         self.piece_rows: dict[Piece, dict[str, torch.Tensor]] = {}  # per piece: its rows of q, dout, ...
@@ -113,12 +132,11 @@ class SpanJob:
         else:
             acc[1] = merge_into_(acc[0], acc[1], o, lse)
 
-    def finish_forward(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """out (B, l, Hq, D) and lse (B, Hq, l) of all pieces, merged, in the accumulation dtype."""
-        B, chunk, Hq, D = q.shape
-        cdt = accumulation_dtype(q.dtype)
-        out = q.new_zeros((B, chunk, Hq, D), dtype=cdt)
-        lse = q.new_full((B, Hq, chunk), float("-inf"), dtype=cdt)
+    def finish_forward(
+        self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge every piece into ``out`` (B, l, Hq, D) (in place) and ``lse`` (B, Hq, l), both in the
+        accumulation dtype; returns them."""
         for piece, (o, lp) in self.acc.items():
             heads = self.plan.head_sets(piece.r, piece.o, q.device).heads
             sl = self.plan.query_slice(piece)
@@ -130,26 +148,91 @@ class SpanJob:
         self.acc, self.piece_rows = {}, {}
         return out, lse
 
-    # -- the backward's accumulation --------------------------------------------------------------
-    def start_backward(
+    # -- the local runs on the fused op ------------------------------------------------------------
+    def local_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """out (B, n, Hq, D) and lse (B, Hq, n) of the local runs, merged, in the accumulation dtype;
+        a row that no run covers has out 0 and lse -inf. A run over all ``n`` rows is the op's result
+        itself, with no copy in float32 and float64."""
+        B, n, Hq, D = q.shape
+        cdt = accumulation_dtype(q.dtype)
+        out, lse = None, None
+        for lo, hi, segs, rates in self.local_runs:
+            o, lr = _ops.native_forward(
+                q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], segs, rates, self.is_causal, self.scale
+            )
+            if out is None and (lo, hi) == (0, n):
+                out, lse = o.to(cdt), lr.to(cdt)
+                continue
+            if out is None or lse is None:
+                out, lse = q.new_zeros((B, n, Hq, D), dtype=cdt), q.new_full((B, Hq, n), -math.inf, dtype=cdt)
+            lse[:, :, lo:hi] = merge_into_(out[:, lo:hi], lse[:, :, lo:hi], o, lr)
+        if out is None or lse is None:  # no local run: the pieces are all
+            out, lse = q.new_zeros((B, n, Hq, D), dtype=cdt), q.new_full((B, Hq, n), -math.inf, dtype=cdt)
+        return out, lse
+
+    def local_backward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
+        v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        dout: torch.Tensor | None,
+        dout: torch.Tensor,
         dlse: torch.Tensor | None,
-    ) -> None:
-        cdt = out.dtype
-        self.out, self.lse = out, lse
-        self.dout = torch.zeros_like(out) if dout is None else dout
-        self.dlse = torch.zeros_like(lse) if dlse is None else torch.where(torch.isfinite(lse), dlse, 0)
-        self.dq_piece: dict[Piece, torch.Tensor] = {}
-        self.grads = {
+    ) -> dict[str, torch.Tensor]:
+        """dq, dk, dv of the local runs, in the accumulation dtype, given the rank's merged ``out``
+        and ``lse`` and their gradients (the op's backward is exact for merged rows)."""
+        cdt, n = out.dtype, q.shape[1]
+        out_q, dout_q = out.to(q.dtype), dout.to(q.dtype)
+        grads: dict[str, torch.Tensor] = {}
+        for lo, hi, segs, rates in self.local_runs:
+            g = torch.ops.dilated_attention.bwd(
+                dout_q[:, lo:hi],
+                q[:, lo:hi],
+                k[:, lo:hi],
+                v[:, lo:hi],
+                out_q[:, lo:hi],
+                lse[:, :, lo:hi],
+                None if dlse is None else dlse[:, :, lo:hi],
+                segs,
+                rates,
+                self.is_causal,
+                self.scale,
+            )
+            if not grads and (lo, hi) == (0, n):
+                grads = {name: x.to(cdt) for name, x in zip(("dq", "dk", "dv"), g, strict=True)}
+                continue
+            if not grads:
+                grads = self.zero_grads(q, k, cdt)
+            for name, x in zip(("dq", "dk", "dv"), g, strict=True):
+                grads[name][:, lo:hi] += x
+        return grads or self.zero_grads(q, k, cdt)
+
+    @staticmethod
+    def zero_grads(q: torch.Tensor, k: torch.Tensor, cdt: torch.dtype) -> dict[str, torch.Tensor]:
+        return {
             "dq": q.new_zeros(q.shape, dtype=cdt),
             "dk": k.new_zeros(k.shape, dtype=cdt),
             "dv": k.new_zeros(k.shape, dtype=cdt),
         }
+
+    # -- the backward's accumulation --------------------------------------------------------------
+    def start_backward(
+        self,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        grads: dict[str, torch.Tensor],
+    ) -> None:
+        """The pieces' backward reads the rank's (merged) ``out``, ``lse`` and their gradients, and
+        adds into ``grads`` (dq, dk, dv in the accumulation dtype)."""
+        self.out, self.lse, self.dout = out, lse, dout
+        self.dlse = torch.zeros_like(lse) if dlse is None else torch.where(torch.isfinite(lse), dlse, 0)
+        self.dq_piece: dict[Piece, torch.Tensor] = {}
+        self.grads = grads
 
     def attend_backward(
         self, q: torch.Tensor, piece: Piece, blocks: tuple[Block, ...], kb: torch.Tensor, vb: torch.Tensor
@@ -201,13 +284,16 @@ class SpanJob:
 
 
 class SpanAttention(torch.autograd.Function):
-    """(out, lse) of the spanning pieces; backward returns key/value gradients to their owners."""
+    """(out, lse) of the spanning pieces and of ``job.local_runs``, merged; the backward returns
+    key/value gradients to their owners."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, job: SpanJob, mode: Any):
-        saved = mode.forward(job, q, k, v)
-        out, lse = job.finish_forward(q)
+        out, lse = job.local_forward(q, k, v)
+        saved = mode.forward(job, q, k, v) if job.plan.any_span else []
+        out, lse = job.finish_forward(q, out, lse)
         ctx.job, ctx.mode = job, mode
+        ctx.set_materialize_grads(False)  # an unused lse needs no zero-filled gradient
         ctx.save_for_backward(q, k, v, out, lse, *saved)
         return out, lse
 
@@ -216,8 +302,11 @@ class SpanAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         job = ctx.job
-        job.start_backward(q, k, out, lse, dout, dlse)
-        ctx.mode.backward(job, q, k, v, saved)
-        job.finish_backward()
-        g = job.grads
-        return g["dq"].to(q.dtype), g["dk"].to(k.dtype), g["dv"].to(v.dtype), None, None
+        if dout is None:
+            dout = torch.zeros_like(out)
+        grads = job.local_backward(q, k, v, out, lse, dout, dlse)
+        if job.plan.any_span:
+            job.start_backward(out, lse, dout, dlse, grads)
+            ctx.mode.backward(job, q, k, v, saved)
+            job.finish_backward()
+        return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype), None, None
