@@ -264,7 +264,9 @@ class SpanJob:
         for piece, g in self.dq_piece.items():
             heads = self.plan.head_sets(piece.r, piece.o, g.device).heads
             dq[:, self.plan.query_slice(piece)].index_add_(2, heads, g)
-        self.dq_piece, self.piece_rows = {}, {}
+        # No reference to the gradients is kept: autograd hands a gradient that nothing else holds
+        # to .grad as it is, and copies one that something still references.
+        self.dq_piece, self.piece_rows, self.grads = {}, {}, {}
 
     def add_key_grads(self, piece: Piece, blk: Block, gk: torch.Tensor, gv: torch.Tensor) -> None:
         """Add the gradients of one block of this rank's keys and values."""
