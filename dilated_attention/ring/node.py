@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._autograd import no_double_backward
 from ..flops import accumulation_dtype
 from ..merge import merge_into_
 from .geometry import Block, Piece, Plan, block_key
@@ -200,6 +201,14 @@ class SpanJob:
                 self.add_key_grads(piece, blk, *grads[block_key(piece, blk)])
 
 
+# The way out a second backward through the spanning pieces is told of: they have a fused backward
+# whatever attention_backend says.
+SPAN_ADVICE = (
+    "the pieces of a segment that spans ranks have a fused backward on every attention_backend; "
+    "differentiate twice on one process with DilatedAttention(backend='manual')"
+)
+
+
 class SpanAttention(torch.autograd.Function):
     """(out, lse) of the spanning pieces; backward returns key/value gradients to their owners."""
 
@@ -212,12 +221,17 @@ class SpanAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         job = ctx.job
-        job.start_backward(q, k, out, lse, dout, dlse)
-        ctx.mode.backward(job, q, k, v, saved)
-        job.finish_backward()
-        g = job.grads
-        return g["dq"].to(q.dtype), g["dk"].to(k.dtype), g["dv"].to(v.dtype), None, None
+        with torch.no_grad():  # a fused backward: first order only (below)
+            job.start_backward(q, k, out, lse, dout, dlse)
+            ctx.mode.backward(job, q, k, v, saved)
+            job.finish_backward()
+            g = job.grads
+            grads = (g["dq"].to(q.dtype), g["dk"].to(k.dtype), g["dv"].to(v.dtype))
+        # Under create_graph=True, a second backward raises the package's error, not PyTorch's.
+        dq, dk, dv = no_double_backward(
+            f"ring ({job.pieces.name} pieces)", grads, (dout, dlse, q, k, v), advice=SPAN_ADVICE
+        )
+        return dq, dk, dv, None, None
