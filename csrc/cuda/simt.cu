@@ -8,7 +8,10 @@
 // tiles and the other side's tiles are read from their dilated positions (strided addressing) and
 // converted to the accumulation type acc_t (float, or double for float64) in shared memory.
 // Pairs with probability 0 are skipped, as in the CPU kernel, so non-finite values only reach the
-// rows that read them.
+// rows that read them. As in the CPU kernel, every pass computes a pair's score from the same
+// scaled query (q * scale * log2 e) in the same order, so the backward's probabilities match the
+// forward's lse, and float accumulators sum in levels (kSumSteps) whose error does not grow with
+// the segment length.
 //
 // Cost per (query, key) pair: forward 2 D multiply-adds; backward (dq pass + dk/dv pass) 5 D.
 #include <c10/util/BFloat16.h>
@@ -25,15 +28,43 @@ constexpr int kSimtWarps = 4;
 constexpr int kMaxRowsPerWarp = 4;
 constexpr int kMaxCols = DA_MAX_HEAD_DIM / 32;  // accumulator columns per lane
 
-// float accumulators sum in two levels, so that their rounding error does not grow with the length
-// of a segment (as the CPU kernel's): the per-row state of the last kSumSteps steps of the walk (up
-// to 512 keys or queries) is a partial sum, folded into the row's total after them and started
-// afresh. double accumulators (float64 inputs) sum in one level, keeping their registers.
+// float accumulators sum in levels, so that their rounding error does not grow with the length of
+// a segment (as the CPU kernel's): each step's products (up to 32) are summed afresh and added to a
+// partial sum in registers; every kSumSteps steps of the walk (up to 512 keys or queries) the
+// partial sum is folded into the row's total, kept in shared memory (each lane its own columns of
+// its warp's rows: no barrier, no bank conflict), and started afresh. double accumulators (float64
+// inputs) sum the steps in one level and need no totals.
 constexpr int kSumSteps = 16;
 template <typename acc_t>
 struct TwoLevel {
   static constexpr bool value = sizeof(acc_t) == 4;
 };
+
+// The warp's rows of a total in shared memory (row stride D), each lane its own columns d = lane +
+// 32 t, as everywhere the totals are touched: no barrier. Zeroed, or += part with part zeroed.
+template <typename acc_t>
+__device__ __forceinline__ void simt_zero_total(acc_t* tot, int64_t rpw, int64_t D, int lane) {
+  for (int64_t i = 0; i < rpw; ++i)
+    for (int64_t d = lane; d < D; d += 32) tot[i * D + d] = 0;
+}
+template <typename acc_t>
+__device__ __forceinline__ void simt_fold_total(acc_t* tot, acc_t (&part)[kMaxRowsPerWarp][kMaxCols],
+                                                int64_t rpw, int64_t D, int lane) {
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i)
+#pragma unroll
+    for (int t = 0; t < kMaxCols; ++t) {
+      const int64_t d = lane + 32 * t;
+      if (i < rpw && d < D) tot[i * D + d] += part[i][t];
+      part[i][t] = 0;
+    }
+}
+
+// Accumulator rows of the totals in shared memory: forward out, dq, dk and dv (float only).
+template <typename acc_t>
+__host__ __device__ inline int64_t simt_total_rows(int kernel) {
+  return TwoLevel<acc_t>::value ? (kernel == kDkv ? 2 : 1) : 0;
+}
 
 // Shared-memory row stride for tiles read one row per lane: odd, so that the lanes' rows fall in
 // different banks.
@@ -43,11 +74,11 @@ __host__ __device__ inline int simt_lds(int64_t D) {
 
 template <typename acc_t>
 __host__ __device__ inline int64_t simt_smem_elems(int64_t D, int64_t rpw, int ot, int kernel) {
-  const int64_t M = kSimtWarps * rpw, ld = simt_lds(D);
+  const int64_t M = kSimtWarps * rpw, ld = simt_lds(D), totals = simt_total_rows<acc_t>(kernel) * M * D;
   switch (kernel) {
-    case kFwd: return M * D + ot * ld + ot * D;        // Q rows, K tile, V tile
-    case kDq: return 2 * M * D + 2 * ot * ld;          // Q, dO rows; K, V tiles
-    default: return 2 * M * D + 2 * ot * ld + 2 * ot;  // K, V rows; Q, dO tiles; lse, delta
+    case kFwd: return M * D + ot * ld + ot * D + totals;        // Q rows, K tile, V tile
+    case kDq: return 2 * M * D + 2 * ot * ld + totals;          // Q, dO rows; K, V tiles
+    default: return 2 * M * D + 2 * ot * ld + 2 * ot + totals;  // K, V rows; Q, dO tiles; lse, delta
   }
 }
 
@@ -88,6 +119,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
   acc_t* sK = sQ + M * D;                          // [KT][ld]
   acc_t* sV = sK + KT * ld;                        // [KT][D]
+  acc_t* sO = sV + KT * D;                         // [M][D] the rows' totals (float only)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const SeqRows sq = sequence_rows(p, blockIdx.z);
@@ -110,9 +142,9 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
   cur.start(p.br);
 
-  // Partial state (m, l, acc) of the last kSumSteps steps and the rows' totals (mt, lt, acct).
+  // Partial state (m, l, acc) of the last kSumSteps steps and the rows' totals (mt, lt, and sO).
   acc_t m[kMaxRowsPerWarp], l[kMaxRowsPerWarp], acc[kMaxRowsPerWarp][kMaxCols];
-  acc_t mt[kMaxRowsPerWarp], lt[kMaxRowsPerWarp], acct[kMaxRowsPerWarp][kMaxCols];
+  acc_t mt[kMaxRowsPerWarp], lt[kMaxRowsPerWarp];
   auto restart = [&]() {
 #pragma unroll
     for (int i = 0; i < kMaxRowsPerWarp; ++i) {
@@ -126,20 +158,18 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   auto fold = [&]() {
 #pragma unroll
     for (int i = 0; i < kMaxRowsPerWarp; ++i) {
-      if (l[i] == (acc_t)0) continue;  // only -inf scores: nothing to add
-      if (lt[i] == (acc_t)0) {
-        mt[i] = m[i];
-        lt[i] = l[i];
-#pragma unroll
-        for (int t = 0; t < kMaxCols; ++t) acct[i][t] = acc[i][t];
-        continue;
-      }
-      const acc_t mx = da_max(mt[i], m[i]);
-      const acc_t ca = da_exp2(mt[i] - mx), cb = da_exp2(m[i] - mx);
+      if (l[i] == (acc_t)0) continue;  // only -inf scores (or no row): nothing to add
+      acc_t* tot = sO + (warp * rpw + i) * D;
+      const bool first = lt[i] == (acc_t)0;
+      const acc_t mx = first ? m[i] : da_max(mt[i], m[i]);
+      const acc_t ca = first ? (acc_t)0 : da_exp2(mt[i] - mx), cb = first ? (acc_t)1 : da_exp2(m[i] - mx);
       mt[i] = mx;
-      lt[i] = lt[i] * ca + l[i] * cb;
+      lt[i] = first ? l[i] : lt[i] * ca + l[i] * cb;
 #pragma unroll
-      for (int t = 0; t < kMaxCols; ++t) acct[i][t] = acct[i][t] * ca + acc[i][t] * cb;
+      for (int t = 0; t < kMaxCols; ++t) {
+        const int64_t d = lane + 32 * t;
+        if (d < D) tot[d] = first ? acc[i][t] : tot[d] * ca + acc[i][t] * cb;
+      }
     }
     restart();
   };
@@ -147,8 +177,6 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     mt[i] = -da_inf<acc_t>();
     lt[i] = 0;
-#pragma unroll
-    for (int t = 0; t < kMaxCols; ++t) acct[i][t] = 0;
   }
   restart();
 
@@ -201,7 +229,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
     }
     cur.next(p.br);
   }
-  fold();
+  if (TwoLevel<acc_t>::value) fold();
 
   scalar_t* out = static_cast<scalar_t*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
   acc_t* lse = static_cast<acc_t*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
@@ -210,14 +238,19 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
     if (x >= N) continue;
-    const bool empty = lt[i] == (acc_t)0;
-    const acc_t inv = empty ? (acc_t)0 : (acc_t)1 / lt[i];
+    const acc_t mf = TwoLevel<acc_t>::value ? mt[i] : m[i], lf = TwoLevel<acc_t>::value ? lt[i] : l[i];
+    const bool empty = lf == (acc_t)0;
+    const acc_t inv = empty ? (acc_t)0 : (acc_t)1 / lf;
+    const acc_t* tot = sO + (warp * rpw + i) * D;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) {
       const int64_t d = lane + 32 * t;
-      if (d < D) out[x * p.out.sn + d] = (scalar_t)(empty ? (acc_t)0 : acct[i][t] * inv);
+      if (d < D) {
+        const acc_t a = TwoLevel<acc_t>::value ? tot[d] : acc[i][t];
+        out[x * p.out.sn + d] = (scalar_t)(empty ? (acc_t)0 : a * inv);
+      }
     }
-    if (lane == 0) lse[x] = empty ? -da_inf<acc_t>() : da_lse_natural(mt[i], lt[i], unit);
+    if (lane == 0) lse[x] = empty ? -da_inf<acc_t>() : da_lse_natural(mf, lf, unit);
   }
 }
 
@@ -256,6 +289,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   acc_t* sdO = sQ + M * D;                         // [M][D]
   acc_t* sK = sdO + M * D;                         // [KT][ld]
   acc_t* sV = sK + KT * ld;                        // [KT][ld]
+  acc_t* sDq = sV + KT * ld;                       // [M][D] the rows' totals (float only)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const SeqRows sq = sequence_rows(p, blockIdx.z);
@@ -285,27 +319,20 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
   cur.start(p.br);
 
-  // dq: the partial sum of the last kSumSteps steps; dqt: the rows' totals.
+  // dq: the partial sum of the last kSumSteps steps; sDq: the rows' totals.
   const double unit = da_score_unit(p.scale, sl2);
-  acc_t lse2[kMaxRowsPerWarp], dl[kMaxRowsPerWarp], dq[kMaxRowsPerWarp][kMaxCols],
-      dqt[kMaxRowsPerWarp][kMaxCols];
+  acc_t lse2[kMaxRowsPerWarp], dl[kMaxRowsPerWarp], dq[kMaxRowsPerWarp][kMaxCols];
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
     lse2[i] = da_lse_base2(x < N ? lse[x] : (acc_t)0, unit);
     dl[i] = x < N ? delta[x] : (acc_t)0;
 #pragma unroll
-    for (int t = 0; t < kMaxCols; ++t) dq[i][t] = dqt[i][t] = 0;
+    for (int t = 0; t < kMaxCols; ++t) dq[i][t] = 0;
   }
-  auto fold = [&]() {
-#pragma unroll
-    for (int i = 0; i < kMaxRowsPerWarp; ++i)
-#pragma unroll
-      for (int t = 0; t < kMaxCols; ++t) {
-        dqt[i][t] += dq[i][t];
-        dq[i][t] = 0;
-      }
-  };
+  const int64_t my_rows = (int64_t)warp * rpw * D;  // this warp's rows of the totals
+  if (TwoLevel<acc_t>::value) simt_zero_total(sDq + my_rows, rpw, D, lane);
+  auto fold = [&]() { simt_fold_total(sDq + my_rows, dq, rpw, D, lane); };
 
   int steps = 0;  // the same in every thread
   while (!cur.done) {
@@ -357,7 +384,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
     }
     cur.next(p.br);
   }
-  fold();
+  if (TwoLevel<acc_t>::value) fold();
 
   scalar_t* dqp = static_cast<scalar_t*>(p.dq.data) + b * p.dq.sb + sq.start * p.dq.sn + h * p.dq.sh;
   const acc_t scale = (acc_t)p.scale;
@@ -368,7 +395,9 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) {
       const int64_t d = lane + 32 * t;
-      if (d < D) dqp[x * p.dq.sn + d] = (scalar_t)(dqt[i][t] * scale);
+      if (d < D)
+        dqp[x * p.dq.sn + d] =
+            (scalar_t)((TwoLevel<acc_t>::value ? sDq[my_rows + i * D + d] : dq[i][t]) * scale);
     }
   }
 }
@@ -384,6 +413,8 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   acc_t* sdO = sQ + QT * ld;                       // [QT][ld]
   acc_t* sL = sdO + QT * ld;                       // [QT] lse, log2 domain
   acc_t* sDl = sL + QT;                            // [QT] delta
+  acc_t* sDk = sDl + QT;                           // [M][D] the rows' totals of dk (float only)
+  acc_t* sDv = sDk + M * D;                        // [M][D] and of dv
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const SeqRows sq = sequence_rows(p, blockIdx.z);
@@ -413,22 +444,20 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   simt_walk_init(cur, p, N, base, last, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, warp);
   cur.start(p.br);
 
-  // dk, dv: the partial sums of the last kSumSteps steps; dkt, dvt: the rows' totals.
+  // dk, dv: the partial sums of the last kSumSteps steps; sDk, sDv: the rows' totals.
   acc_t dk[kMaxRowsPerWarp][kMaxCols], dv[kMaxRowsPerWarp][kMaxCols];
-  acc_t dkt[kMaxRowsPerWarp][kMaxCols], dvt[kMaxRowsPerWarp][kMaxCols];
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i)
 #pragma unroll
-    for (int t = 0; t < kMaxCols; ++t) dk[i][t] = dv[i][t] = dkt[i][t] = dvt[i][t] = 0;
+    for (int t = 0; t < kMaxCols; ++t) dk[i][t] = dv[i][t] = 0;
+  const int64_t my_rows = (int64_t)warp * rpw * D;  // this warp's rows of the totals
+  if (TwoLevel<acc_t>::value) {
+    simt_zero_total(sDk + my_rows, rpw, D, lane);
+    simt_zero_total(sDv + my_rows, rpw, D, lane);
+  }
   auto fold = [&]() {
-#pragma unroll
-    for (int i = 0; i < kMaxRowsPerWarp; ++i)
-#pragma unroll
-      for (int t = 0; t < kMaxCols; ++t) {
-        dkt[i][t] += dk[i][t];
-        dvt[i][t] += dv[i][t];
-        dk[i][t] = dv[i][t] = 0;
-      }
+    simt_fold_total(sDk + my_rows, dk, rpw, D, lane);
+    simt_fold_total(sDv + my_rows, dv, rpw, D, lane);
   };
 
   int steps = 0;  // the same in every thread
@@ -507,7 +536,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     }
     cur.next(p.br);
   }
-  fold();
+  if (TwoLevel<acc_t>::value) fold();
 
   scalar_t* dkp = static_cast<scalar_t*>(p.dk.data) + b * p.dk.sb + sq.start * p.dk.sn + hk * p.dk.sh;
   scalar_t* dvp = static_cast<scalar_t*>(p.dv.data) + b * p.dv.sb + sq.start * p.dv.sn + hk * p.dv.sh;
@@ -522,8 +551,9 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     for (int t = 0; t < kMaxCols; ++t) {
       const int64_t d = lane + 32 * t;
       if (d < D) {
-        dkp[x * p.dk.sn + d] = (scalar_t)(dkt[i][t] * dk_unit);
-        dvp[x * p.dv.sn + d] = (scalar_t)dvt[i][t];
+        const bool two = TwoLevel<acc_t>::value;
+        dkp[x * p.dk.sn + d] = (scalar_t)((two ? sDk[my_rows + i * D + d] : dk[i][t]) * dk_unit);
+        dvp[x * p.dv.sn + d] = (scalar_t)(two ? sDv[my_rows + i * D + d] : dv[i][t]);
       }
     }
   }
