@@ -28,9 +28,7 @@ namespace cuda {
 #if defined(DA_CUDA_EMULATION)
 #define DA_SM80 1
 #define DA_EXTERN_SMEM(name) unsigned char* name = da_emu::shared_memory()
-#define DA_NOINLINE __attribute__((noinline))
 #else
-#define DA_NOINLINE __noinline__
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define DA_SM80 1
 #else

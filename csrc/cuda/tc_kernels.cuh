@@ -21,9 +21,10 @@
 //
 // Masking: a pair is computed only if the branch contains it (pair_active). Tiles where every row
 // of a warp is active, the tile is full and causal order holds everywhere skip the mask; a warp
-// with no active row skips the tile. Masked probabilities are exactly 0; as in FlashAttention, a
-// non-finite value in a k/v row that shares a tile with a row which does not read it can still
-// turn that row's result into NaN through 0 * inf in the matrix product.
+// with no active row skips the tile. Masked probabilities are exactly 0; in a masked chunk whose
+// B tile (v, k, or q and dout) holds an inf or NaN, the product with them is summed on CUDA cores
+// without the zero probabilities (tc_gemm_pb_masked), so the value reaches only its readers.
+// lse is formed in double and read back into base 2 in double (common.cuh).
 #pragma once
 
 #include <type_traits>
@@ -154,10 +155,11 @@ __device__ __forceinline__ bool tc_tile_nonfinite(const T* tile, int rows, int l
 // with CUDA cores, skipping the pairs whose P is exactly 0, so that an inf or NaN of B reaches only
 // the rows that read it (no 0 * inf of the matrix product; the CPU and SIMT kernels do the same).
 // P[row][key] of the warp's rows g and g + 8 comes from lane 4g + key % 8 / 2 by shuffles. Rare:
-// only for chunks that need the mask and hold a non-finite value.
+// only for chunks that need the mask and hold a non-finite value. Inlined: an out-of-line call
+// would take the accumulators out of registers (the call passes them through memory).
 template <typename T, int LDS, int NT, int CT>
-__device__ DA_NOINLINE void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const float (&P)[NT][4], const T* sB,
-                                                 int c0, int lane, int64_t D) {
+__device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const float (&P)[NT][4],
+                                                     const T* sB, int c0, int lane, int64_t D) {
   const int tq = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
