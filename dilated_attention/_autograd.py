@@ -9,11 +9,13 @@ import torch
 __all__ = ["first_order_only", "no_double_backward"]
 
 
-def _message(backend: str) -> str:
+_ADVICE = "differentiate twice with backend='manual', which autograd differentiates end to end"
+
+
+def _message(backend: str, advice: str | None = None) -> str:
     return (
         f"dilated_attention: the {backend!r} backend has no second-order gradients (its backward is "
-        f"a fused kernel); differentiate twice with backend='manual', which autograd differentiates "
-        f"end to end"
+        f"a fused kernel); {advice or _ADVICE}"
     )
 
 
@@ -31,19 +33,22 @@ class _NoDoubleBackward(torch.autograd.Function):
 
 
 def no_double_backward(
-    backend: str, grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor | None]
+    backend: str,
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor | None],
+    advice: str | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """``grads`` as they are, unless the backward runs with ``create_graph=True``: then they are
     returned connected to ``inputs`` through a node that raises a ``RuntimeError`` naming ``backend``
     when a second backward reaches it, instead of silently giving zero or wrong second-order
-    gradients."""
+    gradients. ``advice`` replaces the message's default way out (``backend='manual'``)."""
     if not torch.is_grad_enabled():
         return tuple(grads)
     deps = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     present = [g for g in grads if g is not None]
     if not deps or not present:
         return tuple(grads)
-    wrapped = iter(_NoDoubleBackward.apply(_message(backend), len(present), *present, *deps))
+    wrapped = iter(_NoDoubleBackward.apply(_message(backend, advice), len(present), *present, *deps))
     return tuple(None if g is None else next(wrapped) for g in grads)
 
 

@@ -8,6 +8,7 @@ tolerance rule of SPEC section 4.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -130,3 +131,33 @@ def reference_varlen(
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def causal_segment_sample(q, k, v, dout, rows, keys, dtype, block=1024):
+    """One causal segment (w = N, r = 1, one head) computed densely in ``dtype`` by rows of
+    ``block`` queries: out, lse and dq of ``rows``, dk and dv of ``keys`` (a dict of those five).
+    For segments too long for the dense reference; q, k, v, dout are (1, N, 1, D)."""
+    q, k, v, dout = (t[0, :, 0].to(dtype) for t in (q, k, v, dout))  # (N, D)
+    N, D = q.shape
+    scale = D**-0.5
+    pos = torch.arange(N)
+    lse = torch.empty(N, dtype=dtype)
+    out = torch.empty(N, D, dtype=dtype)
+    for a in range(0, N, block):
+        s = (q[a : a + block] @ k.T) * scale
+        s = s.masked_fill(pos[None, :] > pos[a : a + block, None], -math.inf)
+        lse[a : a + block] = torch.logsumexp(s, dim=-1)
+        out[a : a + block] = torch.softmax(s, dim=-1) @ v
+    delta = (dout * out).sum(-1)  # (N,)
+
+    s_r = (q[rows] @ k.T) * scale  # (R, N)
+    s_r = s_r.masked_fill(pos[None, :] > rows[:, None], -math.inf)
+    p_r = torch.exp(s_r - lse[rows, None])
+    dq = scale * (p_r * (dout[rows] @ v.T - delta[rows, None])) @ k
+
+    s_k = (q @ k[keys].T) * scale  # (N, X)
+    s_k = s_k.masked_fill(pos[:, None] < keys[None, :], -math.inf)
+    p_k = torch.exp(s_k - lse[:, None])
+    dv = p_k.T @ dout
+    dk = scale * (p_k * (dout @ v[keys].T - delta[:, None])).T @ q
+    return {"out": out[rows], "lse": lse[rows], "dq": dq, "dk": dk, "dv": dv}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import shutil
 import subprocess
@@ -32,7 +33,7 @@ import torch
 from common import grads, load_script
 from common import make_inputs as _make_inputs
 from reference import multiplicity, reference_attention, reference_varlen
-from tolerance import assert_within_rule
+from tolerance import assert_causal_segment_within_rule, assert_within_rule
 
 from dilated_attention import dilated_attention as dattn
 from dilated_attention._ops import has_kernel
@@ -583,10 +584,26 @@ def emulated(emu, q, k, v, segs, rates, causal, family, tiling=(0, 0, 4, 32), do
 
 
 def check_emulated(
-    emu, B, N, Hq, Hkv, D, segs, rates, causal, dtype, family, tiling=(0, 0, 4, 32), with_dlse=True
+    emu,
+    B,
+    N,
+    Hq,
+    Hkv,
+    D,
+    segs,
+    rates,
+    causal,
+    dtype,
+    family,
+    tiling=(0, 0, 4, 32),
+    with_dlse=True,
+    gain=1.0,
+    seed=0,
 ):
-    """The emulated kernels against the float64 reference under the SPEC section 4 rule."""
-    q, k, v = (t.detach().contiguous() for t in make_inputs(B, N, Hq, Hkv, D, dtype, device="cpu"))
+    """The emulated kernels against the float64 reference under the SPEC section 4 rule; q and k
+    are multiplied by ``gain`` (logits of standard deviation about gain**2)."""
+    q, k, v = (t.detach() for t in make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed, device="cpu"))
+    q, k, v = (q * gain).contiguous(), (k * gain).contiguous(), v.contiguous()
     g = torch.Generator().manual_seed(11)
     dout = torch.randn(B, N, Hq, D, generator=g, dtype=torch.float64)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
@@ -720,6 +737,118 @@ def test_emulated_nan_stays_in_its_rows(emu):
             covered = (phase == h) & others
             assert torch.isfinite(out[0, covered, h]).all() and torch.isfinite(lse[0, h, covered]).all()
             assert (out[0, phase >= 2, h] == 0).all() and torch.isneginf(lse[0, h, phase >= 2]).all()
+
+
+# float32 accuracy of the SIMT kernels (the CPU kernel's, docs/cpu-kernel.md): the backward
+# recomputes the forward's scores bit for bit and turns lse into base 2 in double; long sums go
+# in two levels.
+
+
+@pytest.mark.parametrize(
+    "logit_std,is_causal,seed", [(12.0, False, 0), (12.0, True, 0), (16.0, True, 1), (16.0, True, 2)]
+)
+def test_emulated_simt_float32_large_logits(emu, logit_std, is_causal, seed):
+    """Logits of standard deviation 12-16: the probabilities the backward recomputes must be as
+    accurate as the forward's, so dk and dv stay within the rule. (At 16 without the causal mask,
+    dq of some inputs exceeds it by a few percent: the lse it reads back is rounded to float32,
+    which the plain reference, differentiating its softmax, never does.)"""
+    check_emulated(
+        emu,
+        1,
+        160,
+        2,
+        2,
+        64,
+        [64, 160],
+        [1, 2],
+        is_causal,
+        torch.float32,
+        1,
+        (0, 0, 4, 32),
+        gain=logit_std**0.5,
+        seed=seed,
+    )
+
+
+def test_emulated_simt_float32_long_causal_segment(emu):
+    """One causal segment of 2K keys, near-uniform probabilities (q / 20), positive v and dout: the
+    sums over the segment (out and lse of the last rows, dk and dv of the first keys) have terms of
+    one sign, whose rounding error adds up in a one-level float32 sum; within the rule against
+    float64 and plain float32 computations of those rows and keys."""
+    N, D = 2048, 16
+    q, k, v = (t.detach() for t in make_inputs(1, N, 1, 1, D, torch.float32, seed=N, device="cpu"))
+    q, k, v = (q * 0.05).contiguous(), k.contiguous(), v.abs().contiguous()
+    dout = torch.full((1, N, 1, D), 64.0, dtype=torch.float64)  # gradients well above the floor
+    out, lse, grads = emulated(emu, q, k, v, [N], [1], True, 1, (0, 0, 4, 32), dout.float().contiguous())
+    assert_causal_segment_within_rule(q, k, v, dout, out, lse, grads)
+
+
+def _subsequences_holding(N, Hkv, segs, rates, tainted):
+    """inside (Hq, N): the positions of each query head that lie in a dilated sub-sequence (branch,
+    segment, head phase) holding a tainted row (tainted (Hq, N)); inside_kv (Hkv, N): the same for
+    the key/value rows (any query head of the group)."""
+    Hq = tainted.shape[0]
+    pos = torch.arange(N)
+    inside = torch.zeros(Hq, N, dtype=torch.bool)
+    for w, r in zip(segs, rates, strict=True):
+        for h in range(Hq):
+            covered = pos % w % r == h % r
+            for seg in range(-(-N // w)):
+                sub = covered & (pos // w == seg)
+                if (tainted[h] & sub).any():
+                    inside[h] |= sub
+    return inside, inside.view(Hkv, Hq // Hkv, N).any(1)
+
+
+@pytest.mark.parametrize("family", [0, 1], ids=["tensor-cores", "simt"])
+@pytest.mark.parametrize(
+    "tensor,value", [("v", math.inf), ("v", math.nan), ("k", math.nan), ("q", -math.inf)]
+)
+def test_emulated_nonfinite_value_stays_with_its_readers_under_causal_mask(emu, family, tensor, value):
+    """Causal masking, a non-finite value in a chunk whose other pairs are masked: forward, it
+    reaches exactly the rows that read it (for v, in its channel); backward, the gradients outside
+    the dilated sub-sequences that hold it stay finite and as without it (docs/backends.md). The
+    masked pairs' probability is exactly 0 and must not meet the value through 0 * inf."""
+    dtype = torch.bfloat16 if family == 0 else torch.float32
+    tiling = (0, 0, 16, 64) if family == 0 else (0, 0, 4, 32)
+    B, N, Hq, Hkv, D = 1, 96, 4, 2, 32
+    segs, rates = [32, 96], [1, 2]
+    q, k, v = (t.detach().contiguous() for t in make_inputs(B, N, Hq, Hkv, D, dtype, device="cpu"))
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn(B, N, Hq, D, generator=g).to(dtype)
+    G = Hq // Hkv
+    reads = multiplicity(N, Hq, segs, rates, True) > 0  # (Hq, N, N)
+    for x, hk, ch in [(40, 1, 3), (70, 0, 0)]:
+        bad = {"q": q, "k": k, "v": v}[tensor].clone()
+        bad[0, x, hk if tensor != "q" else hk * G, ch] = value
+        args = {"q": q, "k": k, "v": v, tensor: bad}
+        clean_out, clean_lse, clean_g = emulated(emu, q, k, v, segs, rates, True, family, tiling, dout)
+        out, lse, got = emulated(
+            emu, args["q"], args["k"], args["v"], segs, rates, True, family, tiling, dout
+        )
+        hit = torch.zeros(Hq, N, dtype=torch.bool)
+        if tensor == "q":
+            hit[hk * G, x] = True
+        else:
+            for h in range(hk * G, (hk + 1) * G):
+                hit[h] = reads[h, :, x]
+        assert hit.any()
+        rows = hit.T[None]  # (1, N, Hq)
+        channels = slice(ch, ch + 1) if tensor == "v" else slice(None)
+        assert not torch.isfinite(out[rows][:, channels]).any()
+        assert torch.isfinite(out[~rows]).all(), f"{tensor}[{x}] = {value} reached rows that do not read it"
+        torch.testing.assert_close(out[~rows].float(), clean_out[~rows].float())
+        if tensor != "q":  # the row's other pairs: lse unchanged where it is not read
+            torch.testing.assert_close(lse[~hit[None]], clean_lse[~hit[None]])
+        tainted = hit.clone()  # the rows that read it, and the value's own row
+        tainted[hk * G if tensor == "q" else slice(hk * G, (hk + 1) * G), x] = True
+        inside_q, inside_kv = _subsequences_holding(N, Hkv, segs, rates, tainted)
+        outside = [(~inside_q).T[None], (~inside_kv).T[None], (~inside_kv).T[None]]
+        for name, a, c, o in zip(("dq", "dk", "dv"), got, clean_g, outside, strict=True):
+            assert torch.isfinite(a[o]).all(), (
+                f"{name}: {tensor}[{x}] = {value} spread outside its sub-sequences"
+            )
+            torch.testing.assert_close(a[o].float(), c[o].float())
 
 
 @pytest.mark.skipif(not SLOW, reason="long sweep: set DILATED_ATTENTION_SLOW=1")

@@ -569,6 +569,27 @@ def test_silent_peer_raises_after_timeout(cluster2, where, comm):
 # ---------------------------------------------------------------------------------------------
 
 
+def double_backward(rank: int, P: int) -> str:
+    """A second backward through the spanning pieces (the local runs on manual, which has one):
+    the message of the error it raises."""
+    q, k, v, _, _ = _inputs(1, 32, 2, 2, 8)
+    sl = slice(rank * 16, (rank + 1) * 16)
+    mine = [t[:, sl].clone().requires_grad_() for t in (q, k, v)]
+    module = RingDilatedAttention([32], [1], attention_backend="manual")
+    out = module(*mine, is_causal=True)
+    grads = torch.autograd.grad(out.square().sum(), mine, create_graph=True)
+    try:
+        sum(g.square().sum() for g in grads).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_double_backward_through_spanning_pieces_says_how_to_get_it(cluster2):
+    for msg in cluster2.run(double_backward):
+        assert "ring (" in msg and "no second-order gradients" in msg and "backend='manual'" in msg, msg
+
+
 def group_of_one(rank: int, P: int) -> float | None:
     """Rank 0 runs the module on a group of one (rank 1 only takes part in creating the group)."""
     group = dist.new_group(ranks=[0])

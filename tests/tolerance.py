@@ -43,3 +43,22 @@ def assert_within_rule(
     assert err <= bound, (
         f"{name} ({dtype}): error {err:.3e} exceeds 2 x plain PyTorch error {base:.3e} + {ATOL[dtype]:.0e}"
     )
+
+
+def assert_causal_segment_within_rule(q, k, v, dout, out, lse, grads) -> None:
+    """One causal segment of N = q.shape[1] (w = N, r = 1, one head; q, k, v, dout (1, N, 1, D)):
+    out, lse and dq of the rows N/2, N-2, N-1 and dk, dv of the keys 0, 1, N/8 (sums over half or
+    all of the segment) within the rule, against float64 and plain float32 computations of those
+    rows and keys (reference.causal_segment_sample)."""
+    from reference import causal_segment_sample
+
+    N = q.shape[1]
+    dq, dk, dv = grads
+    rows = torch.tensor([N // 2, N - 2, N - 1])  # queries that read half or all of the segment
+    keys = torch.tensor([0, 1, N // 8])  # keys read by nearly every query
+    got = {"out": out[0, rows, 0], "lse": lse[0, 0, rows], "dq": dq[0, rows, 0], "dk": dk[0, keys, 0]}
+    got["dv"] = dv[0, keys, 0]
+    ref = causal_segment_sample(q, k, v, dout, rows, keys, torch.float64)
+    plain = causal_segment_sample(q, k, v, dout, rows, keys, torch.float32)
+    for name in got:
+        assert_within_rule(f"{name} (N={N})", got[name], ref[name], plain[name], torch.float32)

@@ -67,6 +67,33 @@ __device__ __forceinline__ double da_max(double a, double b) {
   return fmax(a, b);
 }
 
+/*
+ * The kernels keep scores in base 2: q (or its tile) times sl2 = (acc_t)(softmax_scale * log2(e)).
+ * unit = softmax_scale / sl2 turns them back into natural units: ln 2, corrected for the rounding
+ * of sl2 to acc_t, which would otherwise scale lse by up to one unit in the last place (ln 2
+ * itself where sl2 is 0). lse = m * unit + ln(l) is formed in double and rounded once, and the
+ * backward turns it back into base 2 in double, so that p = 2^(s - lse2) is as consistent with
+ * the forward's own normalisation as the rounding of lse to acc_t allows (as the CPU kernel does).
+ * Once per row (or per row of a tile of the other side): the double arithmetic costs nothing
+ * measurable next to the pairs.
+ */
+template <typename acc_t>
+__host__ __device__ __forceinline__ double da_score_unit(double scale, acc_t sl2) {
+  return sl2 != (acc_t)0 ? scale / (double)sl2 : DA_LN2;
+}
+
+// lse in natural units from the base-2 running max m and denominator l (l > 0).
+template <typename acc_t>
+__device__ __forceinline__ acc_t da_lse_natural(acc_t m, acc_t l, double unit) {
+  return (acc_t)((double)m * unit + log((double)l));
+}
+
+// The backward's base-2 lse of a saved natural-unit lse; +inf for -inf, so that 2^(s - lse2) = 0.
+template <typename acc_t>
+__device__ __forceinline__ acc_t da_lse_base2(acc_t L, double unit) {
+  return L == -da_inf<acc_t>() ? da_inf<acc_t>() : (acc_t)((double)L / unit);
+}
+
 template <typename V>
 __device__ __forceinline__ V warp_sum(V v) {
 #pragma unroll
@@ -318,6 +345,18 @@ template <>
 __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 t = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&t);
+}
+
+// x rounded to T (as pack2 rounds it).
+template <typename T>
+__device__ __forceinline__ float round_to(float x);
+template <>
+__device__ __forceinline__ float round_to<__half>(float x) {
+  return __half2float(__float2half_rn(x));
+}
+template <>
+__device__ __forceinline__ float round_to<__nv_bfloat16>(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
 }
 
 // Store two adjacent values (4-byte aligned destination).

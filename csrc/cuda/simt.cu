@@ -8,7 +8,10 @@
 // tiles and the other side's tiles are read from their dilated positions (strided addressing) and
 // converted to the accumulation type acc_t (float, or double for float64) in shared memory.
 // Pairs with probability 0 are skipped, as in the CPU kernel, so non-finite values only reach the
-// rows that read them.
+// rows that read them. As in the CPU kernel, every pass computes a pair's score from the same
+// scaled query (q * scale * log2 e) in the same order, so the backward's probabilities match the
+// forward's lse, and float accumulators sum in levels (kSumSteps) whose error does not grow with
+// the segment length.
 //
 // Cost per (query, key) pair: forward 2 D multiply-adds; backward (dq pass + dk/dv pass) 5 D.
 #include <c10/util/BFloat16.h>
@@ -25,6 +28,44 @@ constexpr int kSimtWarps = 4;
 constexpr int kMaxRowsPerWarp = 4;
 constexpr int kMaxCols = DA_MAX_HEAD_DIM / 32;  // accumulator columns per lane
 
+// float accumulators sum in levels, so that their rounding error does not grow with the length of
+// a segment (as the CPU kernel's): each step's products (up to 32) are summed afresh and added to a
+// partial sum in registers; every kSumSteps steps of the walk (up to 512 keys or queries) the
+// partial sum is folded into the row's total, kept in shared memory (each lane its own columns of
+// its warp's rows: no barrier, no bank conflict), and started afresh. double accumulators (float64
+// inputs) sum the steps in one level and need no totals.
+constexpr int kSumSteps = 16;
+template <typename acc_t>
+struct TwoLevel {
+  static constexpr bool value = sizeof(acc_t) == 4;
+};
+
+// The warp's rows of a total in shared memory (row stride D), each lane its own columns d = lane +
+// 32 t, as everywhere the totals are touched: no barrier. Zeroed, or += part with part zeroed.
+template <typename acc_t>
+__device__ __forceinline__ void simt_zero_total(acc_t* tot, int64_t rpw, int64_t D, int lane) {
+  for (int64_t i = 0; i < rpw; ++i)
+    for (int64_t d = lane; d < D; d += 32) tot[i * D + d] = 0;
+}
+template <typename acc_t>
+__device__ __forceinline__ void simt_fold_total(acc_t* tot, acc_t (&part)[kMaxRowsPerWarp][kMaxCols],
+                                                int64_t rpw, int64_t D, int lane) {
+#pragma unroll
+  for (int i = 0; i < kMaxRowsPerWarp; ++i)
+#pragma unroll
+    for (int t = 0; t < kMaxCols; ++t) {
+      const int64_t d = lane + 32 * t;
+      if (i < rpw && d < D) tot[i * D + d] += part[i][t];
+      part[i][t] = 0;
+    }
+}
+
+// Accumulator rows of the totals in shared memory: forward out, dq, dk and dv (float only).
+template <typename acc_t>
+__host__ __device__ inline int64_t simt_total_rows(int kernel) {
+  return TwoLevel<acc_t>::value ? (kernel == kDkv ? 2 : 1) : 0;
+}
+
 // Shared-memory row stride for tiles read one row per lane: odd, so that the lanes' rows fall in
 // different banks.
 __host__ __device__ inline int simt_lds(int64_t D) {
@@ -33,11 +74,11 @@ __host__ __device__ inline int simt_lds(int64_t D) {
 
 template <typename acc_t>
 __host__ __device__ inline int64_t simt_smem_elems(int64_t D, int64_t rpw, int ot, int kernel) {
-  const int64_t M = kSimtWarps * rpw, ld = simt_lds(D);
+  const int64_t M = kSimtWarps * rpw, ld = simt_lds(D), totals = simt_total_rows<acc_t>(kernel) * M * D;
   switch (kernel) {
-    case kFwd: return M * D + ot * ld + ot * D;        // Q rows, K tile, V tile
-    case kDq: return 2 * M * D + 2 * ot * ld;          // Q, dO rows; K, V tiles
-    default: return 2 * M * D + 2 * ot * ld + 2 * ot;  // K, V rows; Q, dO tiles; lse, delta
+    case kFwd: return M * D + ot * ld + ot * D + totals;        // Q rows, K tile, V tile
+    case kDq: return 2 * M * D + 2 * ot * ld + totals;          // Q, dO rows; K, V tiles
+    default: return 2 * M * D + 2 * ot * ld + 2 * ot + totals;  // K, V rows; Q, dO tiles; lse, delta
   }
 }
 
@@ -78,6 +119,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
   acc_t* sK = sQ + M * D;                          // [KT][ld]
   acc_t* sV = sK + KT * ld;                        // [KT][D]
+  acc_t* sO = sV + KT * D;                         // [M][D] the rows' totals (float only)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const SeqRows sq = sequence_rows(p, blockIdx.z);
@@ -100,16 +142,48 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
   cur.start(p.br);
 
+  // Partial state (m, l, acc) of the last kSumSteps steps and the rows' totals (mt, lt, and sO).
   acc_t m[kMaxRowsPerWarp], l[kMaxRowsPerWarp], acc[kMaxRowsPerWarp][kMaxCols];
+  acc_t mt[kMaxRowsPerWarp], lt[kMaxRowsPerWarp];
+  auto restart = [&]() {
+#pragma unroll
+    for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+      m[i] = -da_inf<acc_t>();
+      l[i] = 0;
+#pragma unroll
+      for (int t = 0; t < kMaxCols; ++t) acc[i][t] = 0;
+    }
+  };
+  // Folds the partial state into the totals (the CPU kernel's merge_tile), then starts afresh.
+  auto fold = [&]() {
+#pragma unroll
+    for (int i = 0; i < kMaxRowsPerWarp; ++i) {
+      if (l[i] == (acc_t)0) continue;  // only -inf scores (or no row): nothing to add
+      acc_t* tot = sO + (warp * rpw + i) * D;
+      const bool first = lt[i] == (acc_t)0;
+      const acc_t mx = first ? m[i] : da_max(mt[i], m[i]);
+      const acc_t ca = first ? (acc_t)0 : da_exp2(mt[i] - mx), cb = first ? (acc_t)1 : da_exp2(m[i] - mx);
+      mt[i] = mx;
+      lt[i] = first ? l[i] : lt[i] * ca + l[i] * cb;
+#pragma unroll
+      for (int t = 0; t < kMaxCols; ++t) {
+        const int64_t d = lane + 32 * t;
+        if (d < D) tot[d] = first ? acc[i][t] : tot[d] * ca + acc[i][t] * cb;
+      }
+    }
+    restart();
+  };
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
-    m[i] = -da_inf<acc_t>();
-    l[i] = 0;
-#pragma unroll
-    for (int t = 0; t < kMaxCols; ++t) acc[i][t] = 0;
+    mt[i] = -da_inf<acc_t>();
+    lt[i] = 0;
   }
+  restart();
 
+  int steps = 0;  // the same in every thread
   while (!cur.done) {
+    if (TwoLevel<acc_t>::value && steps > 0 && steps % kSumSteps == 0) fold();
+    ++steps;
     __syncthreads();  // the previous step's tiles are no longer read
     for (int64_t idx = threadIdx.x; idx < (int64_t)KT * D; idx += kSimtThreads) {
       const int jj = (int)(idx / D);
@@ -138,35 +212,45 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
       m[i] = m_new;
       const acc_t pr = da_exp2(s - m_use);
       l[i] = l[i] * corr + warp_sum(pr);
+      acc_t step[kMaxCols];  // this step's P V, summed afresh
 #pragma unroll
-      for (int t = 0; t < kMaxCols; ++t) acc[i][t] *= corr;
+      for (int t = 0; t < kMaxCols; ++t) step[t] = 0;
       for (int jj = 0; jj < KT; ++jj) {
         const acc_t pj = __shfl_sync(DA_FULL_MASK, pr, jj);
         if (pj == (acc_t)0) continue;
 #pragma unroll
         for (int t = 0; t < kMaxCols; ++t) {
           const int64_t d = lane + 32 * t;
-          if (d < D) acc[i][t] += pj * sV[jj * D + d];
+          if (d < D) step[t] += pj * sV[jj * D + d];
         }
       }
+#pragma unroll
+      for (int t = 0; t < kMaxCols; ++t) acc[i][t] = acc[i][t] * corr + step[t];
     }
     cur.next(p.br);
   }
+  if (TwoLevel<acc_t>::value) fold();
 
   scalar_t* out = static_cast<scalar_t*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
   acc_t* lse = static_cast<acc_t*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
+  const double unit = da_score_unit(p.scale, sl2);
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
     if (x >= N) continue;
-    const bool empty = l[i] == (acc_t)0;
-    const acc_t inv = empty ? (acc_t)0 : (acc_t)1 / l[i];
+    const acc_t mf = TwoLevel<acc_t>::value ? mt[i] : m[i], lf = TwoLevel<acc_t>::value ? lt[i] : l[i];
+    const bool empty = lf == (acc_t)0;
+    const acc_t inv = empty ? (acc_t)0 : (acc_t)1 / lf;
+    const acc_t* tot = sO + (warp * rpw + i) * D;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) {
       const int64_t d = lane + 32 * t;
-      if (d < D) out[x * p.out.sn + d] = (scalar_t)(empty ? (acc_t)0 : acc[i][t] * inv);
+      if (d < D) {
+        const acc_t a = TwoLevel<acc_t>::value ? tot[d] : acc[i][t];
+        out[x * p.out.sn + d] = (scalar_t)(empty ? (acc_t)0 : a * inv);
+      }
     }
-    if (lane == 0) lse[x] = empty ? -da_inf<acc_t>() : (m[i] + da_log2(l[i])) * (acc_t)DA_LN2;
+    if (lane == 0) lse[x] = empty ? -da_inf<acc_t>() : da_lse_natural(mf, lf, unit);
   }
 }
 
@@ -205,6 +289,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   acc_t* sdO = sQ + M * D;                         // [M][D]
   acc_t* sK = sdO + M * D;                         // [KT][ld]
   acc_t* sV = sK + KT * ld;                        // [KT][ld]
+  acc_t* sDq = sV + KT * ld;                       // [M][D] the rows' totals (float only)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const SeqRows sq = sequence_rows(p, blockIdx.z);
@@ -219,7 +304,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
   const acc_t* lse = static_cast<const acc_t*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
   const acc_t* delta = static_cast<const acc_t*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
-  const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E), log2e = (acc_t)DA_LOG2E;
+  const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E);
 
   for (int64_t row = warp; row < M; row += kSimtWarps) {
     const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
@@ -234,18 +319,25 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
   cur.start(p.br);
 
+  // dq: the partial sum of the last kSumSteps steps; sDq: the rows' totals.
+  const double unit = da_score_unit(p.scale, sl2);
   acc_t lse2[kMaxRowsPerWarp], dl[kMaxRowsPerWarp], dq[kMaxRowsPerWarp][kMaxCols];
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
-    const acc_t L = x < N ? lse[x] : (acc_t)0;
-    lse2[i] = L == -da_inf<acc_t>() ? da_inf<acc_t>() : L * log2e;
+    lse2[i] = da_lse_base2(x < N ? lse[x] : (acc_t)0, unit);
     dl[i] = x < N ? delta[x] : (acc_t)0;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) dq[i][t] = 0;
   }
+  const int64_t my_rows = (int64_t)warp * rpw * D;  // this warp's rows of the totals
+  if (TwoLevel<acc_t>::value) simt_zero_total(sDq + my_rows, rpw, D, lane);
+  auto fold = [&]() { simt_fold_total(sDq + my_rows, dq, rpw, D, lane); };
 
+  int steps = 0;  // the same in every thread
   while (!cur.done) {
+    if (TwoLevel<acc_t>::value && steps > 0 && steps % kSumSteps == 0) fold();
+    ++steps;
     __syncthreads();
     for (int64_t idx = threadIdx.x; idx < (int64_t)KT * D; idx += kSimtThreads) {
       const int jj = (int)(idx / D);
@@ -275,18 +367,24 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
         const acc_t pr = da_exp2(s - lse2[i]);
         ds = pr * (dp - dl[i]);
       }
+      acc_t step[kMaxCols];  // this step's dS K, summed afresh
+#pragma unroll
+      for (int t = 0; t < kMaxCols; ++t) step[t] = 0;
       for (int jj = 0; jj < KT; ++jj) {
         const acc_t c = __shfl_sync(DA_FULL_MASK, ds, jj);
         if (c == (acc_t)0) continue;
 #pragma unroll
         for (int t = 0; t < kMaxCols; ++t) {
           const int64_t d = lane + 32 * t;
-          if (d < D) dq[i][t] += c * sK[jj * ld + d];
+          if (d < D) step[t] += c * sK[jj * ld + d];
         }
       }
+#pragma unroll
+      for (int t = 0; t < kMaxCols; ++t) dq[i][t] += step[t];
     }
     cur.next(p.br);
   }
+  if (TwoLevel<acc_t>::value) fold();
 
   scalar_t* dqp = static_cast<scalar_t*>(p.dq.data) + b * p.dq.sb + sq.start * p.dq.sn + h * p.dq.sh;
   const acc_t scale = (acc_t)p.scale;
@@ -297,7 +395,9 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) {
       const int64_t d = lane + 32 * t;
-      if (d < D) dqp[x * p.dq.sn + d] = (scalar_t)(dq[i][t] * scale);
+      if (d < D)
+        dqp[x * p.dq.sn + d] =
+            (scalar_t)((TwoLevel<acc_t>::value ? sDq[my_rows + i * D + d] : dq[i][t]) * scale);
     }
   }
 }
@@ -307,12 +407,14 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   DA_EXTERN_SMEM(smem_raw);
   const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
   const int QT = p.other_tile, ld = simt_lds(D);
-  acc_t* sK = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
+  acc_t* sK = reinterpret_cast<acc_t*>(smem_raw);  // [M][D]
   acc_t* sV = sK + M * D;                          // [M][D]
-  acc_t* sQ = sV + M * D;                          // [QT][ld]
+  acc_t* sQ = sV + M * D;                          // [QT][ld], scaled by scale * log2(e) as the forward's
   acc_t* sdO = sQ + QT * ld;                       // [QT][ld]
   acc_t* sL = sdO + QT * ld;                       // [QT] lse, log2 domain
   acc_t* sDl = sL + QT;                            // [QT] delta
+  acc_t* sDk = sDl + QT;                           // [M][D] the rows' totals of dk (float only)
+  acc_t* sDv = sDk + M * D;                        // [M][D] and of dv
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const SeqRows sq = sequence_rows(p, blockIdx.z);
@@ -326,13 +428,14 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   const scalar_t* do_all = static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
   const acc_t* lse_all = static_cast<const acc_t*>(p.lse) + b * p.Hq * p.N + sq.start;
   const acc_t* delta_all = static_cast<const acc_t*>(p.delta) + b * p.Hq * p.N + sq.start;
-  const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E), log2e = (acc_t)DA_LOG2E;
+  const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E);
+  const double unit = da_score_unit(p.scale, sl2);
 
   for (int64_t row = warp; row < M; row += kSimtWarps) {
     const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
     const bool ok = x < N;
     for (int64_t d = lane; d < D; d += 32) {
-      sK[row * D + d] = ok ? (acc_t)k[x * p.k.sn + d] * sl2 : (acc_t)0;
+      sK[row * D + d] = ok ? (acc_t)k[x * p.k.sn + d] : (acc_t)0;
       sV[row * D + d] = ok ? (acc_t)v[x * p.v.sn + d] : (acc_t)0;
     }
   }
@@ -341,13 +444,26 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   simt_walk_init(cur, p, N, base, last, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, warp);
   cur.start(p.br);
 
+  // dk, dv: the partial sums of the last kSumSteps steps; sDk, sDv: the rows' totals.
   acc_t dk[kMaxRowsPerWarp][kMaxCols], dv[kMaxRowsPerWarp][kMaxCols];
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i)
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) dk[i][t] = dv[i][t] = 0;
+  const int64_t my_rows = (int64_t)warp * rpw * D;  // this warp's rows of the totals
+  if (TwoLevel<acc_t>::value) {
+    simt_zero_total(sDk + my_rows, rpw, D, lane);
+    simt_zero_total(sDv + my_rows, rpw, D, lane);
+  }
+  auto fold = [&]() {
+    simt_fold_total(sDk + my_rows, dk, rpw, D, lane);
+    simt_fold_total(sDv + my_rows, dv, rpw, D, lane);
+  };
 
+  int steps = 0;  // the same in every thread
   while (!cur.done) {
+    if (TwoLevel<acc_t>::value && steps > 0 && steps % kSumSteps == 0) fold();
+    ++steps;
     __syncthreads();
     const int64_t h = cur.head();
     const scalar_t* q = q_all + h * p.q.sh;
@@ -359,7 +475,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       acc_t qv = 0, dv_ = 0;
       if (j < cur.o_end) {
         const int64_t x = cur.other_position(j);
-        qv = (acc_t)q[x * p.q.sn + d];
+        qv = (acc_t)q[x * p.q.sn + d] * sl2;  // the forward's scaled queries
         dv_ = (acc_t)dout[x * p.dout.sn + d];
       }
       sQ[jj * ld + d] = qv;
@@ -370,8 +486,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       acc_t L = da_inf<acc_t>(), dlt = 0;
       if (j < cur.o_end) {
         const int64_t x = cur.other_position(j);
-        L = lse_all[h * p.N + x];
-        L = L == -da_inf<acc_t>() ? da_inf<acc_t>() : L * log2e;
+        L = da_lse_base2(lse_all[h * p.N + x], unit);
         dlt = delta_all[h * p.N + x];
       }
       sL[jj] = L;
@@ -387,11 +502,14 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       acc_t pr = 0, ds = 0;
       if (ok) {
         const int64_t row = warp * rpw + i;
-        const acc_t s = simt_dot(sK + row * D, sQ + lane * ld, D);
+        const acc_t s = simt_dot(sQ + lane * ld, sK + row * D, D);  // the forward's score, bit for bit
         const acc_t dp = simt_dot(sV + row * D, sdO + lane * ld, D);
         pr = da_exp2(s - sL[lane]);
         ds = pr * (dp - sDl[lane]);
       }
+      acc_t step_k[kMaxCols], step_v[kMaxCols];  // this step's dS^T Q and P^T dO, summed afresh
+#pragma unroll
+      for (int t = 0; t < kMaxCols; ++t) step_k[t] = step_v[t] = 0;
       for (int jj = 0; jj < QT; ++jj) {
         const acc_t a = __shfl_sync(DA_FULL_MASK, pr, jj);
         const acc_t c = __shfl_sync(DA_FULL_MASK, ds, jj);
@@ -399,24 +517,32 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
 #pragma unroll
           for (int t = 0; t < kMaxCols; ++t) {
             const int64_t d = lane + 32 * t;
-            if (d < D) dv[i][t] += a * sdO[jj * ld + d];
+            if (d < D) step_v[t] += a * sdO[jj * ld + d];
           }
         }
         if (c != (acc_t)0) {
 #pragma unroll
           for (int t = 0; t < kMaxCols; ++t) {
             const int64_t d = lane + 32 * t;
-            if (d < D) dk[i][t] += c * sQ[jj * ld + d];
+            if (d < D) step_k[t] += c * sQ[jj * ld + d];
           }
         }
+      }
+#pragma unroll
+      for (int t = 0; t < kMaxCols; ++t) {
+        dk[i][t] += step_k[t];
+        dv[i][t] += step_v[t];
       }
     }
     cur.next(p.br);
   }
+  if (TwoLevel<acc_t>::value) fold();
 
   scalar_t* dkp = static_cast<scalar_t*>(p.dk.data) + b * p.dk.sb + sq.start * p.dk.sn + hk * p.dk.sh;
   scalar_t* dvp = static_cast<scalar_t*>(p.dv.data) + b * p.dv.sb + sq.start * p.dv.sn + hk * p.dv.sh;
-  const acc_t scale = (acc_t)p.scale;
+  // dk summed dS times the scaled queries (scale * log2(e) * q): softmax_scale / (scale * log2(e))
+  // = unit turns it into softmax_scale * dS^T q.
+  const acc_t dk_unit = (acc_t)unit;
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
@@ -425,8 +551,9 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     for (int t = 0; t < kMaxCols; ++t) {
       const int64_t d = lane + 32 * t;
       if (d < D) {
-        dkp[x * p.dk.sn + d] = (scalar_t)(dk[i][t] * scale);
-        dvp[x * p.dv.sn + d] = (scalar_t)dv[i][t];
+        const bool two = TwoLevel<acc_t>::value;
+        dkp[x * p.dk.sn + d] = (scalar_t)((two ? sDk[my_rows + i * D + d] : dk[i][t]) * dk_unit);
+        dvp[x * p.dv.sn + d] = (scalar_t)(two ? sDv[my_rows + i * D + d] : dv[i][t]);
       }
     }
   }

@@ -21,10 +21,13 @@
 //
 // Masking: a pair is computed only if the branch contains it (pair_active). Tiles where every row
 // of a warp is active, the tile is full and causal order holds everywhere skip the mask; a warp
-// with no active row skips the tile. Masked probabilities are exactly 0; as in FlashAttention, a
-// non-finite value in a k/v row that shares a tile with a row which does not read it can still
-// turn that row's result into NaN through 0 * inf in the matrix product.
+// with no active row skips the tile. Masked probabilities are exactly 0; in a masked chunk whose
+// B tile (v, k, or q and dout) holds an inf or NaN, the product with them is summed on CUDA cores
+// without the zero probabilities (tc_gemm_pb_masked), so the value reaches only its readers.
+// lse is formed in double and read back into base 2 in double (common.cuh).
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -128,6 +131,71 @@ __device__ __forceinline__ void tc_gemm_pb(float (&acc)[CT][4], const float (&P)
       }
     }
   }
+}
+
+// Whether a shared tile of `rows` rows x DP columns (stride LDS) holds an inf or NaN, in every lane
+// of the warp: 16-byte reads, an exponent of all ones in either half of a 32-bit word.
+// Cost: rows * DP / 256 16-byte reads per lane.
+template <typename T, int DP, int LDS>
+__device__ __forceinline__ bool tc_tile_nonfinite(const T* tile, int rows, int lane) {
+  constexpr uint32_t kExp = sizeof(T) == 2 && std::is_same<T, __half>::value ? 0x7c007c00u : 0x7f807f80u;
+  constexpr uint32_t kLo = kExp & 0xffffu, kHi = kExp & 0xffff0000u;
+  constexpr int CH = DP / 8;
+  bool bad = false;
+  for (int idx = lane; idx < rows * CH; idx += 32) {
+    const uint4 w = *reinterpret_cast<const uint4*>(tile + (idx / CH) * LDS + (idx % CH) * 8);
+    const uint32_t x[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) bad |= (x[u] & kLo) == kLo || (x[u] & kHi) == kHi;
+  }
+  return __any_sync(DA_FULL_MASK, bad);
+}
+
+// tc_gemm_pb for a chunk with masked pairs whose B tile holds a non-finite value: the same sum
+// with CUDA cores, skipping the pairs whose P is exactly 0, so that an inf or NaN of B reaches only
+// the rows that read it (no 0 * inf of the matrix product; the CPU and SIMT kernels do the same).
+// P[row][key] of the warp's rows g and g + 8 comes from lane 4g + key % 8 / 2 by shuffles. Rare:
+// only for chunks that need the mask and hold a non-finite value. Inlined: an out-of-line call
+// would take the accumulators out of registers (the call passes them through memory).
+template <typename T, int LDS, int NT, int CT>
+__device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const float (&P)[NT][4],
+                                                     const T* sB, int c0, int lane, int64_t D) {
+  const int tq = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      for (int src = 0; src < 4; ++src) {
+        // Rounded to T, as the tensor-core product takes them.
+        const float p0 = round_to<T>(__shfl_sync(DA_FULL_MASK, P[nt][e], (lane & ~3) | src));
+        const float p1 = round_to<T>(__shfl_sync(DA_FULL_MASK, P[nt][2 + e], (lane & ~3) | src));
+        if (p0 == 0.f && p1 == 0.f) continue;
+        const T* b = sB + (nt * 8 + 2 * src + e) * LDS;  // the key's row of B
+#pragma unroll
+        for (int ct = 0; ct < CT; ++ct) {
+#pragma unroll
+          for (int f = 0; f < 2; ++f) {
+            const int d = c0 + ct * 8 + 2 * tq + f;
+            if (d < D) {
+              const float bv = to_float<T>(b[d]);
+              if (p0 != 0.f) acc[ct][f] += p0 * bv;
+              if (p1 != 0.f) acc[ct][2 + f] += p1 * bv;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// acc += P B, on the tensor cores unless the chunk has masked pairs and B a non-finite value.
+template <typename T, int DP, int LDS, int NT, int CT>
+__device__ __forceinline__ void tc_gemm_pb_masked(float (&acc)[CT][4], const float (&P)[NT][4], const T* sB,
+                                                  int c0, int lane, int64_t D, bool need_mask) {
+  if (need_mask && tc_tile_nonfinite<T, DP, LDS>(sB, 8 * NT, lane))
+    tc_gemm_pb_skip_zero<T, LDS, NT, CT>(acc, P, sB, c0, lane, D);
+  else
+    tc_gemm_pb<T, LDS, NT, CT>(acc, P, sB, c0, lane, D);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -251,7 +319,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
         }
         l[ri] += sum;  // this thread's columns; the quad is summed at the end
       }
-      tc_gemm_pb<T, LDS, NT, DT>(O, S, sVs, 0, lane, p.D);
+      tc_gemm_pb_masked<T, DP, LDS, NT, DT>(O, S, sVs, 0, lane, p.D, need_mask);
     }
     __syncthreads();  // the buffer of `stage` is free for the prefetch of the next iteration
     cur = nxt;
@@ -276,7 +344,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
       const int d = dt * 8 + 2 * tq;
       if (d < p.D) store2<T>(o + d, empty ? 0.f : O[dt][2 * ri] * inv, empty ? 0.f : O[dt][2 * ri + 1] * inv);
     }
-    if (tq == 0) lse[x] = empty ? -INFINITY : (m[ri] + log2f(lsum)) * (float)DA_LN2;
+    if (tq == 0) lse[x] = empty ? -INFINITY : da_lse_natural(m[ri], lsum, da_score_unit(p.scale, sl2));
   }
 #endif
 }
@@ -335,12 +403,13 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
   const float* lse = static_cast<const float*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
   const float* delta = static_cast<const float*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
+  const float sl2 = (float)(p.scale * DA_LOG2E);
+  const double unit = da_score_unit(p.scale, sl2);
   float lse2[2], dl[2];
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t x = cur.pos[ri];
-    const float L = x < N ? lse[x] : 0.f;
-    lse2[ri] = L == -INFINITY ? INFINITY : L * (float)DA_LOG2E;
+    lse2[ri] = da_lse_base2(x < N ? lse[x] : 0.f, unit);
     dl[ri] = x < N ? delta[x] : 0.f;
   }
 
@@ -357,7 +426,6 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
     tc_load_rows<T, DP, LDS>(sV + stage * KT * LDS, v, KT, p.D, off_v);
   };
 
-  const float sl2 = (float)(p.scale * DA_LOG2E);
   float dQ[DT][4];
 #pragma unroll
   for (int dt = 0; dt < DT; ++dt) dQ[dt][0] = dQ[dt][1] = dQ[dt][2] = dQ[dt][3] = 0.f;
@@ -398,7 +466,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
           S[nt][e] = ok ? pr * (dP[nt][e] - dl[ri]) : 0.f;  // dS
         }
       }
-      tc_gemm_pb<T, LDS, NT, DT>(dQ, S, sKs, 0, lane, p.D);
+      tc_gemm_pb_masked<T, DP, LDS, NT, DT>(dQ, S, sKs, 0, lane, p.D, need_mask);
     }
     __syncthreads();
     if (STAGES == 1) {
@@ -483,6 +551,8 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
   const float* lse_all = static_cast<const float*>(p.lse) + b * p.Hq * p.N + sq.start;
   const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N + sq.start;
+  const float sl2 = (float)(p.scale * DA_LOG2E);
+  const double unit = da_score_unit(p.scale, sl2);
 
   // Queries o0 .. o0+QT-1 of the walk's current head and segment: q and dout rows, lse, delta.
   auto load_q = [&](const Walk<2>& w, int stage) {
@@ -502,8 +572,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
       float L = INFINITY, dlt = 0.f;
       if (j < w.o_end) {
         const int64_t x = w.other_position(j);
-        L = lse_all[h * p.N + x];
-        L = L == -INFINITY ? INFINITY : L * (float)DA_LOG2E;
+        L = da_lse_base2(lse_all[h * p.N + x], unit);
         dlt = delta_all[h * p.N + x];
       }
       sL[stage * QT + jj] = L;
@@ -511,7 +580,6 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
     }
   };
 
-  const float sl2 = (float)(p.scale * DA_LOG2E);
   float dK[CT][4], dV[CT][4];
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
@@ -556,8 +624,8 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
           dPt[nt][e] = ok ? pr * (dPt[nt][e] - sDls[qc]) : 0.f;  // dS^T
         }
       }
-      tc_gemm_pb<T, LDS, NT, CT>(dV, St, sdOs, c0, lane, p.D);
-      tc_gemm_pb<T, LDS, NT, CT>(dK, dPt, sQs, c0, lane, p.D);
+      tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dV, St, sdOs, c0, lane, p.D, need_mask);
+      tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dK, dPt, sQs, c0, lane, p.D, need_mask);
     }
     __syncthreads();
     if (STAGES == 1) {

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .. import _ops
+from .._autograd import no_double_backward
 from ..flops import accumulation_dtype
 from ..merge import merge_into_
 from .geometry import Block, Piece, Plan, block_key
@@ -285,6 +286,14 @@ class SpanJob:
                 self.add_key_grads(piece, blk, *grads[block_key(piece, blk)])
 
 
+# The way out a second backward through the spanning pieces is told of: they have a fused backward
+# whatever attention_backend says.
+SPAN_ADVICE = (
+    "the pieces of a segment that spans ranks have a fused backward on every attention_backend; "
+    "differentiate twice on one process with DilatedAttention(backend='manual')"
+)
+
+
 class SpanAttention(torch.autograd.Function):
     """(out, lse) of the spanning pieces and of ``job.local_runs``, merged; the backward returns
     key/value gradients to their owners."""
@@ -300,15 +309,21 @@ class SpanAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         job = ctx.job
-        if dout is None:
-            dout = torch.zeros_like(out)
-        grads = job.local_backward(q, k, v, out, lse, dout, dlse)
-        if job.plan.any_span:
-            job.start_backward(out, lse, dout, dlse, grads)
-            ctx.mode.backward(job, q, k, v, saved)
-            job.finish_backward()
-        return grads["dq"].to(q.dtype), grads["dk"].to(k.dtype), grads["dv"].to(v.dtype), None, None
+        dout_in = dout
+        with torch.no_grad():  # a fused backward: first order only (below)
+            if dout is None:
+                dout = torch.zeros_like(out)
+            g = job.local_backward(q, k, v, out, lse, dout, dlse)
+            if job.plan.any_span:
+                job.start_backward(out, lse, dout, dlse, g)
+                ctx.mode.backward(job, q, k, v, saved)
+                job.finish_backward()
+            grads = (g["dq"].to(q.dtype), g["dk"].to(k.dtype), g["dv"].to(v.dtype))
+        # Under create_graph=True, a second backward raises the package's error, not PyTorch's.
+        dq, dk, dv = no_double_backward(
+            f"ring ({job.pieces.name} pieces)", grads, (dout_in, dlse, q, k, v), advice=SPAN_ADVICE
+        )
+        return dq, dk, dv, None, None
