@@ -399,8 +399,8 @@ def test_passkey_receptive_field():
 
 
 def test_recall_batch():
-    """Records are whole rows (a key, then its value), queries ask for keys of the table, the
-    targets are the values and appear nowhere after the table."""
+    """Records are whole rows of one token standing for (key, value), queries ask for keys of the
+    table, the targets are the values and are never inputs."""
     B, T, P, Q, row = 3, 256, 6, 20, 4
     x, y, rec, qpos = recall.recall_batch(B, T, P, Q, row, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (B, T) and rec.shape == qpos.shape == (B, Q)
@@ -408,15 +408,19 @@ def test_recall_batch():
     for b in range(B):
         assert (y[b] >= 0).sum() == Q and torch.equal(qpos[b], torch.arange(T - Q, T))
         assert (rec[b] % row == 0).all() and (rec[b] < T - Q).all()
-        keys = x[b, rec[b]]
-        assert torch.equal(keys, x[b, qpos[b]]) and (keys < recall.N_KEYS).all()
-        for j in range(1, row):  # the record's value fills the rest of its row and is the target
-            assert torch.equal(x[b, rec[b] + j], y[b, qpos[b]])
+        record = x[b, rec[b]] - recall.RECORDS
+        assert ((record >= 0) & (record < recall.N_KEYS * recall.N_VALUES)).all()
+        for j in range(1, row):  # the record fills its row
+            assert torch.equal(x[b, rec[b] + j], x[b, rec[b]])
+        assert torch.equal(x[b, qpos[b]], record // recall.N_VALUES)  # the query is the record's key
+        assert torch.equal(y[b, qpos[b]], recall.N_KEYS + record % recall.N_VALUES)  # its value
         table = x[b, : T - Q]
-        is_key = table < recall.N_KEYS
-        assert is_key.sum() == P and len(set(table[is_key].tolist())) == P  # distinct keys
-        assert ((table == recall.BLANK) | is_key | (table < recall.N_KEYS + recall.N_VALUES)).all()
-        assert (x[b, T - Q :] < recall.N_KEYS).all()  # the answers are never inputs
+        is_record = table != recall.BLANK
+        assert is_record.sum() == P * row and (table[is_record] >= recall.RECORDS).all()
+        keys = (table[is_record] - recall.RECORDS) // recall.N_VALUES
+        assert len(set(keys.tolist())) == P  # distinct keys
+        assert (x[b, T - Q :] < recall.N_KEYS).all()
+        assert not ((x[b] >= recall.N_KEYS) & (x[b] < recall.RECORDS)).any()  # answers never inputs
     perfect = torch.nn.functional.one_hot(y.clamp(min=0), recall.VOCAB_SIZE).float()
     assert recall.answer_accuracy(perfect, y) == 1.0
     assert recall.answer_accuracy(torch.zeros_like(perfect), y) == 0.0  # argmax 0 is a key
@@ -431,30 +435,46 @@ def test_recall_batch():
         recall.recall_batch(1, 256, 4, 8, 1)
 
 
-def test_recall_sequence_length_warmup():
-    """Training sequences grow from an eighth of the block to the block, whole rows, at about
-    the tokens of a full batch; no warmup means full length."""
-    shapes = [recall.warmup_shape(it, 100, 2048, 4, 4, 64, 8) for it in range(0, 120, 10)]
-    assert shapes[0] == (32, 256) and shapes[-2:] == [(4, 2048), (4, 2048)]
-    lengths = [t for _, t in shapes]
-    assert lengths == sorted(lengths) and all(t % 8 == 0 for t in lengths)
-    assert all(0.75 * 4 * 2048 <= b * t <= 4 * 2048 for b, t in shapes)
-    assert recall.warmup_shape(0, 0, 2048, 4, 4, 64, 8) == (4, 2048)
-    assert recall.warmup_shape(0, 10, 256, 2, 8, 64, 8)[1] == 128  # the shortest that holds the task
+def test_recall_length_curriculum():
+    """The training length starts short, doubles (whole rows, up to the block) each time the running
+    answer accuracy reaches the threshold, and the batch keeps the tokens of a full one."""
+    c = recall.LengthCurriculum(2048, 2, start=128, grow_at=0.8, row=8, min_len=64)
+    assert c.shape() == (32, 128)
+    assert not any(c.update(0.79) for _ in range(200))  # never reaches 0.8
+    lengths = [c.seq_len]
+    for _ in range(1000):
+        if c.update(1.0):
+            lengths.append(c.seq_len)
+    assert lengths == [128, 256, 512, 1024, 2048] and c.shape() == (2, 2048)
+    assert not c.update(1.0) and c.seq_len == 2048  # stays at the block
+    odd = recall.LengthCurriculum(1000, 3, start=100, row=8, min_len=120)
+    assert odd.shape() == (25, 120)  # at least the task's shortest, whole rows
+    while odd.seq_len < 1000:
+        assert odd.seq_len % 8 == 0 and odd.shape()[0] * odd.seq_len <= 3 * 1000
+        odd.update(1.0)
+    assert recall.LengthCurriculum(2048, 4).shape() == (4, 2048)  # no curriculum: full length
+    assert recall.LengthCurriculum(2048, 4, start=4096).shape() == (4, 2048)
+    with pytest.raises(ValueError, match="grow_at must be in"):
+        recall.LengthCurriculum(2048, 4, start=128, grow_at=0.0)
+    with pytest.raises(ValueError, match="answer_acc must be finite"):
+        c.update(float("nan"))
 
 
 def test_recall_reachability():
-    """Dilated branches spanning the block reach every record in two layers, dense attention too;
-    the same branches cut to a quarter of the block only the records in the last quarter."""
+    """Dilated branches spanning the block reach every record, in one layer too (the record fills
+    its row, so every head phase has a copy), dense attention too; the same branches cut to a
+    quarter of the block only the records in the last quarter; a row narrower than the largest
+    rate leaves some phases without a copy."""
     T, H, row = 512, 4, 8
     args = {"n_pairs": 8, "n_queries": 32, "row": row, "samples": 16}
     full = recall.reachable_fraction(T, 2, H, (row, 16, T), (1, 2, 4), **args)
     local = recall.reachable_fraction(T, 2, H, (row, 16, T // 4), (1, 2, 2), **args)
     one_layer = recall.reachable_fraction(T, 1, H, (row, 16, T), (1, 2, 4), **args)
     dense = recall.reachable_fraction(T, 1, H, (1,), (1,), dense=True, **args)
-    assert full == 1.0 and dense == 1.0
+    narrow = recall.reachable_fraction(T, 1, H, (2, 16, T), (1, 2, 4), **{**args, "row": 2})
+    assert full == 1.0 and dense == 1.0 and one_layer == 1.0
     assert 0.05 < local < 0.5, local
-    assert one_layer < 0.5, one_layer  # the query's phase reads only a part of each row
+    assert 0.2 < narrow < 0.8, narrow  # a query reads a 2-token row in 2 of its 4 phases
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,6 +592,7 @@ def test_recall_training_runs(tmp_path):
             recall_pairs=4,
             recall_queries=16,
             recall_row=4,
+            recall_start_len=32,
             segment_lengths="4,16,128",
             dilation_rates="1,2,4",
             max_iters=4,
@@ -581,6 +602,8 @@ def test_recall_training_runs(tmp_path):
         log=lambda *_: None,
     )
     assert [e["iter"] for e in out["evals"]] == [0, 2, 4]
+    assert all(e["seq_len"] in (32, 64, 128) for e in out["evals"])  # the curriculum's length
+    assert out["tokens"] == 4 * (16 * 32)  # 4 steps of batch 16 x 32 tokens (4 x 128)
     assert all(0.0 <= e["val_answer_acc"] <= 1.0 and math.isfinite(e["val"]) for e in out["evals"])
     secs = [e["seconds"] for e in out["evals"]]
     assert secs[0] == 0.0 and secs == sorted(secs) and secs[-1] == out["train_seconds"] > 0

@@ -90,8 +90,7 @@ def _run_variant(argv: list[str], log_path: str, result_path: str) -> None:
         "iter_num": out["iter_num"],
         "train_seconds": out["train_seconds"],
         "backend": out["backend"],
-        "tokens": cfg.gradient_accumulation_steps
-        * sum(b * t for b, t in (recall.step_shape(cfg, it) for it in range(out["iter_num"]))),
+        "tokens": out["tokens"],
         "peak_rss_mib": _peak_rss_mib(),
         "start_rss_mib": start_rss,
         "peak_cuda_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
@@ -251,6 +250,7 @@ def summarize(results: dict[str, dict[str, Any]], cfg: train.TrainConfig) -> lis
         last = r["evals"][-1]
         best = max(e["val_answer_acc"] for e in r["evals"])
         to90 = next((e for e in r["evals"] if e["val_answer_acc"] >= 0.9), None)
+        full = next((e for e in r["evals"] if e.get("seq_len", T) >= T), None)
         branches = (
             "dense causal"
             if dense
@@ -267,6 +267,8 @@ def summarize(results: dict[str, dict[str, Any]], cfg: train.TrainConfig) -> lis
                 "pairs_vs_dense": pairs / dense_pairs,
                 "reachable": reach,
                 "steps": r["iter_num"],
+                "train_len_reached": last.get("seq_len", T),
+                "steps_to_full_len": full["iter"] if full else None,
                 "train_seconds": r["train_seconds"],
                 "final_val_answer_acc": last["val_answer_acc"],
                 "best_val_answer_acc": best,
@@ -310,9 +312,9 @@ def write_tables(results: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
     gpu = any(r["peak_cuda_mib"] is not None for r in rows)
     lines = [
         "| attention | branches (segment, rate) | pairs per query (% of dense) | reachable | steps | "
-        "answer accuracy (best) | to 90% | tokens/s in training | tokens/s side by side | "
-        "peak memory (over the start) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "training length reached | answer accuracy (best) | to 90% | tokens/s in training | "
+        "tokens/s side by side | peak memory (over the start) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         mem = (
@@ -328,6 +330,7 @@ def write_tables(results: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
         lines.append(
             f"| {r['attention']} | {r['branches']} | {r['pairs_per_token_per_head']:.0f} "
             f"({r['pairs_vs_dense']:.0%}) | {r['reachable']:.0%} | {r['steps']} in {fmt_time(r['train_seconds'])} | "
+            f"{r['train_len_reached']:,} | "
             f"{r['final_val_answer_acc']:.1%} ({r['best_val_answer_acc']:.1%}) | {to90} | "
             f"{r['tokens_per_second']:,.0f} | {side} | {mem} |"
         )
@@ -357,7 +360,9 @@ def plot(results: dict[str, dict[str, Any]], cfg: train.TrainConfig, path: Path)
         ax.axhline(1 / recall.N_VALUES, color="gray", lw=0.8, ls=":", label="chance")
         ax.set_ylim(0, 1.02)
         ax.set_ylabel("answer accuracy (validation)")
-    axes[2].axhline(math.log(recall.N_VALUES), color="gray", lw=0.8, ls=":", label="chance (ln 64)")
+    axes[2].axhline(
+        math.log(recall.N_VALUES), color="gray", lw=0.8, ls=":", label=f"chance (ln {recall.N_VALUES})"
+    )
     axes[2].set_ylabel("answer loss (validation, nats)")
     axes[1].legend(loc="upper left")
     axes[2].legend(loc="upper right")

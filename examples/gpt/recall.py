@@ -1,37 +1,41 @@
-"""Multi-query associative recall: a long-range lookup task for the example GPT.
+"""Multi-query lookup: a long-range task for the example GPT.
 
-A sequence is a table of fixed-width rows. ``n_pairs`` rows, at random places, are records
-``k v v v v v v v`` (a key, then its value repeated); the other rows are blank. At the end come
-``n_queries`` keys of the table (drawn with replacement), one token each::
+A sequence is a table of fixed-width rows. ``n_pairs`` rows, at random places, are records: one
+token that stands for a (key, value) pair, written ``row`` times; the other rows are blank. At the
+end come ``n_queries`` keys of the table (drawn with replacement), one token each::
 
-    row 0      row 1              row 2 ...                                   queries
-    _ _ _ _ .. k7 v3 v3 v3 v3 ..  _ _ _ _ ..  ...  k2 v9 v9 v9 v9 ..  ...  | k2 k7 k7 k2 ...
+    row 0      row 1              row 2 ...                                  queries
+    _ _ _ _ .. R72 R72 R72 R72 .. _ _ _ _ ..  ...  R25 R25 R25 R25 ..  ...  | k2 k7 k7 k2 ...
 
-The target of each query is its key's value (not the next input: the values never appear after
-the table, so a query cannot copy an earlier answer); only these targets count in the loss and
-the accuracy. Nothing before a query tells its value but the record with the same key, anywhere
-in the sequence.
+The target of each query is the value of its key's record (``R72`` stands for key 7 and value 2);
+only these targets count in the loss and the accuracy. Nothing before a query tells its value but
+the record with the same key, anywhere in the sequence, so a query is answered exactly when its
+attention reaches that record (``reachable_fraction``): one attention hop, from the query to any
+copy of the record.
 
-Tokens: keys ``[0, N_KEYS)``, values ``[N_KEYS, N_KEYS + N_VALUES)``, then the blank. The rows
-are as wide as the shortest segment of the branches the example uses, so that one layer of that
-branch can gather a record's key into its value positions, and the value is repeated so that the
-row has every phase of the dilated branches (rows wider than the largest rate): a second layer
-can then read the record from any query, if the attention reaches that far
-(``reachable_fraction``).
+Tokens: keys ``[0, N_KEYS)``, values ``[N_KEYS, N_KEYS + N_VALUES)`` (targets only, never inputs),
+the records ``[RECORDS, RECORDS + N_KEYS * N_VALUES)``, then the blank. A record fills its row
+(``row`` at least the largest dilation rate) so that every head phase of a dilated branch holds a
+copy: a query at any position reads the record in the head whose phase covers it.
+
+Training starts on short sequences and doubles their length each time the training answers are
+learned (:class:`LengthCurriculum`): the lookup is found where records are a large part of the
+sequence, and then carried to the full length.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Any
 
 import passkey
 import torch
 
-N_KEYS = 256
-N_VALUES = 64
-BLANK = N_KEYS + N_VALUES  # the filler token
-VOCAB_SIZE = N_KEYS + N_VALUES + 1
+N_KEYS = 8
+N_VALUES = 8
+RECORDS = N_KEYS + N_VALUES  # the first record token: RECORDS + key * N_VALUES + value
+BLANK = RECORDS + N_KEYS * N_VALUES  # the filler token
+VOCAB_SIZE = BLANK + 1
 
 
 def check_shape(seq_len: int, n_pairs: int, n_queries: int, row: int) -> None:
@@ -59,8 +63,8 @@ def min_seq_len(n_pairs: int, n_queries: int, row: int) -> int:
 def recall_batch(
     batch_size: int,
     seq_len: int,
-    n_pairs: int = 16,
-    n_queries: int = 64,
+    n_pairs: int = 4,
+    n_queries: int = 32,
     row: int = 8,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,9 +72,9 @@ def recall_batch(
 
     x (B, T) inputs; y (B, T) targets, ``-1`` (ignored) except at the queries (the last
     ``n_queries`` tokens, keys of the table drawn with replacement), whose target is the key's
-    value; record_pos (B, n_queries) the position of the record that the query at query_pos
-    (B, n_queries) asks for. The values are never inputs after the table, so a query cannot copy
-    an earlier query's answer.
+    value; record_pos (B, n_queries) the first position of the record that the query at
+    query_pos (B, n_queries) asks for. The keys of a sequence are distinct; the values are never
+    inputs, so a query cannot copy an earlier query's answer.
     """
     check_shape(seq_len, n_pairs, n_queries, row)
     B, T = batch_size, seq_len
@@ -78,12 +82,12 @@ def recall_batch(
     gen = generator
     x = torch.full((B, T), BLANK, dtype=torch.int64)
     keys = torch.rand(B, N_KEYS, generator=gen).argsort(dim=1)[:, :n_pairs]  # distinct per sequence
-    values = N_KEYS + torch.randint(N_VALUES, (B, n_pairs), generator=gen)
+    values = torch.randint(N_VALUES, (B, n_pairs), generator=gen)
     rows = torch.rand(B, n_rows, generator=gen).argsort(dim=1)[:, :n_pairs]  # where the records go
     b = torch.arange(B)[:, None]
-    x[b, rows * row] = keys
-    for j in range(1, row):
-        x[b, rows * row + j] = values
+    for j in range(row):
+        x[b, rows * row + j] = RECORDS + keys * N_VALUES + values
+    values = values + N_KEYS  # the answers' tokens
     asked = torch.randint(n_pairs, (B, n_queries), generator=gen)  # which record each query asks for
     query_pos = (T - n_queries + torch.arange(n_queries))[None, :].expand(B, -1)
     x[b, query_pos] = keys.gather(1, asked)
@@ -92,33 +96,54 @@ def recall_batch(
     return x, y, (rows * row).gather(1, asked), query_pos
 
 
-def warmup_shape(
-    it: int, warmup_iters: int, block_size: int, batch_size: int, n_pairs: int, n_queries: int, row: int
-) -> tuple[int, int]:
-    """``(batch_size, seq_len)`` of training step ``it`` under sequence-length warmup: the
-    sequences grow linearly from an eighth of ``block_size`` (or the shortest that holds the task)
-    to ``block_size`` over ``warmup_iters`` steps, whole rows, and the batch shrinks so that a step
-    has about as many tokens as a full one. ``warmup_iters=0``: always full length."""
-    if warmup_iters <= 0 or it >= warmup_iters:
-        return batch_size, block_size
-    shortest = max(min_seq_len(n_pairs, n_queries, row), block_size // 8)
-    seq_len = shortest + (block_size - shortest) * it // warmup_iters
-    seq_len = min(max(seq_len // row * row, shortest), block_size)
-    return max(batch_size * block_size // seq_len, 1), seq_len
+class LengthCurriculum:
+    """The training sequences' length: ``start`` tokens at first, doubled (up to ``block_size``)
+    each time the training answers are learned, i.e. when the running mean of the training answer
+    accuracy (an exponential average over about 20 steps) reaches ``grow_at``. The batch grows as
+    the sequences shrink, so that a step has about as many tokens at every length.
+    ``start >= block_size`` (or 0): always full length.
 
+    >>> c = LengthCurriculum(2048, 2, start=128, grow_at=0.8)
+    >>> c.shape()
+    (32, 128)
+    """
 
-def step_shape(cfg: Any, it: int) -> tuple[int, int]:
-    """``warmup_shape`` of step ``it`` for a training config (``block_size``, ``batch_size`` and the
-    ``recall_*`` keys of ``train.TrainConfig``)."""
-    return warmup_shape(
-        it,
-        cfg.recall_len_warmup,
-        cfg.block_size,
-        cfg.batch_size,
-        cfg.recall_pairs,
-        cfg.recall_queries,
-        cfg.recall_row,
-    )
+    def __init__(
+        self,
+        block_size: int,
+        batch_size: int,
+        start: int = 0,
+        grow_at: float = 0.8,
+        row: int = 1,
+        min_len: int = 1,
+    ) -> None:
+        if not 0.0 < grow_at <= 1.0:
+            raise ValueError(f"grow_at must be in (0, 1], got {grow_at!r}")
+        self.block_size, self.batch_size, self.grow_at, self.row = block_size, batch_size, grow_at, row
+        first = block_size if start <= 0 else min(max(start, min_len), block_size)
+        self.seq_len = self._whole_rows(first, min_len)
+        self.min_len = min_len
+        self.mean_acc = 0.0
+
+    def _whole_rows(self, n: int, min_len: int) -> int:
+        if n >= self.block_size:
+            return self.block_size
+        return max(-(-n // self.row) * self.row, min_len)
+
+    def shape(self) -> tuple[int, int]:
+        """``(batch_size, seq_len)`` of the next training step."""
+        return max(self.batch_size * self.block_size // self.seq_len, 1), self.seq_len
+
+    def update(self, answer_acc: float) -> bool:
+        """Takes a training step's answer accuracy; ``True`` when the sequences grow."""
+        if not math.isfinite(answer_acc):
+            raise ValueError(f"answer_acc must be finite, got {answer_acc!r}")
+        self.mean_acc = 0.95 * self.mean_acc + 0.05 * answer_acc
+        if self.mean_acc < self.grow_at or self.seq_len >= self.block_size:
+            return False
+        self.seq_len = self._whole_rows(2 * self.seq_len, self.min_len)
+        self.mean_acc = 0.0
+        return True
 
 
 def reachable_fraction(
@@ -128,20 +153,19 @@ def reachable_fraction(
     segment_lengths: Sequence[int],
     dilation_rates: Sequence[int],
     dense: bool = False,
-    n_pairs: int = 16,
-    n_queries: int = 64,
+    n_pairs: int = 4,
+    n_queries: int = 32,
     row: int = 8,
     samples: int = 8,
     seed: int = 0,
 ) -> float:
-    """Fraction of queries whose answer position can read, after ``n_layer`` layers, both the key
-    and a value of the record it asks for: the ceiling of the accuracy beyond guessing."""
+    """Fraction of queries whose position can read, after ``n_layer`` layers, a copy of the record
+    it asks for: the ceiling of the accuracy beyond guessing."""
     field = passkey.receptive_field(seq_len, n_layer, n_head, segment_lengths, dilation_rates, dense)
     gen = torch.Generator().manual_seed(seed)
     _, _, rec, qpos = recall_batch(samples, seq_len, n_pairs, n_queries, row, gen)
-    key_ok = field[qpos, rec]  # (B, n_pairs)
-    value_ok = torch.stack([field[qpos, rec + j] for j in range(1, row)]).any(dim=0)
-    return float((key_ok & value_ok).float().mean())
+    copy_ok = torch.stack([field[qpos, rec + j] for j in range(row)]).any(dim=0)
+    return float(copy_ok.float().mean())
 
 
 def answer_accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:

@@ -68,10 +68,11 @@ class TrainConfig:
     )
     max_bytes: int = 0  # stdlib: cap on the corpus size (0 = all of it)
     passkey_digits: int = 5
-    recall_pairs: int = 16  # recall: key-value records in the table
-    recall_queries: int = 64  # recall: queries at the end (the answers: loss and accuracy)
+    recall_pairs: int = 4  # recall: key-value records in the table
+    recall_queries: int = 32  # recall: queries at the end (the answers: loss and accuracy)
     recall_row: int = 8  # recall: tokens per row of the table
-    recall_len_warmup: int = 0  # recall: steps over which training sequences grow to block_size
+    recall_start_len: int = 0  # recall: first training length, doubled as answers are learned (0: full)
+    recall_grow_at: float = 0.8  # recall: training answer accuracy at which the length doubles
     gradient_accumulation_steps: int = 1
     batch_size: int = 8
     block_size: int = 256
@@ -132,7 +133,7 @@ class TrainConfig:
             "lr_decay_iters",
             "max_bytes",
             "num_threads",
-            "recall_len_warmup",
+            "recall_start_len",
         ):
             if getattr(self, n) < 0:
                 raise ValueError(f"{n} must be >= 0, got {getattr(self, n)}")
@@ -158,6 +159,8 @@ class TrainConfig:
             )
         if self.dataset == "recall":
             recall.check_shape(self.block_size, self.recall_pairs, self.recall_queries, self.recall_row)
+            if not 0.0 < self.recall_grow_at <= 1.0:
+                raise ValueError(f"recall_grow_at must be in (0, 1], got {self.recall_grow_at!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,15 +278,15 @@ class Batches:
                 )
 
     def get(
-        self, split: str, generator: torch.Generator, it: int | None = None
+        self, split: str, generator: torch.Generator, shape: tuple[int, int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A batch ``(x, y, doc_starts)``; ``it`` (the training step) shortens recall sequences under
-        ``recall_len_warmup``."""
+        """A batch ``(x, y, doc_starts)``; ``shape`` ``(batch, length)`` of a recall batch (the
+        length curriculum's), default ``(batch_size, block_size)``."""
         cfg = self.cfg
         if cfg.dataset == "passkey":
             x, y, _ = passkey.passkey_batch(cfg.batch_size, cfg.block_size, cfg.passkey_digits, generator)
         elif cfg.dataset == "recall":
-            shape = (cfg.batch_size, cfg.block_size) if it is None else recall.step_shape(cfg, it)
+            shape = (cfg.batch_size, cfg.block_size) if shape is None else shape
             x, y, _, _ = recall.recall_batch(
                 *shape, cfg.recall_pairs, cfg.recall_queries, cfg.recall_row, generator
             )
@@ -496,6 +499,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
     }
     iter_num, best_val_loss, checkpoint = 0, 1e9, None
     checkpoint_peak: tuple[float, str] | None = None
+    resumed_len = 0  # the recall curriculum's training length in the checkpoint
     ckpt_path = out_dir / "ckpt.pt"
     if cfg.init_from == "resume":
         if not ckpt_path.exists():
@@ -514,6 +518,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
                 f"{model_args['block_size']}"
             )
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+        resumed_len = int(checkpoint.get("recall_seq_len", 0))
         if "peak_flops" in checkpoint:  # the MFU keeps the peak the run started with
             checkpoint_peak = (float(checkpoint["peak_flops"]), str(checkpoint["peak_flops_source"]))
     gptconf = GPTConfig(**model_args)
@@ -592,6 +597,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
             "peak_flops": peak,
             "peak_flops_source": peak_src,
         }
+        if curriculum is not None:
+            state["recall_seq_len"] = curriculum.seq_len
         if device.type == "cuda":
             state["rng"]["cuda"] = torch.cuda.get_rng_state(device)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -616,6 +623,22 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
             f"recall: {frac:.0%} of the queries can read their record with this attention and {cfg.n_layer} layers"
         )
 
+    curriculum = None  # the recall task's training length (recall.LengthCurriculum)
+    if cfg.dataset == "recall":
+        curriculum = recall.LengthCurriculum(
+            cfg.block_size,
+            cfg.batch_size,
+            start=resumed_len or cfg.recall_start_len,
+            grow_at=cfg.recall_grow_at,
+            row=cfg.recall_row,
+            min_len=recall.min_seq_len(cfg.recall_pairs, cfg.recall_queries, cfg.recall_row),
+        )
+        if curriculum.seq_len < cfg.block_size:
+            log(
+                f"recall: training starts at {curriculum.seq_len} tokens (batch {curriculum.shape()[0]}) and "
+                f"doubles when the training answer accuracy reaches {cfg.recall_grow_at:.0%}"
+            )
+
     summary: dict[str, Any] = {
         "losses": [],
         "evals": [],
@@ -629,6 +652,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
     local_iter, tok_s = 0, 0.0
     window_time, window_iters = 0.0, 0  # the iterations since the last progress line
     train_seconds, out_of_time = 0.0, False  # time in training steps, evaluations excluded
+    tokens_seen = 0  # training tokens, all processes
     while True:
         lr = get_lr(iter_num, cfg)
         for group in optimizer.param_groups:
@@ -637,7 +661,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
             losses = estimate_loss(model, batches, cfg, ctx)
             extra = "".join(f" | {k} {v:.3f}" for k, v in losses.items() if k.endswith("acc"))
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{extra}")
-            summary["evals"].append({"iter": iter_num, "seconds": train_seconds, **losses})
+            seq_len = cfg.block_size if curriculum is None else curriculum.seq_len
+            summary["evals"].append(
+                {"iter": iter_num, "seconds": train_seconds, "seq_len": seq_len, **losses}
+            )
             if losses["val"] < best_val_loss or cfg.always_save_checkpoint:
                 best_val_loss = min(best_val_loss, losses["val"])
                 if iter_num > 0:
@@ -650,10 +677,13 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         for micro in range(grad_accum):
             if ddp:  # synchronise gradients only at the last micro step
                 model.require_backward_grad_sync = micro == grad_accum - 1
-            x, y, doc_starts = batches.get("train", data_gen, iter_num)
+            x, y, doc_starts = batches.get(
+                "train", data_gen, None if curriculum is None else curriculum.shape()
+            )
             with ctx:
-                _, loss = model(x, y, doc_starts=doc_starts)
+                logits, loss = model(x, y, doc_starts=doc_starts)
                 loss = loss / grad_accum
+            tokens_seen += x.numel() * world
             loss_sum += loss.detach()
             scaler.scale(loss).backward()
         if cfg.grad_clip > 0:
@@ -662,6 +692,13 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        if curriculum is not None and curriculum.seq_len < cfg.block_size:
+            acc = torch.tensor([recall.answer_accuracy(logits.detach(), y)], device=device)
+            if ddp:  # every process grows at the same step
+                dist.all_reduce(acc)
+                acc /= world
+            if curriculum.update(float(acc.item())) and master:
+                log(f"step {iter_num}: recall answers learned; training length {curriculum.seq_len}")
 
         t1 = time.time()
         dt, t0 = t1 - t0, t1
@@ -692,6 +729,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         best_val_loss=best_val_loss,
         seconds=time.time() - t_start,
         train_seconds=train_seconds,
+        tokens=tokens_seen,
     )
     if ddp:
         dist.destroy_process_group()
