@@ -119,16 +119,14 @@ class LengthCurriculum:
     ) -> None:
         if not 0.0 < grow_at <= 1.0:
             raise ValueError(f"grow_at must be in (0, 1], got {grow_at!r}")
-        self.block_size, self.batch_size, self.grow_at, self.row = block_size, batch_size, grow_at, row
-        first = block_size if start <= 0 else min(max(start, min_len), block_size)
-        self.seq_len = self._whole_rows(first, min_len)
-        self.min_len = min_len
+        self.block_size, self.batch_size, self.grow_at = block_size, batch_size, grow_at
+        self.row, self.min_len = row, min_len
+        self.seq_len = self._whole_rows(block_size if start <= 0 else start)
         self.mean_acc = 0.0
 
-    def _whole_rows(self, n: int, min_len: int) -> int:
-        if n >= self.block_size:
-            return self.block_size
-        return max(-(-n // self.row) * self.row, min_len)
+    def _whole_rows(self, n: int) -> int:
+        """``n`` rounded up to whole rows, at least ``min_len``, at most ``block_size``."""
+        return min(max(-(-n // self.row) * self.row, self.min_len), self.block_size)
 
     def shape(self) -> tuple[int, int]:
         """``(batch_size, seq_len)`` of the next training step."""
@@ -141,7 +139,7 @@ class LengthCurriculum:
         self.mean_acc = 0.95 * self.mean_acc + 0.05 * answer_acc
         if self.mean_acc < self.grow_at or self.seq_len >= self.block_size:
             return False
-        self.seq_len = self._whole_rows(2 * self.seq_len, self.min_len)
+        self.seq_len = self._whole_rows(2 * self.seq_len)
         self.mean_acc = 0.0
         return True
 
