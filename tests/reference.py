@@ -44,25 +44,40 @@ def reference_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out, lse)``: out (B, N, Hq, D), lse (B, Hq, N), computed in ``dtype``
     (float64 by default). Differentiable by autograd."""
+    mult = multiplicity(q.shape[1], q.shape[2], segment_lengths, dilation_rates, is_causal)
+    return _weighted_attention(q, k, v, mult.to(q.device), softmax_scale, dtype)
+
+
+def _weighted_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mult: torch.Tensor,
+    softmax_scale: float | None,
+    dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of q (B, nq, Hq, D) over k, v (B, nk, Hkv, D), key ``x`` counted ``mult[h, p, x]``
+    times by query ``p`` of head ``h`` (``mult`` (Hq, nq, nk) or (nq, nk); 0: not seen), in
+    ``dtype`` (float64 by default). A query that sees no key gets out = 0 and lse = -inf; a score it
+    does not see never enters its sums, whatever its value."""
     dtype = dtype or torch.float64
-    _, N, Hq, D = q.shape
-    G = Hq // k.shape[2]
+    D, G = q.shape[3], q.shape[2] // k.shape[2]
     scale = D**-0.5 if softmax_scale is None else softmax_scale
     qd, kd, vd = (t.to(dtype) for t in (q, k, v))
-    kd = kd.repeat_interleave(G, dim=2)  # (B, N, Hq, D)
+    kd = kd.repeat_interleave(G, dim=2)  # (B, nk, Hq, D)
     vd = vd.repeat_interleave(G, dim=2)
-    scores = torch.einsum("bphd,bxhd->bhpx", qd, kd) * scale  # (B, Hq, N, N)
-    mult = multiplicity(N, Hq, segment_lengths, dilation_rates, is_causal).to(q.device)  # (Hq, N, N)
-    mult = mult.to(dtype)[None]  # (1, Hq, N, N)
+    scores = torch.einsum("bphd,bxhd->bhpx", qd, kd) * scale  # (B, Hq, nq, nk)
+    mult = mult.to(dtype)
+    seen = mult > 0
     neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=q.device)
-    row_max = torch.where(mult > 0, scores, neg_inf).amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(seen, scores, neg_inf).amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = mult * torch.exp(scores - row_max)  # (B, Hq, N, N)
-    denom = weights.sum(dim=-1, keepdim=True)  # (B, Hq, N, 1)
+    weights = mult * torch.exp(torch.where(seen, scores, row_max) - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)  # (B, Hq, nq, 1)
     covered = denom > 0
     safe = torch.where(covered, denom, torch.ones_like(denom))
-    out = torch.einsum("bhpx,bxhd->bphd", weights / safe, vd)  # (B, N, Hq, D)
-    lse = torch.where(covered, torch.log(safe) + row_max, neg_inf).squeeze(-1)  # (B, Hq, N)
+    out = torch.einsum("bhpx,bxhd->bphd", weights / safe, vd)  # (B, nq, Hq, D)
+    lse = torch.where(covered, torch.log(safe) + row_max, neg_inf).squeeze(-1)  # (B, Hq, nq)
     return out, lse
 
 
@@ -78,30 +93,14 @@ def reference_piece(
     ``i`` when ``causal_offset`` is None or ``j <= i + causal_offset`` (the pieces of sequence
     parallelism). Returns ``(out, lse)`` as :func:`reference_attention`; a query that sees no key
     gets out = 0 and lse = -inf. Differentiable by autograd."""
-    dtype = dtype or torch.float64
-    _, nq, Hq, D = q.shape
-    nk, G = k.shape[1], Hq // k.shape[2]
-    scale = D**-0.5 if softmax_scale is None else softmax_scale
-    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
-    kd = kd.repeat_interleave(G, dim=2)
-    vd = vd.repeat_interleave(G, dim=2)
-    scores = torch.einsum("bphd,bxhd->bhpx", qd, kd) * scale  # (B, Hq, nq, nk)
+    nq, nk = q.shape[1], k.shape[1]
     visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     if causal_offset is not None:
         visible = (
             torch.arange(nk, device=q.device)[None, :]
             <= torch.arange(nq, device=q.device)[:, None] + causal_offset
         )
-    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=q.device)
-    row_max = torch.where(visible, scores, neg_inf).amax(dim=-1, keepdim=True).detach()
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = visible.to(dtype) * torch.exp(torch.where(visible, scores, row_max) - row_max)
-    denom = weights.sum(dim=-1, keepdim=True)  # (B, Hq, nq, 1)
-    covered = denom > 0
-    safe = torch.where(covered, denom, torch.ones_like(denom))
-    out = torch.einsum("bhpx,bxhd->bphd", weights / safe, vd)  # (B, nq, Hq, D)
-    lse = torch.where(covered, torch.log(safe) + row_max, neg_inf).squeeze(-1)  # (B, Hq, nq)
-    return out, lse
+    return _weighted_attention(q, k, v, visible, softmax_scale, dtype)
 
 
 def reference_varlen(
