@@ -59,6 +59,15 @@ _WALK_SOURCE = r"""
 static int64_t g_tile_rows = 0;
 extern "C" void da_replay_tile_rows(int64_t n) { g_tile_rows = n; }
 
+/* A piece of nq queries over nk keys with a causal offset for the next calls (nk = 0: the op).
+ * The rows are the N = nq queries or N = nk keys; mult is then (Hq, nq, nk). */
+static da_piece g_piece = {0, 0, 0};
+extern "C" void da_replay_piece(int64_t nq, int64_t nk, int64_t offset) {
+  g_piece.nq = nq;
+  g_piece.nk = nk;
+  g_piece.offset = offset;
+}
+
 /* Replays, for every thread block, what the CUDA kernels do with their rows: the walk over
  * (head, branch, segment, chunk), the block-wide "any row active" test, and each warp's skip and
  * mask decisions. work[1] counts the pairs that warps compute (rows_per_warp x other_tile per
@@ -84,6 +93,9 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
   if (mult == NULL && tile_step < 1) { snprintf(err, errlen, "tile_step must be >= 1"); return 1; }
   if (mult != NULL) tile_step = 1;
   const int64_t M = da_tile_rows(&t);
+  const da_piece* pc = &g_piece;
+  const int64_t off = da_causal_offset(pc);
+  const int64_t nq = pc->nk > 0 ? pc->nq : N, nk = pc->nk > 0 ? pc->nk : N; /* mult is (Hq, nq, nk) */
   std::vector<int64_t> seen(N, 0);
   std::vector<int64_t> pos(M), jrow(M);
   const int64_t groups = rows_are == DA_ROWS_ARE_QUERIES ? Hq : Hkv;
@@ -106,7 +118,7 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
         }
       da_walk st;
       da_walk_begin(&st);
-      while (da_walk_candidate(&st, &br, nh, h0, base, last, N, causal, rows_are)) {
+      while (da_walk_candidate(&st, &br, nh, h0, base, last, N, causal, rows_are, pc)) {
         bool any = false;
         for (int64_t m = 0; m < M; ++m) {
           jrow[m] = da_row_index(pos[m], N, st.s, st.w, st.r, st.o);
@@ -125,20 +137,20 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
             jmax = j > jmax ? j : jmax;
             if (mult != NULL) continue;
             int64_t lo = st.o_begin, hi = st.o_end; /* the row's useful pairs, in closed form */
-            if (causal && rows_are == DA_ROWS_ARE_QUERIES && j + 1 < hi) hi = j + 1;
-            if (causal && rows_are == DA_ROWS_ARE_KEYS && j > lo) lo = j;
+            if (causal && rows_are == DA_ROWS_ARE_QUERIES && j + off + 1 < hi) hi = j + off + 1;
+            if (causal && rows_are == DA_ROWS_ARE_KEYS && j - off > lo) lo = j - off;
             if (hi > lo) work[0] += (double)(hi - lo);
           }
           for (int64_t o0 = st.o_begin; o0 < st.o_end; o0 += other_tile) {
-            const int skip = da_chunk_skip(rows_are, causal, o0, other_tile, wany, jmin, jmax);
-            const int mask = da_chunk_needs_mask(rows_are, causal, o0, other_tile, st.o_end, wall, jmin, jmax);
+            const int skip = da_chunk_skip(rows_are, causal, o0, other_tile, wany, jmin, jmax, off);
+            const int mask = da_chunk_needs_mask(rows_are, causal, o0, other_tile, st.o_end, wall, jmin, jmax, off);
             if (!skip) work[1] += (double)(rows_per_warp * other_tile);
             if (mult == NULL) continue;
             for (int64_t i = 0; i < rows_per_warp; ++i) {
               const int64_t m = wp * rows_per_warp + i;
               for (int64_t jj = 0; jj < other_tile; ++jj) {
                 const int64_t j = o0 + jj;
-                const int act = da_pair_active(jrow[m], j, st.o_end, causal, rows_are);
+                const int act = da_pair_active(jrow[m], j, st.o_end, causal, rows_are, off);
                 if (skip) {
                   if (act) { snprintf(err, errlen, "warp skipped an active pair"); return 1; }
                   continue;
@@ -146,10 +158,11 @@ extern "C" int da_replay(int64_t N, int64_t Hq, int64_t Hkv, int64_t nb, const i
                 if (!mask && !act) { snprintf(err, errlen, "an inactive pair was left unmasked"); return 1; }
                 if (!act) continue;
                 const int64_t x = st.seg_first + j * st.r;
-                if (x < 0 || x >= N) { snprintf(err, errlen, "other position %lld out of range", (long long)x); return 1; }
+                const int64_t other_n = rows_are == DA_ROWS_ARE_QUERIES ? nk : nq;
+                if (x < 0 || x >= other_n) { snprintf(err, errlen, "other position %lld out of range", (long long)x); return 1; }
                 const int64_t qp = rows_are == DA_ROWS_ARE_QUERIES ? pos[m] : x;
                 const int64_t kp = rows_are == DA_ROWS_ARE_QUERIES ? x : pos[m];
-                mult[(h * N + qp) * N + kp] += 1;
+                mult[(h * nq + qp) * nk + kp] += 1;
                 work[0] += 1.0;
               }
             }
@@ -213,6 +226,7 @@ def walk_lib(tmp_path_factory):
         + [i64p, i64p, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int]
     )
     so.da_replay_tile_rows.argtypes = [ctypes.c_int64]
+    so.da_replay_piece.argtypes = [ctypes.c_int64] * 3
     so.da_cost.restype = ctypes.c_double
     so.da_cost.argtypes = [ctypes.c_int64, ctypes.c_int64, i64p, i64p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return so

@@ -130,13 +130,14 @@ __device__ __forceinline__ int warp_max_int(int v) {
  * call has S sequences (0, cu_seqlens[z], cu_seqlens[z + 1] - cu_seqlens[z]) of its (1, T, ...)
  * tensors. Every kernel sees its sequence as a sequence of its own (positions, segments, phases
  * and causal masking from its first row); lse and delta rows stay at b * Hq * p.N + h * p.N +
- * start + x.
+ * start + x. A piece (tiling.h) has B sequences of p.N query rows and p.piece.nk key rows.
  */
 struct SeqRows {
   int64_t b, start, N;
 };
 
-__device__ __forceinline__ SeqRows sequence_rows(const Params& p, int64_t z) {
+__device__ __forceinline__ SeqRows sequence_rows(const Params& p, int64_t z, int rows_are) {
+  if (p.piece.nk > 0) return SeqRows{z, 0, rows_are == DA_ROWS_ARE_KEYS ? p.piece.nk : p.N};  // a piece
   if (p.cu_seqlens == nullptr) return SeqRows{z, 0, p.N};
   const int64_t start = p.cu_seqlens[z];
   return SeqRows{0, start, (int64_t)p.cu_seqlens[z + 1] - start};
@@ -162,6 +163,8 @@ struct Walk {
   // Fixed for the block.
   int64_t N, base, last, h0;
   int G, is_causal, rows_are, other_tile;
+  da_piece pc;  // a piece, or nk = 0 (start)
+  int64_t off;  // the causal offset (da_causal_offset)
   int64_t pos[ROWS];
   // Where the walk is (tiling.h).
   da_walk st;
@@ -171,10 +174,12 @@ struct Walk {
   int warp_jmin, warp_jmax;
   bool done;
 
-  __device__ __forceinline__ void start(const da_branches& br) {
+  __device__ __forceinline__ void start(const Params& p) {
+    pc = p.piece;
+    off = da_causal_offset(&pc);
     da_walk_begin(&st);
     done = false;
-    find(br);
+    find(p.br);
   }
 
   // Next chunk of the other side, or the next (head, branch, segment) with an active row.
@@ -193,16 +198,24 @@ struct Walk {
 
   // Whether this warp skips the current chunk / must mask it (tiling.h).
   __device__ __forceinline__ bool skip_chunk() const {
-    return da_chunk_skip(rows_are, is_causal, o0, other_tile, warp_any, warp_jmin, warp_jmax);
+    return da_chunk_skip(rows_are, is_causal, o0, other_tile, warp_any, warp_jmin, warp_jmax, off);
   }
   __device__ __forceinline__ bool chunk_needs_mask() const {
-    return da_chunk_needs_mask(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin, warp_jmax);
+    return da_chunk_needs_mask(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin, warp_jmax, off);
+  }
+
+  // Whether row index jrow (-1: inactive) meets index j of the other side in the current segment
+  // (32-bit form of da_pair_active).
+  __device__ __forceinline__ bool pair_active(int jrow, int j) const {
+    if (jrow < 0 || j >= o_end) return false;
+    if (!is_causal) return true;
+    return rows_are == DA_ROWS_ARE_QUERIES ? (int64_t)j <= jrow + off : (int64_t)jrow <= j + off;
   }
 
   // From the walk's position on, the first segment with an active row in this block.
   __device__ void find(const da_branches& br) {
     for (;;) {
-      if (!da_walk_candidate(&st, &br, G, h0, base, last, N, is_causal, rows_are)) {
+      if (!da_walk_candidate(&st, &br, G, h0, base, last, N, is_causal, rows_are, &pc)) {
         done = true;
         return;
       }
@@ -233,14 +246,6 @@ struct Walk {
     }
   }
 };
-
-// Whether row index jrow (-1: inactive) meets index j of the other side (32-bit form of
-// da_pair_active).
-__device__ __forceinline__ bool pair_active(int jrow, int j, int o_end, int is_causal, int rows_are) {
-  if (jrow < 0 || j >= o_end) return false;
-  if (!is_causal) return true;
-  return rows_are == DA_ROWS_ARE_QUERIES ? j <= jrow : jrow <= j;
-}
 
 /* ------------------------------------------------------------------------------------------ */
 /* sm80 primitives                                                                              */

@@ -36,6 +36,10 @@ struct Params {
   const int32_t* cu_seqlens;
   int64_t num_seqs;
   da_branches br;
+  // A piece (piece_fwd/piece_bwd, tiling.h): N = piece.nq queries over piece.nk keys, k and v of
+  // (B, nk, Hkv, D), one branch (w = max(nq, nk), r = 1); the dk/dv kernel's rows are the nk keys.
+  // piece.nk = 0 (zeroed Params): the op.
+  da_piece piece;
   int is_causal;
   double scale;      // softmax scale
   da_tiling tiling;  // how rows are cut into thread blocks (tiling.h)

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   acc_t* sO = sV + KT * D;                         // [M][D] the rows' totals (float only)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
   const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
   if (base >= N) return;
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
 
   Walk<kMaxRowsPerWarp> cur;
   simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
-  cur.start(p.br);
+  cur.start(p);
 
   // Partial state (m, l, acc) of the last kSumSteps steps and the rows' totals (mt, lt, and sO).
   acc_t m[kMaxRowsPerWarp], l[kMaxRowsPerWarp], acc[kMaxRowsPerWarp][kMaxCols];
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
     for (int i = 0; i < kMaxRowsPerWarp; ++i) {
       if (cur.jrow[i] < 0) continue;  // same for the whole warp
       const int j = cur.o0 + lane;
-      const bool ok = lane < KT && pair_active(cur.jrow[i], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES);
+      const bool ok = lane < KT && cur.pair_active(cur.jrow[i], j);
       const acc_t s = ok ? simt_dot(sQ + (warp * rpw + i) * D, sK + lane * ld, D) : -da_inf<acc_t>();
       const acc_t m_new = da_max(m[i], warp_max(s));
       const acc_t m_use = m_new == -da_inf<acc_t>() ? (acc_t)0 : m_new;
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   acc_t* sDq = sV + KT * ld;                       // [M][D] the rows' totals (float only)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
   const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
   if (base >= N) return;
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
 
   Walk<kMaxRowsPerWarp> cur;
   simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
-  cur.start(p.br);
+  cur.start(p);
 
   // dq: the partial sum of the last kSumSteps steps; sDq: the rows' totals.
   const double unit = da_score_unit(p.scale, sl2);
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
     for (int i = 0; i < kMaxRowsPerWarp; ++i) {
       if (cur.jrow[i] < 0) continue;
       const int j = cur.o0 + lane;
-      const bool ok = lane < KT && pair_active(cur.jrow[i], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES);
+      const bool ok = lane < KT && cur.pair_active(cur.jrow[i], j);
       acc_t ds = 0;
       if (ok) {
         const int64_t row = warp * rpw + i;
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   acc_t* sDv = sDk + M * D;                        // [M][D] and of dv
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
   const int64_t N = sq.N, b = sq.b, hk = blockIdx.y;
   const int64_t base = da_tile_base(&p.tiling, blockIdx.x);
   if (base >= N) return;
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
 
   Walk<kMaxRowsPerWarp> cur;
   simt_walk_init(cur, p, N, base, last, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, warp);
-  cur.start(p.br);
+  cur.start(p);
 
   // dk, dv: the partial sums of the last kSumSteps steps; sDk, sDv: the rows' totals.
   acc_t dk[kMaxRowsPerWarp][kMaxCols], dv[kMaxRowsPerWarp][kMaxCols];
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     for (int i = 0; i < kMaxRowsPerWarp; ++i) {
       if (cur.jrow[i] < 0) continue;
       const int j = cur.o0 + lane;
-      const bool ok = lane < QT && pair_active(cur.jrow[i], j, cur.o_end, p.is_causal, DA_ROWS_ARE_KEYS);
+      const bool ok = lane < QT && cur.pair_active(cur.jrow[i], j);
       acc_t pr = 0, ds = 0;
       if (ok) {
         const int64_t row = warp * rpw + i;

@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   T* sV = sK + Cfg::STAGES * KT * LDS;     // [STAGES][KT][LDS]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
-  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
   const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   cur.rows_are = DA_ROWS_ARE_QUERIES;
   cur.other_tile = KT;
   tc_thread_rows(tl, base, warp, lane, cur.pos);
-  cur.start(p.br);
+  cur.start(p);
 
   auto load_kv = [&](const Walk<2>& w, int stage) {
     auto off_k = [&](int jj) -> int64_t {
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
           float s = S[nt][e] * sl2;
           if (need_mask) {
             const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
-            if (!pair_active(cur.jrow[e >> 1], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES)) s = -INFINITY;
+            if (!cur.pair_active(cur.jrow[e >> 1], j)) s = -INFINITY;
           }
           S[nt][e] = s;
         }
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   T* sV = sK + STAGES * KT * LDS;          // [STAGES][KT][LDS]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
-  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
   const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   cur.rows_are = DA_ROWS_ARE_QUERIES;
   cur.other_tile = KT;
   tc_thread_rows(tl, base, warp, lane, cur.pos);
-  cur.start(p.br);
+  cur.start(p);
 
   // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
   const float* lse = static_cast<const float*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
@@ -460,7 +460,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
           bool ok = true;
           if (need_mask) {
             const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
-            ok = pair_active(cur.jrow[ri], j, cur.o_end, p.is_causal, DA_ROWS_ARE_QUERIES);
+            ok = cur.pair_active(cur.jrow[ri], j);
           }
           const float pr = ok ? exp2f(S[nt][e] * sl2 - lse2[ri]) : 0.f;
           S[nt][e] = ok ? pr * (dP[nt][e] - dl[ri]) : 0.f;  // dS
@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   float* sDl = sL + STAGES * QT;                                  // [STAGES][QT] delta
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
-  const SeqRows sq = sequence_rows(p, blockIdx.z);
+  const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
   const int64_t N = sq.N, b = sq.b, hk = blockIdx.y / Cfg::CHUNKS;
   const int c0 = (int)(blockIdx.y % Cfg::CHUNKS) * DC;  // first accumulator column
   const da_tiling tl = p.tiling;
@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   cur.rows_are = DA_ROWS_ARE_KEYS;
   cur.other_tile = QT;
   tc_thread_rows(tl, base, warp, lane, cur.pos);
-  cur.start(p.br);
+  cur.start(p);
 
   const T* q_all = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
   const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
@@ -618,7 +618,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
           const int qc = nt * 8 + 2 * tq + (e & 1);
           bool ok = true;
           if (need_mask)
-            ok = pair_active(cur.jrow[e >> 1], cur.o0 + qc, cur.o_end, p.is_causal, DA_ROWS_ARE_KEYS);
+            ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
           const float pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
           St[nt][e] = pr;
           dPt[nt][e] = ok ? pr * (dPt[nt][e] - sDls[qc]) : 0.f;  // dS^T

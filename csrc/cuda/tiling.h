@@ -35,6 +35,24 @@
 #define DA_ROWS_ARE_QUERIES 0 /* forward and dq: rows are queries, the walk streams keys */
 #define DA_ROWS_ARE_KEYS 1    /* dk/dv: rows are keys, the walk streams queries */
 
+/*
+ * A piece (dilated_attention::piece_fwd / piece_bwd: a rank's queries of one head phase of a
+ * segment that spans ranks, against one run of its keys) is dense attention of nq queries over nk
+ * keys, both already sparsified, key j visible to query i when j <= i + offset under causal
+ * masking. The kernels run it as the walk of one segment: one branch (w >= nq, nk; r = 1) in which
+ * every row is active, whose other side has the indices [0, nk) (query rows) or [0, nq) (key
+ * rows), and whose causal order is compared with the offset. nk = 0: the op itself (every branch
+ * and segment as above, causal order without an offset).
+ */
+typedef struct {
+  int64_t nq, nk, offset;
+} da_piece;
+
+/* The causal offset of the walk's order: the piece's, 0 for the op. */
+DA_HD int64_t da_causal_offset(const da_piece* pc) {
+  return pc->nk > 0 ? pc->offset : 0;
+}
+
 typedef struct {
   int64_t R;                 /* stride between the positions of a tile's rows */
   int64_t warps;             /* warps per thread block */
@@ -82,23 +100,26 @@ DA_HD int64_t da_segment_end(int64_t s, int64_t w, int64_t N) {
  * [base, last] can meet in segment s of branch (w, r) at phase o; *seg_first receives the
  * segment's first covered position. Returns 0 when the range is empty. Causal: for query rows it
  * stops after the last row's index (keys beyond it are masked for every row); for key rows it
- * starts at the first row's index.
+ * starts at the first row's index (each shifted by the piece's offset). A piece's other side has
+ * its own length (pc->nk keys or pc->nq queries).
  */
 DA_HD int da_segment_range(int64_t base, int64_t last, int64_t N, int64_t w, int64_t r, int64_t o, int64_t s,
-                           int is_causal, int rows_are, int64_t* seg_first, int64_t* o_begin,
-                           int64_t* o_end) {
+                           int is_causal, int rows_are, const da_piece* pc, int64_t* seg_first,
+                           int64_t* o_begin, int64_t* o_end) {
   const int64_t seg_start = s * w, seg_end = da_segment_end(s, w, N);
-  const int64_t first = seg_start + o;
+  const int64_t first = seg_start + o, off = da_causal_offset(pc);
   if (o >= w || first >= seg_end) return 0;
-  const int64_t count = da_ceil_div(seg_end - first, r);
+  const int64_t count =
+      pc->nk > 0 ? (rows_are == DA_ROWS_ARE_QUERIES ? pc->nk : pc->nq) : da_ceil_div(seg_end - first, r);
   int64_t lo = 0, hi = count;
   if (is_causal && rows_are == DA_ROWS_ARE_QUERIES) {
     const int64_t top = da_min64(last, seg_end - 1); /* no row of this tile lies beyond top */
     if (top < first) return 0;
-    hi = da_min64(count, (top - first) / r + 1);
+    hi = da_min64(count, (top - first) / r + 1 + off);
+    if (hi <= 0) return 0;
   } else if (is_causal) {
     const int64_t bottom = da_max64(base, seg_start); /* no row of this tile lies below bottom */
-    lo = bottom > first ? (bottom - first) / r : 0;
+    lo = da_max64(0, (bottom > first ? (bottom - first) / r : 0) - off);
     if (lo >= count) return 0;
   }
   *seg_first = first;
@@ -116,11 +137,12 @@ DA_HD int64_t da_row_index(int64_t p, int64_t N, int64_t s, int64_t w, int64_t r
   return rel / r;
 }
 
-/* Whether the row of dilated index jrow (-1: inactive) meets the other side's index j. */
-DA_HD int da_pair_active(int64_t jrow, int64_t j, int64_t o_end, int is_causal, int rows_are) {
+/* Whether the row of dilated index jrow (-1: inactive) meets the other side's index j; off is the
+ * causal offset (da_causal_offset). */
+DA_HD int da_pair_active(int64_t jrow, int64_t j, int64_t o_end, int is_causal, int rows_are, int64_t off) {
   if (jrow < 0 || j >= o_end) return 0;
   if (!is_causal) return 1;
-  return rows_are == DA_ROWS_ARE_QUERIES ? j <= jrow : jrow <= j;
+  return rows_are == DA_ROWS_ARE_QUERIES ? j <= jrow + off : jrow <= j + off;
 }
 
 /*
@@ -147,7 +169,7 @@ DA_HD void da_walk_begin(da_walk* st) {
  * block is active there (da_row_index) and, if none is, increments s and calls again.
  */
 DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64_t h0, int64_t base,
-                            int64_t last, int64_t N, int is_causal, int rows_are) {
+                            int64_t last, int64_t N, int is_causal, int rows_are, const da_piece* pc) {
   for (;;) {
     if (st->gi >= G) return 0;
     if (st->bi >= br->n) {
@@ -166,8 +188,8 @@ DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64
       st->s = -1;
       continue;
     }
-    if (da_segment_range(base, last, N, w, r, o, st->s, is_causal, rows_are, &st->seg_first, &st->o_begin,
-                         &st->o_end)) {
+    if (da_segment_range(base, last, N, w, r, o, st->s, is_causal, rows_are, pc, &st->seg_first,
+                         &st->o_begin, &st->o_end)) {
       st->w = w;
       st->r = r;
       st->o = o;
@@ -180,20 +202,21 @@ DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64
 /*
  * Per warp and chunk [o0, o0 + ot) of the other side, from the warp's active rows (any, all, and
  * the least and largest dilated index among them): whether no pair of the warp can be active (the
- * warp skips the chunk), and whether some pair may be inactive (the warp must mask).
+ * warp skips the chunk), and whether some pair may be inactive (the warp must mask). off is the
+ * causal offset (da_causal_offset).
  */
 DA_HD int da_chunk_skip(int rows_are, int is_causal, int64_t o0, int64_t ot, int warp_any, int64_t warp_jmin,
-                        int64_t warp_jmax) {
+                        int64_t warp_jmax, int64_t off) {
   if (!warp_any) return 1;
   if (!is_causal) return 0;
-  return rows_are == DA_ROWS_ARE_QUERIES ? o0 > warp_jmax : o0 + ot - 1 < warp_jmin;
+  return rows_are == DA_ROWS_ARE_QUERIES ? o0 > warp_jmax + off : o0 + ot - 1 < warp_jmin - off;
 }
 
 DA_HD int da_chunk_needs_mask(int rows_are, int is_causal, int64_t o0, int64_t ot, int64_t o_end,
-                              int warp_all, int64_t warp_jmin, int64_t warp_jmax) {
+                              int warp_all, int64_t warp_jmin, int64_t warp_jmax, int64_t off) {
   if (!warp_all || o0 + ot > o_end) return 1;
   if (!is_causal) return 0;
-  return rows_are == DA_ROWS_ARE_QUERIES ? o0 + ot - 1 > warp_jmin : o0 < warp_jmax;
+  return rows_are == DA_ROWS_ARE_QUERIES ? o0 + ot - 1 > warp_jmin + off : o0 < warp_jmax - off;
 }
 
 /* ------------------------------------------------------------------------------------------ */
