@@ -201,7 +201,8 @@ struct Walk {
     return da_chunk_skip(rows_are, is_causal, o0, other_tile, warp_any, warp_jmin, warp_jmax, off);
   }
   __device__ __forceinline__ bool chunk_needs_mask() const {
-    return da_chunk_needs_mask(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin, warp_jmax, off);
+    return da_chunk_needs_mask(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin, warp_jmax,
+                               off);
   }
 
   // Whether row index jrow (-1: inactive) meets index j of the other side in the current segment

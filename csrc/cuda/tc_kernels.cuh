@@ -617,8 +617,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
         for (int e = 0; e < 4; ++e) {
           const int qc = nt * 8 + 2 * tq + (e & 1);
           bool ok = true;
-          if (need_mask)
-            ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
+          if (need_mask) ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
           const float pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
           St[nt][e] = pr;
           dPt[nt][e] = ok ? pr * (dPt[nt][e] - sDls[qc]) : 0.f;  // dS^T

@@ -188,8 +188,8 @@ DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64
       st->s = -1;
       continue;
     }
-    if (da_segment_range(base, last, N, w, r, o, st->s, is_causal, rows_are, pc, &st->seg_first,
-                         &st->o_begin, &st->o_end)) {
+    if (da_segment_range(base, last, N, w, r, o, st->s, is_causal, rows_are, pc, &st->seg_first, &st->o_begin,
+                         &st->o_end)) {
       st->w = w;
       st->r = r;
       st->o = o;
