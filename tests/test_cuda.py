@@ -19,6 +19,7 @@ Three parts:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -32,13 +33,14 @@ import pytest
 import torch
 from common import grads, load_script
 from common import make_inputs as _make_inputs
-from reference import multiplicity, reference_attention, reference_varlen
+from reference import multiplicity, reference_attention, reference_piece, reference_varlen
 from tolerance import assert_causal_segment_within_rule, assert_within_rule
 
 from dilated_attention import dilated_attention as dattn
 from dilated_attention._ops import has_kernel
 from dilated_attention.backends import select_backend
 from dilated_attention.flops import attention_pairs
+from dilated_attention.merge import merge
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW = os.environ.get("DILATED_ATTENTION_SLOW", "0") == "1"
@@ -374,6 +376,56 @@ def test_kernel_walk_of_packed_sequences(walk_lib):
         walk_lib.da_replay_tile_rows(0)
 
 
+def piece_visible(nq, nk, offset):
+    """(nq, nk): whether query i sees key j in a piece (offset None: unmasked)."""
+    if offset is None:
+        return torch.ones(nq, nk, dtype=torch.bool)
+    return torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + offset
+
+
+def test_kernel_walk_of_pieces(walk_lib):
+    """A piece (tiling.h da_piece: nq queries over nk keys, key j visible to query i when
+    j <= i + offset): the walk visits each visible pair once, with query rows and with key rows,
+    including offsets that leave rows without a key (negative) or every key visible (large)."""
+    g = torch.Generator().manual_seed(13)
+
+    def ri(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    try:
+        for trial in range(60 if SLOW else 24):
+            nq, nk = ri(1, 150), ri(1, 150)
+            Hkv = ri(1, 2)
+            Hq = Hkv * ri(1, 2)
+            offset = [None, nk - nq, 0, ri(-nq - 5, nk + 5)][trial % 4]
+            rows_are = ri(0, 1)
+            R, il = [(0, 0), (1, 0), (1, 1), (ri(2, 5), ri(0, 1))][ri(0, 3)]
+            rpw, ot = [(16, 64), (4, 32), (1, 8)][ri(0, 2)]
+            walk_lib.da_replay_piece(nq, nk, 0 if offset is None else offset)
+            N = nq if rows_are == 0 else nk
+            mult = torch.zeros(Hq * nq * nk, dtype=torch.int64)
+            _replay(
+                walk_lib,
+                N,
+                Hq,
+                Hkv,
+                [max(nq, nk)],
+                [1],
+                offset is not None,
+                rows_are,
+                R,
+                il,
+                rpw,
+                ot,
+                1,
+                mult,
+            )
+            expected = piece_visible(nq, nk, offset).long().expand(Hq, nq, nk)
+            assert torch.equal(mult.view(Hq, nq, nk), expected), (nq, nk, Hq, Hkv, offset, rows_are, R, il)
+    finally:
+        walk_lib.da_replay_piece(0, 0, 0)
+
+
 def _cost(lib, N, segs, rates, R, il, rpw=16, causal=False):
     w, _w = _i64(segs)
     r, _r = _i64(rates)
@@ -531,6 +583,7 @@ def emu(tmp_path_factory):
     so.da_emu_backward.argtypes = head + [vp] * 10 + [ctypes.c_char_p, ctypes.c_int]
     so.da_emu_options.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
     so.da_emu_varlen.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    so.da_emu_piece.argtypes = [ctypes.c_int64, ctypes.c_int64]
     yield so
     so.da_emu_options(0, 1, 0)
 
@@ -580,21 +633,27 @@ def emulated(emu, q, k, v, segs, rates, causal, family, tiling=(0, 0, 4, 32), do
     )
     if dout is None:
         return out, lse
+    grads = emulated_backward(emu, q, k, v, segs, rates, causal, family, tiling, dout, out, lse, dlse)
+    return out, lse, grads
+
+
+def emulated_backward(emu, q, k, v, segs, rates, causal, family, tiling, dout, out, lse, dlse=None):
+    """(dq, dk, dv) of the emulated CUDA kernels for the given out and lse."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _emu_call(
         emu.da_emu_backward,
-        dtype,
+        q.dtype,
         family,
         q,
         k,
         segs,
         rates,
         causal,
-        scale,
+        q.shape[-1] ** -0.5,
         tiling,
         (dout, q, k, v, out, lse, dlse, dq, dk, dv),
     )
-    return out, lse, (dq, dk, dv)
+    return dq, dk, dv
 
 
 def check_emulated(
@@ -931,6 +990,136 @@ EMU_VARLEN_CONFIGS = [
 def test_emulated_kernels_on_packed_sequences(emu, lengths, Hq, Hkv, D, segs, rates, is_causal):
     check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 0, (0, 0, 16, 64))
     check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.float32, 1, (3, 1, 2, 16))
+
+
+@contextlib.contextmanager
+def emulating_piece(emu, nk, offset):
+    """The emulated kernels run a piece of the calls' N queries over nk keys (tiling.h da_piece)."""
+    emu.da_emu_piece(nk, 0 if offset is None else offset)
+    try:
+        yield
+    finally:
+        emu.da_emu_piece(0, 0)
+
+
+def check_emulated_piece(emu, B, nq, nk, Hq, Hkv, D, offset, dtype, family, tiling, cut=None):
+    """A piece through the emulated kernels against the float64 reference (tests/reference.py
+    reference_piece) under the SPEC section 4 rule, forward and backward with a gradient on lse.
+    With ``cut``, as the ring runs it: the keys in two pieces, their results merged, and each
+    piece's backward fed the *merged* out and lse; the shares must sum to the whole's gradients."""
+    g = torch.Generator().manual_seed(nq * 1000 + nk)
+    q64, k64, v64 = (
+        torch.randn(B, n, h, D, generator=g, dtype=torch.float64) for n, h in ((nq, Hq), (nk, Hkv), (nk, Hkv))
+    )
+    q, k, v = (t.to(dtype).contiguous() for t in (q64, k64, v64))
+    dout = torch.randn(B, nq, Hq, D, generator=g, dtype=torch.float64)
+    dlse = torch.randn(B, Hq, nq, generator=g, dtype=torch.float64)
+    lse_t = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def loss(out, lse):
+        finite = torch.isfinite(lse)
+        return (out.double() * dout).sum() + (torch.where(finite, lse.double(), 0) * dlse).sum()
+
+    def reference(in_dtype):
+        leaves = [t.to(in_dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = reference_piece(*leaves, offset, dtype=in_dtype)
+        return (out.detach(), lse.detach(), *torch.autograd.grad(loss(out, lse), leaves))
+
+    do, dl = dout.to(dtype).contiguous(), dlse.to(lse_t).contiguous()
+    if cut is None:
+        with emulating_piece(emu, nk, offset):
+            out, lse, grads = emulated(emu, q, k, v, [1], [1], offset is not None, family, tiling, do, dl)
+    else:
+        parts = [(0, cut), (cut, nk)]
+        offs = [None if offset is None else offset - lo for lo, _ in parts]
+        results = []
+        for (lo, hi), off in zip(parts, offs, strict=True):
+            with emulating_piece(emu, hi - lo, off):
+                results.append(
+                    emulated(
+                        emu,
+                        q,
+                        k[:, lo:hi].contiguous(),
+                        v[:, lo:hi].contiguous(),
+                        [1],
+                        [1],
+                        off is not None,
+                        family,
+                        tiling,
+                    )
+                )
+        out, lse = merge([r[0].to(lse_t) for r in results], [r[1] for r in results])
+        out = out.to(dtype).contiguous()
+        shares = []
+        for (lo, hi), off in zip(parts, offs, strict=True):
+            with emulating_piece(emu, hi - lo, off):
+                shares.append(
+                    emulated_backward(
+                        emu,
+                        q,
+                        k[:, lo:hi].contiguous(),
+                        v[:, lo:hi].contiguous(),
+                        [1],
+                        [1],
+                        off is not None,
+                        family,
+                        tiling,
+                        do,
+                        out,
+                        lse,
+                        dl,
+                    )
+                )
+        grads = (
+            sum(s[0].double() for s in shares),
+            torch.cat([s[1] for s in shares], 1),
+            torch.cat([s[2] for s in shares], 1),
+        )
+    expected, plain = reference(torch.float64), reference(dtype)
+    got = (out, lse, *grads)
+    for name, a, e, p in zip(("out", "lse", "dq", "dk", "dv"), got, expected, plain, strict=True):
+        assert_within_rule(name, a, e, p, dtype)
+
+
+# (B, nq, nk, Hq, Hkv, D, causal offset): unmasked; the ring's shape (own keys last: offset =
+# nk - nq); a square diagonal block (0); rows that see no key (negative offset); an offset past
+# nk - nq; few queries over many keys; more queries than keys.
+EMU_PIECES = [
+    pytest.param(1, 5, 7, 2, 2, 32, None, id="small-unmasked"),
+    pytest.param(2, 70, 130, 4, 2, 64, 60, id="own-keys-last-gqa"),
+    pytest.param(1, 67, 67, 2, 1, 40, 0, id="diagonal-D40"),
+    pytest.param(1, 90, 40, 2, 2, 32, -25, id="rows-without-keys"),
+    pytest.param(1, 129, 200, 3, 3, 96, 150, id="offset-past-diagonal-D96"),
+    pytest.param(1, 9, 100, 4, 4, 128, None, id="few-queries-D128"),
+    pytest.param(1, 150, 20, 2, 1, 32, 5, id="more-queries-than-keys"),
+]
+
+
+@pytest.mark.parametrize("family", [0, 1], ids=["tensor-cores-bf16", "simt-fp32"])
+@pytest.mark.parametrize("B,nq,nk,Hq,Hkv,D,offset", EMU_PIECES)
+def test_emulated_piece_kernels(emu, B, nq, nk, Hq, Hkv, D, offset, family):
+    """The op's CUDA kernels running a piece (dilated_attention::piece_fwd/piece_bwd on CUDA), on
+    the CPU, against the float64 reference."""
+    dtype, tiling = (torch.bfloat16, (0, 0, 16, 64)) if family == 0 else (torch.float32, (0, 0, 4, 32))
+    check_emulated_piece(emu, B, nq, nk, Hq, Hkv, D, offset, dtype, family, tiling)
+
+
+@pytest.mark.parametrize(
+    "dtype,family,tiling",
+    [
+        (torch.float16, 0, (0, 0, 16, 64)),
+        (torch.bfloat16, 0, (3, 1, 16, 64)),
+        (torch.float64, 1, (0, 0, 2, 16)),
+        (torch.bfloat16, 1, (2, 0, 1, 8)),
+    ],
+    ids=["f16-tc", "bf16-tc-R3-interleaved", "f64-simt", "bf16-simt-R2"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_emulated_piece_kernels_merged_backward(emu, dtype, family, tiling, causal):
+    """The ring's use of the pieces: keys in two pieces, merged, each backward fed the merged
+    out and lse; other dtypes and forced tilings."""
+    nq, nk = 45, 110
+    check_emulated_piece(emu, 1, nq, nk, 4, 2, 32, nk - nq if causal else None, dtype, family, tiling, cut=52)
 
 
 def _load_bench():

@@ -1,7 +1,8 @@
 // Runs the CUDA kernels of csrc/cuda on the CPU through cuda_emulation.h, for tests without a GPU
 // (tests/test_cuda.py loads it with ctypes). It mirrors what dilated_attention_cuda.cpp does on the
 // host (tiling, the delta pass, the dq and dk/dv passes) for contiguous (B, N, H, D) tensors (or,
-// after da_emu_varlen, packed sequences of (1, T, H, D) tensors), and
+// after da_emu_varlen, packed sequences of (1, T, H, D) tensors; after da_emu_piece, a piece of
+// N queries over nk keys: k, v, dk, dv of (B, nk, Hkv, D)), and
 // guards every buffer: outputs start as NaN bytes and every buffer is fenced by canary bytes that
 // must survive the run. Build:
 //   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>
@@ -75,6 +76,17 @@ Packed& packed() {
   return p;
 }
 
+// A piece for the next calls (da_emu_piece): N queries over nk keys (tiling.h), or nk = 0.
+da_piece& piece() {
+  static da_piece pc = {0, 0, 0};
+  return pc;
+}
+
+// Rows of keys: N, or a piece's nk.
+int64_t key_rows(int64_t N) {
+  return piece().nk > 0 ? piece().nk : N;
+}
+
 size_t elem_size(int dtype) {
   return dtype == 0 || dtype == 1 ? 2 : dtype == 2 ? 4 : 8;
 }
@@ -92,6 +104,16 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
   p->scale = P.scale;
   p->num_seqs = P.B;
   int64_t tile_rows = P.N;  // the longest sequence
+  if (piece().nk > 0) {     // as the host launches a piece: one branch, R = 1 unless forced
+    if (!packed().cu.empty()) {
+      snprintf(err, errlen, "a piece takes no packed sequences");
+      return 1;
+    }
+    p->piece = da_piece{P.N, piece().nk, piece().offset};
+    p->br.n = 1;
+    p->br.w[0] = da_max64(P.N, piece().nk);
+    p->br.r[0] = 1;
+  }
   const std::vector<int32_t>& cu = packed().cu;
   if (!cu.empty()) {
     if (P.B != 1 || cu.front() != 0 || cu.back() != P.N) {
@@ -112,10 +134,23 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
     snprintf(err, errlen, "SIMT: rows_per_warp in 1..4 and other_tile in 1..32");
     return 1;
   }
-  p->tiling = P.R > 0 ? da_make_tiling(tile_rows, P.R, P.interleaved, 4, rpw)
-                      : da_choose_tiling(tile_rows, &P.br, P.causal, 4, rpw);
+  if (piece().nk > 0)
+    p->tiling = da_make_tiling(tile_rows, P.R > 0 ? P.R : 1, P.R > 0 ? P.interleaved : 0, 4, rpw);
+  else
+    p->tiling = P.R > 0 ? da_make_tiling(tile_rows, P.R, P.interleaved, 4, rpw)
+                        : da_choose_tiling(tile_rows, &P.br, P.causal, 4, rpw);
   p->other_tile = (int)P.other_tile;
   return 0;
+}
+
+// The params of the dk/dv pass: a piece's rows there are its nk keys.
+Params key_params(const Params& p) {
+  Params k = p;
+  if (p.piece.nk > 0) {
+    const da_tiling& t = p.tiling;
+    k.tiling = da_make_tiling(p.piece.nk, t.R, t.interleaved, t.warps, t.rows_per_warp);
+  }
+  return k;
 }
 
 template <typename T>
@@ -135,9 +170,10 @@ template <typename T, int DP>
 void tc_backward_dp(const Params& p) {
   const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
   run_grid(tc_dq_kernel<T, DP>, grid, TcDqCfg<DP>::SMEM, p);
-  const dim3 grid_kv((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS),
+  const Params pk = key_params(p);
+  const dim3 grid_kv((unsigned)da_num_tiles(&pk.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS),
                      (unsigned)p.num_seqs);
-  run_grid(tc_dkv_kernel<T, DP>, grid_kv, TcDkvCfg<DP>::SMEM, p);
+  run_grid(tc_dkv_kernel<T, DP>, grid_kv, TcDkvCfg<DP>::SMEM, pk);
 }
 
 template <typename T>
@@ -165,8 +201,9 @@ void simt_backward(const Params& p) {
   const size_t s_kv = simt_smem_elems<acc_t>(p.D, p.tiling.rows_per_warp, p.other_tile, kDkv) * sizeof(acc_t);
   run_grid(simt_dq_kernel<scalar_t, acc_t>,
            dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs), s_dq, p);
+  const Params pk = key_params(p);
   run_grid(simt_dkv_kernel<scalar_t, acc_t>,
-           dim3((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hkv, (unsigned)p.num_seqs), s_kv, p);
+           dim3((unsigned)da_num_tiles(&pk.tiling), (unsigned)p.Hkv, (unsigned)p.num_seqs), s_kv, pk);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -220,6 +257,12 @@ extern "C" void da_emu_varlen(const int32_t* cu_seqlens, int64_t S) {
   packed().cu.assign(cu_seqlens, cu_seqlens + (S < 0 ? 0 : S + 1));
 }
 
+// A piece of N queries over nk keys with a causal offset for the calls that follow (their
+// branches are then ignored); nk = 0 returns to the op.
+extern "C" void da_emu_piece(int64_t nk, int64_t offset) {
+  piece() = da_piece{0, nk < 0 ? 0 : nk, offset};
+}
+
 // Forward: out (B, N, Hq, D) and lse (B, Hq, N) from contiguous q, k, v. Returns 0 or 1 (err set).
 extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t nb, const int64_t* w, const int64_t* r, int causal, double scale,
@@ -231,12 +274,13 @@ extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64
   Params p;
   if (setup(P, &p, err, errlen)) return 1;
   const size_t es = elem_size(dtype), ls = dtype == 3 ? 8 : 4;
-  Guarded gq(q, B * N * Hq * D * es, false), gk(k, B * N * Hkv * D * es, false),
-      gv(v, B * N * Hkv * D * es, false);
+  const int64_t Nk = key_rows(N);
+  Guarded gq(q, B * N * Hq * D * es, false), gk(k, B * Nk * Hkv * D * es, false),
+      gv(v, B * Nk * Hkv * D * es, false);
   Guarded go(nullptr, B * N * Hq * D * es, true), gl(nullptr, B * Hq * N * ls, true);
   p.q = contiguous4(gq.data(), N, Hq, D);
-  p.k = contiguous4(gk.data(), N, Hkv, D);
-  p.v = contiguous4(gv.data(), N, Hkv, D);
+  p.k = contiguous4(gk.data(), Nk, Hkv, D);
+  p.v = contiguous4(gv.data(), Nk, Hkv, D);
   p.out = contiguous4(go.data(), N, Hq, D);
   p.lse = gl.data();
   if (family == 0) {
@@ -274,18 +318,19 @@ extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int6
   Params p;
   if (setup(P, &p, err, errlen)) return 1;
   const size_t es = elem_size(dtype), ls = dtype == 3 ? 8 : 4;
-  const size_t nq = B * N * Hq * D * es, nk = B * N * Hkv * D * es, nl = B * Hq * N * ls;
+  const int64_t Nk = key_rows(N);
+  const size_t nq = B * N * Hq * D * es, nk = B * Nk * Hkv * D * es, nl = B * Hq * N * ls;
   Guarded gdo(dout, nq, false), gq(q, nq, false), gk(k, nk, false), gv(v, nk, false), go(out, nq, false);
   Guarded gl(lse, nl, false), gdl(dlse, dlse ? nl : 0, false), gdelta(nullptr, nl, true);
   Guarded gdq(nullptr, nq, true), gdk(nullptr, nk, true), gdv(nullptr, nk, true);
   p.q = contiguous4(gq.data(), N, Hq, D);
-  p.k = contiguous4(gk.data(), N, Hkv, D);
-  p.v = contiguous4(gv.data(), N, Hkv, D);
+  p.k = contiguous4(gk.data(), Nk, Hkv, D);
+  p.v = contiguous4(gv.data(), Nk, Hkv, D);
   p.out = contiguous4(go.data(), N, Hq, D);
   p.dout = contiguous4(gdo.data(), N, Hq, D);
   p.dq = contiguous4(gdq.data(), N, Hq, D);
-  p.dk = contiguous4(gdk.data(), N, Hkv, D);
-  p.dv = contiguous4(gdv.data(), N, Hkv, D);
+  p.dk = contiguous4(gdk.data(), Nk, Hkv, D);
+  p.dv = contiguous4(gdv.data(), Nk, Hkv, D);
   p.lse = gl.data();
   p.delta = gdelta.data();
   p.dlse = dlse ? gdl.data() : nullptr;
