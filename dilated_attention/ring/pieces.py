@@ -6,9 +6,10 @@ q (B, nq, nh, D) over k, v (B, nk, nkv, D), where query head ``i`` reads key/val
 ``kv_select[i]``. With causal masking, key ``j`` is visible to query ``i`` when
 ``j <= i + offset``; keys past every query's reach are never computed.
 
-* ``native`` where it runs (CPU; the op ``dilated_attention::piece_fwd/piece_bwd``): the fused
-  kernel, which skips masked key tiles and, in the backward, takes the *merged* ``out`` and
-  ``lse`` of the rows (so that gradients are exact through the merge, as in ring attention).
+* ``native`` where the extension has the op ``dilated_attention::piece_fwd/piece_bwd`` for the
+  device (CPU; CUDA when built with its kernels): the fused kernel, which skips masked key tiles
+  and, in the backward, takes the *merged* ``out`` and ``lse`` of the rows (so that gradients are
+  exact through the merge, as in ring attention).
 * Otherwise the module's backend, when it has a kernel backward that takes ``out`` and ``lse``
   (``sdpa``, ``xformers``), else ``sdpa``: the same two entry points that the gather-based
   backends use (:mod:`dilated_attention.backends.gathered`). A masked piece there is cut into the
