@@ -1030,46 +1030,18 @@ def check_emulated_piece(emu, B, nq, nk, Hq, Hkv, D, offset, dtype, family, tili
         with emulating_piece(emu, nk, offset):
             out, lse, grads = emulated(emu, q, k, v, [1], [1], offset is not None, family, tiling, do, dl)
     else:
-        parts = [(0, cut), (cut, nk)]
-        offs = [None if offset is None else offset - lo for lo, _ in parts]
-        results = []
-        for (lo, hi), off in zip(parts, offs, strict=True):
+
+        def run(lo, hi, off, *backward_args):
+            kk, vv = k[:, lo:hi].contiguous(), v[:, lo:hi].contiguous()
+            fn = emulated_backward if backward_args else emulated
             with emulating_piece(emu, hi - lo, off):
-                results.append(
-                    emulated(
-                        emu,
-                        q,
-                        k[:, lo:hi].contiguous(),
-                        v[:, lo:hi].contiguous(),
-                        [1],
-                        [1],
-                        off is not None,
-                        family,
-                        tiling,
-                    )
-                )
+                return fn(emu, q, kk, vv, [1], [1], off is not None, family, tiling, *backward_args)
+
+        pieces = [(lo, hi, None if offset is None else offset - lo) for lo, hi in ((0, cut), (cut, nk))]
+        results = [run(*pc) for pc in pieces]
         out, lse = merge([r[0].to(lse_t) for r in results], [r[1] for r in results])
         out = out.to(dtype).contiguous()
-        shares = []
-        for (lo, hi), off in zip(parts, offs, strict=True):
-            with emulating_piece(emu, hi - lo, off):
-                shares.append(
-                    emulated_backward(
-                        emu,
-                        q,
-                        k[:, lo:hi].contiguous(),
-                        v[:, lo:hi].contiguous(),
-                        [1],
-                        [1],
-                        off is not None,
-                        family,
-                        tiling,
-                        do,
-                        out,
-                        lse,
-                        dl,
-                    )
-                )
+        shares = [run(*pc, do, out, lse, dl) for pc in pieces]
         grads = (
             sum(s[0].double() for s in shares),
             torch.cat([s[1] for s in shares], 1),
