@@ -87,6 +87,43 @@ inline Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::
   return p;
 }
 
+// Checks of a piece's q (B, nq, Hq, D), k and v (B, nk, Hkv, D) (dilated_attention::piece_fwd and
+// piece_bwd); the Problem's N is nq, it has no branches and is_causal is false (a piece's causal
+// order is its own). The device is the caller's to check.
+inline Problem check_piece_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  double softmax_scale) {
+  TORCH_CHECK(q.dim() == 4, "dilated_attention piece: q must be 4-D (B, nq, Hq, D), got shape ", q.sizes());
+  TORCH_CHECK(k.dim() == 4, "dilated_attention piece: k must be 4-D (B, nk, Hkv, D), got shape ", k.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "dilated_attention piece: k and v must have the same shape, got ",
+              k.sizes(), " and ", v.sizes());
+  check_same(q, "q", k, "k");
+  check_same(q, "q", v, "v");
+  const auto st = q.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
+              "dilated_attention piece: q, k, v must be float16, bfloat16, float32 or float64, got ",
+              q.dtype());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
+              "dilated_attention piece: q (B, nq, Hq, D) and k (B, nk, Hkv, D) must agree in B and D, got q ",
+              q.sizes(), " and k ", k.sizes());
+  Problem p;
+  p.B = q.size(0);
+  p.N = q.size(1);
+  p.Hq = q.size(2);
+  p.Hkv = k.size(2);
+  p.D = q.size(3);
+  TORCH_CHECK(p.Hkv >= 1 && p.Hq >= 1 && p.Hq % p.Hkv == 0,
+              "dilated_attention piece: the number of query heads (", p.Hq,
+              ") must be a positive multiple of the number of key/value heads (", p.Hkv, ")");
+  TORCH_CHECK(p.D >= 1 && p.D <= DA_MAX_HEAD_DIM, "dilated_attention piece: head dim must be in [1, ",
+              DA_MAX_HEAD_DIM, "], got ", p.D);
+  TORCH_CHECK(std::isfinite(softmax_scale), "dilated_attention piece: softmax_scale must be finite, got ",
+              softmax_scale);
+  p.branches.n = 0;
+  p.is_causal = false;
+  p.scale = softmax_scale;
+  return p;
+}
+
 // The layout of the log-sum-exp: (B, Hq, N), float32 (float64 for float64 inputs).
 inline at::ScalarType lse_dtype(at::ScalarType input) {
   return input == at::kDouble ? at::kDouble : at::kFloat;
