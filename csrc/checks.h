@@ -124,6 +124,14 @@ inline Problem check_piece_inputs(const at::Tensor& q, const at::Tensor& k, cons
   return p;
 }
 
+// A piece's causal offset as the kernels take it: clamped to [-nq, nk], where it means the same
+// (no key visible to any query, every key visible to every query) and index arithmetic with it
+// cannot overflow; 0 without causal masking.
+inline int64_t piece_offset(bool is_causal, int64_t causal_offset, int64_t nq, int64_t nk) {
+  if (!is_causal) return 0;
+  return causal_offset < -nq ? -nq : (causal_offset > nk ? nk : causal_offset);
+}
+
 // The layout of the log-sum-exp: (B, Hq, N), float32 (float64 for float64 inputs).
 inline at::ScalarType lse_dtype(at::ScalarType input) {
   return input == at::kDouble ? at::kDouble : at::kFloat;

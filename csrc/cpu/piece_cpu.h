@@ -208,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
         A.D = P.D;
         A.Dp = Dp;
         A.causal = is_causal;
-        A.offset = causal_offset;
+        A.offset = piece_offset(is_causal, causal_offset, nq, nk);
         A.scale2 = (T)(P.scale * 1.44269504088896340736);
         A.unit = score_unit(P.scale, A.scale2);
         scalar_t* out_p = out.data_ptr<scalar_t>();
@@ -278,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
         A.D = P.D;
         A.Dp = Dp;
         A.causal = is_causal;
-        A.offset = causal_offset;
+        A.offset = piece_offset(is_causal, causal_offset, nq, nk);
         A.scale = (T)P.scale;
         A.scale2 = (T)(P.scale * 1.44269504088896340736);
         A.unit = score_unit(P.scale, A.scale2);

@@ -148,15 +148,13 @@ Seqs packed_seqs(const at::Tensor& cu_seqlens, int64_t T, int64_t max_seqlen) {
 
 // A piece (P from check_piece_inputs: N = nq) as the kernels run it: B sequences of nq query rows
 // and nk >= 1 key rows, and *P made the one segment of one branch (w = max(nq, nk), r = 1) that
-// holds them. The offset is clamped to [-nq, nk], where it means the same (no key visible to any
-// query, every key visible to every query) and the kernels' index arithmetic cannot overflow.
+// holds them, with the offset clamped (piece_offset).
 Seqs piece_seqs(Problem* P, int64_t nk, bool is_causal, int64_t causal_offset) {
   P->branches.n = 1;
   P->branches.w[0] = std::max(P->N, nk);
   P->branches.r[0] = 1;
   P->is_causal = is_causal;
-  const int64_t offset = is_causal ? std::min(std::max(causal_offset, -P->N), nk) : 0;
-  return Seqs{nullptr, P->B, P->N, nk, da_piece{P->N, nk, offset}};
+  return Seqs{nullptr, P->B, P->N, nk, da_piece{P->N, nk, piece_offset(is_causal, causal_offset, P->N, nk)}};
 }
 
 Params base_params(const Problem& P, const Seqs& S) {
