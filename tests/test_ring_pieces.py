@@ -34,6 +34,13 @@ needs_gpu = pytest.mark.skipif(
 )
 
 
+def _devices():
+    return [
+        pytest.param("cpu", marks=needs_piece_op),
+        pytest.param("cuda", marks=[needs_gpu, pytest.mark.cuda]),
+    ]
+
+
 def _piece_inputs(B, nq, nk, Hq, Hkv, D, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, nq, Hq, D, generator=g, dtype=torch.float64)
@@ -139,13 +146,6 @@ def test_cuda_piece_op_forced_tiling(tiling, dtype, monkeypatch):
     _check_piece_op((2, 70, 130, 4, 2, 64, 60), dtype, "cuda")
 
 
-def _devices():
-    return [
-        pytest.param("cpu", marks=needs_piece_op),
-        pytest.param("cuda", marks=[needs_gpu, pytest.mark.cuda]),
-    ]
-
-
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("offset", [2**63 - 1, 2**62, -(2**62), -(2**63)])
 def test_piece_op_offsets_at_the_int64_limits(offset, device):
@@ -234,11 +234,10 @@ def test_merged_backward_of_split_keys(engine, device, dtype, causal):
         assert_within_rule(name, a.cpu(), e, p, dtype)
 
 
-@needs_piece_op
-def test_piece_op_gradcheck_and_opcheck():
-    q, k, v, _, _ = _piece_inputs(1, 6, 9, 2, 1, 4, seed=2)
-    args = [t.requires_grad_() for t in (q, k, v)]
-    torch.autograd.gradcheck(lambda a, b, c: _ops.piece_forward(a, b, c, True, 4, 0.5), args)
+@pytest.mark.parametrize("device", _devices())
+def test_piece_op_gradcheck_and_opcheck(device):
+    q, k, v = (t.to(device).requires_grad_() for t in _piece_inputs(1, 6, 9, 2, 1, 4, seed=2)[:3])
+    torch.autograd.gradcheck(lambda a, b, c: _ops.piece_forward(a, b, c, True, 4, 0.5), (q, k, v))
     torch.library.opcheck(torch.ops.dilated_attention.piece_fwd.default, (q, k, v, True, 4, 0.5))
 
 
