@@ -292,6 +292,12 @@ void fwd_sequences(const Problem& P, const Seqs& S, at::Tensor q, at::Tensor k, 
   run(cuda::kFwd, P, S, t, p, use_tc, prop, stream);
 }
 
+// The forward's outputs for q (B, N, Hq, D): out (B, N, Hq, D) in q's dtype, lse (B, Hq, N).
+std::tuple<at::Tensor, at::Tensor> forward_outputs(const Problem& P, const at::Tensor& q) {
+  return {at::empty({P.B, P.N, P.Hq, P.D}, q.options()),
+          at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())))};
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                             const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                             at::IntArrayRef dilation_rates, bool is_causal,
@@ -302,8 +308,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in);
-  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
+  auto [out, lse] = forward_outputs(P, q);
   if (P.B == 0 || P.N == 0) return {out, lse};
   fwd_sequences(P, fixed_seqs(P), q, k, v, out, lse);
   return {out, lse};
@@ -439,8 +444,7 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cuda(const at::Tensor& q_in, const 
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in);
-  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
+  auto [out, lse] = forward_outputs(P, q);
   if (P.B == 0 || P.N == 0) return {out, lse};
   if (nk == 0) {
     out.zero_();
