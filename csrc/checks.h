@@ -52,6 +52,34 @@ inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor
               " must be on the same device, got ", a.device(), " and ", b.device());
 }
 
+// q's dtype: one of those the kernels take (errors prefixed with `who`).
+inline void check_dtype(const at::Tensor& q, const char* who) {
+  const auto st = q.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, who,
+              ": q, k, v must be float16, bfloat16, float32 or float64, got ", q.dtype());
+}
+
+// The Problem of q (B, N, Hq, D) and k (B, ., Hkv, D), whose ranks, dtypes and B and D were
+// checked: the heads, the head dim and the softmax scale checked here (errors prefixed with `who`).
+// No branches, not causal.
+inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, double softmax_scale, const char* who) {
+  Problem p;
+  p.B = q.size(0);
+  p.N = q.size(1);
+  p.Hq = q.size(2);
+  p.Hkv = k.size(2);
+  p.D = q.size(3);
+  TORCH_CHECK(p.Hkv >= 1 && p.Hq >= 1 && p.Hq % p.Hkv == 0, who, ": the number of query heads (", p.Hq,
+              ") must be a positive multiple of the number of key/value heads (", p.Hkv, ")");
+  TORCH_CHECK(p.D >= 1 && p.D <= DA_MAX_HEAD_DIM, who, ": head dim must be in [1, ", DA_MAX_HEAD_DIM,
+              "], got ", p.D);
+  TORCH_CHECK(std::isfinite(softmax_scale), who, ": softmax_scale must be finite, got ", softmax_scale);
+  p.branches.n = 0;
+  p.is_causal = false;
+  p.scale = softmax_scale;
+  return p;
+}
+
 inline Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal,
                             double softmax_scale) {
@@ -60,31 +88,43 @@ inline Problem check_inputs(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(v.dim() == 4, "dilated_attention: v must be 4-D (B, N, Hkv, D), got shape ", v.sizes());
   check_same(q, "q", k, "k");
   check_same(q, "q", v, "v");
-  const auto st = q.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
-              "dilated_attention: q, k, v must be float16, bfloat16, float32 or float64, got ", q.dtype());
+  check_dtype(q, "dilated_attention");
   TORCH_CHECK(k.sizes() == v.sizes(), "dilated_attention: k and v must have the same shape, got ", k.sizes(),
               " and ", v.sizes());
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "dilated_attention: q (B, N, Hq, D) and k (B, N, Hkv, D) must agree in B, N and D, "
               "got q ",
               q.sizes(), " and k ", k.sizes());
-  Problem p;
-  p.B = q.size(0);
-  p.N = q.size(1);
-  p.Hq = q.size(2);
-  p.Hkv = k.size(2);
-  p.D = q.size(3);
-  TORCH_CHECK(p.Hkv >= 1 && p.Hq >= 1 && p.Hq % p.Hkv == 0, "dilated_attention: the number of query heads (",
-              p.Hq, ") must be a positive multiple of the number of key/value heads (", p.Hkv, ")");
-  TORCH_CHECK(p.D >= 1 && p.D <= DA_MAX_HEAD_DIM, "dilated_attention: head dim must be in [1, ",
-              DA_MAX_HEAD_DIM, "], got ", p.D);
-  TORCH_CHECK(std::isfinite(softmax_scale), "dilated_attention: softmax_scale must be finite, got ",
-              softmax_scale);
+  Problem p = make_problem(q, k, softmax_scale, "dilated_attention");
   check_branches(segment_lengths, dilation_rates, &p.branches);
   p.is_causal = is_causal;
-  p.scale = softmax_scale;
   return p;
+}
+
+// Checks of a piece's q (B, nq, Hq, D), k and v (B, nk, Hkv, D) (dilated_attention::piece_fwd and
+// piece_bwd); the Problem's N is nq, it has no branches and is_causal is false (a piece's causal
+// order is its own). The device is the caller's to check.
+inline Problem check_piece_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  double softmax_scale) {
+  TORCH_CHECK(q.dim() == 4, "dilated_attention piece: q must be 4-D (B, nq, Hq, D), got shape ", q.sizes());
+  TORCH_CHECK(k.dim() == 4, "dilated_attention piece: k must be 4-D (B, nk, Hkv, D), got shape ", k.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "dilated_attention piece: k and v must have the same shape, got ",
+              k.sizes(), " and ", v.sizes());
+  check_same(q, "q", k, "k");
+  check_same(q, "q", v, "v");
+  check_dtype(q, "dilated_attention piece");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
+              "dilated_attention piece: q (B, nq, Hq, D) and k (B, nk, Hkv, D) must agree in B and D, got q ",
+              q.sizes(), " and k ", k.sizes());
+  return make_problem(q, k, softmax_scale, "dilated_attention piece");
+}
+
+// A piece's causal offset as the kernels take it: clamped to [-nq, nk], where it means the same
+// (no key visible to any query, every key visible to every query) and index arithmetic with it
+// cannot overflow; 0 without causal masking.
+inline int64_t piece_offset(bool is_causal, int64_t causal_offset, int64_t nq, int64_t nk) {
+  if (!is_causal) return 0;
+  return causal_offset < -nq ? -nq : (causal_offset > nk ? nk : causal_offset);
 }
 
 // The layout of the log-sum-exp: (B, Hq, N), float32 (float64 for float64 inputs).

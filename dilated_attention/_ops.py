@@ -231,7 +231,11 @@ _HAS_PIECE_OP = _C is not None and hasattr(torch.ops.dilated_attention, "piece_f
 
 
 def has_piece_kernel(device_type: str) -> bool:
-    """Whether the extension has the piece kernels for ``device_type`` ("cpu"; CUDA has none)."""
+    """Whether the extension has the piece kernels (``piece_fwd``/``piece_bwd``) for ``device_type``.
+
+    ``"cpu"``: true whenever the extension is loaded; ``"cuda"``: true when it was built with its
+    CUDA kernels (as :func:`has_kernel`); false for any other device type.
+    """
     if not _HAS_PIECE_OP or device_type not in ("cpu", "cuda"):
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]

@@ -11,9 +11,10 @@
 #   build     330  python setup.py build_ext --inplace for this GPU's architecture only
 #                  (TORCH_CUDA_ARCH_LIST from the GPU, 9.0 on H100/H200; GPU_CHECK_ARCH overrides),
 #                  nvcc flags "-Xptxas -v" (registers and spills of every kernel)  -> build.log
-#   tests     300  pytest tests/test_cuda.py -m cuda (the GPU tests; GPU_CHECK_TESTS=all runs the
-#                  whole file, GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1; in
-#                  GPU_CHECK_WORKERS processes, default 4, where pytest-xdist is installed) -> tests.log
+#   tests     300  pytest tests/test_cuda.py tests/test_ring_pieces.py -m cuda (the GPU tests of the op
+#                  and of the ring's piece op; GPU_CHECK_TESTS=all runs the whole files,
+#                  GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1; in GPU_CHECK_WORKERS processes,
+#                  default 4, where pytest-xdist is installed)                     -> tests.log
 #   smoke     180  scripts/gpu_smoke.py: fwd/bwd against the CPU op in float64, B = 64, inputs of
 #                  more than 2^31 elements                                          -> smoke.log
 #   sanitize  240  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
@@ -130,7 +131,7 @@ jobs=$(nproc 2>/dev/null || echo 4)
 # The command of each step (an array per step; sanitize runs it under each tool).
 build_cmd=(env -u DILATED_ATTENTION_CPU_ONLY FORCE_CUDA=1 "TORCH_CUDA_ARCH_LIST=$arch"
   "DILATED_ATTENTION_NVCC_FLAGS=-Xptxas -v" "MAX_JOBS=$jobs" "$PYTHON" setup.py build_ext --inplace)
-tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda.py "${tests_sel[@]}")
+tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda.py tests/test_ring_pieces.py "${tests_sel[@]}")
 smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases small large)
 sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
 bench_cmd=("$PYTHON" benchmarks/bench_cuda.py --tokens 262144 --out "$out_dir/bench")

@@ -80,7 +80,10 @@ def test_dry_run_names_every_command(tmp_path):
         and r"DILATED_ATTENTION_NVCC_FLAGS=-Xptxas\ -v" in lines["build"]
     )
     assert "setup.py build_ext --inplace" in lines["build"]
-    assert "pytest" in lines["tests"] and "tests/test_cuda.py" in lines["tests"]
+    assert (
+        "pytest" in lines["tests"]
+        and "tests/test_cuda.py tests/test_ring_pieces.py -m cuda" in lines["tests"]
+    )
     assert "gpu_smoke.py --cases small large" in lines["smoke"]
     assert "bench_cuda.py --tokens 262144 --out" in lines["bench"]
     tools = [line for line in res.stdout.splitlines() if line.startswith("sanitize")]

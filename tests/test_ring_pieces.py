@@ -1,7 +1,7 @@
 """The pieces of sequence parallelism, in one process: the piece op of ``native``
-(``dilated_attention::piece_fwd/piece_bwd``) and the gather-based fallback that runs them where
-``native`` cannot, both against the float64 reference; and the ring's geometry and transfer
-schedule, which need no processes.
+(``dilated_attention::piece_fwd/piece_bwd``, on the CPU and, with a GPU, on CUDA in both kernel
+families) and the gather-based fallback that runs them where ``native`` cannot, all against the
+float64 reference; and the ring's geometry and transfer schedule, which need no processes.
 """
 
 from __future__ import annotations
@@ -24,6 +24,21 @@ DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 needs_piece_op = pytest.mark.skipif(
     not _ops.has_piece_kernel("cpu"), reason="extension built without piece op"
 )
+HAS_CUDA_PIECE_KERNEL = _ops.has_piece_kernel("cuda")
+needs_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_CUDA_PIECE_KERNEL),
+    reason="needs a CUDA GPU and the extension built with its CUDA kernels"
+    + (
+        "" if HAS_CUDA_PIECE_KERNEL else " (this build has none: reinstall with nvcc present or FORCE_CUDA=1)"
+    ),
+)
+
+
+def _devices():
+    return [
+        pytest.param("cpu", marks=needs_piece_op),
+        pytest.param("cuda", marks=[needs_gpu, pytest.mark.cuda]),
+    ]
 
 
 def _piece_inputs(B, nq, nk, Hq, Hkv, D, seed=0):
@@ -60,20 +75,103 @@ PIECES = [
 ]
 
 
-@needs_piece_op
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", PIECES, ids=[str(c) for c in PIECES])
-def test_piece_op_matches_reference(case, dtype):
-    """Forward, and the backward through autograd (out and lse both carry gradients)."""
+def _check_piece_op(case, dtype, device):
+    """The piece op on ``device``: forward, and the backward through autograd (out and lse both
+    carry gradients), against the float64 reference under the tolerance rule."""
     B, nq, nk, Hq, Hkv, D, offset = case
     q, k, v, dout, dlse = _piece_inputs(B, nq, nk, Hq, Hkv, D)
     expected = _reference(q, k, v, dout, dlse, offset, torch.float64)
     plain = _reference(q, k, v, dout, dlse, offset, dtype)
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
     out, lse = _ops.piece_forward(*leaves, offset is not None, offset or 0, D**-0.5)
-    got = (out, lse, *torch.autograd.grad(_loss(out, lse, dout, dlse), leaves))
+    assert out.device.type == device and out.dtype == dtype and out.shape == (B, nq, Hq, D)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == (B, Hq, nq)
+    grads = torch.autograd.grad(_loss(out, lse, dout.to(device), dlse.to(device)), leaves)
+    got = (out, lse, *grads)
     for name, a, e, p in zip(("out", "lse", "dq", "dk", "dv"), got, expected, plain, strict=True):
-        assert_within_rule(name, a, e, p, dtype)
+        assert a.device.type == device and a.dtype == (lse.dtype if name == "lse" else dtype)
+        assert_within_rule(name, a.cpu(), e, p, dtype)
+
+
+@needs_piece_op
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PIECES, ids=[str(c) for c in PIECES])
+def test_piece_op_matches_reference(case, dtype):
+    _check_piece_op(case, dtype, "cpu")
+
+
+# On CUDA, also head dims that the tensor-core kernels take (32 <= D <= 256, D % 8 == 0), pieces
+# of several thread blocks on both sides, and causal offsets far outside [-nq, nk] (every key, or
+# no key, visible to every query).
+CUDA_PIECES = [
+    *PIECES,
+    (2, 70, 130, 4, 2, 64, 60),
+    (1, 300, 500, 4, 1, 128, 200),
+    (1, 200, 90, 2, 2, 32, -20),
+    (1, 3, 300, 2, 2, 256, None),
+    (1, 20, 30, 2, 1, 40, 10**12),
+    (1, 20, 30, 2, 1, 40, -(10**12)),
+]
+
+# (dtype, DILATED_ATTENTION_CUDA_SIMT): float16/bfloat16 in both kernel families (the tensor-core
+# kernels where the head dim allows them), float32/float64 on the SIMT kernels.
+CUDA_FAMILIES = [
+    pytest.param(torch.float64, False, id="float64"),
+    pytest.param(torch.float32, False, id="float32"),
+    pytest.param(torch.bfloat16, False, id="bfloat16-tc"),
+    pytest.param(torch.float16, False, id="float16-tc"),
+    pytest.param(torch.bfloat16, True, id="bfloat16-simt"),
+    pytest.param(torch.float16, True, id="float16-simt"),
+]
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,simt", CUDA_FAMILIES)
+@pytest.mark.parametrize("case", CUDA_PIECES, ids=[str(c) for c in CUDA_PIECES])
+def test_cuda_piece_op_matches_reference(case, dtype, simt, monkeypatch):
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_SIMT", "1" if simt else "0")
+    _check_piece_op(case, dtype, "cuda")
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiling", ["4,1", "3,0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_piece_op_forced_tiling(tiling, dtype, monkeypatch):
+    """DILATED_ATTENTION_CUDA_TILING changes how a piece is cut into thread blocks, never what it
+    computes."""
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_TILING", tiling)
+    _check_piece_op((2, 70, 130, 4, 2, 64, 60), dtype, "cuda")
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("offset", [2**63 - 1, 2**62, -(2**62), -(2**63)])
+def test_piece_op_offsets_at_the_int64_limits(offset, device):
+    """An offset past every key means every key visible; one below -nq, none (no overflow)."""
+    q, k, v, dout, dlse = _piece_inputs(1, 20, 70, 2, 1, 32)
+    same = None if offset > 0 else -20  # an in-range offset that means the same
+    expected = _reference(q, k, v, dout, dlse, same, torch.float64)
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    out, lse = _ops.piece_forward(*leaves, True, offset, 32**-0.5)
+    got = (out, lse, *torch.autograd.grad(_loss(out, lse, dout.to(device), dlse.to(device)), leaves))
+    for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
+        assert_within_rule(name, a.cpu(), e, e, torch.float64)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("nq,nk", [(5, 0), (0, 7), (0, 0)])
+def test_piece_op_without_queries_or_keys(nq, nk, device):
+    """No key: out = 0 and lse = -inf; no query or no key: zero gradients, of the inputs' shapes."""
+    q, k, v, dout, dlse = (t.to(device) for t in _piece_inputs(2, nq, nk, 4, 2, 32))
+    out, lse = _ops.piece_forward(q, k, v, True, 3, 0.5)
+    assert out.shape == q.shape and lse.shape == (2, 4, nq) and lse.dtype == torch.float64
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -torch.inf).all())
+    dq, dk, dv = _ops.piece_backward(dout, q, k, v, out, lse, dlse, True, 3, 0.5)
+    for g, like in ((dq, q), (dk, k), (dv, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype and g.device == like.device
+        assert torch.equal(g, torch.zeros_like(like))
 
 
 def _split_run(attend, backward, q, k, v, dout, dlse, offset, cut):
@@ -97,22 +195,25 @@ def _split_run(attend, backward, q, k, v, dout, dlse, offset, cut):
 
 
 def _engines():
-    native = [pytest.param("native", marks=needs_piece_op)]
-    return [*native, "sdpa"]
+    return [
+        pytest.param("native", "cpu", marks=needs_piece_op, id="native-cpu"),
+        pytest.param("sdpa", "cpu", id="sdpa-cpu"),
+        pytest.param("native", "cuda", marks=[needs_gpu, pytest.mark.cuda], id="native-cuda"),
+    ]
 
 
-@pytest.mark.parametrize("engine", _engines())
+@pytest.mark.parametrize("engine,device", _engines())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_merged_backward_of_split_keys(engine, dtype, causal):
+def test_merged_backward_of_split_keys(engine, device, dtype, causal):
     """The ring's use: a piece's keys come in blocks; the blocks' backward, fed the merged out and
-    lse, sums to the exact gradient of the whole."""
-    B, nq, nk, Hq, Hkv, D = 2, 37, 90, 4, 2, 16
+    lse, sums to the exact gradient of the whole. D = 32: the tensor-core kernels on CUDA."""
+    B, nq, nk, Hq, Hkv, D = 2, 37, 90, 4, 2, 32
     offset = nk - nq if causal else None
     q, k, v, dout, dlse = _piece_inputs(B, nq, nk, Hq, Hkv, D, seed=1)
     expected = _reference(q, k, v, dout, dlse, offset, torch.float64)
     plain = _reference(q, k, v, dout, dlse, offset, dtype)
-    pa = PieceAttention(get_backend(engine), torch.device("cpu"))
+    pa = PieceAttention(get_backend(engine), torch.device(device))
     assert pa.name == engine
     from dilated_attention.ring.geometry import HeadSets
 
@@ -125,17 +226,18 @@ def test_merged_backward_of_split_keys(engine, dtype, causal):
     def backward(do, dl, qq, kk, vv, out, lse, off, r):
         return pa.backward(do.to(dtype), dl.to(lse.dtype), qq, kk, vv, hs, out, lse, off, scale, r[2])
 
-    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
-    got = _split_run(attend, backward, qd, kd, vd, dout, dlse, offset, cut=nk - nq - 3 if causal else 41)
+    qd, kd, vd = (t.to(device, dtype) for t in (q, k, v))
+    dd, dl = dout.to(device), dlse.to(device)
+    got = _split_run(attend, backward, qd, kd, vd, dd, dl, offset, cut=nk - nq - 3 if causal else 41)
     for name, a, e, p in zip(("out", "lse", "dq", "dk", "dv"), got, expected, plain, strict=True):
-        assert_within_rule(name, a, e, p, dtype)
+        assert a.device.type == device
+        assert_within_rule(name, a.cpu(), e, p, dtype)
 
 
-@needs_piece_op
-def test_piece_op_gradcheck_and_opcheck():
-    q, k, v, _, _ = _piece_inputs(1, 6, 9, 2, 1, 4, seed=2)
-    args = [t.requires_grad_() for t in (q, k, v)]
-    torch.autograd.gradcheck(lambda a, b, c: _ops.piece_forward(a, b, c, True, 4, 0.5), args)
+@pytest.mark.parametrize("device", _devices())
+def test_piece_op_gradcheck_and_opcheck(device):
+    q, k, v = (t.to(device).requires_grad_() for t in _piece_inputs(1, 6, 9, 2, 1, 4, seed=2)[:3])
+    torch.autograd.gradcheck(lambda a, b, c: _ops.piece_forward(a, b, c, True, 4, 0.5), (q, k, v))
     torch.library.opcheck(torch.ops.dilated_attention.piece_fwd.default, (q, k, v, True, 4, 0.5))
 
 

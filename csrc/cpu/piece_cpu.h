@@ -180,46 +180,11 @@ static void piece_bwd_task(Isa isa, const PieceArgs<T>& P, int64_t b, int64_t hk
   }
 }
 
-/* Checks of a piece's q (B, nq, Hq, D), k and v (B, nk, Hkv, D); the Problem's N is nq. */
-static Problem check_piece_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  double softmax_scale) {
-  TORCH_CHECK(q.dim() == 4, "dilated_attention piece: q must be 4-D (B, nq, Hq, D), got shape ", q.sizes());
-  TORCH_CHECK(k.dim() == 4, "dilated_attention piece: k must be 4-D (B, nk, Hkv, D), got shape ", k.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes(), "dilated_attention piece: k and v must have the same shape, got ",
-              k.sizes(), " and ", v.sizes());
-  check_same(q, "q", k, "k");
-  check_same(q, "q", v, "v");
-  const auto st = q.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
-              "dilated_attention piece: q, k, v must be float16, bfloat16, float32 or float64, got ",
-              q.dtype());
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
-              "dilated_attention piece: q (B, nq, Hq, D) and k (B, nk, Hkv, D) must agree in B and D, got q ",
-              q.sizes(), " and k ", k.sizes());
-  TORCH_CHECK(q.device().is_cpu(), "dilated_attention piece: expected CPU tensors, got ", q.device());
-  Problem p;
-  p.B = q.size(0);
-  p.N = q.size(1);
-  p.Hq = q.size(2);
-  p.Hkv = k.size(2);
-  p.D = q.size(3);
-  TORCH_CHECK(p.Hkv >= 1 && p.Hq >= 1 && p.Hq % p.Hkv == 0,
-              "dilated_attention piece: the number of query heads (", p.Hq,
-              ") must be a positive multiple of the number of key/value heads (", p.Hkv, ")");
-  TORCH_CHECK(p.D >= 1 && p.D <= DA_MAX_HEAD_DIM, "dilated_attention piece: head dim must be in [1, ",
-              DA_MAX_HEAD_DIM, "], got ", p.D);
-  TORCH_CHECK(std::isfinite(softmax_scale), "dilated_attention piece: softmax_scale must be finite, got ",
-              softmax_scale);
-  p.branches.n = 0;
-  p.is_causal = false;
-  p.scale = softmax_scale;
-  return p;
-}
-
 std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                  const at::Tensor& v_in, bool is_causal,
                                                  int64_t causal_offset, double softmax_scale) {
   const Problem P = check_piece_inputs(q_in, k_in, v_in, softmax_scale);
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention piece: expected CPU tensors, got ", q_in.device());
   const int64_t nq = P.N, nk = k_in.size(1);
   at::Tensor out = at::empty({P.B, nq, P.Hq, P.D}, q_in.options());
   at::Tensor lse = at::empty({P.B, P.Hq, nq}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
@@ -243,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
         A.D = P.D;
         A.Dp = Dp;
         A.causal = is_causal;
-        A.offset = causal_offset;
+        A.offset = piece_offset(is_causal, causal_offset, nq, nk);
         A.scale2 = (T)(P.scale * 1.44269504088896340736);
         A.unit = score_unit(P.scale, A.scale2);
         scalar_t* out_p = out.data_ptr<scalar_t>();
@@ -276,6 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
     const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
     bool is_causal, int64_t causal_offset, double softmax_scale) {
   const Problem P = check_piece_inputs(q_in, k_in, v_in, softmax_scale);
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention piece: expected CPU tensors, got ", q_in.device());
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   const int64_t nq = P.N, nk = k_in.size(1);
   const at::Tensor dout_c = last_dim_contiguous(dout_in), out_c = last_dim_contiguous(out_in);
@@ -312,7 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
         A.D = P.D;
         A.Dp = Dp;
         A.causal = is_causal;
-        A.offset = causal_offset;
+        A.offset = piece_offset(is_causal, causal_offset, nq, nk);
         A.scale = (T)P.scale;
         A.scale2 = (T)(P.scale * 1.44269504088896340736);
         A.unit = score_unit(P.scale, A.scale2);

@@ -1,11 +1,19 @@
-// CUDA implementation of dilated_attention::fwd and dilated_attention::bwd: argument checks, the
-// choice between the tensor-core and the SIMT kernels, and their launch on the current stream under
-// a device guard. The kernels are in tc_kernels.cuh (float16/bfloat16 on sm80+) and simt.cu
-// (everything else); tiling.h says how the work is cut into thread blocks.
+// CUDA implementation of dilated_attention::fwd, bwd, varlen_fwd, varlen_bwd, piece_fwd and
+// piece_bwd: argument checks, the choice between the tensor-core and the SIMT kernels, and their
+// launch on the current stream under a device guard. The kernels are in tc_kernels.cuh
+// (float16/bfloat16 on sm80+) and simt.cu (everything else); tiling.h says how the work is cut into
+// thread blocks.
 //
 // Semantics are those of the CPU kernel (csrc/cpu/dilated_attention_cpu.cpp, SPEC sections 2-3):
 // out (B, N, Hq, D) contiguous in the input dtype, lse (B, Hq, N) float32 (float64 for float64
 // inputs); rows that no branch covers get out = 0 and lse = -inf.
+//
+// The pieces of sequence parallelism (piece_fwd/piece_bwd, those of csrc/cpu/piece_cpu.h: dense
+// attention of q (B, nq, Hq, D) over k, v (B, nk, Hkv, D), key j visible to query i when
+// j <= i + causal_offset under causal masking) run the same kernels as one segment of one branch
+// (w = max(nq, nk), r = 1; tiling.h da_piece): the forward and dq launches have the nq queries as
+// rows, the dk/dv launch the nk keys, each with a contiguous tiling of stride 1. A piece without
+// keys launches nothing: out = 0 and lse = -inf, zero gradients.
 //
 // The packed (varlen) forms run the same kernels: their thread blocks take one sequence each along
 // the grid's z (sequence_rows in common.cuh), with the tiling of the longest sequence; blocks whose
@@ -86,23 +94,70 @@ bool env_tiling(int64_t* R, int64_t* interleaved) {
   return true;
 }
 
-// The tiling of sequences of up to N rows (every sequence of a packed batch uses its longest's).
-da_tiling make_tiling(int64_t N, const Problem& P, int64_t rows_per_warp) {
+// The tiling of sequences of up to `rows` rows (every sequence of a packed batch uses its
+// longest's). Every row of a piece is active in its one segment: stride 1, contiguous.
+da_tiling make_tiling(int64_t rows, const Problem& P, bool piece, int64_t rows_per_warp) {
   int64_t R = 1, il = 0;
-  if (env_tiling(&R, &il)) return da_make_tiling(N, R, il, 4, rows_per_warp);
-  return da_choose_tiling(N, &P.branches, P.is_causal ? 1 : 0, 4, rows_per_warp);
+  if (env_tiling(&R, &il)) return da_make_tiling(rows, R, il, 4, rows_per_warp);
+  if (piece) return da_make_tiling(rows, 1, 0, 4, rows_per_warp);
+  return da_choose_tiling(rows, &P.branches, P.is_causal ? 1 : 0, 4, rows_per_warp);
 }
 
-// Limits of the launch grid and of the kernels' 32-bit indices.
-void check_sizes(const Problem& P) {
-  TORCH_CHECK(P.N <= std::numeric_limits<int32_t>::max() / 2,
-              "dilated_attention: on CUDA the sequence length must be below 2^30, got N = ", P.N);
+// Rows of one kind (`what`, called `symbol`) must fit the kernels' 32-bit indices.
+void check_rows(int64_t n, const char* what, const char* symbol) {
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max() / 2, "dilated_attention: on CUDA ", what,
+              " must be below 2^30, got ", symbol, " = ", n);
+}
+
+// Limits of the launch grid and of the kernels' 32-bit indices (the length N is checked apart:
+// check_rows).
+void check_grid(const Problem& P) {
   TORCH_CHECK(P.B <= 65535, "dilated_attention: on CUDA the batch size must be at most 65535, got ", P.B);
   TORCH_CHECK(P.Hq <= 32767, "dilated_attention: on CUDA the number of heads must be at most 32767, got ",
               P.Hq);
 }
 
-Params base_params(const Problem& P) {
+void check_sizes(const Problem& P) {
+  check_rows(P.N, "the sequence length", "N");
+  check_grid(P);
+}
+
+// The sequences of a call as the kernels see them: cu_seqlens (device, int32) or null for B
+// sequences, how many, the query rows of the longest (which size the tiling of the forward and dq
+// launches) and its key rows (the dk/dv launch's), and the piece (nk = 0: the op).
+struct Seqs {
+  const int32_t* cu_seqlens;
+  int64_t count;
+  int64_t max_len;
+  int64_t max_keys;
+  da_piece piece;
+};
+
+Seqs fixed_seqs(const Problem& P) {
+  return Seqs{nullptr, P.B, P.N, P.N, da_piece{0, 0, 0}};
+}
+
+Seqs packed_seqs(const at::Tensor& cu_seqlens, int64_t T, int64_t max_seqlen) {
+  const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, T, max_seqlen);
+  int64_t longest = 0;
+  for (const Sequence& sq : seqs) longest = std::max(longest, sq.len);
+  TORCH_CHECK(seqs.size() <= 65535,
+              "dilated_attention: on CUDA a packed batch holds at most 65535 sequences, got ", seqs.size());
+  return Seqs{cu_seqlens.data_ptr<int32_t>(), (int64_t)seqs.size(), longest, longest, da_piece{0, 0, 0}};
+}
+
+// A piece (P from check_piece_inputs: N = nq) as the kernels run it: B sequences of nq query rows
+// and nk >= 1 key rows, and *P made the one segment of one branch (w = max(nq, nk), r = 1) that
+// holds them, with the offset clamped (piece_offset).
+Seqs piece_seqs(Problem* P, int64_t nk, bool is_causal, int64_t causal_offset) {
+  P->branches.n = 1;
+  P->branches.w[0] = std::max(P->N, nk);
+  P->branches.r[0] = 1;
+  P->is_causal = is_causal;
+  return Seqs{nullptr, P->B, P->N, nk, da_piece{P->N, nk, piece_offset(is_causal, causal_offset, P->N, nk)}};
+}
+
+Params base_params(const Problem& P, const Seqs& S) {
   Params p;
   std::memset(&p, 0, sizeof(p));
   p.B = P.B;
@@ -114,30 +169,10 @@ Params base_params(const Problem& P) {
   p.br = P.branches;
   p.is_causal = P.is_causal ? 1 : 0;
   p.scale = P.scale;
-  p.cu_seqlens = nullptr;
-  p.num_seqs = P.B;
+  p.cu_seqlens = S.cu_seqlens;
+  p.num_seqs = S.count;
+  p.piece = S.piece;
   return p;
-}
-
-// The sequences of a call as the kernels see them: cu_seqlens (device, int32) or null for B
-// sequences of N rows, how many, and the length of the longest (which sizes the tiling).
-struct Seqs {
-  const int32_t* cu_seqlens;
-  int64_t count;
-  int64_t max_len;
-};
-
-Seqs fixed_seqs(const Problem& P) {
-  return Seqs{nullptr, P.B, P.N};
-}
-
-Seqs packed_seqs(const at::Tensor& cu_seqlens, int64_t T, int64_t max_seqlen) {
-  const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, T, max_seqlen);
-  int64_t longest = 0;
-  for (const Sequence& sq : seqs) longest = std::max(longest, sq.len);
-  TORCH_CHECK(seqs.size() <= 65535,
-              "dilated_attention: on CUDA a packed batch holds at most 65535 sequences, got ", seqs.size());
-  return Seqs{cu_seqlens.data_ptr<int32_t>(), (int64_t)seqs.size(), longest};
 }
 
 // What the kernels need to know of the device (only c10/cuda and the CUDA runtime are used, so
@@ -207,22 +242,23 @@ bool tc_fits(int kernel, DType t, const Params& p, const Device& prop) {
   return false;
 }
 
-// Launches kernel `kernel` (forward, dq or dk/dv) with the tensor cores or SIMT.
+// Launches kernel `kernel` (forward, dq or dk/dv) with the tensor cores or SIMT; p holds S
+// (base_params). Its rows are the queries of each sequence, or their keys for the dk/dv kernel.
 void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool use_tc, const Device& prop,
          cudaStream_t stream) {
-  p.cu_seqlens = S.cu_seqlens;
-  p.num_seqs = S.count;
+  const int64_t rows = kernel == cuda::kDkv ? S.max_keys : S.max_len;
+  const bool piece = S.piece.nk > 0;
   if (use_tc) {
-    p.tiling = make_tiling(S.max_len, P, 16);
+    p.tiling = make_tiling(rows, P, piece, 16);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
-                "dilated_attention: too many thread blocks for N = ", P.N);
+                "dilated_attention: too many thread blocks for ", rows, " rows");
     tc_call(kernel, t, p, true, stream);
   } else {
     int64_t rpw = 4;
     simt_plan(P, t, prop, kernel, &rpw, &p.other_tile);
-    p.tiling = make_tiling(S.max_len, P, rpw);
+    p.tiling = make_tiling(rows, P, piece, rpw);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
-                "dilated_attention: too many thread blocks for N = ", P.N);
+                "dilated_attention: too many thread blocks for ", rows, " rows");
     if (kernel == cuda::kFwd)
       cuda::simt_fwd(p, t, stream);
     else if (kernel == cuda::kDq)
@@ -233,13 +269,14 @@ void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool us
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The forward of the sequences S of (B, N, ...) inputs into out (B, N, Hq, D) and lse (B, Hq, N).
+// The forward of the sequences S of (B, N, ...) inputs into out (B, N, Hq, D) and lse (B, Hq, N);
+// k and v have S.max_keys rows for a piece.
 void fwd_sequences(const Problem& P, const Seqs& S, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor& out,
                    at::Tensor& lse) {
   const DType t = dtype_of(q);
   const Device prop = device_info(q.device().index());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  Params p = base_params(P);
+  Params p = base_params(P, S);
   bool use_tc = tc_eligible(P, t, prop);
   if (use_tc) {
     q = tc_ready(q);
@@ -255,6 +292,12 @@ void fwd_sequences(const Problem& P, const Seqs& S, at::Tensor q, at::Tensor k, 
   run(cuda::kFwd, P, S, t, p, use_tc, prop, stream);
 }
 
+// The forward's outputs for q (B, N, Hq, D): out (B, N, Hq, D) in q's dtype, lse (B, Hq, N).
+std::tuple<at::Tensor, at::Tensor> forward_outputs(const Problem& P, const at::Tensor& q) {
+  return {at::empty({P.B, P.N, P.Hq, P.D}, q.options()),
+          at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())))};
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                             const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                             at::IntArrayRef dilation_rates, bool is_causal,
@@ -265,8 +308,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in);
-  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
+  auto [out, lse] = forward_outputs(P, q);
   if (P.B == 0 || P.N == 0) return {out, lse};
   fwd_sequences(P, fixed_seqs(P), q, k, v, out, lse);
   return {out, lse};
@@ -296,21 +338,22 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   return {out, lse};
 }
 
-// The backward of the sequences S of (B, N, ...) inputs: dq, dk, dv of the inputs' shapes.
+// The backward of the sequences S of (B, N, ...) inputs: dq, dk, dv of the inputs' shapes (k and
+// v have S.max_keys rows for a piece, which has at least one query and one key).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, const Seqs& S, at::Tensor dout,
                                                              at::Tensor q, at::Tensor k, at::Tensor v,
                                                              const at::Tensor& out, const at::Tensor& lse,
                                                              const at::Tensor& dlse) {
   at::Tensor dq = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
-  at::Tensor dk = at::empty({P.B, P.N, P.Hkv, P.D}, q.options());
-  at::Tensor dv = at::empty({P.B, P.N, P.Hkv, P.D}, q.options());
+  at::Tensor dk = at::empty({P.B, k.size(1), P.Hkv, P.D}, q.options());
+  at::Tensor dv = at::empty({P.B, k.size(1), P.Hkv, P.D}, q.options());
   if (P.B == 0 || P.N == 0) return {dq, dk, dv};
   at::Tensor delta = at::empty_like(lse);
 
   const DType t = dtype_of(q);
   const Device prop = device_info(q.device().index());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  Params p = base_params(P);
+  Params p = base_params(P, S);
   p.out = tensor4(out);
   p.dout = tensor4(dout);
   p.lse = lse.data_ptr();
@@ -380,6 +423,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   return {std::get<0>(grads).squeeze(0), std::get<1>(grads).squeeze(0), std::get<2>(grads).squeeze(0)};
 }
 
+// Checks of a piece's inputs on CUDA: those of the CPU piece (checks.h) and the CUDA limits.
+Problem check_piece_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         double softmax_scale) {
+  const Problem P = check_piece_inputs(q, k, v, softmax_scale);
+  TORCH_CHECK(q.device().is_cuda(), "dilated_attention piece: expected CUDA tensors, got ", q.device());
+  check_rows(P.N, "the number of queries of a piece", "nq");
+  check_rows(k.size(1), "the number of keys of a piece", "nk");
+  check_grid(P);
+  return P;
+}
+
+// A piece (csrc/cpu/piece_cpu.h): out (B, nq, Hq, D), lse (B, Hq, nq); without keys out = 0 and
+// lse = -inf.
+std::tuple<at::Tensor, at::Tensor> piece_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                  const at::Tensor& v_in, bool is_causal,
+                                                  int64_t causal_offset, double softmax_scale) {
+  Problem P = check_piece_cuda(q_in, k_in, v_in, softmax_scale);
+  const int64_t nk = k_in.size(1);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
+                   v = last_dim_contiguous(v_in);
+  auto [out, lse] = forward_outputs(P, q);
+  if (P.B == 0 || P.N == 0) return {out, lse};
+  if (nk == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return {out, lse};
+  }
+  const Seqs S = piece_seqs(&P, nk, is_causal, causal_offset);
+  fwd_sequences(P, S, q, k, v, out, lse);
+  return {out, lse};
+}
+
+// Its backward for any out and lse (B, Hq, nq): this piece's share of dq, dk, dv; zeros when it
+// has no query or no key.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
+    bool is_causal, int64_t causal_offset, double softmax_scale) {
+  Problem P = check_piece_cuda(q_in, k_in, v_in, softmax_scale);
+  check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  const int64_t nk = k_in.size(1);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  if (P.B == 0 || P.N == 0 || nk == 0)
+    return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
+  at::Tensor dlse;
+  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse_in.scalar_type()).contiguous();
+  const Seqs S = piece_seqs(&P, nk, is_causal, causal_offset);
+  return bwd_sequences(P, S, last_dim_contiguous(dout_in), last_dim_contiguous(q_in),
+                       last_dim_contiguous(k_in), last_dim_contiguous(v_in), last_dim_contiguous(out_in),
+                       lse_in.contiguous(), dlse);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dilated_attention, CUDA, m) {
@@ -387,6 +483,8 @@ TORCH_LIBRARY_IMPL(dilated_attention, CUDA, m) {
   m.impl("bwd", &bwd_cuda);
   m.impl("varlen_fwd", &varlen_fwd_cuda);
   m.impl("varlen_bwd", &varlen_bwd_cuda);
+  m.impl("piece_fwd", &piece_fwd_cuda);
+  m.impl("piece_bwd", &piece_bwd_cuda);
 }
 
 }  // namespace dilated_attention
