@@ -1055,7 +1055,8 @@ def check_emulated_piece(emu, B, nq, nk, Hq, Hkv, D, offset, dtype, family, tili
 
 # (B, nq, nk, Hq, Hkv, D, causal offset): unmasked; the ring's shape (own keys last: offset =
 # nk - nq); a square diagonal block (0); rows that see no key (negative offset); an offset past
-# nk - nq; few queries over many keys; more queries than keys.
+# nk - nq; few queries over many keys; more queries than keys; offsets far out of range (clamped
+# to [-nq, nk] as the host does).
 EMU_PIECES = [
     pytest.param(1, 5, 7, 2, 2, 32, None, id="small-unmasked"),
     pytest.param(2, 70, 130, 4, 2, 64, 60, id="own-keys-last-gqa"),
@@ -1064,6 +1065,8 @@ EMU_PIECES = [
     pytest.param(1, 129, 200, 3, 3, 96, 150, id="offset-past-diagonal-D96"),
     pytest.param(1, 9, 100, 4, 4, 128, None, id="few-queries-D128"),
     pytest.param(1, 150, 20, 2, 1, 32, 5, id="more-queries-than-keys"),
+    pytest.param(1, 30, 20, 2, 1, 32, 2**40, id="offset-far-above"),
+    pytest.param(1, 30, 20, 2, 1, 32, -(2**40), id="offset-far-below"),
 ]
 
 

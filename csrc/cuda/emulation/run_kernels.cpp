@@ -109,7 +109,8 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
       snprintf(err, errlen, "a piece takes no packed sequences");
       return 1;
     }
-    p->piece = da_piece{P.N, piece().nk, piece().offset};
+    const int64_t nk = piece().nk, offset = da_min64(da_max64(piece().offset, -P.N), nk);  // as checks.h
+    p->piece = da_piece{P.N, nk, offset};
     p->br.n = 1;
     p->br.w[0] = da_max64(P.N, piece().nk);
     p->br.r[0] = 1;
