@@ -65,3 +65,13 @@ def load_script(path: Path):
     sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def needs_cuda_kernels(built: bool) -> pytest.MarkDecorator:
+    """Skips a test without a CUDA GPU or without the extension's CUDA kernels (``built``: whether
+    the op the test calls has them), saying which is missing."""
+    return pytest.mark.skipif(
+        not (torch.cuda.is_available() and built),
+        reason="needs a CUDA GPU and the extension built with its CUDA kernels"
+        + ("" if built else " (this build has none: reinstall with nvcc present or FORCE_CUDA=1)"),
+    )

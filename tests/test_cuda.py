@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import grads, load_script
+from common import grads, load_script, needs_cuda_kernels
 from common import make_inputs as _make_inputs
 from reference import multiplicity, reference_attention, reference_piece, reference_varlen
 from tolerance import assert_causal_segment_within_rule, assert_within_rule
@@ -1164,13 +1164,8 @@ def native(q, k, v, segs, rates, *, is_causal=False, softmax_scale=None, return_
     return (out, lse) if return_lse else out
 
 
-HAS_GPU = torch.cuda.is_available()
 HAS_CUDA_KERNEL = has_kernel("cuda")
-needs_gpu = pytest.mark.skipif(
-    not (HAS_GPU and HAS_CUDA_KERNEL),
-    reason="needs a CUDA GPU and the extension built with its CUDA kernels"
-    + ("" if HAS_CUDA_KERNEL else " (this build has none: reinstall with nvcc present or FORCE_CUDA=1)"),
-)
+needs_gpu = needs_cuda_kernels(HAS_CUDA_KERNEL)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common import needs_cuda_kernels
 from reference import reference_piece
 from tolerance import assert_within_rule
 
@@ -24,14 +25,7 @@ DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 needs_piece_op = pytest.mark.skipif(
     not _ops.has_piece_kernel("cpu"), reason="extension built without piece op"
 )
-HAS_CUDA_PIECE_KERNEL = _ops.has_piece_kernel("cuda")
-needs_gpu = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAS_CUDA_PIECE_KERNEL),
-    reason="needs a CUDA GPU and the extension built with its CUDA kernels"
-    + (
-        "" if HAS_CUDA_PIECE_KERNEL else " (this build has none: reinstall with nvcc present or FORCE_CUDA=1)"
-    ),
-)
+needs_gpu = needs_cuda_kernels(_ops.has_piece_kernel("cuda"))
 
 
 def _devices():

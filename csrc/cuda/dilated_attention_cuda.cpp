@@ -383,6 +383,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, c
   return {dq, dk, dv};
 }
 
+// The backward of (B, N, ...) inputs as the op receives them (the fixed-length op and the pieces):
+// their last dimension made contiguous and dlse converted to lse's dtype, then bwd_sequences.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fixed(const Problem& P, const Seqs& S,
+                                                         const at::Tensor& dout, const at::Tensor& q,
+                                                         const at::Tensor& k, const at::Tensor& v,
+                                                         const at::Tensor& out, const at::Tensor& lse,
+                                                         const c10::optional<at::Tensor>& dlse_in) {
+  at::Tensor dlse;
+  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse.scalar_type()).contiguous();
+  return bwd_sequences(P, S, last_dim_contiguous(dout), last_dim_contiguous(q), last_dim_contiguous(k),
+                       last_dim_contiguous(v), last_dim_contiguous(out), lse.contiguous(), dlse);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
@@ -392,11 +405,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor dlse;
-  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse_in.scalar_type()).contiguous();
-  return bwd_sequences(P, fixed_seqs(P), last_dim_contiguous(dout_in), last_dim_contiguous(q_in),
-                       last_dim_contiguous(k_in), last_dim_contiguous(v_in), last_dim_contiguous(out_in),
-                       lse_in.contiguous(), dlse);
+  return bwd_fixed(P, fixed_seqs(P), dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in);
 }
 
 // The packed form: dout and out (T, Hq, D), lse and dlse (Hq, T); dq (T, Hq, D), dk and dv (T, Hkv, D).
@@ -468,12 +477,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cuda(
   const c10::cuda::CUDAGuard guard(q_in.device());
   if (P.B == 0 || P.N == 0 || nk == 0)
     return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
-  at::Tensor dlse;
-  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse_in.scalar_type()).contiguous();
   const Seqs S = piece_seqs(&P, nk, is_causal, causal_offset);
-  return bwd_sequences(P, S, last_dim_contiguous(dout_in), last_dim_contiguous(q_in),
-                       last_dim_contiguous(k_in), last_dim_contiguous(v_in), last_dim_contiguous(out_in),
-                       lse_in.contiguous(), dlse);
+  return bwd_fixed(P, S, dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in);
 }
 
 }  // namespace
