@@ -1451,6 +1451,7 @@ def test_longnet_branches_against_cpu_kernel(is_causal):
 
 
 @needs_gpu
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_packed_sequences_match_reference(dtype, is_causal):

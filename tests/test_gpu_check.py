@@ -250,3 +250,64 @@ def test_smoke_catches_a_wrong_result(smoke):
     misaligned = smoke.Case("bad", 1, 64, 1, 1, 8, [16], [1], False, torch.float64, [(0, 1, 8, 64)])
     with pytest.raises(ValueError, match=r"slice \[8, 64\) is not aligned"):
         smoke.check_case(misaligned, device="cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU tests that the tests step selects (-m cuda)
+# ----------------------------------------------------------------------------------------------
+
+# A pytest plugin that writes, for every collected test, its marks and the reasons of its skipif
+# marks: pytest's own view of the tests, parametrised ones included.
+_MARKS_PLUGIN = r"""
+import json, os
+
+def pytest_collection_finish(session):
+    rows = []
+    for item in session.items:
+        marks = [m.name for m in item.iter_markers()]
+        reasons = [str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")]
+        rows.append({"id": item.nodeid, "marks": marks, "skip_reasons": reasons})
+    with open(os.environ["DA_MARKS_OUT"], "w") as f:
+        json.dump(rows, f)
+"""
+
+
+@pytest.mark.parametrize("test_file", ["tests/test_cuda.py", "tests/test_ring_pieces.py"])
+def test_every_gpu_test_is_marked_cuda(tmp_path, test_file):
+    """gpu_check.sh runs ``-m cuda``: a GPU test without the mark would never run on the GPU. A
+    test needs the GPU when it carries the skip of ``common.needs_cuda_kernels``."""
+    import json
+
+    (tmp_path / "da_marks_plugin.py").write_text(_MARKS_PLUGIN)
+    out = tmp_path / "marks.json"
+    env = dict(os.environ, DA_MARKS_OUT=str(out))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "da_marks_plugin",
+            "-p",
+            "no:cacheprovider",
+            test_file,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    needs = [r for r in rows if any(s.startswith("needs a CUDA GPU") for s in r["skip_reasons"])]
+    assert needs, f"no test of {test_file} is recognised as a GPU test: the check would pass vacuously"
+    unmarked = [r["id"] for r in needs if "cuda" not in r["marks"]]
+    assert not unmarked, f"GPU tests without @pytest.mark.cuda (gpu_check.sh -m cuda skips them): {unmarked}"
+    # and the other way round: a test marked cuda is skipped where there is no GPU
+    loose = [r["id"] for r in rows if "cuda" in r["marks"] and r not in needs]
+    assert not loose, f"tests marked cuda without the GPU skip of common.needs_cuda_kernels: {loose}"
