@@ -614,6 +614,50 @@ def test_recall_training_runs(tmp_path):
         )
 
 
+def test_mfu_counts_the_length_each_step_trained_at(tmp_path, monkeypatch):
+    """With the recall curriculum the steps run 16 sequences of 32 tokens, not 4 of 128: the MFU
+    counts the FLOPs of what ran (dense causal attention is quadratic in the length), so it is
+    never above what the step did. Every iteration takes 1 s on a fake clock."""
+    clock = {"t": 0.0}
+    real_step = train.torch.nn.utils.clip_grad_norm_
+
+    def step(*args, **kwargs):  # called once per iteration, between the clock readings
+        clock["t"] += 1.0
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train.time, "time", lambda: clock["t"])
+    monkeypatch.setattr(train.torch.nn.utils, "clip_grad_norm_", step)
+    lines: list[str] = []
+    shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 128}
+    train.main(
+        tiny_train_args(
+            tmp_path,
+            tmp_path,
+            dataset="recall",
+            recall_pairs=4,
+            recall_queries=16,
+            recall_row=4,
+            recall_start_len=32,
+            recall_grow_at=1.0,  # the length stays at 32
+            attention_backend="dense",
+            max_iters=5,
+            eval_interval=100,
+            log_interval=4,
+            grad_clip=1.0,
+            peak_flops=1e9,
+            **shape,
+        ),
+        log=lines.append,
+    )
+    (line,) = [x for x in lines if x.startswith("iter 4:")]
+    mfu = float(line.split("mfu ")[1].split("%")[0]) / 100
+    model = GPT(GPTConfig(vocab_size=recall.VOCAB_SIZE, bias=True, attention_backend="dense", **shape))
+    L, B, D = 32, 16, 32 // 2
+    pairs = 2 * L * (L + 1) // 2  # dense causal, 2 heads
+    flops = B * (6 * model.get_num_params() * L + 2 * 3.5 * 4 * D * pairs)  # 2 layers
+    assert mfu == pytest.approx(flops / 1e9, rel=1e-3), line
+
+
 def test_max_minutes_stops_training(data_dir, tmp_path):
     """A wall-time budget ends the run early, with a last evaluation."""
     out = train.main(

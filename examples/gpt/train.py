@@ -554,7 +554,6 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         if cfg.attention_backend == "dense"
         else f" segments {list(gptconf.segment_lengths)} rates {list(gptconf.dilation_rates)}"
     )
-    flops_per_iter = raw_model.flops_per_sequence(cfg.block_size) * cfg.batch_size * grad_accum * world
     saved_peak = checkpoint_peak if cfg.peak_flops == 0 else None
     peak, peak_src = saved_peak or peak_flops(device, ptdtype, cfg.peak_flops)
     peak_note = f"{peak_src}, kept in the checkpoint" if saved_peak else peak_src
@@ -650,7 +649,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
     t_start = time.time()
     t0 = time.time()
     local_iter, tok_s = 0, 0.0
-    window_time, window_iters = 0.0, 0  # the iterations since the last progress line
+    window_time, window_iters, window_flops = 0.0, 0, 0.0  # the iterations since the last progress line
     train_seconds, out_of_time = 0.0, False  # time in training steps, evaluations excluded
     tokens_seen = 0  # training tokens, all processes
     while True:
@@ -704,6 +703,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         dt, t0 = t1 - t0, t1
         if local_iter >= 2:  # the first iterations (allocation, compilation) are not timed
             window_time, window_iters = window_time + dt, window_iters + 1
+            # The FLOPs of the step just run, at its own length: with the recall curriculum the
+            # sequences are shorter (and more) than block_size, and attention costs less per token.
+            step_batch, step_len = x.shape
+            window_flops += raw_model.flops_per_sequence(step_len) * step_batch * grad_accum * world
         train_seconds += dt
         if iter_num % cfg.log_interval == 0 and master:
             lossf = loss_sum.item()
@@ -712,9 +715,9 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
             if window_iters:  # averages over the iterations since the last progress line
                 per_iter = window_time / window_iters
                 tok_s = tokens_per_iter / per_iter
-                mfu = flops_per_iter / (per_iter * peak * world)
+                mfu = window_flops / (window_time * peak * world)
                 timing = f"{per_iter * 1000:.0f} ms/iter | {tok_s:,.0f} tok/s | mfu {mfu * 100:.2f}%"
-            window_time, window_iters = 0.0, 0
+            window_time, window_iters, window_flops = 0.0, 0, 0.0
             log(f"iter {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | {timing} | attn {backend_name}")
         iter_num += 1
         local_iter += 1
