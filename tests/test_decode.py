@@ -121,7 +121,7 @@ def test_sequences_of_different_lengths_and_left_padding():
 
 def test_chunks_of_new_tokens(monkeypatch):
     """Several new tokens after a non-empty cache (chunked prefill), split into gather chunks."""
-    monkeypatch.setattr(decode_mod, "_GATHER_BUDGET", 1)  # one query per chunk
+    monkeypatch.setattr(decode_mod._gather, "_GATHER_BUDGET", 1)  # one query per chunk
     segs, rates = (8, 16), (1, 2)
     q, k, v = make_inputs(2, 30, 4, 4, 8, torch.float64, seed=3, requires_grad=False)
     ref, _ = reference_attention(q, k, v, segs, rates, is_causal=True)
@@ -230,7 +230,7 @@ def test_gather_reads_any_cache_layout(layout):
     }[layout]
     idx = torch.randint(0, N, (B, 2, 5))
     expected = torch.stack([cache[b][idx[b]] for b in range(B)])  # (B, 2, 5, H, D)
-    assert torch.equal(decode_mod._gather_slots(cache, idx), expected.transpose(2, 3))
+    assert torch.equal(decode_mod._gather._gather_slots(cache, idx), expected.transpose(2, 3))
 
 
 def test_readme_snippet_runs():
@@ -252,3 +252,42 @@ def test_empty_batch_and_no_new_queries():
     assert out.shape == (2, 0, 4, 8) and lse.shape == (2, 4, 0)
     out = dilated_attention_decode(torch.zeros(0, 1, 4, 8), kc[:0], kc[:0], 3, 4, 1)
     assert out.shape == (0, 1, 4, 8)
+
+
+def test_scale_must_be_finite_in_the_compute_dtype():
+    """A scale that overflows float32 scores is refused with the functional API's error (it gave
+    NaN), for float32 and the half types; float64 computes in float64 and accepts it."""
+    kc = torch.zeros(1, 8, 2, 8)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        q, c = torch.zeros(1, 1, 4, 8, dtype=dtype), kc.to(dtype)
+        with pytest.raises(
+            ValueError, match=r"softmax_scale must be finite in the compute dtype float32.*1e\+39"
+        ):
+            dilated_attention_decode(q, c, c, 1, 4, 1, softmax_scale=1e39)
+    q, k, v = make_inputs(1, 6, 4, 2, 8, torch.float64, seed=5, requires_grad=False)
+    assert torch.isfinite(dilated_attention_decode(q[:, -1:], k, v, 6, 4, 1, softmax_scale=1e39)).all()
+
+
+@pytest.mark.parametrize("lengths", ["int", "tensor"])
+def test_torch_compile_fullgraph(lengths):
+    """``dilated_attention_decode`` compiles with ``fullgraph=True`` (no graph break), with int or
+    tensor cache lengths and left padding, and equals the float64 reference."""
+    Hq, Hkv, segs, rates, N = 4, 2, (4, 8), (1, 2), 13
+    q, k, v = make_inputs(2, N, Hq, Hkv, 8, torch.float64, seed=6, requires_grad=False)
+    ref, ref_lse = reference_attention(q, k, v, segs, rates, is_causal=True)
+    seqlens = N - 1 if lengths == "int" else torch.tensor([N - 1, N - 1])
+    pad = None if lengths == "int" else torch.tensor([0, 0])
+
+    def step(q, kc, vc, k, v):
+        return dilated_attention_decode(
+            q, kc, vc, seqlens, segs, rates, k=k, v=v, cache_leftpad=pad, return_lse=True
+        )
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    kc = torch.zeros(2, N + 3, Hkv, 8, dtype=torch.float64)
+    vc = torch.zeros_like(kc)
+    kc[:, : N - 1], vc[:, : N - 1] = k[:, :-1], v[:, :-1]
+    out, lse = compiled(q[:, -1:], kc, vc, k[:, -1:], v[:, -1:])
+    torch.testing.assert_close(out[:, 0], ref[:, -1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse[..., 0], ref_lse[..., -1], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kc[:, N - 1], k[:, -1], rtol=0, atol=0)  # appended in place
