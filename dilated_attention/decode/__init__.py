@@ -18,5 +18,6 @@ from __future__ import annotations
 from ._api import dilated_attention_decode
 from ._cache import DilatedKVCache
 from ._gather import decode_key_positions
+from .bounded import BoundedDilatedKVCache
 
-__all__ = ["DilatedKVCache", "decode_key_positions", "dilated_attention_decode"]
+__all__ = ["BoundedDilatedKVCache", "DilatedKVCache", "decode_key_positions", "dilated_attention_decode"]
