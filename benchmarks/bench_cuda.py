@@ -1,56 +1,55 @@
-"""GPU speed of the native CUDA kernels against gather + SDPA (flash) + LSE merge, and against the
-GPU's dense bf16 matmul rate measured in the same run.
-
-For every configuration (B, N, H, D, causal) with LongNet's branches (w = 2048, 4096, ..., N and
-r = 1, 2, 4, ...), the script times, forward and forward+backward:
+"""GPU speed of dilated attention in bf16, every way this project can compute it, in one run:
 
 * ``native``: ``dilated_attention(..., backend="native")``, the fused CUDA kernels;
-* ``gather+flash``: the same computation done the usual way: for every branch and head phase,
-  gather the dilated sub-sequences, run PyTorch's FlashAttention kernel
-  (``aten._scaled_dot_product_flash_attention``, which returns the log-sum-exp), merge the
-  branches by their log-sum-exp and scatter back; the backward runs the flash backward once per
-  group with the merged out/lse (exact gradients, as ring attention does);
-* ``matmul``: a dense bf16 ``torch.matmul`` of size ``--matmul-size`` cubed, for the GPU's
-  reachable tensor-core rate.
+* ``sdpa``: ``dilated_attention(..., backend="sdpa")``, whatever that backend is in this checkout;
+* ``gather+flash``: the gather driver (``backends/gathered.py``) with PyTorch's flash kernel on the
+  gathered sub-sequences, merged by log-sum-exp, its backward the flash backward fed the merged
+  out/lse: the gather path as a fixed baseline, whatever ``sdpa`` becomes;
+* ``dense cuDNN``: dense SDPA (cuDNN) on the same tokens as sequences of length
+  ``L = min(N, --dense-len)``: the rate a dense model reaches;
+* the bf16 matmul rate of the GPU, measured in the same run.
 
-Throughput is counted in useful TFLOP/s (SPEC section 3): forward = 4 * D * (number of (query,
-key) pairs with multiplicity, summed over batch and heads), backward = 2.5 x forward. The script
-prints, per row, ``speedup`` = time(gather+flash) / time(native) (target >= 1.3) and
-``of matmul`` = native TFLOP/s / matmul TFLOP/s (target >= 0.40), and writes the table (Markdown
-and CSV) and a plot to ``benchmarks/results/``.
+For every configuration (B·N tokens, H heads, head dim D, causal or not) with LongNet's branches
+(w = w0·2^i, r = 2^i, the largest segment N), forward and forward+backward: median time, useful
+TFLOP/s (SPEC section 3: forward 4·D per (query, key) pair with multiplicity, forward+backward 3.5x
+that) and the allocator's peak memory beyond the inputs. Printed with the ratios native/sdpa,
+native/gather+flash (time over time: > 1 means native is faster), native/dense and native/matmul
+(TFLOP/s over TFLOP/s); written as STEM.md, STEM.csv and STEM.png after every configuration, so a
+run cut short still leaves its table.
+
+Every measurement has a time budget (the run's ``--budget`` seconds shared by the measurements left):
+the first call is timed alone, and further calls run only while they fit; a measurement whose first
+call alone overran is reported from that call (marked ``*``).
 
 Usage::
 
-    python benchmarks/bench_cuda.py                      # the default sweep (needs ~40 GB of GPU memory)
-    python benchmarks/bench_cuda.py --quick              # one small configuration
-    python benchmarks/bench_cuda.py --tokens 262144 --heads 12 --head-dims 64 --causal 1
+    python benchmarks/bench_cuda.py                 # bf16, 256K and 1M tokens, H=16, D=64/128 (~40 GB)
+    python benchmarks/bench_cuda.py --quick         # one small configuration
+    python benchmarks/bench_cuda.py --dry-run       # tiny sizes on the CPU: checks this script, no GPU
+    python benchmarks/bench_cuda.py --tokens 262144 --head-dims 128 --causal 1 --out $OUT/bench
 
-Without a CUDA GPU (or without the extension's CUDA kernels) it exits with a message saying so.
+Without a CUDA GPU (or without the extension's CUDA kernels) it exits with a message saying so,
+except with --dry-run.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as _dt
-import math
 import platform
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cuda_lib beside this file
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the checkout's package
+from bench_cuda_lib import METHODS, Clock, Row, print_table, write
 
 from dilated_attention.flops import attention_flops, attention_pairs, matmul_flops
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-# ----------------------------------------------------------------------------------------------
-# Useful work (SPEC section 3)
-# ----------------------------------------------------------------------------------------------
 
 
 def longnet_branches(N: int, w0: int = 2048) -> tuple[list[int], list[int]]:
@@ -74,293 +73,173 @@ def useful_flops(
 
 
 # ----------------------------------------------------------------------------------------------
-# The baseline: gather + SDPA flash + LSE merge
+# The gather baseline: gather + flash + LSE merge
 # ----------------------------------------------------------------------------------------------
 
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
-def make_flash_baseline():
-    """The project's gather/merge driver with PyTorch's flash kernel (forward returns lse;
-    backward fed the merged out/lse)."""
-    from dilated_attention.backends.sdpa import SdpaBackend
+
+def make_gather_baseline():
+    """The project's gather/merge driver with PyTorch's flash kernel (its forward returns the
+    log-sum-exp, its backward takes the merged out/lse). On the CPU (``--dry-run``) the CPU flash
+    operators stand in, refusing what the CUDA flash kernel refuses (anything but fp16/bf16)."""
+    from dilated_attention.backends.gathered import GatheredBackend
 
     def _t(x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(1, 2)
+        return x.transpose(1, 2)  # (B, M, H, D) <-> (B, H, M, D)
 
-    class FlashSdpaBaseline(SdpaBackend):
+    def _kernel_dtype(x: torch.Tensor) -> torch.dtype:
+        # The driver widens a multi-branch backward to float32 so that the branches' shares add up
+        # unrounded; the flash kernels take fp16/bf16 only: they get bf16, their results are summed
+        # in float32 by the driver all the same.
+        return x.dtype if x.dtype in _FLASH_DTYPES else torch.bfloat16
+
+    def _check(*xs: torch.Tensor) -> None:
+        bad = [x.dtype for x in xs if x.dtype not in _FLASH_DTYPES]
+        if bad:
+            raise RuntimeError(f"FlashAttention only supports fp16 and bf16 inputs, got {bad[0]}")
+
+    class GatherFlashBaseline(GatheredBackend):
         name = "gather+flash"
 
         def native_gqa(self, device: torch.device) -> bool:
             return False  # the flash operator wants as many key/value heads as query heads
 
         def merged_backward(self, device: torch.device, dropout_p: float) -> bool:
-            return True
+            return dropout_p == 0.0
 
         def attn_forward(self, q, k, v, *, is_causal, scale):
+            if q.device.type == "cpu":
+                _check(q, k, v)
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    _t(q), _t(k), _t(v), 0.0, is_causal, scale=scale
+                )
+                return _t(out), lse, None
             res = torch.ops.aten._scaled_dot_product_flash_attention(
                 _t(q), _t(k), _t(v), 0.0, is_causal, False, scale=scale
             )
-            out, lse = res[0], res[1]
-            return _t(out), lse, tuple(res[2:8])
+            return _t(res[0]), res[1], tuple(res[2:8])
 
         def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale):
+            kd = _kernel_dtype(q)
+            dout, q, k, v, out = (x.to(kd) for x in (dout, q, k, v, out))
+            if q.device.type == "cpu":
+                _check(dout, q, k, v, out)
+                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, is_causal, scale=scale
+                )
+                return _t(dq), _t(dk), _t(dv)
             cum_q, cum_k, max_q, max_k, rng, unused = extra
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                _t(dout),
-                _t(q),
-                _t(k),
-                _t(v),
-                _t(out),
-                lse.contiguous(),
-                cum_q,
-                cum_k,
-                max_q,
-                max_k,
-                0.0,
-                is_causal,
-                rng,
-                unused,
-                scale=scale,
-            )
+                _t(dout), _t(q), _t(k), _t(v), _t(out), lse.contiguous(),
+                cum_q, cum_k, max_q, max_k, 0.0, is_causal, rng, unused, scale=scale,
+            )  # fmt: skip
             return _t(dq), _t(dk), _t(dv)
 
-    return FlashSdpaBaseline()
+    return GatherFlashBaseline()
+
+
+def dense_attention(q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
+    """SDPA on (B, H, L, D) views; cuDNN on CUDA (flash where cuDNN cannot), the default on CPU."""
+    import torch.nn.functional as F
+
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
 # ----------------------------------------------------------------------------------------------
-# Timing
+# One configuration
 # ----------------------------------------------------------------------------------------------
 
 
-def cuda_time(fn: Callable[[], object], warmup: int, iters: int) -> float:
-    """Median seconds of fn() over iters runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
+def _sample(out: torch.Tensor) -> torch.Tensor:
+    """Up to 4096 positions spread over the sequence, on the CPU in float32 (for the differences
+    between methods without keeping whole outputs)."""
+    N = out.shape[1]
+    idx = torch.linspace(0, N - 1, min(N, 4096), device=out.device).long()
+    return out.index_select(1, idx).float().cpu()
 
 
-@dataclass
-class Row:
-    B: int
-    N: int
-    H: int
-    D: int
-    causal: bool
-    branches: int
-    fwd_flops: float
-    native_fwd_s: float | None = None
-    base_fwd_s: float | None = None
-    native_fb_s: float | None = None
-    base_fb_s: float | None = None
-    max_abs_diff: float | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def tflops(self, seconds: float | None, factor: float) -> float | None:
-        return None if seconds is None else factor * self.fwd_flops / seconds / 1e12
-
-
-def run_config(B: int, N: int, H: int, D: int, causal: bool, args, baseline) -> Row:
+def run_config(B, N, H, D, causal, args, clock: Clock, baseline, methods) -> Row:
     from dilated_attention import dilated_attention
+    from dilated_attention.backends import select_backend
 
+    dev, dt = clock.device, torch.bfloat16
     segs, rates = longnet_branches(N, args.w0)
-    row = Row(B, N, H, D, causal, len(segs), useful_flops(B, N, H, D, segs, rates, causal))
+    L = min(N, args.dense_len)
+    dense_pairs = (B * N // L) * H * (L * (L + 1) // 2 if causal else L * L)
+    row = Row(B, N, H, D, causal, len(segs), useful_flops(B, N, H, D, segs, rates, causal), L,
+              attention_flops(dense_pairs, D))  # fmt: skip
     scale = D**-0.5
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    dout = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, dout = (torch.randn(B, N, H, D, device=dev, dtype=dt, generator=g) for _ in range(4))
 
-    def native_fwd():
-        return dilated_attention(
-            q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="native"
-        )
+    def dense_view(x):
+        return x.view(B * N // L, L, H, D).transpose(1, 2)  # (B', H, L, D), no copy
 
-    def base_fwd():
-        return baseline.forward(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale)[0]
-
-    def fwd_bwd(fwd):
-        def run():
-            for t in (q, k, v):
-                t.grad = None
-            out = fwd()
-            out.backward(dout)
-
-        return run
-
-    try:
-        with torch.no_grad():
-            row.native_fwd_s = cuda_time(native_fwd, args.warmup, args.iters)
-            o_native = native_fwd()
-    except torch.cuda.OutOfMemoryError:
-        row.notes.append("native: out of memory")
-        o_native = None
-    torch.cuda.empty_cache()
-    try:
-        with torch.no_grad():
-            row.base_fwd_s = cuda_time(base_fwd, args.warmup, args.iters)
-            o_base = base_fwd()
-        if o_native is not None:
-            row.max_abs_diff = (o_native.float() - o_base.float()).abs().max().item()
-        del o_base
-    except torch.cuda.OutOfMemoryError:
-        row.notes.append("gather+flash: out of memory")
-    except RuntimeError as e:  # e.g. no flash kernel for this GPU or head dim
-        row.notes.append(f"gather+flash: {str(e).splitlines()[0][:80]}")
-    del o_native
-    torch.cuda.empty_cache()
-
-    if not args.forward_only:
-        for t in (q, k, v):
-            t.requires_grad_(True)
-        try:
-            row.native_fb_s = cuda_time(fwd_bwd(native_fwd), args.warmup, args.iters)
-        except torch.cuda.OutOfMemoryError:
-            row.notes.append("native fwd+bwd: out of memory")
-        torch.cuda.empty_cache()
-        try:
-            row.base_fb_s = cuda_time(fwd_bwd(base_fwd), args.warmup, args.iters)
-        except torch.cuda.OutOfMemoryError:
-            row.notes.append("gather+flash fwd+bwd: out of memory")
-        except RuntimeError as e:
-            row.notes.append(f"gather+flash fwd+bwd: {str(e).splitlines()[0][:80]}")
-    return row
-
-
-# ----------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "n/a" if x is None or math.isnan(x) else format(x, spec)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
-
-
-HEADER = [
-    "B",
-    "N",
-    "H",
-    "D",
-    "causal",
-    "branches",
-    "pass",
-    "native ms",
-    "gather+flash ms",
-    "native TFLOP/s",
-    "gather+flash TFLOP/s",
-    "speedup",
-    "of matmul",
-]
-
-
-def table_rows(rows: list[Row], mm: float) -> list[list[str]]:
-    out = []
-    for r in rows:
-        for name, tn, tb, factor in (
-            ("fwd", r.native_fwd_s, r.base_fwd_s, 1.0),
-            ("fwd+bwd", r.native_fb_s, r.base_fb_s, 3.5),
-        ):
-            if tn is None and tb is None:
+    fwds: dict[str, Callable[[], torch.Tensor]] = {
+        "native": lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="native"),
+        "sdpa": lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="sdpa"),
+        "gather": lambda: baseline.forward(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale)[0],
+        "dense": lambda: dense_attention(dense_view(q), dense_view(k), dense_view(v), causal, scale),
+    }  # fmt: skip
+    douts = {"dense": dense_view(dout)}
+    for name in ("native", "sdpa"):
+        if name in methods:
+            ran = select_backend(name, q, k).name
+            if ran != name:
+                row.notes.append(f"backend={name!r} runs as {ran!r} here")
+    reference = None
+    for m in methods:
+        for pass_ in ("fwd", "fwd+bwd"):
+            if pass_ == "fwd+bwd" and args.forward_only:
                 continue
-            tf_n, tf_b = r.tflops(tn, factor), r.tflops(tb, factor)
-            out.append(
-                [
-                    str(r.B),
-                    str(r.N),
-                    str(r.H),
-                    str(r.D),
-                    "yes" if r.causal else "no",
-                    str(r.branches),
-                    name,
-                    _fmt(None if tn is None else tn * 1e3, ".2f"),
-                    _fmt(None if tb is None else tb * 1e3, ".2f"),
-                    _fmt(tf_n, ".1f"),
-                    _fmt(tf_b, ".1f"),
-                    _fmt(_ratio(tb, tn), ".2f"),
-                    _fmt(_ratio(tf_n, mm), ".0%"),
-                ]
-            )
-    return out
+            fwd = fwds[m]
+            if pass_ == "fwd":
+                for t in (q, k, v):
+                    t.requires_grad_(False)
 
+                def fn(fwd=fwd):
+                    with torch.no_grad():
+                        return fwd()
 
-def write_results(rows: list[Row], mm: float, args, gpu: str) -> Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    slug = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
-    stem = Path(args.out) if args.out else RESULTS / f"cuda_{slug}_{stamp}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    body = table_rows(rows, mm)
-    lines = [
-        f"# Native CUDA kernels vs gather + SDPA (flash) + LSE merge, bf16, on {gpu}",
-        "",
-        (
-            f"Measured {stamp} by `benchmarks/bench_cuda.py` ({' '.join(sys.argv[1:]) or 'default sweep'}); torch "
-            f"{torch.__version__}, CUDA {torch.version.cuda}, {platform.node()}."
-        ),
-        f"Dense bf16 matmul ({args.matmul_size}^3) measured in the same run: **{mm:.1f} TFLOP/s**.",
-        (
-            "LongNet branches: w = 2048, 4096, ..., N; r = 1, 2, 4, ... . Useful FLOPs (SPEC section 3): forward "
-            "4 D x pairs, forward+backward 3.5 x that. speedup = gather+flash time / native time (target >= 1.3); "
-            "of matmul = native useful TFLOP/s / matmul TFLOP/s (target >= 40%)."
-        ),
-        "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
-    ]
-    lines += ["| " + " | ".join(r) + " |" for r in body]
-    notes = [f"- B={r.B} N={r.N} H={r.H} D={r.D} causal={r.causal}: {n}" for r in rows for n in r.notes]
-    diffs = [
-        f"- B={r.B} N={r.N} H={r.H} D={r.D} causal={r.causal}: max |native - gather+flash| = {r.max_abs_diff:.3g}"
-        for r in rows
-        if r.max_abs_diff is not None
-    ]
-    if diffs:
-        lines += ["", "Forward outputs of the two implementations (bf16):", "", *diffs]
-    if notes:
-        lines += ["", "Notes:", "", *notes]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow([*HEADER, "matmul TFLOP/s", "gpu"])
-        for r in body:
-            w.writerow([*r, f"{mm:.1f}", gpu])
-    try:
-        import matplotlib
+            else:
+                for t in (q, k, v):
+                    t.requires_grad_(True)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+                d = douts.get(m, dout)
 
-        labels = [
-            f"N={r[1]}\nH={r[2]} D={r[3]}\n{'causal' if r[4] == 'yes' else 'full'} {r[6]}" for r in body
-        ]
-        nat = [float(r[9]) if r[9] != "n/a" else 0.0 for r in body]
-        base = [float(r[10]) if r[10] != "n/a" else 0.0 for r in body]
-        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(body)), 4))
-        xs = range(len(body))
-        ax.bar([x - 0.2 for x in xs], nat, width=0.4, label="native")
-        ax.bar([x + 0.2 for x in xs], base, width=0.4, label="gather+flash")
-        ax.axhline(mm, color="k", linestyle="--", linewidth=1, label=f"dense bf16 matmul ({mm:.0f})")
-        ax.axhline(0.4 * mm, color="gray", linestyle=":", linewidth=1, label="40% of matmul")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.set_ylabel("useful TFLOP/s")
-        ax.set_title(f"dilated attention, bf16, {gpu}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(stem.with_suffix(".png"), dpi=120)
-    except ImportError:
-        pass
-    return stem
+                def fn(fwd=fwd, d=d):
+                    for t in (q, k, v):
+                        t.grad = None
+                    fwd().backward(d)
+
+            try:
+                timing = clock.measure(fn, args.iters)
+                if timing is None:
+                    row.notes.append(f"{m} {pass_}: not run, the run's time budget is spent")
+                    continue
+                row.times[(m, pass_)] = timing
+                if pass_ == "fwd" and m != "dense":
+                    s = _sample(fn())
+                    if m == "native":
+                        reference = s
+                    elif reference is not None:
+                        row.diffs[m] = (s - reference).abs().max().item()
+            except torch.cuda.OutOfMemoryError:
+                row.notes.append(f"{m} {pass_}: out of memory")
+            except RuntimeError as e:  # e.g. no flash or cuDNN kernel for this GPU or head dim
+                row.notes.append(f"{m} {pass_}: {str(e).splitlines()[0][:160]}")
+            finally:
+                for t in (q, k, v):
+                    t.grad = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    return row
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,37 +252,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--tokens", type=int, nargs="+", default=[262144, 1048576], help="B * N per configuration")
-    p.add_argument(
-        "--seq-lens",
-        type=int,
-        nargs="+",
-        default=None,
-        help="sequence lengths N (default: N = tokens, B = 1; with --seq-lens, B = tokens / N)",
-    )
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                   help="sequence lengths N (default: N = tokens, B = 1; with --seq-lens, B = tokens / N)")  # fmt: skip
     p.add_argument("--heads", type=int, nargs="+", default=[16])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=[0, 1])
     p.add_argument("--w0", type=int, default=2048, help="the smallest segment length")
+    p.add_argument(
+        "--methods", nargs="+", default=[m for m, _, _ in METHODS], choices=[m for m, _, _ in METHODS]
+    )
+    p.add_argument(
+        "--dense-len", type=int, default=32768, help="sequence length of the dense comparison (at most N)"
+    )
     p.add_argument("--forward-only", action="store_true")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per measurement at most")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds for all measurements together")
     p.add_argument("--matmul-size", type=int, default=8192)
     p.add_argument("--quick", action="store_true", help="one small configuration (a smoke test)")
-    p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument(
-        "--out",
-        default=None,
-        metavar="STEM",
-        help="write STEM.md, STEM.csv and STEM.png (default: benchmarks/results/cuda_<gpu>_<time>)",
+        "--dry-run", action="store_true", help="tiny sizes on the CPU: runs every line of this script"
     )
+    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--out", default=None, metavar="STEM",
+                   help="write STEM.md, STEM.csv and STEM.png (default: benchmarks/results/cuda_<gpu>_<time>)")  # fmt: skip
     args = p.parse_args(argv)
     for name in ("tokens", "heads", "head_dims"):
         bad = [x for x in getattr(args, name) if x < 1]
         if bad:
             p.error(f"--{name.replace('_', '-')} must be positive, got {bad}")
+    for name in ("w0", "dense_len", "iters", "matmul_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not args.budget > 0:
+        p.error(f"--budget must be positive, got {args.budget}")
     if args.quick:
         args.tokens, args.seq_lens, args.heads, args.head_dims, args.causal = [16384], None, [8], [64], [1]
-        args.iters, args.matmul_size = 3, 4096
+        args.iters, args.matmul_size, args.budget = 3, 4096, min(args.budget, 120.0)
+    if args.dry_run:
+        args.tokens, args.seq_lens, args.heads, args.head_dims = [256], [128], [2], [16]
+        args.w0, args.dense_len, args.iters, args.matmul_size = 32, 64, 2, 64
     return args
 
 
@@ -422,42 +309,60 @@ def configurations(args) -> list[tuple[int, int, int, int, bool]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit(
-            "bench_cuda: no CUDA GPU is available here (torch.cuda.is_available() is False); "
-            "this benchmark measures the CUDA kernels and needs one."
-        )
+    configs = configurations(args)
     from dilated_attention._ops import has_kernel
 
-    if not has_kernel("cuda"):
-        raise SystemExit(
-            "bench_cuda: the installed extension has no CUDA kernels; rebuild it with nvcc present "
-            "(pip install --no-build-isolation -e . , or FORCE_CUDA=1)."
-        )
-    gpu = torch.cuda.get_device_name()
-    cc = torch.cuda.get_device_capability()
-    print(f"GPU: {gpu} (sm_{cc[0]}{cc[1]}), torch {torch.__version__}, CUDA {torch.version.cuda}")
-    mm = matmul_flops("cuda", torch.bfloat16, n=args.matmul_size) / 1e12
+    if args.dry_run:
+        device, gpu = torch.device("cpu"), f"CPU ({platform.machine()}), dry run"
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                "bench_cuda: no CUDA GPU is available here (torch.cuda.is_available() is False); "
+                "this benchmark measures the CUDA kernels and needs one (--dry-run checks the script on the CPU)."
+            )
+        if not has_kernel("cuda"):
+            raise SystemExit(
+                "bench_cuda: the installed extension has no CUDA kernels; rebuild it with nvcc present "
+                "(pip install --no-build-isolation -e . , or FORCE_CUDA=1)."
+            )
+        device = torch.device("cuda", torch.cuda.current_device())
+        cc = torch.cuda.get_device_capability()
+        gpu = f"{torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]})"
+    print(
+        f"device: {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
+    )
+    mm = matmul_flops(device, torch.bfloat16, n=args.matmul_size) / 1e12
     print(f"dense bf16 matmul {args.matmul_size}^3: {mm:.1f} TFLOP/s")
-    baseline = make_flash_baseline()
-    rows = []
-    for B, N, H, D, causal in tqdm(configurations(args), desc="configurations"):
-        rows.append(run_config(B, N, H, D, causal, args, baseline))
-        torch.cuda.empty_cache()  # the configuration's tensors are gone with run_config's frame
-        r = table_rows(rows[-1:], mm)
-        for line in r:
-            tqdm.write(" ".join(f"{h}={v}" for h, v in zip(HEADER, line, strict=True)))
+    passes = 1 if args.forward_only else 2
+    clock = Clock(device, args.budget, len(configs) * len(args.methods) * passes)
+    baseline = make_gather_baseline()
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    slug = "".join(c if c.isalnum() else "-" for c in gpu.split(" (")[0]).strip("-").lower()
+    stem = Path(args.out) if args.out else RESULTS / f"cuda_{slug}_{stamp}"
+    intro = [
+        f"# Dilated attention, bf16, on {gpu}",
+        "",
+        f"Measured {stamp} UTC by `benchmarks/bench_cuda.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}.",
+        f"bf16 matmul ({args.matmul_size}^3) in the same run: **{mm:.1f} TFLOP/s**.",
+        f"LongNet branches: w = {args.w0}·2^i up to N, r = 2^i. Useful FLOPs (SPEC section 3): forward 4·D per pair, "
+        "forward+backward 3.5x. Ratios: native/sdpa and native/gather+flash are times (> 1: native faster); "
+        "native/dense and native/matmul are TFLOP/s. Peak GiB: the allocator's peak beyond the inputs. "
+        "`*`: a single cold call (the budget had no room for more).",
+    ]
+    rows: list[Row] = []
+    for i, (B, N, H, D, causal) in enumerate(configs):
+        print(f"[{i + 1}/{len(configs)}] B={B} N={N} H={H} D={D} causal={causal} ...", flush=True)
+        rows.append(run_config(B, N, H, D, causal, args, clock, baseline, args.methods))
+        if not args.no_write:
+            written = write(stem, rows, mm, intro, gpu)
     print()
-    widths = [max(len(h), *(len(r[i]) for r in table_rows(rows, mm))) for i, h in enumerate(HEADER)]
-    print("  ".join(h.rjust(w) for h, w in zip(HEADER, widths, strict=True)))
-    for r in table_rows(rows, mm):
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    print_table(rows, mm)
     for r in rows:
         for n in r.notes:
-            print(f"note (B={r.B} N={r.N} H={r.H} D={r.D} causal={r.causal}): {n}")
+            print(f"note ({r.describe()}): {n}")
     if not args.no_write:
-        stem = write_results(rows, mm, args, gpu)
-        print(f"wrote {stem.with_suffix('.md')}, .csv and .png")
+        print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -1,52 +1,68 @@
 #!/usr/bin/env bash
-# Verifies the native op's CUDA kernels on the GPU at hand, in one command, and writes every log and
-# table to one folder. Without a GPU it says so and exits 0 (nothing to verify here).
+# Verifies the native op's CUDA kernels on the GPU at hand and writes every log and table to one
+# folder. Two commands, each under 8 minutes on an H100 (a device command may run 10):
 #
-#   scripts/gpu_check.sh [OUT_DIR] [--steps LIST] [--deadline SECONDS] [--dry-run]
+#   scripts/gpu_check.sh tests    [OUT_DIR]   # build, tests, smoke
+#   scripts/gpu_check.sh sanitize [OUT_DIR]   # (build if needed), memcheck, racecheck, synccheck, bench
+#   scripts/gpu_check.sh all      [OUT_DIR]   # every step (default; what does not fit is "not run")
+#   options: [--steps LIST] [--deadline SECONDS] [--dry-run]
 #
-# OUT_DIR defaults to $OUT when set, else gpu_check_out/. Steps, in order (LIST: some of them,
-# comma- or space-separated; default all), each under a time budget in seconds
-# (GPU_CHECK_BUDGET_<STEP> overrides it):
+# OUT_DIR defaults to $OUT when set, else gpu_check_out/ (a folder named like a phase: ./tests).
+# The first lines printed (and summary.md) say what the machine has: Python, setuptools (>= 77 for
+# pyproject.toml's license field), ninja, nvcc, torch/CUDA/cuDNN, the GPU, the driver,
+# compute-sanitizer, pytest-xdist (scripts/gpu_env.py). When a build is needed and cannot run here,
+# the script stops there with one line per missing piece (exit status 3). Without a GPU it says
+# so and exits 0 (nothing to verify here).
 #
-#   build     330  python setup.py build_ext --inplace for this GPU's architecture only
-#                  (TORCH_CUDA_ARCH_LIST from the GPU, 9.0 on H100/H200; GPU_CHECK_ARCH overrides),
-#                  nvcc flags "-Xptxas -v" (registers and spills of every kernel)  -> build.log
-#   tests     300  pytest tests/test_cuda.py tests/test_ring_pieces.py -m cuda (the GPU tests of the op
-#                  and of the ring's piece op; GPU_CHECK_TESTS=all runs the whole files,
-#                  GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1; in GPU_CHECK_WORKERS processes,
-#                  default 4, where pytest-xdist is installed)                     -> tests.log
-#   smoke     180  scripts/gpu_smoke.py: fwd/bwd against the CPU op in float64, B = 64, inputs of
-#                  more than 2^31 elements                                          -> smoke.log
-#   sanitize  240  compute-sanitizer memcheck, racecheck and synccheck on small forward + backward
-#                  runs of both kernel families (scripts/gpu_smoke.py --cases sanitize) -> sanitize.log
-#   bench     180  benchmarks/bench_cuda.py --tokens 262144                   -> bench.md/.csv/.png
+# Steps (LIST: some of them, comma- or space-separated; "sanitize" = the three sanitizer tools),
+# each under its own time budget in seconds (GPU_CHECK_BUDGET_<STEP> overrides it); a step that
+# runs past its budget is stopped and reported, and the next steps run:
 #
-# The steps end within GPU_CHECK_DEADLINE seconds (default 540, so that a whole run fits in 10
-# minutes): a step gets at most the time left, and one that would start with less than 30 s (or
-# less than its whole budget, if smaller) is reported "not run"; run it with a second command
-# (e.g. --steps sanitize,bench: the in-place build stays). summary.md holds the GPU, the commit,
+#   build      200  setup.py build_ext --inplace for the visible GPU's architecture only
+#                   (TORCH_CUDA_ARCH_LIST from the GPU, 9.0 on H100/H200; GPU_CHECK_ARCH overrides),
+#                   MAX_JOBS = the CPUs, nvcc "-Xptxas -v" (registers and spills per kernel).
+#                   Skipped when the in-place build is up to date (same sources, setup.py and
+#                   architecture; GPU_CHECK_REBUILD=1 forces it)                     -> build.log
+#   tests      220  pytest tests/test_cuda.py tests/test_ring_pieces.py -m cuda (GPU_CHECK_TESTS=all:
+#                   the whole files; GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1), in
+#                   GPU_CHECK_WORKERS processes (default 6) where pytest-xdist is installed -> tests.log
+#   smoke       90  scripts/gpu_smoke.py: fwd/bwd against the CPU op in float64, B = 64, inputs of
+#                   more than 2^31 elements                                            -> smoke.log
+#   memcheck    90  compute-sanitizer --tool memcheck  \
+#   racecheck  120  compute-sanitizer --tool racecheck  } on scripts/gpu_smoke.py --cases sanitize
+#   synccheck   60  compute-sanitizer --tool synccheck /  (small fwd+bwd of both kernel families)
+#                                                                                      -> sanitize.log
+#   bench      150  benchmarks/bench_cuda.py (bf16, 256K and 1M tokens, H=16, D=64/128: native,
+#                   sdpa, gather+flash, dense cuDNN, matmul), its own --budget 30 s under the
+#                   step's                                                  -> bench.md/.csv/.png
+#
+# The steps end within GPU_CHECK_DEADLINE seconds (default 470 for a phase, 540 for all): a step
+# gets at most the time left, and one that would start with less than 30 s (or less than its
+# budget, if smaller) is reported "not run". summary.md holds the machine, the GPU, the commit,
 # each step's status and time and the key lines of every log; at most 8 files are written.
 # Exit status: 0 when every step passed (or when there is no GPU), 1 when one did not, 2 on a usage
-# error. --dry-run prints the commands without running them (also without a GPU).
+# error, 3 when the build cannot run here. --dry-run prints the commands without running them.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, not an installed copy
 export PYTHONUNBUFFERED=1
-ALL_STEPS=(build tests smoke sanitize bench)
-declare -A BUDGET=([build]=330 [tests]=300 [smoke]=180 [sanitize]=240 [bench]=180)
+ALL_STEPS=(build tests smoke memcheck racecheck synccheck bench)
+SANITIZER_TOOLS=(memcheck racecheck synccheck)
+declare -A BUDGET=([build]=200 [tests]=220 [smoke]=90 [memcheck]=90 [racecheck]=120 [synccheck]=60 [bench]=150)
+declare -A PHASE_STEPS=([tests]="build tests smoke" [sanitize]="build memcheck racecheck synccheck bench" [all]="${ALL_STEPS[*]}")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
 }
 die_usage() {
   echo "gpu_check: $1" >&2
-  echo "usage: scripts/gpu_check.sh [OUT_DIR] [--steps LIST] [--deadline SECONDS] [--dry-run] (--help for more)" >&2
+  echo "usage: scripts/gpu_check.sh [tests|sanitize|all] [OUT_DIR] [--steps LIST] [--deadline SECONDS] [--dry-run] (--help for more)" >&2
   exit 2
 }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
-out_dir="" steps_arg="" dry=0 deadline=${GPU_CHECK_DEADLINE:-540}
+phase="" out_dir="" steps_arg="" dry=0 deadline=${GPU_CHECK_DEADLINE:-}
 while [ $# -gt 0 ]; do
   case "$1" in
     -h | --help) usage; exit 0 ;;
@@ -56,20 +72,28 @@ while [ $# -gt 0 ]; do
     --deadline) [ $# -ge 2 ] || die_usage "--deadline needs a number of seconds"; deadline=$2; shift ;;
     --deadline=*) deadline=${1#--deadline=} ;;
     -*) die_usage "unknown option '$1'" ;;
+    tests | sanitize | all)
+      if [ -z "$phase" ] && [ -z "$out_dir" ]; then phase=$1
+      else die_usage "the phase comes first, once: got '$1' after '${phase:-$out_dir}' (a folder of that name: ./$1)"; fi ;;
     *) [ -z "$out_dir" ] || die_usage "one output folder only, got '$out_dir' and '$1'"; out_dir=$1 ;;
   esac
   shift
 done
+phase=${phase:-all}
+if [ -z "$deadline" ]; then
+  if [ "$phase" = all ]; then deadline=540; else deadline=470; fi
+fi
 is_uint "$deadline" || die_usage "the deadline must be a whole number of seconds, got '$deadline'"
 steps=()
 if [ -n "$steps_arg" ]; then
   for s in ${steps_arg//,/ }; do
-    [[ -n "${BUDGET[$s]+x}" ]] || die_usage "unknown step '$s'; the steps are: ${ALL_STEPS[*]}"
+    if [ "$s" = sanitize ]; then steps+=("${SANITIZER_TOOLS[@]}"); continue; fi
+    [[ -n "${BUDGET[$s]+x}" ]] || die_usage "unknown step '$s'; the steps are: ${ALL_STEPS[*]} (sanitize: the three tools)"
     steps+=("$s")
   done
   [ ${#steps[@]} -gt 0 ] || die_usage "--steps names no step"
 else
-  steps=("${ALL_STEPS[@]}")
+  read -r -a steps <<<"${PHASE_STEPS[$phase]}"
 fi
 for s in "${ALL_STEPS[@]}"; do
   var="GPU_CHECK_BUDGET_${s^^}"
@@ -78,10 +102,25 @@ for s in "${ALL_STEPS[@]}"; do
     BUDGET[$s]=${!var}
   fi
 done
+workers=${GPU_CHECK_WORKERS:-6}
+{ is_uint "$workers" && [ "$workers" -ge 1 ]; } || die_usage "GPU_CHECK_WORKERS must be a whole number >= 1, got '$workers'"
 out_dir=${out_dir:-${OUT:-gpu_check_out}}
 mkdir -p "$out_dir" || die_usage "cannot create the output folder '$out_dir'"
 out_dir=$(cd "$out_dir" && pwd)
 summary="$out_dir/summary.md"
+
+# Tools: nvcc and compute-sanitizer from PATH, CUDA_HOME or /usr/local/cuda.
+for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin; do
+  if [ -d "$d" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x "$d/nvcc" ]; then PATH="$PATH:$d"; fi
+done
+sanitizer=$(command -v compute-sanitizer 2>/dev/null || true)
+for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
+  if [ -z "$sanitizer" ] && [ -x "$d/compute-sanitizer" ]; then sanitizer="$d/compute-sanitizer"; PATH="$PATH:$d"; fi
+done
+
+# What the machine has, first (also into summary.md).
+machine=$("$PYTHON" scripts/gpu_env.py 2>&1)
+echo "$machine"
 
 # The GPU, or why there is none. GPU_CHECK_ASSUME_GPU=1 skips the probe (for testing this script).
 if [ "${GPU_CHECK_ASSUME_GPU:-0}" = "1" ]; then
@@ -109,55 +148,63 @@ if ! [[ "$gpu_cap" =~ ^[0-9]+\.[0-9]+$ ]]; then
 fi
 arch=${GPU_CHECK_ARCH:-$gpu_cap}
 
-# Tools: nvcc and compute-sanitizer from PATH, CUDA_HOME or /usr/local/cuda.
-for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin; do
-  if [ -d "$d" ] && ! command -v nvcc >/dev/null 2>&1 && [ -x "$d/nvcc" ]; then PATH="$PATH:$d"; fi
-done
-sanitizer=$(command -v compute-sanitizer 2>/dev/null || true)
-for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
-  if [ -z "$sanitizer" ] && [ -x "$d/compute-sanitizer" ]; then sanitizer="$d/compute-sanitizer"; fi
-done
-
 tests_sel=(-m cuda)
 [ "${GPU_CHECK_TESTS:-gpu}" = "all" ] && tests_sel=()
-# pytest-xdist, where installed, runs the tests in GPU_CHECK_WORKERS processes (default 4; 1: none).
-workers=${GPU_CHECK_WORKERS:-4}
-is_uint "$workers" && [ "$workers" -ge 1 ] || die_usage "GPU_CHECK_WORKERS must be a whole number >= 1, got '$workers'"
 if [ "$workers" -gt 1 ] && "$PYTHON" -c "import xdist" >/dev/null 2>&1; then tests_sel+=(-n "$workers"); fi
 slow=0
 [ "${GPU_CHECK_SLOW:-0}" = "1" ] && slow=1
 jobs=$(nproc 2>/dev/null || echo 4)
 
-# The command of each step (an array per step; sanitize runs it under each tool).
+# The command of each step (an array per step; the sanitizer steps run sanitize_cmd under their tool).
 build_cmd=(env -u DILATED_ATTENTION_CPU_ONLY FORCE_CUDA=1 "TORCH_CUDA_ARCH_LIST=$arch"
   "DILATED_ATTENTION_NVCC_FLAGS=-Xptxas -v" "MAX_JOBS=$jobs" "$PYTHON" setup.py build_ext --inplace)
 tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda.py tests/test_ring_pieces.py "${tests_sel[@]}")
 smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases small large)
 sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
-bench_cmd=("$PYTHON" benchmarks/bench_cuda.py --tokens 262144 --out "$out_dir/bench")
-SANITIZER_TOOLS=(memcheck racecheck synccheck)
+bench_cmd=("$PYTHON" benchmarks/bench_cuda.py --out "$out_dir/bench" --budget)  # + seconds, at run time
+
+# The in-place build is up to date when it has CUDA kernels and was built by this script from the
+# same sources, setup.py and architecture (build/gpu_check.stamp).
+stamp_file=${GPU_CHECK_STAMP:-build/gpu_check.stamp}
+source_stamp() {
+  { echo "arch $arch"; find csrc setup.py -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) -print0 |
+    sort -z | xargs -0 sha256sum; } | sha256sum | cut -d' ' -f1
+}
+has_cuda_kernels() {
+  "$PYTHON" -c 'import sys, dilated_attention._ops as o; sys.exit(0 if o.has_kernel("cuda") else 1)' >/dev/null 2>&1
+}
+build_is_current() {
+  [ "${GPU_CHECK_REBUILD:-0}" != 1 ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(source_stamp)" ] && has_cuda_kernels
+}
 
 show() { printf '%q ' "$@"; }
 if [ "$dry" = 1 ]; then
-  echo "gpu_check (dry run): GPU ${gpu_name} (sm_${arch/./}), output folder $out_dir, deadline ${deadline} s"
+  echo "gpu_check (dry run): phase $phase, GPU ${gpu_name} (sm_${arch/./}), output folder $out_dir, deadline ${deadline} s"
   for s in "${steps[@]}"; do
     case $s in
-      build) echo "build (${BUDGET[build]} s): $(show "${build_cmd[@]}")> build.log" ;;
+      build) echo "build (${BUDGET[build]} s, skipped when up to date): $(show "${build_cmd[@]}")> build.log" ;;
       tests) echo "tests (${BUDGET[tests]} s): $(show "${tests_cmd[@]}")> tests.log" ;;
       smoke) echo "smoke (${BUDGET[smoke]} s): $(show "${smoke_cmd[@]}")> smoke.log" ;;
-      sanitize)
-        for t in "${SANITIZER_TOOLS[@]}"; do
-          echo "sanitize (${BUDGET[sanitize]} s for all three): ${sanitizer:-compute-sanitizer} --tool $t --error-exitcode 3 --print-limit 30 $(show "${sanitize_cmd[@]}")>> sanitize.log"
-        done ;;
-      bench) echo "bench (${BUDGET[bench]} s): $(show "${bench_cmd[@]}")> bench.md, bench.csv, bench.png" ;;
+      memcheck | racecheck | synccheck)
+        echo "$s (${BUDGET[$s]} s): ${sanitizer:-compute-sanitizer} --tool $s --error-exitcode 3 --print-limit 30 $(show "${sanitize_cmd[@]}")>> sanitize.log" ;;
+      bench) echo "bench (${BUDGET[bench]} s): $(show "${bench_cmd[@]}")$((BUDGET[bench] - 30)) > bench.md, bench.csv, bench.png" ;;
     esac
   done
   exit 0
 fi
 
+# A build that is needed and cannot run stops everything here, saying why.
+if [[ " ${steps[*]} " == *" build "* ]] && ! build_is_current; then
+  if ! why=$("$PYTHON" scripts/gpu_env.py --need-build 2>&1); then
+    echo "$why" | grep "cannot build" >&2
+    { echo "# GPU check: stopped, the extension cannot be built here"; echo; echo '```'; echo "$why"; echo '```'; } >"$summary"
+    exit 3
+  fi
+fi
+
 start_all=$(date +%s)
 left() { echo $((deadline - ($(date +%s) - start_all))); }
-# Runs "$@" with a time limit, output to a log; prints the exit status (124: out of time).
+# Runs "$@" with a time limit, output appended to a log; prints the exit status (124: out of time).
 run_logged() {
   local limit=$1 log=$2
   shift 2
@@ -172,9 +219,6 @@ cap_log() {
     mv "$f.cut" "$f"
   fi
 }
-has_cuda_kernels() {
-  "$PYTHON" -c 'import sys, dilated_attention._ops as o; sys.exit(0 if o.has_kernel("cuda") else 1)' >/dev/null 2>&1
-}
 
 declare -A STATUS SECS
 built_ok=1
@@ -184,6 +228,12 @@ for s in "${steps[@]}"; do
   floor=30  # a step does not start with less time than this (or than its whole budget)
   [ "$budget" -lt "$floor" ] && floor=$budget
   [ "$remaining" -lt "$budget" ] && budget=$remaining
+  if [ "$s" = build ] && build_is_current; then
+    STATUS[$s]="pass (up to date: not rebuilt)"
+    SECS[$s]=0
+    echo "gpu_check: build: the in-place build is up to date (sm_${arch/./}), not rebuilt"
+    continue
+  fi
   if [ "$budget" -lt "$floor" ] || [ "$budget" -lt 1 ]; then
     STATUS[$s]="not run: deadline (${remaining} s left of ${deadline})"
     SECS[$s]=0
@@ -200,48 +250,40 @@ for s in "${steps[@]}"; do
     build)
       log="$out_dir/build.log"
       : >"$log"
+      rm -f "$stamp_file"
       rc=$(run_logged "$budget" "$log" "${build_cmd[@]}")
       if [ "$rc" = 0 ] && ! has_cuda_kernels; then
         echo "gpu_check: the build finished but dilated_attention has no CUDA kernels" >>"$log"
         rc=1
       fi
-      [ "$rc" = 0 ] || built_ok=0
+      if [ "$rc" = 0 ]; then mkdir -p "$(dirname "$stamp_file")" && source_stamp >"$stamp_file"; else built_ok=0; fi
       ;;
-    tests | smoke | bench)
-      log="$out_dir/$s.log"  # bench.log goes into summary.md: the benchmark writes bench.md itself
+    tests | smoke)
+      log="$out_dir/$s.log"
       : >"$log"
-      case $s in
-        tests) rc=$(run_logged "$budget" "$log" "${tests_cmd[@]}") ;;
-        smoke) rc=$(run_logged "$budget" "$log" "${smoke_cmd[@]}") ;;
-        bench) rc=$(run_logged "$budget" "$log" "${bench_cmd[@]}") ;;
-      esac
+      if [ "$s" = tests ]; then rc=$(run_logged "$budget" "$log" "${tests_cmd[@]}")
+      else rc=$(run_logged "$budget" "$log" "${smoke_cmd[@]}"); fi
       ;;
-    sanitize)
+    bench)
+      log="$out_dir/bench.log"  # kept in summary.md: the benchmark writes bench.md itself
+      : >"$log"
+      rc=$(run_logged "$budget" "$log" "${bench_cmd[@]}" $((budget > 60 ? budget - 30 : budget / 2)))
+      ;;
+    memcheck | racecheck | synccheck)
       log="$out_dir/sanitize.log"
-      : >"$log"
+      [ -n "${sanitize_started:-}" ] || : >"$log"
+      sanitize_started=1
+      printf '\n===== compute-sanitizer --tool %s (limit %s s) =====\n' "$s" "$budget" >>"$log"
       if [ -z "$sanitizer" ]; then
         echo "gpu_check: compute-sanitizer not found (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin)" >>"$log"
         rc=unavailable
       else
-        rc=0
-        n=${#SANITIZER_TOOLS[@]}
-        for t in "${SANITIZER_TOOLS[@]}"; do
-          each=$(((budget - ($(date +%s) - t0)) / n))  # the step's time left, shared by the tools left
-          n=$((n - 1))
-          if [ "$each" -lt 5 ]; then
-            printf '\n===== compute-sanitizer --tool %s: not run, out of time\n' "$t" >>"$log"
-            rc=124
-            continue
-          fi
-          printf '\n===== compute-sanitizer --tool %s (limit %s s) =====\n' "$t" "$each" >>"$log"
-          extra=()
-          [ "$t" = memcheck ] && extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)  # each tensor its own allocation
-          r=$(run_logged "$each" "$log" "${extra[@]}" "$sanitizer" --tool "$t" --error-exitcode 3 --print-limit 30 "${sanitize_cmd[@]}")
-          echo "===== $t: exit status $r" >>"$log"
-          if [ "$r" != 0 ]; then
-            if grep -qiE "device not supported|not supported on this" "$log"; then rc=unavailable; else rc=$r; fi
-          fi
-        done
+        extra=()
+        [ "$s" = memcheck ] && extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)  # each tensor its own allocation
+        before=$(wc -l <"$log")
+        rc=$(run_logged "$budget" "$log" "${extra[@]}" "$sanitizer" --tool "$s" --error-exitcode 3 --print-limit 30 "${sanitize_cmd[@]}")
+        echo "===== $s: exit status $rc" >>"$log"
+        if [ "$rc" != 0 ] && tail -n +"$before" "$log" | grep -qiE "device not supported|not supported on this"; then rc=unavailable; fi
       fi
       ;;
   esac
@@ -259,12 +301,16 @@ done
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git)")
 dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
 {
-  echo "# GPU check of the native CUDA kernels"
+  echo "# GPU check of the native CUDA kernels: $phase"
   echo
   echo "- GPU: ${gpu_name} (sm_${arch/./}); torch ${torch_version}, CUDA ${cuda_version}"
   echo "- commit: ${commit}${dirty:+ (with uncommitted changes)}; $(date -u '+%Y-%m-%d %H:%M UTC')"
   command -v nvidia-smi >/dev/null 2>&1 &&
     echo "- nvidia-smi: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  echo
+  echo '```'
+  echo "$machine"
+  echo '```'
   echo
   echo "| step | status | seconds |"
   echo "| --- | --- | --- |"
@@ -300,13 +346,17 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
     echo
     echo "## benchmark output (the table: bench.md, bench.csv, bench.png)"
     echo '```'
-    grep -v "configurations:" "$out_dir/bench.log" | tail -80  # without tqdm's progress lines
+    grep -v "configurations:" "$out_dir/bench.log" | tail -80
     echo '```'
+  fi
+  if [ "$phase" = tests ] && [ -z "$steps_arg" ]; then
+    echo
+    echo "Next: \`scripts/gpu_check.sh sanitize\` (compute-sanitizer and the benchmark; reuses this build)."
   fi
 } >"$summary"
 rm -f "$out_dir/bench.log"  # kept in summary.md: at most 8 files in the folder
 echo "gpu_check: wrote $summary"
 for s in "${steps[@]}"; do
-  [ "${STATUS[$s]}" = pass ] || exit 1
+  [[ "${STATUS[$s]}" == pass* ]] || exit 1
 done
 exit 0

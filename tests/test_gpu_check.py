@@ -41,17 +41,21 @@ def gpu_check(*args, env=None, timeout=120):
 def test_help_and_usage_errors(tmp_path):
     res = gpu_check("--help")
     assert res.returncode == 0 and "--steps" in res.stdout and "compute-sanitizer" in res.stdout
+    assert "gpu_check.sh tests" in res.stdout and "gpu_check.sh sanitize" in res.stdout
     for args, env, message in [
         ((tmp_path, "--steps", "build,nope"), {}, "unknown step 'nope'"),
         ((tmp_path, "--steps", ","), {}, "--steps names no step"),
         ((tmp_path, "--deadline", "soon"), {}, "got 'soon'"),
         ((tmp_path, tmp_path / "b"), {}, "one output folder only"),
         ((tmp_path, "--fast"), {}, "unknown option '--fast'"),
+        ((tmp_path, "tests"), {}, "the phase comes first"),
+        (("tests", "sanitize"), {}, "the phase comes first"),
         (
             (tmp_path,),
             {"GPU_CHECK_BUDGET_TESTS": "0"},
             "GPU_CHECK_BUDGET_TESTS must be a whole number of seconds >= 1",
         ),
+        ((tmp_path,), {"GPU_CHECK_WORKERS": "x"}, "GPU_CHECK_WORKERS must be a whole number >= 1, got 'x'"),
     ]:
         res = gpu_check(*args, env=env)
         assert res.returncode == 2, (args, res.stdout, res.stderr)
@@ -61,58 +65,51 @@ def test_help_and_usage_errors(tmp_path):
 @needs_bash
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_skips_cleanly_without_a_gpu(tmp_path):
-    res = gpu_check(tmp_path / "out")
+    # Without a folder argument the output goes to $OUT.
+    res = gpu_check("sanitize", env={"OUT": str(tmp_path / "out")})
     assert res.returncode == 0, res.stderr
     assert "no CUDA GPU here" in res.stdout and "skipping" in res.stdout
+    # What the machine has comes first.
+    assert res.stdout.splitlines()[0].startswith("gpu_env: python")
+    for what in (
+        "setuptools",
+        "ninja",
+        "nvcc",
+        "torch",
+        "GPU",
+        "driver",
+        "compute-sanitizer",
+        "pytest-xdist",
+    ):
+        assert f"gpu_env: {what}" in res.stdout or f", {what}" in res.stdout, what
     assert "skipped" in (tmp_path / "out" / "summary.md").read_text()
-    # Without a folder argument the output goes to $OUT.
-    res = gpu_check(env={"OUT": str(tmp_path / "from-env")})
-    assert res.returncode == 0 and (tmp_path / "from-env" / "summary.md").exists()
-
-
-@needs_bash
-def test_dry_run_names_every_command(tmp_path):
-    res = gpu_check(tmp_path, "--dry-run", env={"GPU_CHECK_ARCH": "9.0"})
-    assert res.returncode == 0, res.stderr
-    lines = {line.split(" ", 1)[0]: line for line in res.stdout.splitlines()[1:]}
-    assert (
-        "TORCH_CUDA_ARCH_LIST=9.0 " in lines["build"]
-        and r"DILATED_ATTENTION_NVCC_FLAGS=-Xptxas\ -v" in lines["build"]
-    )
-    assert "setup.py build_ext --inplace" in lines["build"]
-    assert (
-        "pytest" in lines["tests"]
-        and "tests/test_cuda.py tests/test_ring_pieces.py -m cuda" in lines["tests"]
-    )
-    assert "gpu_smoke.py --cases small large" in lines["smoke"]
-    assert "bench_cuda.py --tokens 262144 --out" in lines["bench"]
-    tools = [line for line in res.stdout.splitlines() if line.startswith("sanitize")]
-    assert [t.split("--tool ")[1].split()[0] for t in tools] == ["memcheck", "racecheck", "synccheck"]
-    assert all("gpu_smoke.py --cases sanitize" in t for t in tools)
-    res = gpu_check(tmp_path, "--dry-run", "--steps", "smoke bench")
-    assert [line.split()[0] for line in res.stdout.splitlines()[1:]] == ["smoke", "bench"]
 
 
 # A stand-in for python3 (and compute-sanitizer): FAKE_<STEP> says what each step does.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 case "$*" in
+  *gpu_env.py*) echo "gpu_env: python           fake"
+                if [ "${FAKE_ENV:-ok}" = missing ] && [[ "$*" == *--need-build* ]]; then
+                  echo "gpu_env: cannot build: ninja is not on PATH (pip install ninja)"; exit 3; fi ;;
   -c*) [ "${FAKE_KERNELS:-yes}" = yes ] ;;
   *setup.py*) echo "ptxas info    : Compiling entry function 'tc_fwd' for 'sm_90'"
-              echo "ptxas info    : Used 128 registers"; [ "${FAKE_BUILD:-ok}" = ok ] ;;
+              echo "ptxas info    : Used 128 registers"; echo built >>"$FAKE_BUILDS"; [ "${FAKE_BUILD:-ok}" = ok ] ;;
   *"gpu_smoke.py --cases sanitize"*) echo "PASS tiny" ;;
   *gpu_smoke.py*) echo "PASS large-batch-bf16"; [ "${FAKE_SMOKE:-ok}" = ok ] ;;
   *bench_cuda.py*) [ "${FAKE_BENCH:-ok}" = sleep ] && exec sleep 60
-                   echo "speedup table"; [ "${FAKE_BENCH:-ok}" = ok ] ;;
+                   echo "speedup table $*"; [ "${FAKE_BENCH:-ok}" = ok ] ;;
   "-m pytest"*) echo "12 passed in 1.0s"; [ "${FAKE_TESTS:-ok}" = ok ] ;;
 esac
 """
 FAKE_SANITIZER = r"""#!/usr/bin/env bash
 if [ "${FAKE_SANITIZER:-ok}" = unsupported ]; then echo "========= Error: Device not supported"; exit 1; fi
+[ "${FAKE_SANITIZER_SLEEP:-}" = "$2" ] && exec sleep 60
 shift 6  # --tool T --error-exitcode 3 --print-limit 30
 "$@"; rc=$?
 if [ "${FAKE_SANITIZER:-ok}" = race ]; then echo "========= ERROR SUMMARY: 1 error"; exit 3; fi
 echo "========= ERROR SUMMARY: 0 errors"; exit $rc
 """
+STEPS = ("build", "tests", "smoke", "memcheck", "racecheck", "synccheck", "bench")
 
 
 @pytest.fixture
@@ -123,35 +120,126 @@ def fake_tools(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
 
-    def run(out, *args, **fake):
+    def run(*args, **fake):
         env = {
             "GPU_CHECK_ASSUME_GPU": "1",
             "GPU_CHECK_PYTHON": str(bin_dir / "python"),
+            "GPU_CHECK_STAMP": str(tmp_path / "stamp"),
+            "FAKE_BUILDS": str(tmp_path / "builds"),
             "PATH": f"{bin_dir}:{os.environ['PATH']}",
         }
         env.update({k: str(v) for k, v in fake.items()})
-        res = gpu_check(out, *args, env=env)
+        res = gpu_check(*args, env=env)
+        if "--dry-run" in args:
+            return res
+        out = next(Path(a) for a in args if isinstance(a, Path))
         summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else ""
         rows = {}
         for line in summary.splitlines():
             cells = [c.strip() for c in line.strip("|").split("|")]
-            if len(cells) == 3 and cells[0] in ("build", "tests", "smoke", "sanitize", "bench"):
+            if len(cells) == 3 and cells[0] in STEPS:
                 rows[cells[0]] = cells[1]
         return res, rows, summary
 
     return run
 
 
+def _dry_lines(res) -> dict[str, str]:
+    return {line.split(" ", 1)[0]: line for line in res.stdout.splitlines() if not line.startswith("gpu_env")}
+
+
+@needs_bash
+def test_dry_run_names_every_command(tmp_path, fake_tools):
+    res = fake_tools(tmp_path, "--dry-run", GPU_CHECK_ARCH="9.0")
+    assert res.returncode == 0, res.stderr
+    lines = _dry_lines(res)
+    assert "phase all" in lines["gpu_check"] and "deadline 540 s" in lines["gpu_check"]
+    assert (
+        "TORCH_CUDA_ARCH_LIST=9.0 " in lines["build"]
+        and r"DILATED_ATTENTION_NVCC_FLAGS=-Xptxas\ -v" in lines["build"]
+    )
+    assert "setup.py build_ext --inplace" in lines["build"] and "skipped when up to date" in lines["build"]
+    assert (
+        "pytest" in lines["tests"]
+        and "tests/test_cuda.py tests/test_ring_pieces.py -m cuda" in lines["tests"]
+    )
+    assert "gpu_smoke.py --cases small large" in lines["smoke"]
+    assert "bench_cuda.py --out" in lines["bench"] and "--budget 120 " in lines["bench"]
+    for tool, budget in (("memcheck", 90), ("racecheck", 120), ("synccheck", 60)):
+        assert lines[tool].startswith(f"{tool} ({budget} s): ") and f"--tool {tool} " in lines[tool]
+        assert "gpu_smoke.py --cases sanitize" in lines[tool]
+    res = fake_tools(tmp_path, "--dry-run", "--steps", "smoke bench")
+    assert list(_dry_lines(res))[1:] == ["smoke", "bench"]
+    res = fake_tools(tmp_path, "--dry-run", "--steps", "sanitize", GPU_CHECK_BUDGET_RACECHECK=7)
+    assert list(_dry_lines(res))[1:] == ["memcheck", "racecheck", "synccheck"]
+    assert _dry_lines(res)["racecheck"].startswith("racecheck (7 s)")
+
+
+@needs_bash
+@pytest.mark.parametrize(
+    "phase,steps",
+    [
+        ("tests", ["build", "tests", "smoke"]),
+        ("sanitize", ["build", "memcheck", "racecheck", "synccheck", "bench"]),
+        ("all", ["build", "tests", "smoke", "memcheck", "racecheck", "synccheck", "bench"]),
+    ],
+)
+def test_the_two_commands_each_fit_in_eight_minutes(tmp_path, fake_tools, phase, steps):
+    """Each phase's steps end inside its deadline (470 s: a device command may run 10 minutes);
+    the sanitize phase rebuilds only when the in-place build is missing or out of date."""
+    res = fake_tools(phase, tmp_path, "--dry-run")
+    assert res.returncode == 0, res.stderr
+    lines = _dry_lines(res)
+    assert list(lines)[1:] == steps
+    if phase != "all":
+        assert "deadline 470 s" in lines["gpu_check"]
+
+
 @needs_bash
 def test_every_step_passing(tmp_path, fake_tools):
     res, rows, summary = fake_tools(tmp_path / "out")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert rows == dict.fromkeys(("build", "tests", "smoke", "sanitize", "bench"), "pass")
+    assert rows == dict.fromkeys(STEPS, "pass")
+    assert res.stdout.startswith("gpu_env: python")  # what the machine has, first
+    assert "gpu_env: python           fake" in summary
     assert "Used 128 registers" in summary and "12 passed" in summary and "PASS large-batch-bf16" in summary
     assert summary.count("ERROR SUMMARY: 0 errors") == 3 and "speedup table" in summary
+    assert "--budget 120" in summary  # the benchmark's own budget, under the step's
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == ["build.log", "sanitize.log", "smoke.log", "summary.md", "tests.log"]
     assert len(files) <= 8  # what a device run brings back
+
+
+@needs_bash
+def test_second_command_reuses_the_build(tmp_path, fake_tools):
+    res, rows, summary = fake_tools("tests", tmp_path / "a")
+    assert res.returncode == 0 and list(rows) == ["build", "tests", "smoke"]
+    assert "scripts/gpu_check.sh sanitize" in summary
+    res, rows, _ = fake_tools("sanitize", tmp_path / "b")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert rows["build"] == "pass (up to date: not rebuilt)" and list(rows) == [
+        "build",
+        "memcheck",
+        "racecheck",
+        "synccheck",
+        "bench",
+    ]
+    assert (tmp_path / "builds").read_text().count("built") == 1
+    # Another architecture, or GPU_CHECK_REBUILD=1, builds again.
+    fake_tools("sanitize", tmp_path / "c", "--steps", "build", GPU_CHECK_ARCH="8.0")
+    fake_tools("sanitize", tmp_path / "d", "--steps", "build", GPU_CHECK_ARCH="8.0", GPU_CHECK_REBUILD=1)
+    assert (tmp_path / "builds").read_text().count("built") == 3
+
+
+@needs_bash
+def test_stops_when_the_build_cannot_run(tmp_path, fake_tools):
+    res, rows, summary = fake_tools("tests", tmp_path / "a", FAKE_ENV="missing")
+    assert res.returncode == 3
+    assert "cannot build: ninja is not on PATH" in res.stderr and "cannot be built here" in summary
+    assert not (tmp_path / "builds").exists()
+    # Steps that need no build still run.
+    res, rows, _ = fake_tools("tests", tmp_path / "b", "--steps", "smoke", FAKE_ENV="missing")
+    assert res.returncode == 0 and rows == {"smoke": "pass"}
 
 
 @needs_bash
@@ -162,15 +250,23 @@ def test_failures_time_limits_and_the_deadline(tmp_path, fake_tools):
     assert res.returncode == 1
     assert rows["build"] == "pass" and rows["tests"] == "pass"
     assert rows["smoke"] == "FAIL (exit status 1)"
-    assert rows["sanitize"] == "FAIL (exit status 3)"
+    assert rows["memcheck"] == rows["racecheck"] == rows["synccheck"] == "FAIL (exit status 3)"
     assert rows["bench"] == "FAIL: out of time (2 s)"
+    # racecheck past its own budget is cut and reported; the tools after it still run.
+    res, rows, summary = fake_tools(
+        tmp_path / "r", "--steps", "sanitize", FAKE_SANITIZER_SLEEP="racecheck", GPU_CHECK_BUDGET_RACECHECK=2
+    )
+    assert res.returncode == 1
+    assert rows == {"memcheck": "pass", "racecheck": "FAIL: out of time (2 s)", "synccheck": "pass"}, summary
     # compute-sanitizer that cannot use the device is not a kernel failure, but not a pass either.
-    res, rows, _ = fake_tools(tmp_path / "b", "--steps", "sanitize", FAKE_SANITIZER="unsupported")
+    res, rows, _ = fake_tools(tmp_path / "b", "--steps", "memcheck", FAKE_SANITIZER="unsupported")
     assert res.returncode == 1 and rows == {
-        "sanitize": "unavailable: compute-sanitizer cannot run here (see sanitize.log)"
+        "memcheck": "unavailable: compute-sanitizer cannot run here (see sanitize.log)"
     }
     # A failed build stops the steps that need it; without CUDA kernels nothing runs.
-    res, rows, _ = fake_tools(tmp_path / "c", "--steps", "build,tests", FAKE_BUILD="fail")
+    res, rows, _ = fake_tools(
+        tmp_path / "c", "--steps", "build,tests", FAKE_BUILD="fail", GPU_CHECK_REBUILD=1
+    )
     assert (
         res.returncode == 1
         and rows["build"] == "FAIL (exit status 1)"
@@ -179,7 +275,7 @@ def test_failures_time_limits_and_the_deadline(tmp_path, fake_tools):
     res, rows, _ = fake_tools(tmp_path / "d", "--steps", "tests", FAKE_KERNELS="no")
     assert res.returncode == 1 and "has no CUDA kernels" in rows["tests"]
     # Past the deadline a step is not started.
-    res, rows, _ = fake_tools(tmp_path / "e", "--deadline", "0")
+    res, rows, _ = fake_tools(tmp_path / "e", "--deadline", "0", FAKE_KERNELS="no")
     assert res.returncode == 1 and all(v.startswith("not run: deadline") for v in rows.values()), rows
 
 
@@ -311,3 +407,62 @@ def test_every_gpu_test_is_marked_cuda(tmp_path, test_file):
     # and the other way round: a test marked cuda is skipped where there is no GPU
     loose = [r["id"] for r in rows if "cuda" in r["marks"] and r not in needs]
     assert not loose, f"tests marked cuda without the GPU skip of common.needs_cuda_kernels: {loose}"
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/bench_cuda.py, dry run on the CPU
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bench_cuda_dry_run_measures_every_method(tmp_path, capsys):
+    """Every line of the GPU benchmark runs on tiny CPU tensors: every method has a time for the
+    forward and for forward+backward (the gather baseline's backward among them: the gather driver
+    widens a multi-branch backward to float32, which the flash kernel refuses), and the table, CSV
+    and plot are written."""
+    import csv
+
+    bench = load_script(ROOT / "benchmarks" / "bench_cuda.py")
+    try:
+        assert bench.main(["--dry-run", "--budget", "120", "--out", str(tmp_path / "b")]) == 0
+    finally:
+        del sys.modules["bench_cuda"]
+    printed = capsys.readouterr().out
+    assert "dry run" in printed and "native / gather+flash" in printed
+    with open(tmp_path / "b.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["causal"], r["pass"]) for r in rows} == {
+        (c, p) for c in ("yes", "no") for p in ("fwd", "fwd+bwd")
+    }
+    for r in rows:
+        for label in ("native", "sdpa", "gather+flash", "dense cuDNN"):
+            assert r[f"{label} ms"] != "n/a" and float(r[f"{label} TFLOP/s"]) > 0, (label, r)
+        for ratio in ("native / sdpa", "native / gather+flash", "native / dense", "native / matmul"):
+            assert r[ratio] != "n/a", (ratio, r)
+    md = (tmp_path / "b.md").read_text()
+    assert "Notes:" not in md, md  # no method failed
+    assert "max |out - native out|" in md
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_bench_cuda_gather_baseline_backward_takes_float32_inputs():
+    """The gather driver hands the kernel float32 copies in a multi-branch backward; the flash
+    kernel takes bf16/fp16 only, so the baseline gives it bf16 (the CPU stand-in refuses float32
+    as the CUDA kernel does)."""
+    bench = load_script(ROOT / "benchmarks" / "bench_cuda.py")
+    try:
+        base = bench.make_gather_baseline()
+    finally:
+        del sys.modules["bench_cuda"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 2, 8, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    out, lse, extra = base.attn_forward(q, k, v, is_causal=True, scale=0.35)
+    with pytest.raises(RuntimeError, match="only supports fp16 and bf16"):
+        base.attn_forward(q.float(), k.float(), v.float(), is_causal=True, scale=0.35)
+    dout = torch.randn(out.shape, generator=g)
+    wide = base.attn_backward(
+        dout, q.float(), k.float(), v.float(), out.float(), lse, extra, is_causal=True, scale=0.35
+    )
+    narrow = base.attn_backward(dout.bfloat16(), q, k, v, out, lse, extra, is_causal=True, scale=0.35)
+    for a, b in zip(wide, narrow, strict=True):
+        torch.testing.assert_close(a.float(), b.float())
