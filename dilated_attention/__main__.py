@@ -51,6 +51,7 @@ def environment_report(
                     "name": hardware.device_name(i),
                     "capability": f"{cap[0]}.{cap[1]}",
                     "architecture": hardware.hardware_info(i).architecture,
+                    "native_verified": hardware.cuda_kernels_verified(i),
                 }
             )
     request = BackendRequest(dev, dt, head_dim, dropout)
@@ -82,6 +83,10 @@ def environment_report(
             name: {"available": not why, "reasons": why, "capabilities": vars(get_backend(name).capabilities)}
             for name, why in reasons.items()
         },
+        "cuda_kernels_verified": {
+            f"{c[0]}.{c[1]}": {"gpu": v.gpu, "commit": v.commit, "date": v.date, "families": list(v.families)}
+            for c, v in sorted(hardware.CUDA_KERNELS_VERIFIED.items())
+        },
         "auto_order": hardware.recommended_backends(dev),
         "recommended_dtype": dtype_name(hardware.recommended_dtype(dev)),
         "recommended_backend": chosen,
@@ -104,6 +109,19 @@ def format_report(r: dict[str, Any]) -> str:
             )
     else:
         lines.append("GPU              none")
+    verified = r["cuda_kernels_verified"]
+    lines.append(
+        "native on CUDA   verified on "
+        + (
+            ", ".join(
+                f"sm_{c.replace('.', '')} ({v['gpu']}, {'/'.join(v['families'])})"
+                for c, v in verified.items()
+            )
+            if verified
+            else "no GPU yet"
+        )
+        + "; auto picks it on those only"
+    )
     ext = r["extension"]
     if ext.get("error"):
         lines.append(f"extension        not loaded: {ext['error']}")

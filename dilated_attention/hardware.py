@@ -16,9 +16,12 @@ Two rules change the CUDA rows:
 * float16/bfloat16 calls that the native CUDA kernels would run on their SIMT kernels (below sm_80,
   or a head dim outside 32..256 or not a multiple of 8; see ``docs/cuda.md``) try ``native`` after
   ``xformers`` and ``sdpa``: without tensor cores it is the slower choice.
-* While :data:`CUDA_KERNELS_VERIFIED` is False (the CUDA kernels have not yet passed
-  ``scripts/gpu_check.sh`` on a GPU), ``auto`` leaves ``native`` out on CUDA: it runs there only
-  when asked for by name (``backend="native"``). This is said once at INFO.
+* ``auto`` puts ``native`` on CUDA only on a GPU whose compute capability is in
+  :data:`CUDA_KERNELS_VERIFIED` (the kernels passed ``scripts/gpu_check.sh`` on such a GPU) for the
+  kernel family the call would run (``"tensor-core"`` or ``"simt"``, see :func:`kernel_family`):
+  a pass on an H100 (sm_90) says nothing of a Turing (sm_75) or Ada (sm_89) card. Elsewhere
+  ``native`` runs on CUDA only when asked for by name (``backend="native"``); this is said once
+  per capability and family at INFO.
 
 Each backend still checks what it can run (package installed, dtype, head dim, dropout); ``auto``
 takes the first in this order that can.
@@ -33,12 +36,16 @@ import torch
 
 __all__ = [
     "CUDA_KERNELS_VERIFIED",
+    "KERNEL_FAMILIES",
     "HardwareInfo",
+    "Verification",
     "as_device",
     "compute_capability",
+    "cuda_kernels_verified",
     "device_name",
     "device_unavailable",
     "hardware_info",
+    "kernel_family",
     "recommended_backends",
     "recommended_dtype",
     "uses_simt_kernels",
@@ -46,11 +53,30 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Whether the native op's CUDA kernels (csrc/cuda) have passed the GPU verification of
-# scripts/gpu_check.sh (docs/cuda.md). Until then ``auto`` does not pick ``native`` on CUDA.
-CUDA_KERNELS_VERIFIED = False
+#: The two families of the native op's CUDA kernels (docs/cuda.md): tensor-core kernels for
+#: float16/bfloat16 on sm_80+ with a head dim in 32..256 that is a multiple of 8, SIMT kernels for
+#: everything else.
+KERNEL_FAMILIES = ("tensor-core", "simt")
 
-_said_unverified = False
+
+@dataclass(frozen=True)
+class Verification:
+    """A passing run of ``scripts/gpu_check.sh`` (both of its commands) on one GPU: its name, the
+    commit that passed, the date (UTC, ``YYYY-MM-DD``) and the kernel families its tests ran."""
+
+    gpu: str
+    commit: str
+    date: str
+    families: tuple[str, ...] = KERNEL_FAMILIES
+
+
+#: The compute capabilities ``(major, minor)`` on which the native op's CUDA kernels (csrc/cuda)
+#: passed the GPU verification of ``scripts/gpu_check.sh`` (docs/cuda.md), each with its record.
+#: ``auto`` picks ``native`` on CUDA only on these capabilities and for the families recorded.
+#: An entry is added by the commit that records a passing check (the check's summary.md prints it).
+CUDA_KERNELS_VERIFIED: dict[tuple[int, int], Verification] = {}
+
+_said_unverified: set[tuple[tuple[int, int] | None, str]] = set()
 
 DeviceLike = str | int | torch.device | None
 
@@ -142,6 +168,34 @@ def uses_simt_kernels(device: DeviceLike, dtype: torch.dtype, head_dim: int) -> 
     return cap < (8, 0) or not (32 <= head_dim <= 256 and head_dim % 8 == 0)
 
 
+def kernel_family(device: DeviceLike, dtype: torch.dtype, head_dim: int) -> str | None:
+    """``"tensor-core"`` or ``"simt"``: the family of native CUDA kernels that inputs of this dtype
+    and head dim run on ``device``; None for devices that are not CUDA GPUs."""
+    if compute_capability(device) is None:
+        return None
+    if dtype not in (torch.float16, torch.bfloat16) or uses_simt_kernels(device, dtype, head_dim):
+        return "simt"
+    return "tensor-core"
+
+
+def cuda_kernels_verified(
+    device: DeviceLike = None, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> bool:
+    """Whether the native CUDA kernels passed ``scripts/gpu_check.sh`` on a GPU of this device's
+    compute capability, for the kernel family that ``dtype`` and ``head_dim`` run on (None: the
+    recommended dtype and head dim 64). False for devices that are not CUDA GPUs."""
+    cap = compute_capability(device)
+    record = CUDA_KERNELS_VERIFIED.get(cap) if cap is not None else None
+    if record is None:
+        return False
+    family = kernel_family(
+        device,
+        dtype if dtype is not None else recommended_dtype(device),
+        64 if head_dim is None else head_dim,
+    )
+    return family in record.families
+
+
 def recommended_backends(
     device: DeviceLike = None, dtype: torch.dtype | None = None, head_dim: int | None = None
 ) -> list[str]:
@@ -159,23 +213,35 @@ def recommended_backends(
     if cap is None or cap >= (8, 0):
         order.append("flash_attn_2")
     order += ["xformers", "sdpa"]
-    if CUDA_KERNELS_VERIFIED:
+    if cuda_kernels_verified(dev, dtype, head_dim):
         simt = dtype is not None and uses_simt_kernels(dev, dtype, head_dim if head_dim is not None else 64)
         order.insert(len(order) if simt else 0, "native")
     else:
-        _say_unverified()
+        _say_unverified(dev, cap, dtype, head_dim)
     return [*order, "manual"]
 
 
-def _say_unverified() -> None:
-    global _said_unverified
-    if not _said_unverified:
-        _said_unverified = True
-        logger.info(
-            "dilated_attention: the native CUDA kernels have not been verified on a GPU yet, so backend='auto' "
-            "does not choose them on CUDA (it takes flash_attn_3/flash_attn_2, xformers or sdpa); "
-            "pass backend='native' to run them"
-        )
+def _say_unverified(
+    dev: torch.device, cap: tuple[int, int] | None, dtype: torch.dtype | None, head_dim: int | None
+) -> None:
+    family = kernel_family(dev, dtype if dtype is not None else recommended_dtype(dev), head_dim or 64)
+    key = (cap, family or "-")
+    if key in _said_unverified:
+        return
+    _said_unverified.add(key)
+    here = f"sm_{cap[0]}{cap[1]}" if cap is not None else "this GPU"
+    done = ", ".join(
+        f"sm_{c[0]}{c[1]} ({v.gpu}, {'/'.join(v.families)}, commit {v.commit})"
+        for c, v in sorted(CUDA_KERNELS_VERIFIED.items())
+    )
+    logger.info(
+        "dilated_attention: the native CUDA kernels (%s family) have not been verified on %s (verified on: %s), "
+        "so backend='auto' does not choose them there (it takes flash_attn_3/flash_attn_2, xformers or sdpa); "
+        "pass backend='native' to run them, and scripts/gpu_check.sh verifies them on this GPU",
+        family,
+        here,
+        done or "no GPU yet",
+    )
 
 
 @dataclass(frozen=True)

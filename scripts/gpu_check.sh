@@ -39,7 +39,9 @@
 # The steps end within GPU_CHECK_DEADLINE seconds (default 470 for a phase, 540 for all): a step
 # gets at most the time left, and one that would start with less than 30 s (or less than its
 # budget, if smaller) is reported "not run". summary.md holds the machine, the GPU, the commit,
-# each step's status and time and the key lines of every log; at most 8 files are written.
+# each step's status and time and the key lines of every log, and, when every step passed, the
+# entry of dilated_attention.hardware.CUDA_KERNELS_VERIFIED that records the pass for this GPU's
+# compute capability (auto picks native only on recorded capabilities); at most 8 files are written.
 # Exit status: 0 when every step passed (or when there is no GPU), 1 when one did not, 2 on a usage
 # error, 3 when the build cannot run here. --dry-run prints the commands without running them.
 set -uo pipefail
@@ -347,6 +349,22 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
     echo "## benchmark output (the table: bench.md, bench.csv, bench.png)"
     echo '```'
     grep -v "configurations:" "$out_dir/bench.log" | tail -80
+    echo '```'
+  fi
+  all_passed=1
+  for s in "${steps[@]}"; do [[ "${STATUS[$s]}" == pass* ]] || all_passed=0; done
+  if [ "$all_passed" = 1 ]; then
+    families='"tensor-core", "simt"'
+    [ "${arch%%.*}" -ge 8 ] || families='"simt",'  # below sm_80 every dtype runs on the SIMT kernels
+    echo
+    echo "## Record"
+    echo
+    echo "Every step of this command passed. Once both commands (\`tests\` and \`sanitize\`) have passed on this"
+    echo "commit, record it in \`CUDA_KERNELS_VERIFIED\` (dilated_attention/hardware.py) so that \`auto\` picks"
+    echo "\`native\` on GPUs of this compute capability:"
+    echo
+    echo '```python'
+    echo "    (${arch%%.*}, ${arch#*.}): Verification(\"${gpu_name}\", \"$(git rev-parse HEAD 2>/dev/null || echo unknown)\", \"$(date -u +%Y-%m-%d)\", (${families})),"
     echo '```'
   fi
   if [ "$phase" = tests ] && [ -z "$steps_arg" ]; then

@@ -24,6 +24,7 @@ def test_report_runs_as_a_module():
     assert f"CPU kernels: yes ({dilated_attention._ops.cpu_isa()})" in text
     for name in dilated_attention.BACKEND_NAMES:
         assert f"\n  {name} " in text
+    assert "native on CUDA   verified on " in text
     if not torch.cuda.is_available():
         assert "GPU              none" in text
         assert "recommended      dtype float32, backend native" in text
@@ -57,11 +58,28 @@ def test_report_with_a_fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "FAKE H100")
+    monkeypatch.setattr(dilated_attention.hardware, "CUDA_KERNELS_VERIFIED", {})
     r = report.environment_report(device="cpu")
     assert r["gpus"] == [
-        {"index": 0, "name": "FAKE H100", "capability": "9.0", "architecture": "sm_90 (Hopper)"}
+        {
+            "index": 0,
+            "name": "FAKE H100",
+            "capability": "9.0",
+            "architecture": "sm_90 (Hopper)",
+            "native_verified": False,
+        }
     ]
-    assert "GPU 0            FAKE H100, compute capability 9.0 sm_90 (Hopper)" in report.format_report(r)
+    text = report.format_report(r)
+    assert "GPU 0            FAKE H100, compute capability 9.0 sm_90 (Hopper)" in text
+    assert "native on CUDA   verified on no GPU yet; auto picks it on those only" in text
+    record = dilated_attention.hardware.Verification("FAKE H100", "0123abc", "2026-11-24", ("tensor-core",))
+    monkeypatch.setattr(dilated_attention.hardware, "CUDA_KERNELS_VERIFIED", {(9, 0): record})
+    r = report.environment_report(device="cpu")
+    assert r["gpus"][0]["native_verified"] is True
+    assert r["cuda_kernels_verified"] == {
+        "9.0": {"gpu": "FAKE H100", "commit": "0123abc", "date": "2026-11-24", "families": ["tensor-core"]}
+    }
+    assert "native on CUDA   verified on sm_90 (FAKE H100, tensor-core)" in report.format_report(r)
 
 
 @pytest.mark.parametrize("argv", [["--device", "nope"], ["--head-dim", "300"], ["--dtype", "int8"]])

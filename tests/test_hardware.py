@@ -22,11 +22,14 @@ def fake_cuda(monkeypatch):
 
 
 @pytest.fixture
-def verified(monkeypatch):
-    """Sets hardware.CUDA_KERNELS_VERIFIED for one test."""
+def verified(monkeypatch, fake_cuda):
+    """Sets hardware.CUDA_KERNELS_VERIFIED for one test: True records a pass of both kernel
+    families on the fake GPU's capability (or on ``caps``), False records none."""
 
-    def set_(value: bool) -> None:
-        monkeypatch.setattr(hardware, "CUDA_KERNELS_VERIFIED", value)
+    def set_(value: bool, caps=None, families=hardware.KERNEL_FAMILIES) -> None:
+        record = hardware.Verification("FAKE GPU", "0123abc", "2026-11-24", tuple(families))
+        table = dict.fromkeys(caps or [fake_cuda["cap"]], record) if value else {}
+        monkeypatch.setattr(hardware, "CUDA_KERNELS_VERIFIED", table)
 
     return set_
 
@@ -96,13 +99,79 @@ def test_half_precision_on_simt_kernels_goes_after_sdpa(fake_cuda, verified, cap
 
 def test_unverified_cuda_kernels_are_said_once_at_info(fake_cuda, verified, monkeypatch, caplog):
     verified(False)
-    monkeypatch.setattr(hardware, "_said_unverified", False)
+    monkeypatch.setattr(hardware, "_said_unverified", set())
     with caplog.at_level("INFO", logger="dilated_attention.hardware"):
         hardware.recommended_backends("cuda")
         hardware.recommended_backends("cuda", torch.bfloat16, 64)
         hardware.recommended_backends("cpu")
     said = [r for r in caplog.records if "not been verified" in r.getMessage()]
     assert len(said) == 1 and said[0].levelname == "INFO" and "backend='native'" in said[0].getMessage()
+    assert "on sm_80 (verified on: no GPU yet)" in said[0].getMessage()
+    # Once per capability and family: the SIMT family on the same GPU is said too.
+    with caplog.at_level("INFO", logger="dilated_attention.hardware"):
+        hardware.recommended_backends("cuda", torch.float32, 64)
+        hardware.recommended_backends("cuda", torch.float32, 64)
+    said = [r.getMessage() for r in caplog.records if "not been verified" in r.getMessage()]
+    assert len(said) == 2 and "(simt family)" in said[1]
+
+
+@pytest.mark.parametrize(
+    "cap,dtype,head_dim,native",
+    [
+        ((9, 0), torch.bfloat16, 64, True),  # the verified capability and family
+        ((9, 0), torch.float16, 128, True),
+        ((9, 0), torch.float32, 64, False),  # the SIMT family was not verified
+        ((9, 0), torch.bfloat16, 20, False),  # a head dim that runs on the SIMT kernels
+        ((7, 5), torch.float16, 64, False),  # Turing: never run there
+        ((8, 9), torch.bfloat16, 64, False),  # Ada: never run there
+        ((8, 0), torch.bfloat16, 64, False),
+        ((10, 0), torch.bfloat16, 64, False),  # a newer GPU runs the PTX JIT: not verified either
+    ],
+)
+def test_verification_is_per_capability_and_family(
+    fake_cuda, verified, monkeypatch, cap, dtype, head_dim, native
+):
+    """A pass recorded for sm_90's tensor-core kernels puts native first for auto there only."""
+    from dilated_attention.backends import BackendRequest, get_backend, resolve
+
+    verified(True, caps=[(9, 0)], families=["tensor-core"])
+    fake_cuda["cap"] = cap
+    assert hardware.cuda_kernels_verified("cuda", dtype, head_dim) == native
+    assert ("native" in hardware.recommended_backends("cuda", dtype, head_dim)) == native
+    # auto itself, with native able to run (the extension here may have no CUDA kernels).
+    monkeypatch.setattr(type(get_backend("native")), "reasons", lambda self, request: [])
+    request = BackendRequest(torch.device("cuda", 0), dtype, head_dim)
+    assert (resolve("auto", request).name == "native") == native
+
+
+def test_kernel_family_and_verification_records(fake_cuda, verified):
+    fake_cuda["cap"] = (8, 6)
+    assert hardware.kernel_family("cuda", torch.bfloat16, 64) == "tensor-core"
+    assert hardware.kernel_family("cuda", torch.float64, 64) == "simt"
+    assert hardware.kernel_family("cuda", torch.float16, 36) == "simt"
+    assert hardware.kernel_family("cpu", torch.bfloat16, 64) is None
+    assert not hardware.cuda_kernels_verified("cpu")
+    verified(True)
+    # Default dtype and head dim: the recommended dtype (bf16 on sm_86) and 64.
+    assert hardware.cuda_kernels_verified("cuda") and hardware.cuda_kernels_verified(0, torch.float32, 64)
+    verified(True, families=["simt"])
+    assert not hardware.cuda_kernels_verified("cuda") and hardware.cuda_kernels_verified(
+        "cuda", torch.float32
+    )
+    verified(False)
+    assert not hardware.cuda_kernels_verified("cuda", torch.float32)
+
+
+def test_recorded_verifications_are_well_formed():
+    """Each entry of the shipped table names a capability, a GPU, a commit, a date and families."""
+    import re
+
+    for cap, record in hardware.CUDA_KERNELS_VERIFIED.items():
+        assert isinstance(cap, tuple) and len(cap) == 2 and all(isinstance(x, int) for x in cap), cap
+        assert isinstance(record, hardware.Verification), record
+        assert record.gpu and re.fullmatch(r"[0-9a-f]{7,40}", record.commit), record
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", record.date), record
+        assert record.families and set(record.families) <= set(hardware.KERNEL_FAMILIES), record
 
 
 def test_native_warns_once_when_half_precision_runs_on_simt_kernels(fake_cuda, monkeypatch):
