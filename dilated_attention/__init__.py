@@ -31,7 +31,7 @@ from .decode import DilatedKVCache, dilated_attention_decode
 from .functional import dilated_attention, dilated_attention_varlen
 from .hardware import recommended_backends, recommended_dtype
 from .hilbert import hilbert_permutation
-from .modules import DilatedAttention, MultiheadDilatedAttention
+from .modules import DilatedAttention, DropInMultiheadAttention, MultiheadDilatedAttention
 
 __version__ = "0.1.0"
 
@@ -61,6 +61,7 @@ __all__ = [
     "DilatedAttention",
     "DilatedAttentionWarning",
     "DilatedKVCache",
+    "DropInMultiheadAttention",
     "ExtensionWarning",
     "LayoutWarning",
     "MultiheadDilatedAttention",

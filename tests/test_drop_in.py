@@ -1,5 +1,9 @@
-"""MultiheadDilatedAttention as a drop-in for nn.MultiheadAttention(batch_first=True): its forward
-arguments, the causal attn_mask, from_torch, and the sequence-first warning."""
+"""DropInMultiheadAttention: nn.MultiheadAttention's conventions exactly (True = padding, float
+additive masks, need_weights, batch_first, attn_mask forms), inside torch's transformer layers.
+
+With one branch whose segment covers the sequence and r = 1, dilated attention is dense attention,
+so torch's own nn.MultiheadAttention is the reference; with real dilated branches, the float64
+reference of tests/reference.py is."""
 
 from __future__ import annotations
 
@@ -8,150 +12,284 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from reference import multiplicity, reference_attention
 
-from dilated_attention import LayoutWarning, MultiheadDilatedAttention
+from dilated_attention import DropInMultiheadAttention, MultiheadDilatedAttention
+from dilated_attention.modules import DropInMultiheadAttention as FromModules
 
-E, H = 16, 4
+E, H, N = 16, 4, 12
+F64 = torch.float64
+TOL = {"rtol": 1e-9, "atol": 1e-10}
 
 
-def _torch_mha(batch_first: bool = True, bias: bool = True, dropout: float = 0.0) -> nn.MultiheadAttention:
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def torch_mha(batch_first: bool = False, bias: bool = True, **kw) -> nn.MultiheadAttention:
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(
-        E, H, dropout=dropout, bias=bias, batch_first=batch_first, dtype=torch.float64
-    )
-    with torch.no_grad():  # biases start at zero in torch; make them count
+    mha = nn.MultiheadAttention(E, H, bias=bias, batch_first=batch_first, dtype=F64, **kw)
+    with torch.no_grad():  # torch's biases start at zero; make them count
         for p in mha.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    return mha.eval()
+    return mha
 
 
-@pytest.mark.parametrize("backend", ["native", "sdpa", "manual"])
-@pytest.mark.parametrize("bias", [True, False])
+def padding() -> torch.Tensor:
+    """(3, N) bool in torch's convention, True = padding: right, left and none."""
+    kpm = torch.zeros(3, N, dtype=torch.bool)
+    kpm[0, 9:] = True
+    kpm[1, :4] = True
+    return kpm
+
+
+def test_exported_under_both_paths():
+    assert DropInMultiheadAttention is FromModules
+    assert "DropInMultiheadAttention" in __import__("dilated_attention").__all__
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("float_mask", [False, True], ids=["bool_mask", "float_mask"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_from_torch_equals_multihead_attention(backend, bias, causal):
-    """One branch whose segment covers the whole sequence, r = 1, layer_norm=False: the converted
-    module computes nn.MultiheadAttention, forward and backward, cross-attention included."""
-    mha = _torch_mha(bias=bias)
-    N = 24
-    ours = MultiheadDilatedAttention.from_torch(mha, [32], [1], attention_backend=backend)
-    assert ours.norm is None and ours.q_proj.weight.dtype == torch.float64
-    torch.manual_seed(1)
-    x = torch.randn(3, N, E, dtype=torch.float64, requires_grad=True)
-    mem = torch.randn(3, N, E, dtype=torch.float64, requires_grad=True)
-    mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64) if causal else None
-    want, _ = mha(x, mem, mem, need_weights=False, attn_mask=mask, is_causal=causal)
-    got, weights = ours(x, mem, mem, need_weights=False, is_causal=causal)
-    assert weights is None
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    gx_want, gm_want = torch.autograd.grad(want.square().sum(), (x, mem))
-    gx_got, gm_got = torch.autograd.grad(got.square().sum(), (x, mem))
-    torch.testing.assert_close(gx_got, gx_want, rtol=1e-9, atol=1e-10)
-    torch.testing.assert_close(gm_got, gm_want, rtol=1e-9, atol=1e-10)
+def test_masks_in_torch_convention_equal_multihead_attention(batch_first, float_mask, causal):
+    """True (or -inf) = padding, as torch: the real positions equal nn.MultiheadAttention's, forward
+    and backward (the weights' gradients included)."""
+    mha = torch_mha(batch_first)
+    ours = DropInMultiheadAttention.from_torch(mha, [N], [1])
+    assert ours.batch_first == batch_first and ours.segment_lengths == [N]
+    kpm = padding()
+    if float_mask:
+        kpm = torch.zeros(3, N, dtype=F64).masked_fill(kpm, float("-inf"))
+    attn_mask = torch.ones(N, N, dtype=torch.bool).triu(1) if causal else None
+    if causal and float_mask:
+        attn_mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=F64)
+    x = torch.randn(3, N, E, dtype=F64)
+    x = x if batch_first else x.transpose(0, 1)
+    real = ~padding() if batch_first else ~padding().T
+    got, w_got = ours(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=False)
+    want, _ = mha(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=False)
+    assert w_got is None and got.shape == want.shape
+    torch.testing.assert_close(got[real], want[real], **TOL)
+    g_got = torch.autograd.grad(got[real].square().sum(), [ours.q_proj_weight, ours.out_proj.weight])
+    g_want = torch.autograd.grad(want[real].square().sum(), [mha.in_proj_weight, mha.out_proj.weight])
+    torch.testing.assert_close(g_got[0], g_want[0][:E], **TOL)
+    torch.testing.assert_close(g_got[1], g_want[1], **TOL)
 
 
-def test_from_torch_is_a_copy_and_can_fail():
-    mha = _torch_mha()
-    ours = MultiheadDilatedAttention.from_torch(mha, [32], [1])
-    x = torch.randn(2, 20, E, dtype=torch.float64)
-    with torch.no_grad():
-        ours.v_proj.weight.mul_(2)  # the copy is independent of the source...
-    assert mha.in_proj_weight.data_ptr() != ours.q_proj.weight.data_ptr()
-    want, _ = mha(x, x, x, need_weights=False)
-    got, _ = ours(x)
-    assert not torch.allclose(got, want)  # ...and the comparison above can fail
-    # A dilated pattern differs from full attention.
-    dilated = MultiheadDilatedAttention.from_torch(mha, [8, 16], [1, 2])
-    assert not torch.allclose(dilated(x)[0], want)
+def test_a_mask_of_one_convention_is_wrong_for_the_other():
+    """The library's own module reads True as a real token; the drop-in reads True as padding."""
+    mha = torch_mha(batch_first=True)
+    drop_in = DropInMultiheadAttention.from_torch(mha, [N], [1])
+    own = MultiheadDilatedAttention.from_torch(mha, [N], [1])
+    x = torch.randn(3, N, E, dtype=F64)
+    kpm = padding()
+    want, _ = mha(x, x, x, key_padding_mask=kpm, need_weights=False)
+    real = ~kpm
+    torch.testing.assert_close(drop_in(x, x, x, key_padding_mask=kpm)[0][real], want[real], **TOL)
+    torch.testing.assert_close(own(x, key_padding_mask=real)[0][real], want[real], **TOL)
+    assert not torch.allclose(own(x, key_padding_mask=kpm.flip(1))[0][real], want[real])
 
 
-def test_from_torch_keeps_dropout_mode_and_rejects_what_has_no_counterpart():
-    mha = _torch_mha(dropout=0.25).train()
-    ours = MultiheadDilatedAttention.from_torch(mha, [8], [1], layer_norm=True)
-    assert ours.dropout == 0.25 and ours.training and ours.norm is not None
-    with pytest.raises(TypeError, match=r"must be a torch\.nn\.MultiheadAttention, got Linear"):
-        MultiheadDilatedAttention.from_torch(nn.Linear(4, 4), [8], [1])
-    with pytest.raises(ValueError, match="kdim=8 and vdim=8"):
-        MultiheadDilatedAttention.from_torch(nn.MultiheadAttention(E, H, kdim=8, vdim=8), [8], [1])
-    with pytest.raises(ValueError, match="add_bias_kv=True or add_zero_attn=True"):
-        MultiheadDilatedAttention.from_torch(nn.MultiheadAttention(E, H, add_bias_kv=True), [8], [1])
-    with pytest.warns(LayoutWarning, match=r"batch_first=False.*x.transpose\(0, 1\)"):
-        MultiheadDilatedAttention.from_torch(nn.MultiheadAttention(E, H), [8], [1])
-
-
-def _mhda() -> MultiheadDilatedAttention:
+def _layers(kind: str, norm_first: bool, batch_first: bool) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    return MultiheadDilatedAttention(E, H, [4, 8], [1, 2], dtype=torch.float64)
+    cls = nn.TransformerEncoderLayer if kind == "encoder" else nn.TransformerDecoderLayer
+    ref = cls(E, H, 32, dropout=0.0, batch_first=batch_first, norm_first=norm_first, dtype=F64)
+    ours = cls(E, H, 32, dropout=0.0, batch_first=batch_first, norm_first=norm_first, dtype=F64)
+    ours.load_state_dict(ref.state_dict())
+    ours.self_attn = DropInMultiheadAttention.from_torch(ours.self_attn, [64], [1])
+    if kind == "decoder":
+        ours.multihead_attn = DropInMultiheadAttention.from_torch(ours.multihead_attn, [64], [1])
+    return ref, ours
 
 
-def test_causal_attn_mask_in_every_form_means_is_causal():
-    m = _mhda()
-    B, N = 2, 10
-    x = torch.randn(B, N, E, dtype=torch.float64)
-    want, _ = m(x, is_causal=True)
-    bool_mask = torch.ones(N, N, dtype=torch.bool).triu(1)
-    float_mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64)
-    for mask in (bool_mask, float_mask, bool_mask.expand(B * H, N, N), float_mask.float()):
-        got, _ = m(x, x, x, attn_mask=mask)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        got, _ = m(x, x, x, attn_mask=mask, is_causal=True)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    unbatched, _ = m(x[0], attn_mask=bool_mask)
-    torch.testing.assert_close(unbatched, want[0], rtol=0, atol=0)
-    assert not torch.allclose(m(x)[0], want)  # causal differs from not causal here
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("batch_first,norm_first", [(True, False), (False, True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_inside_torch_transformer_layers(kind, train, batch_first, norm_first, causal):
+    """As self_attn (and the decoder's multihead_attn over a memory of the same length) in train and
+    eval mode: torch's fast path is skipped cleanly, the result is torch's at the real positions,
+    and so are the gradients of every parameter."""
+    ref, ours = _layers(kind, norm_first, batch_first)
+    ref.train(train)
+    ours.train(train)
+    x = torch.randn(3, N, E, dtype=F64)
+    mem = torch.randn(3, N, E, dtype=F64)
+    kpm = padding()
+    mask = torch.ones(N, N, dtype=torch.bool).triu(1) if causal else None
+    if not batch_first:
+        x, mem = x.transpose(0, 1), mem.transpose(0, 1)
+    real = ~kpm if batch_first else ~kpm.T
+    outs = []
+    for layer in (ref, ours):
+        if kind == "encoder":
+            outs.append(layer(x, src_mask=mask, src_key_padding_mask=kpm, is_causal=causal))
+        else:
+            outs.append(layer(x, mem, tgt_mask=mask, tgt_key_padding_mask=kpm, tgt_is_causal=causal,
+                              memory_key_padding_mask=kpm))  # fmt: skip
+    want, got = outs
+    torch.testing.assert_close(got[real], want[real], **TOL)
+    g_want = dict(
+        zip(
+            dict(ref.named_parameters()),
+            torch.autograd.grad(want[real].sum(), list(ref.parameters())),
+            strict=True,
+        )
+    )
+    g_got = dict(
+        zip(
+            dict(ours.named_parameters()),
+            torch.autograd.grad(got[real].sum(), list(ours.parameters())),
+            strict=True,
+        )
+    )
+    for attn in ("self_attn", "multihead_attn") if kind == "decoder" else ("self_attn",):
+        stacked = torch.cat([g_got.pop(f"{attn}.{n}_proj_weight") for n in "qkv"])
+        torch.testing.assert_close(stacked, g_want.pop(f"{attn}.in_proj_weight"), **TOL)
+    assert g_got.keys() == g_want.keys()
+    for name, g in g_got.items():
+        torch.testing.assert_close(g, g_want[name], **TOL, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_encoder_layer_in_eval_under_no_grad_and_torch_encoder():
+    """The eval, no-grad case in which torch's layer would take its fused dense fast path: it is
+    skipped (``_qkv_same_embed_dim`` is False), in a layer and in an nn.TransformerEncoder stack
+    built from it."""
+    ref, ours = _layers("encoder", False, True)
+    ref.eval()
+    ours.eval()
+    x = torch.randn(3, N, E, dtype=F64)
+    kpm = padding()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors off for this layer
+        stack = nn.TransformerEncoder(ours, 2, enable_nested_tensor=True).eval()
+        ref_stack = nn.TransformerEncoder(ref, 2, enable_nested_tensor=False).eval()
+    assert not stack.use_nested_tensor
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(x, src_key_padding_mask=kpm)[~kpm], ref(x, src_key_padding_mask=kpm)[~kpm], **TOL
+        )
+        torch.testing.assert_close(
+            stack(x, src_key_padding_mask=kpm)[~kpm], ref_stack(x, src_key_padding_mask=kpm)[~kpm], **TOL
+        )
+    sa = ours.self_attn
+    assert sa._qkv_same_embed_dim is False and sa.in_proj_bias.shape == (3 * E,)
+    torch.testing.assert_close(sa.in_proj_weight, ref.self_attn.in_proj_weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="nested tensor"):
+        sa(torch.nested.nested_tensor([torch.randn(N, E, dtype=F64)]), x, x)
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_need_weights_equals_torch_on_the_dense_pattern(average):
+    mha = torch_mha(batch_first=True)
+    ours = DropInMultiheadAttention.from_torch(mha, [N], [1])
+    x = torch.randn(3, N, E, dtype=F64)
+    kpm = padding()
+    for mask in (None, torch.ones(N, N, dtype=torch.bool).triu(1)):
+        out, w = ours(x, x, x, key_padding_mask=kpm, attn_mask=mask, average_attn_weights=average)
+        want, w_want = mha(x, x, x, key_padding_mask=kpm, attn_mask=mask, average_attn_weights=average)
+        real = ~kpm
+        torch.testing.assert_close(out[real], want[real], **TOL)
+        rows = real if average else real[:, None].expand(3, H, N)
+        torch.testing.assert_close(w[rows], w_want[rows].nan_to_num(0.0), **TOL)
+    assert ours(x[0], x[0], x[0])[1].shape == (N, N)  # unbatched
+
+
+def _projected(m: DropInMultiheadAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    bq, bk, bv = m.in_proj_bias.chunk(3)
+    return tuple(
+        nn.functional.linear(x, w, b).view(*x.shape[:2], H, E // H)
+        for w, b in zip((m.q_proj_weight, m.k_proj_weight, m.v_proj_weight), (bq, bk, bv), strict=True)
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dilated_branches_against_the_float64_reference(causal):
+    """Real dilated branches, with padding: each row's real run alone through the reference, for the
+    output (fused kernels and need_weights=True) and for the weights (the reference's multiplicity)."""
+    torch.manual_seed(0)
+    segs, rates = [4, 8], [1, 2]
+    m = DropInMultiheadAttention(
+        E, H, batch_first=True, dtype=F64, segment_lengths=segs, dilation_rates=rates
+    )
+    with torch.no_grad():
+        m.in_proj_bias.normal_()
+    x = torch.randn(3, N, E, dtype=F64)
+    kpm = padding()
+    fused, none = m(x, x, x, key_padding_mask=kpm, need_weights=False, is_causal=causal)
+    dense, w = m(x, x, x, key_padding_mask=kpm, is_causal=causal, average_attn_weights=False)
+    assert none is None and w.shape == (3, H, N, N)
+    q, k, v = _projected(m, x)
+    for b in range(3):
+        run = (~kpm[b]).nonzero().squeeze(1)
+        s, e = int(run[0]), int(run[-1]) + 1
+        out, _ = reference_attention(
+            q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], segs, rates, causal
+        )
+        want = nn.functional.linear(out.reshape(1, e - s, E), m.out_proj.weight, m.out_proj.bias)[0]
+        torch.testing.assert_close(fused[b, s:e], want, **TOL)
+        torch.testing.assert_close(dense[b, s:e], want, **TOL)
+        mult = multiplicity(e - s, H, segs, rates, causal).to(F64)  # (H, n, n)
+        scores = torch.einsum("phd,xhd->hpx", q[b, s:e], k[b, s:e]) / (E // H) ** 0.5
+        p = mult * (scores - scores.amax(-1, keepdim=True)).exp()
+        torch.testing.assert_close(w[b, :, s:e, s:e], p / p.sum(-1, keepdim=True), **TOL)
+        assert not w[b, :, :, :s].any() and not w[b, :, :, e:].any()  # padded keys: weight 0
+        assert torch.equal(fused[b, :s], m.out_proj.bias.expand(s, E))  # padded queries: out_proj(0)
+
+
+def test_state_dict_of_torch_loads_and_from_torch_keeps_everything():
+    mha = torch_mha(batch_first=False, kdim=8, vdim=12)
+    ours = DropInMultiheadAttention.from_torch(mha, [N], [1])
+    assert (ours.kdim, ours.vdim, ours.in_proj_weight) == (8, 12, None)
+    x, k, v = (
+        torch.randn(N, 2, E, dtype=F64),
+        torch.randn(N, 2, 8, dtype=F64),
+        torch.randn(N, 2, 12, dtype=F64),
+    )
+    torch.testing.assert_close(ours(x, k, v)[0], mha(x, k, v)[0], **TOL)
+    plain = torch_mha()
+    fresh = DropInMultiheadAttention(E, H, dtype=F64, segment_lengths=[N], dilation_rates=[1])
+    fresh.load_state_dict(plain.state_dict())  # the stacked in_proj_weight is split
+    x = torch.randn(N, 2, E, dtype=F64)
+    torch.testing.assert_close(fresh(x, x, x)[0], plain(x, x, x)[0], **TOL)
+    torch.testing.assert_close(fresh(x, x, x)[1], plain(x, x, x)[1], **TOL)
 
 
 @pytest.mark.parametrize(
-    "mask,match",
+    "call,error,match",
     [
-        (torch.zeros(10, 10, dtype=torch.bool), "is not the causal mask"),
-        (torch.ones(10, 10, dtype=torch.bool).tril(-1), "is not the causal mask"),
-        (torch.ones(10, 10, dtype=torch.bool).triu(2), "is not the causal mask"),
-        (torch.zeros(10, 10), "is not the causal mask"),
-        (torch.ones(10, 10, dtype=torch.bool).triu(1)[:9, :9], r"got shape \(9, 9\)"),
-        (torch.ones(3, 10, 10, dtype=torch.bool).triu(1), r"\(8, 10, 10\), got shape \(3, 10, 10\)"),
-        (torch.ones(10, 10, dtype=torch.int64).triu(1), "bool or floating tensor, got torch.int64"),
+        (lambda m, x: m(x, x[:8], x[:8]), ValueError, r"key length S = 8 differs from query length L = 12"),
+        (lambda m, x: m(x, x, x, attn_mask=torch.ones(N, N).tril(-1).log()), ValueError, "not the causal mask"),
+        (lambda m, x: m(x, x, x, attn_mask=torch.ones(N, N, dtype=torch.bool).tril(-1)), ValueError, "not the causal"),
+        (lambda m, x: m(x, x, x, attn_mask=torch.zeros(N, N), is_causal=True), ValueError, "although is_causal"),
+        (lambda m, x: m(x, x, x, attn_mask=torch.full((N, N), -1e9).triu(1)), ValueError, "only 0 and -inf"),
+        (lambda m, x: m(x, x, x, key_padding_mask=torch.full((2, N), 0.5)), ValueError, r"only 0 .* -inf .* got 0\.5"),
+        (lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(2, N, dtype=torch.int64)), TypeError, "torch.int64"),
+        (lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(N, 2, dtype=torch.bool)), ValueError, r"\(B, S\) = \(2, 12\)"),
+        (lambda m, x: m(x, x, x, key_padding_mask=torch.tensor([[0, 1] * 6] * 2).bool()), ValueError, "row 0: its real keys"),
+        (lambda m, x: m(x, x, x, need_weights=1), ValueError, "need_weights must be a bool"),
     ],
-)
-def test_other_attn_masks_are_errors(mask, match):
-    m = _mhda()
-    x = torch.randn(2, 10, E, dtype=torch.float64)
-    with pytest.raises(ValueError, match=match):
-        m(x, x, x, attn_mask=mask)
+)  # fmt: skip
+def test_what_cannot_be_honoured_is_refused_by_name(call, error, match):
+    m = DropInMultiheadAttention(E, H, segment_lengths=[4, 8], dilation_rates=[1, 2])
+    with pytest.raises(error, match=match):
+        call(m, torch.randn(N, 2, E))
 
 
-def test_need_weights_and_average_attn_weights():
-    m = _mhda()
-    x = torch.randn(2, 10, E, dtype=torch.float64)
-    out, w = m(x, x, x, need_weights=False, average_attn_weights=False)
-    assert w is None
-    torch.testing.assert_close(out, m(x, x, x, need_weights=False, average_attn_weights=True)[0])
-    with pytest.raises(ValueError, match="need_weights=True: dilated attention never forms"):
-        m(x, x, x, need_weights=True)
-    with pytest.raises(ValueError, match="need_weights must be a bool, got 1"):
-        m(x, x, x, need_weights=1)
-    with pytest.raises(ValueError, match="average_attn_weights must be a bool"):
-        m(x, x, x, average_attn_weights="yes")
-    with pytest.raises(TypeError, match=r"attn_mask must be a torch\.Tensor or None, got list"):
-        m(x, x, x, attn_mask=[[0.0]])
-
-
-def test_positional_arguments_follow_multihead_attention():
-    """query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal."""
-    m = _mhda()
-    x = torch.randn(2, 10, E, dtype=torch.float64)
-    mask = torch.ones(10, 10, dtype=torch.bool).triu(1)
-    got, _ = m(x, x, x, None, False, mask, True, True)
-    torch.testing.assert_close(got, m(x, is_causal=True)[0], rtol=0, atol=0)
-
-
-def test_sequence_first_input_warns_once_with_the_fix():
-    m = MultiheadDilatedAttention(E, H, [64, 128], [1, 2], dtype=torch.float64)
-    seq_first = torch.randn(256, 2, E, dtype=torch.float64)  # (N, B, E)
-    with pytest.warns(LayoutWarning, match=r"pass x.transpose\(0, 1\)") as seen:
-        m(seq_first)
-        m(seq_first)
-    assert len([w for w in seen if w.category is LayoutWarning]) == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", LayoutWarning)
-        m(seq_first.transpose(0, 1))  # (B, N, E): fine
-        m(torch.randn(300, 128, E, dtype=torch.float64))  # a large batch of full-length rows: fine
+def test_constructor_follows_torch_and_refuses_appended_keys():
+    m = DropInMultiheadAttention(E, H, 0.1, False, segment_lengths=8, dilation_rates=1)
+    assert (m.dropout, m.in_proj_bias, m.out_proj.bias, m.batch_first) == (0.1, None, None, False)
+    assert "True = padding" in repr(m)
+    with pytest.raises(ValueError, match="add_bias_kv=True, add_zero_attn=False"):
+        DropInMultiheadAttention(E, H, add_bias_kv=True, segment_lengths=[8], dilation_rates=[1])
+    with pytest.raises(ValueError, match="add_bias_kv=True or add_zero_attn=True"):
+        DropInMultiheadAttention.from_torch(nn.MultiheadAttention(E, H, add_zero_attn=True), [8], [1])
+    with pytest.raises(ValueError, match="kdim must be an int >= 1 or None, got 0"):
+        DropInMultiheadAttention(E, H, kdim=0, segment_lengths=[8], dilation_rates=[1])
+    with pytest.raises(TypeError, match="dilation_rates"):
+        DropInMultiheadAttention(E, H, segment_lengths=[8])  # the branches are required

@@ -1,256 +1,23 @@
-"""``nn.Module`` classes: :class:`DilatedAttention` and :class:`MultiheadDilatedAttention`.
-
-Both choose their attention backend once per device and dtype (see
-:mod:`dilated_attention.backends`) and can run the tokens of a 2-D grid in Hilbert-curve order
-(``ordering="hilbert", grid=(height, width)``): q, k and v are permuted into curve order before
-the attention and the output is permuted back, so that each segment is a compact patch of the
-image rather than a thin strip of rows.
-"""
+"""``MultiheadDilatedAttention``: the LongNet/torchscale multi-head layer, batch-first, with this
+library's padding mask (True = a real token). For ``nn.MultiheadAttention``'s exact conventions
+(True = padding, float masks, sequence-first by default), see :mod:`.drop_in`."""
 
 from __future__ import annotations
 
 import math
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from . import _validation as V
-from . import hardware
-from ._padding import pack_padding_mask
-from ._warnings import LayoutWarning, warn_once
-from .backends import BackendSelector, check_backend_name
-from .functional import _attention, _attention_varlen
+from .. import _validation as V
+from .._warnings import LayoutWarning, warn_once
+from ._options import check_embed_heads, pick, resolve_dtype
+from .dilated import DilatedAttention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
-
-ORDERINGS = ("sequence", "hilbert")
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float64": torch.float64,
-    "double": torch.float64,
-    "fp64": torch.float64,
-}
-
-
-def _check_ordering(ordering: Any, grid: Any) -> tuple[str, tuple[int, int] | None]:
-    if not isinstance(ordering, str) or ordering not in ORDERINGS:
-        raise ValueError(f"ordering must be one of {', '.join(map(repr, ORDERINGS))}, got {ordering!r}")
-    if ordering == "sequence":
-        if grid is not None:
-            raise ValueError(f"grid={grid!r} is only used with ordering='hilbert' (ordering is 'sequence')")
-        return ordering, None
-    if grid is None:
-        raise ValueError("ordering='hilbert' needs grid=(height, width), got grid=None")
-    try:
-        items = list(grid)
-    except TypeError:
-        raise ValueError(f"grid must be a pair (height, width) of ints >= 1, got {grid!r}") from None
-    if len(items) != 2 or any(
-        isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1 for x in items
-    ):
-        raise ValueError(f"grid must be a pair (height, width) of ints >= 1, got {grid!r}")
-    return ordering, (int(items[0]), int(items[1]))
-
-
-def _hilbert_permutation(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    try:
-        from .hilbert import hilbert_permutation
-    except ImportError as exc:  # pragma: no cover - the module ships with the package
-        raise RuntimeError(
-            f"ordering='hilbert' needs dilated_attention.hilbert, which failed to import: {exc}"
-        ) from exc
-    return hilbert_permutation(height, width)
-
-
-class DilatedAttention(nn.Module):
-    """LongNet dilated attention on already projected heads (no parameters).
-
-    Args:
-        segment_lengths: ``[w_1, ..., w_k]``, one per branch.
-        dilation_rates: ``[r_1, ..., r_k]``, ``1 <= r_i <= w_i``.
-        softmax_scale: multiplies the scores; ``1/sqrt(D)`` when None.
-        attention_dropout: dropout on the attention weights, applied in training mode only.
-        attention_backend: ``"auto"``, ``"native"``, ``"flash_attn_3"``, ``"flash_attn_2"``,
-            ``"xformers"``, ``"sdpa"`` or ``"manual"``; chosen once per device and dtype, with the
-            fallback rules of :mod:`dilated_attention.backends`.
-        ordering: ``"sequence"`` (tokens as given) or ``"hilbert"`` (tokens of a ``grid`` in
-            row-major order are attended in Hilbert-curve order; the output is in row-major order).
-        grid: ``(height, width)`` of the token grid, with ``ordering="hilbert"`` only.
-
-    ``forward(q, k, v, is_causal=False, key_padding_mask=None)``: q (B, N, Hq, D), k and v
-    (B, N, Hkv, D) with ``Hq % Hkv == 0``; returns (B, N, Hq, D).
-
-    ``key_padding_mask`` (B, N), bool or 0/1: **True (1) marks a real token, False (0) padding** (the
-    opposite of ``nn.MultiheadAttention``, whose True means "ignore"). The real tokens of each row
-    must form one contiguous run (right padding, or left padding as in batched generation; a row
-    with a gap is a ValueError naming it). Each row's run is attended as a sequence of its own
-    starting at position 0 (SPEC section 7), with no work on padded positions; padded positions
-    give output 0 and no gradient.
-    """
-
-    def __init__(
-        self,
-        segment_lengths: int | Sequence[int],
-        dilation_rates: int | Sequence[int],
-        softmax_scale: float | None = None,
-        attention_dropout: float = 0.0,
-        attention_backend: str = "auto",
-        ordering: str = "sequence",
-        grid: Sequence[int] | None = None,
-    ) -> None:
-        super().__init__()
-        self.segment_lengths, self.dilation_rates = V.normalize_branches(segment_lengths, dilation_rates)
-        self.softmax_scale = None if softmax_scale is None else V.resolve_scale(softmax_scale, 1)
-        self.attention_dropout = V.check_dropout(attention_dropout)
-        self.attention_backend = check_backend_name(attention_backend)
-        self.ordering, self.grid = _check_ordering(ordering, grid)
-        self._selector = BackendSelector(type(self).__name__)
-        self._curves: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _curve(self, N: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.grid is not None  # ordering == "hilbert"
-        H, W = self.grid
-        if N != H * W:
-            raise ValueError(
-                f"ordering='hilbert' with grid=(height={H}, width={W}) needs sequence length "
-                f"height * width = {H * W}, got N={N}"
-            )
-        curve = self._curves.get(device)
-        if curve is None:
-            with torch.inference_mode(False):  # kept for later calls, which may be training ones
-                perm, inv = _hilbert_permutation(H, W)
-                curve = self._curves[device] = (perm.to(device), inv.to(device))
-        return curve
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        is_causal: bool = False,
-        key_padding_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        dropout_p = self.attention_dropout if self.training else 0.0
-        if key_padding_mask is not None:
-            return self._forward_padded(q, k, v, is_causal, key_padding_mask, dropout_p)
-        if self.ordering == "hilbert":
-            V.check_qkv(q, k, v)
-            perm, inv = self._curve(q.shape[1], q.device)
-            q, k, v = (t.index_select(1, perm) for t in (q, k, v))  # (B, N, H, D) in curve order
-        out = _attention(  # return_lse=False: the output alone
-            q,
-            k,
-            v,
-            self.segment_lengths,
-            self.dilation_rates,
-            is_causal=is_causal,
-            softmax_scale=self.softmax_scale,
-            dropout_p=dropout_p,
-            backend=self.attention_backend,
-            selector=self._selector,
-        )
-        out = cast(torch.Tensor, out)
-        if self.ordering == "hilbert":
-            out = out.index_select(1, inv)  # back to row-major order
-        return out
-
-    if TYPE_CHECKING:  # nn.Module.__call__ is typed as returning Any; give callers forward's types
-
-        def __call__(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            is_causal: bool = False,
-            key_padding_mask: torch.Tensor | None = None,
-        ) -> torch.Tensor: ...
-
-    def _forward_padded(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        is_causal: bool,
-        key_padding_mask: torch.Tensor,
-        dropout_p: float,
-    ) -> torch.Tensor:
-        """The rows of ``key_padding_mask`` as packed sequences (see the class docstring)."""
-        if self.ordering == "hilbert":
-            raise ValueError("key_padding_mask is not supported with ordering='hilbert' (a padded grid)")
-        V.check_qkv(q, k, v)
-        B, N = q.shape[:2]
-        rows = pack_padding_mask(key_padding_mask, B, N, q.device)
-        if rows.full:  # nothing is padded
-            return self.forward(q, k, v, is_causal=is_causal)
-        out = _attention_varlen(
-            rows.gather(q),
-            rows.gather(k),
-            rows.gather(v),
-            rows.cu_seqlens,
-            rows.max_seqlen,
-            self.segment_lengths,
-            self.dilation_rates,
-            is_causal=is_causal,
-            softmax_scale=self.softmax_scale,
-            dropout_p=dropout_p,
-            backend=self.attention_backend,
-            selector=self._selector,
-            lengths=rows.lengths,
-        )  # (T, Hq, D)
-        return rows.scatter(out, B, N)
-
-    @property
-    def selected_backends(self) -> str:
-        """The backends chosen so far, e.g. ``"native (cpu float32)"``."""
-        return self._selector.describe()
-
-    def extra_repr(self) -> str:
-        s = f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}"
-        if self.softmax_scale is not None:
-            s += f", softmax_scale={self.softmax_scale}"
-        s += f", attention_dropout={self.attention_dropout}, attention_backend={self.attention_backend!r}"
-        s += f" (in use: {self._selector.describe()})"
-        if self.ordering != "sequence":
-            s += f", ordering={self.ordering!r}, grid={self.grid}"
-        return s
-
-
-def _pick(name: str, value: Any, alias: str, alias_value: Any) -> Any:
-    if value is not None and alias_value is not None and value != alias_value:
-        raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} disagree; give one of them")
-    chosen = value if value is not None else alias_value
-    if chosen is None:
-        raise TypeError(f"{name} (or {alias}) is required")
-    if isinstance(chosen, bool) or not isinstance(chosen, numbers.Integral) or chosen < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {chosen!r}")
-    return int(chosen)
-
-
-def _resolve_dtype(dtype: Any, device: Any) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        if dtype == "auto":
-            return hardware.recommended_dtype(device)
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(
-                f"dtype must be a floating torch.dtype, 'auto' or one of {sorted(_DTYPE_NAMES)}, "
-                f"got {dtype!r}"
-            )
-        return _DTYPE_NAMES[dtype]
-    if not isinstance(dtype, torch.dtype) or dtype not in V.FLOAT_DTYPES:
-        raise ValueError(f"dtype must be float16, bfloat16, float32, float64 or 'auto', got {dtype!r}")
-    return dtype
 
 
 def _check_causal_mask(mask: Any, batch_heads: int, N: int) -> None:
@@ -280,7 +47,12 @@ def _check_causal_mask(mask: Any, batch_heads: int, N: int) -> None:
 
 
 class MultiheadDilatedAttention(nn.Module):
-    """Multi-head dilated attention in the manner of ``nn.MultiheadAttention(batch_first=True)``.
+    """Multi-head dilated attention with ``nn.MultiheadAttention(batch_first=True)``'s argument names.
+
+    **Not a drop-in for nn.MultiheadAttention**: its ``key_padding_mask`` reads **True as a real
+    token** (SPEC section 7), the opposite of torch's. To replace an ``nn.MultiheadAttention``
+    (e.g. the ``self_attn`` of ``nn.TransformerEncoderLayer``), use
+    :class:`~dilated_attention.DropInMultiheadAttention`, which takes torch's masks as they are.
 
     LongNet/torchscale layout: q, k, v projections, dilated attention over the heads, a sub-layer
     LayerNorm before the output projection (``layer_norm=True``, MAGNETO/torchscale "subln"), and
@@ -311,7 +83,7 @@ class MultiheadDilatedAttention(nn.Module):
     of ``nn.MultiheadAttention.forward``, in its order. query, key and value are (B, N, E) (or
     (N, E) unbatched), all of the same length N; ``forward(x)`` is self-attention.
     ``key_padding_mask`` (B, N) (or (N,) unbatched), bool or 0/1: **True (1) = a real token**,
-    False (0) = padding (the opposite of ``nn.MultiheadAttention``); each row's real tokens must be
+    False (0) = padding (**the opposite of** ``nn.MultiheadAttention``); each row's real tokens must be
     one contiguous run and are attended as a sequence of their own (see :class:`DilatedAttention`);
     padded positions get attention output 0 (the output projection's bias still applies) and pass
     no gradient to the real tokens. The second
@@ -357,15 +129,9 @@ class MultiheadDilatedAttention(nn.Module):
         layer_norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
-        E = _pick("embed_dim", embed_dim, "dim", dim)
-        H = _pick("num_heads", num_heads, "heads", heads)
-        if E % H:
-            raise ValueError(f"embed_dim ({E}) must be divisible by num_heads ({H})")
-        if E // H > V.MAX_HEAD_DIM:
-            raise ValueError(
-                f"head dim embed_dim // num_heads = {E // H} exceeds {V.MAX_HEAD_DIM} "
-                f"(embed_dim={E}, num_heads={H})"
-            )
+        E = pick("embed_dim", embed_dim, "dim", dim)
+        H = pick("num_heads", num_heads, "heads", heads)
+        check_embed_heads(E, H)
         if segment_lengths is None or dilation_rates is None:
             raise TypeError("segment_lengths and dilation_rates are required")
         bias = V.check_bool(bias, "bias")
@@ -383,7 +149,7 @@ class MultiheadDilatedAttention(nn.Module):
             or not layer_norm_eps > 0
         ):
             raise ValueError(f"layer_norm_eps must be a number > 0, got {layer_norm_eps!r}")
-        param_dtype = _resolve_dtype(dtype, device)
+        param_dtype = resolve_dtype(dtype, device)
         factory = {"device": device, "dtype": param_dtype}
 
         self.embed_dim, self.num_heads, self.head_dim = E, H, E // H

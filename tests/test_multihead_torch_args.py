@@ -1,0 +1,159 @@
+"""MultiheadDilatedAttention's nn.MultiheadAttention-style arguments (batch-first; its padding mask
+keeps this library's convention, True = a real token): the causal attn_mask, from_torch, and the
+sequence-first warning. The drop-in with torch's conventions is tests/test_drop_in.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dilated_attention import LayoutWarning, MultiheadDilatedAttention
+
+E, H = 16, 4
+
+
+def _torch_mha(batch_first: bool = True, bias: bool = True, dropout: float = 0.0) -> nn.MultiheadAttention:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(
+        E, H, dropout=dropout, bias=bias, batch_first=batch_first, dtype=torch.float64
+    )
+    with torch.no_grad():  # biases start at zero in torch; make them count
+        for p in mha.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return mha.eval()
+
+
+@pytest.mark.parametrize("backend", ["native", "sdpa", "manual"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_from_torch_equals_multihead_attention(backend, bias, causal):
+    """One branch whose segment covers the whole sequence, r = 1, layer_norm=False: the converted
+    module computes nn.MultiheadAttention, forward and backward, cross-attention included."""
+    mha = _torch_mha(bias=bias)
+    N = 24
+    ours = MultiheadDilatedAttention.from_torch(mha, [32], [1], attention_backend=backend)
+    assert ours.norm is None and ours.q_proj.weight.dtype == torch.float64
+    torch.manual_seed(1)
+    x = torch.randn(3, N, E, dtype=torch.float64, requires_grad=True)
+    mem = torch.randn(3, N, E, dtype=torch.float64, requires_grad=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64) if causal else None
+    want, _ = mha(x, mem, mem, need_weights=False, attn_mask=mask, is_causal=causal)
+    got, weights = ours(x, mem, mem, need_weights=False, is_causal=causal)
+    assert weights is None
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    gx_want, gm_want = torch.autograd.grad(want.square().sum(), (x, mem))
+    gx_got, gm_got = torch.autograd.grad(got.square().sum(), (x, mem))
+    torch.testing.assert_close(gx_got, gx_want, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(gm_got, gm_want, rtol=1e-9, atol=1e-10)
+
+
+def test_from_torch_is_a_copy_and_can_fail():
+    mha = _torch_mha()
+    ours = MultiheadDilatedAttention.from_torch(mha, [32], [1])
+    x = torch.randn(2, 20, E, dtype=torch.float64)
+    with torch.no_grad():
+        ours.v_proj.weight.mul_(2)  # the copy is independent of the source...
+    assert mha.in_proj_weight.data_ptr() != ours.q_proj.weight.data_ptr()
+    want, _ = mha(x, x, x, need_weights=False)
+    got, _ = ours(x)
+    assert not torch.allclose(got, want)  # ...and the comparison above can fail
+    # A dilated pattern differs from full attention.
+    dilated = MultiheadDilatedAttention.from_torch(mha, [8, 16], [1, 2])
+    assert not torch.allclose(dilated(x)[0], want)
+
+
+def test_from_torch_keeps_dropout_mode_and_rejects_what_has_no_counterpart():
+    mha = _torch_mha(dropout=0.25).train()
+    ours = MultiheadDilatedAttention.from_torch(mha, [8], [1], layer_norm=True)
+    assert ours.dropout == 0.25 and ours.training and ours.norm is not None
+    with pytest.raises(TypeError, match=r"must be a torch\.nn\.MultiheadAttention, got Linear"):
+        MultiheadDilatedAttention.from_torch(nn.Linear(4, 4), [8], [1])
+    with pytest.raises(ValueError, match="kdim=8 and vdim=8"):
+        MultiheadDilatedAttention.from_torch(nn.MultiheadAttention(E, H, kdim=8, vdim=8), [8], [1])
+    with pytest.raises(ValueError, match="add_bias_kv=True or add_zero_attn=True"):
+        MultiheadDilatedAttention.from_torch(nn.MultiheadAttention(E, H, add_bias_kv=True), [8], [1])
+    with pytest.warns(LayoutWarning, match=r"batch_first=False.*x.transpose\(0, 1\)"):
+        MultiheadDilatedAttention.from_torch(nn.MultiheadAttention(E, H), [8], [1])
+
+
+def _mhda() -> MultiheadDilatedAttention:
+    torch.manual_seed(0)
+    return MultiheadDilatedAttention(E, H, [4, 8], [1, 2], dtype=torch.float64)
+
+
+def test_causal_attn_mask_in_every_form_means_is_causal():
+    m = _mhda()
+    B, N = 2, 10
+    x = torch.randn(B, N, E, dtype=torch.float64)
+    want, _ = m(x, is_causal=True)
+    bool_mask = torch.ones(N, N, dtype=torch.bool).triu(1)
+    float_mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64)
+    # Within float64 rounding, not bitwise: an unbatched call may run other BLAS kernels.
+    for mask in (bool_mask, float_mask, bool_mask.expand(B * H, N, N), float_mask.float()):
+        got, _ = m(x, x, x, attn_mask=mask)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got, _ = m(x, x, x, attn_mask=mask, is_causal=True)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    unbatched, _ = m(x[0], attn_mask=bool_mask)
+    torch.testing.assert_close(unbatched, want[0], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(m(x)[0], want)  # causal differs from not causal here
+
+
+@pytest.mark.parametrize(
+    "mask,match",
+    [
+        (torch.zeros(10, 10, dtype=torch.bool), "is not the causal mask"),
+        (torch.ones(10, 10, dtype=torch.bool).tril(-1), "is not the causal mask"),
+        (torch.ones(10, 10, dtype=torch.bool).triu(2), "is not the causal mask"),
+        (torch.zeros(10, 10), "is not the causal mask"),
+        (torch.ones(10, 10, dtype=torch.bool).triu(1)[:9, :9], r"got shape \(9, 9\)"),
+        (torch.ones(3, 10, 10, dtype=torch.bool).triu(1), r"\(8, 10, 10\), got shape \(3, 10, 10\)"),
+        (torch.ones(10, 10, dtype=torch.int64).triu(1), "bool or floating tensor, got torch.int64"),
+    ],
+)
+def test_other_attn_masks_are_errors(mask, match):
+    m = _mhda()
+    x = torch.randn(2, 10, E, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        m(x, x, x, attn_mask=mask)
+
+
+def test_need_weights_and_average_attn_weights():
+    m = _mhda()
+    x = torch.randn(2, 10, E, dtype=torch.float64)
+    out, w = m(x, x, x, need_weights=False, average_attn_weights=False)
+    assert w is None
+    torch.testing.assert_close(out, m(x, x, x, need_weights=False, average_attn_weights=True)[0])
+    with pytest.raises(ValueError, match="need_weights=True: dilated attention never forms"):
+        m(x, x, x, need_weights=True)
+    with pytest.raises(ValueError, match="need_weights must be a bool, got 1"):
+        m(x, x, x, need_weights=1)
+    with pytest.raises(ValueError, match="average_attn_weights must be a bool"):
+        m(x, x, x, average_attn_weights="yes")
+    with pytest.raises(TypeError, match=r"attn_mask must be a torch\.Tensor or None, got list"):
+        m(x, x, x, attn_mask=[[0.0]])
+
+
+def test_positional_arguments_follow_multihead_attention():
+    """query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal."""
+    m = _mhda()
+    x = torch.randn(2, 10, E, dtype=torch.float64)
+    mask = torch.ones(10, 10, dtype=torch.bool).triu(1)
+    got, _ = m(x, x, x, None, False, mask, True, True)
+    torch.testing.assert_close(got, m(x, is_causal=True)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_sequence_first_input_warns_once_with_the_fix():
+    m = MultiheadDilatedAttention(E, H, [64, 128], [1, 2], dtype=torch.float64)
+    seq_first = torch.randn(256, 2, E, dtype=torch.float64)  # (N, B, E)
+    with pytest.warns(LayoutWarning, match=r"pass x.transpose\(0, 1\)") as seen:
+        m(seq_first)
+        m(seq_first)
+    assert len([w for w in seen if w.category is LayoutWarning]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayoutWarning)
+        m(seq_first.transpose(0, 1))  # (B, N, E): fine
+        m(torch.randn(300, 128, E, dtype=torch.float64))  # a large batch of full-length rows: fine
