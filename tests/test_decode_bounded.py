@@ -35,13 +35,14 @@ def decode_all(cache, qkv, chunks, layer=0, **kw):
     return torch.cat(outs, 1), torch.cat(lses, -1)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
 @pytest.mark.parametrize("Hq,Hkv,N,segs,rates", SHAPES)
-def test_token_by_token_equals_reference_and_full_cache(Hq, Hkv, N, segs, rates):
+def test_token_by_token_equals_reference_and_full_cache(Hq, Hkv, N, segs, rates, fused):
     """A prefill, then one token at a time: out and lse equal the reference of the whole causal
     sequence, and the full cache's decode gives the same outputs."""
     qkv = make_inputs(2, N, Hq, Hkv, 8, torch.float64, seed=1, requires_grad=False)
     ref, ref_lse = reference_attention(*qkv, segs, rates, is_causal=True)
-    cache = BoundedDilatedKVCache(1, 2, Hq, Hkv, 8, segs, rates, dtype=torch.float64)
+    cache = BoundedDilatedKVCache(1, 2, Hq, Hkv, 8, segs, rates, dtype=torch.float64, fused=fused)
     P = 5
     out, lse = decode_all(cache, qkv, [(0, P)] + [(p, p + 1) for p in range(P, N)])
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
@@ -68,15 +69,16 @@ def test_chunked_prefill(monkeypatch, budget):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
 @pytest.mark.parametrize("first", ["prefill", "chunk"])
-def test_left_padded_batch_of_different_lengths(first):
+def test_left_padded_batch_of_different_lengths(first, fused):
     """Prompts of different lengths left-padded (``num_new``), padding filled with NaN, then
     decoded in lockstep: every row equals the reference of its own sequence; padding gives 0."""
     Hq, Hkv, segs, rates = 4, 2, (4, 8, 16), (1, 2, 4)
     lengths = [3, 11, 0]
     steps, T = 9, 11
     q, k, v = make_inputs(3, T + steps, Hq, Hkv, 8, torch.float64, seed=2, requires_grad=False)
-    cache = BoundedDilatedKVCache(2, 3, Hq, Hkv, 8, segs, rates, dtype=torch.float64)
+    cache = BoundedDilatedKVCache(2, 3, Hq, Hkv, 8, segs, rates, dtype=torch.float64, fused=fused)
     if first == "chunk":  # one token of every row first, then the rest of the prompts left-padded
         cache.attend(1, q[:, :1], k[:, :1], v[:, :1])
         cache.attend(0, q[:, :1], k[:, :1], v[:, :1])
@@ -112,13 +114,14 @@ def test_left_padded_batch_of_different_lengths(first):
         torch.testing.assert_close(got, ref[0, -steps:], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_low_precision_within_the_rule(dtype):
+def test_low_precision_within_the_rule(dtype, fused):
     segs, rates, N = (8, 16, 32), (1, 2, 4), 40
     qkv = make_inputs(2, N, 4, 2, 16, dtype, seed=4, requires_grad=False)
     ref, ref_lse = reference_attention(*qkv, segs, rates, is_causal=True)
     plain, plain_lse = reference_attention(*qkv, segs, rates, is_causal=True, dtype=dtype)
-    cache = BoundedDilatedKVCache(1, 2, 4, 2, 16, segs, rates, dtype=dtype)
+    cache = BoundedDilatedKVCache(1, 2, 4, 2, 16, segs, rates, dtype=dtype, fused=fused)
     out, lse = decode_all(cache, qkv, [(0, 7)] + [(p, p + 1) for p in range(7, N)])
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert_within_rule("bounded decode out", out, ref, plain, dtype)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import _validation as V
+from .._decode_op import decode_step
 from ..flops import accumulation_dtype
 from ..functional import _attention
 from ._api import _as_lengths
@@ -28,7 +29,9 @@ class BoundedDilatedKVCache:
     The branches are the model's (every layer the same). Per layer it holds ``k[layer]``,
     ``v[layer]`` of shape (B, Hkv, T, D) with ``T`` fixed by the branches and heads (and by
     ``max_seqlen`` when that is shorter than a segment); ``seqlens`` (B,) int64 counts the positions
-    of each sequence. Use it as::
+    of each sequence. A step of one token per sequence runs the fused op
+    ``torch.ops.dilated_attention.decode_step`` where the extension has it for the device
+    (``fused=None``; True or False asks for the op or plain PyTorch). Use it as::
 
         cache = BoundedDilatedKVCache(n_layer, B, n_head, n_kv_head, head_dim, segs, rates, dtype=dtype)
         # in layer i, for the new tokens' q (B, T, Hq, D), k, v (B, T, Hkv, D):
@@ -54,6 +57,7 @@ class BoundedDilatedKVCache:
         max_seqlen: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        fused: bool | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -73,6 +77,7 @@ class BoundedDilatedKVCache:
         self.segment_lengths, self.dilation_rates = V.normalize_branches(segment_lengths, dilation_rates)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_seqlen = max_seqlen
+        self.fused = fused  # the fused step op (None: where the extension has it for the device)
         self.group = num_heads // num_kv_heads
         self.layout = branch_slots(self.segment_lengths, self.dilation_rates, self.group, max_seqlen)
         slots = self.layout[-1].offset + self.layout[-1].rows * self.layout[-1].length
@@ -153,11 +158,18 @@ class BoundedDilatedKVCache:
             if pad is None
             else torch.where(c >= pad[:, None], lengths[:, None] + c - pad[:, None], -1)
         )
-        if max(self._host) == 0 and m > 1:
-            out, lse = self._prefill(q, k, v, counts, scale, backend)
+        if m == 1:  # the fused step writes the token, then reads the slots in place
+            o, s = decode_step(
+                q[:, 0], k[:, 0], v[:, 0], kbuf, vbuf, pos[:, 0], self.layout, scale, fused=self.fused
+            )
+            out, lse = o[:, None], s[..., None]
         else:
-            out, lse = attend_slots(q, k, v, kbuf, vbuf, lengths, pos, self.layout, scale)
-        write_slots(kbuf, vbuf, k, v, pos, torch.tensor(ends, device=dev)[:, None], self.layout, self.group)
+            if max(self._host) == 0:
+                out, lse = self._prefill(q, k, v, counts, scale, backend)
+            else:
+                out, lse = attend_slots(q, k, v, kbuf, vbuf, lengths, pos, self.layout, scale)
+            ends_t = torch.tensor(ends, device=dev)[:, None]
+            write_slots(kbuf, vbuf, k, v, pos, ends_t, self.layout, self.group)
         out = out.to(q_dtype)
         return (out, lse) if return_lse else out
 
@@ -168,9 +180,11 @@ class BoundedDilatedKVCache:
         segs, rates = self.segment_lengths, self.dilation_rates
         B, m = q.shape[:2]
         if all(n == m for n in counts):
-            return _attention(
+            res = _attention(
                 q, k, v, segs, rates, is_causal=True, softmax_scale=scale, return_lse=True, backend=backend
             )
+            assert isinstance(res, tuple)  # return_lse=True
+            return res
         out = torch.zeros_like(q)
         lse = torch.full(
             (B, q.shape[2], m), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device
