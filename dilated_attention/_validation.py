@@ -166,7 +166,7 @@ def check_bool(value: Any, name: str) -> bool:
 
 def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: Any) -> int:
     """Check a packed batch: q (T, Hq, D), k and v (T, Hkv, D) (as :func:`check_qkv`), cu_seqlens an
-    int32 (S + 1,) tensor on q's device, max_seqlen an int >= 0. Returns max_seqlen as an int."""
+    int32 (S + 1,) tensor on q's device, max_seqlen an int in [0, 2^40). Returns max_seqlen as an int."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -184,6 +184,11 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: Any) -
     max_seqlen = _as_int(max_seqlen, "max_seqlen")
     if max_seqlen < 0:
         raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+    if max_seqlen >= _HUGE_SEGMENT:
+        raise ValueError(
+            f"max_seqlen must be below 2^40 = {_HUGE_SEGMENT} (longer than any sequence a tensor holds), "
+            f"got {max_seqlen}"
+        )
     return max_seqlen
 
 
