@@ -157,3 +157,20 @@ def test_sequence_first_input_warns_once_with_the_fix():
         warnings.simplefilter("error", LayoutWarning)
         m(seq_first.transpose(0, 1))  # (B, N, E): fine
         m(torch.randn(300, 128, E, dtype=torch.float64))  # a large batch of full-length rows: fine
+
+
+def test_in_a_torch_encoder_layer_eval_is_train_and_torch_masks_are_refused_by_name():
+    """As the self_attn of nn.TransformerEncoderLayer in eval mode it raised AttributeError
+    (in_proj_bias, read by torch's fast-path check); now the layer calls forward in both modes, and
+    torch's padding mask (-inf = padding) is refused, pointing at DropInMultiheadAttention."""
+    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    layer.self_attn = _mhda()
+    x = torch.randn(2, 10, E, dtype=torch.float64)
+    train = layer.train()(x)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.eval()(x), train, rtol=1e-12, atol=1e-12)
+    padding = torch.zeros(2, 10, dtype=torch.bool)
+    padding[1, 7:] = True
+    with pytest.raises(ValueError, match="DropInMultiheadAttention"):
+        layer(x, src_key_padding_mask=padding)
+    assert layer.self_attn.in_proj_bias.shape == (3 * E,)

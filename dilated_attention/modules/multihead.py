@@ -96,6 +96,9 @@ class MultiheadDilatedAttention(nn.Module):
     """
 
     batch_first = True
+    # Separate q/k/v projections: torch's transformer layers skip their fused dense fast path and
+    # call forward, whose checks then apply in train and eval mode alike.
+    _qkv_same_embed_dim = False
     embed_dim: int
     num_heads: int
     head_dim: int
@@ -170,6 +173,15 @@ class MultiheadDilatedAttention(nn.Module):
         self.norm = nn.LayerNorm(E, eps=float(layer_norm_eps), **factory) if layer_norm else None
         self.out_proj = nn.Linear(E, E, bias=bias, **factory)
         self._reset_parameters()
+
+    @property
+    def in_proj_bias(self) -> torch.Tensor | None:
+        """The q, k and v biases stacked, (3E,), as ``nn.MultiheadAttention`` holds them (a new
+        tensor); None without biases."""
+        biases: list[torch.Tensor] = [
+            p.bias for p in (self.q_proj, self.k_proj, self.v_proj) if p.bias is not None
+        ]
+        return torch.cat(biases) if len(biases) == 3 else None
 
     # Names that users of LongNet-style code know.
     @property
