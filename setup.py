@@ -1,8 +1,14 @@
 """Build of the dilated_attention._C extension.
 
-The CPU kernels always build. The CUDA kernels build when nvcc and a CUDA-enabled torch are
-present, or when FORCE_CUDA=1; DILATED_ATTENTION_CPU_ONLY=1 skips them. TORCH_CUDA_ARCH_LIST is
-honoured (see ``_default_arch_list`` for the default).
+The CPU kernels always build. The CUDA kernels follow the convention of PyTorch extensions (they
+need nvcc and a CUDA-enabled torch):
+
+* ``TORCH_CUDA_ARCH_LIST`` set: for those architectures;
+* otherwise, GPUs visible: for the architectures of the visible GPUs (the newest also as PTX);
+* otherwise, no GPU: the CPU kernels only, unless ``FORCE_CUDA=1`` (then every architecture of
+  ``_default_arch_list``, as for a wheel); the build says so in one line.
+
+``DILATED_ATTENTION_CPU_ONLY=1`` skips the CUDA kernels whatever else is set.
 """
 
 from __future__ import annotations
@@ -78,12 +84,34 @@ def _toolkit_root() -> str | None:
     return CUDA_HOME
 
 
-def _want_cuda() -> bool:
+def _visible_arch_list() -> str | None:
+    """The compute capabilities of the visible GPUs, ``"8.6;9.0+PTX"`` (the newest also as PTX,
+    as torch does), or None without a visible GPU."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    except (RuntimeError, AssertionError):
+        return None
+    if not caps:
+        return None
+    return ";".join(f"{major}.{minor}" for major, minor in caps) + "+PTX"
+
+
+def _cuda_plan() -> tuple[str | None, str]:
+    """``(TORCH_CUDA_ARCH_LIST to build, why)``; None: the CPU kernels only."""
     if _flag("DILATED_ATTENTION_CPU_ONLY"):
-        return False
+        return None, "DILATED_ATTENTION_CPU_ONLY=1"
+    if not _flag("FORCE_CUDA") and (CUDA_HOME is None or torch.version.cuda is None):
+        return None, "no nvcc with a CUDA-enabled torch"
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"], "TORCH_CUDA_ARCH_LIST"
+    visible = _visible_arch_list()
+    if visible is not None:
+        return visible, "the visible GPUs"
     if _flag("FORCE_CUDA"):
-        return True
-    return CUDA_HOME is not None and torch.version.cuda is not None
+        return _default_arch_list(), "FORCE_CUDA=1, every architecture"
+    return None, "no GPU visible"
 
 
 def _cxx_flags() -> list[str]:
@@ -98,20 +126,30 @@ def _cxx_flags() -> list[str]:
     return cxx
 
 
+def cpu_only_message(why: str) -> str:
+    """The one line a CPU-only build prints: why, and how to get the CUDA kernels."""
+    how = ""
+    if why == "no GPU visible":
+        how = (
+            f'; for CUDA kernels set TORCH_CUDA_ARCH_LIST (e.g. "9.0" for H100/H200) or FORCE_CUDA=1 '
+            f"(every architecture: {_default_arch_list()}, slow)"
+        )
+    return f"building the CPU kernels only ({why}){how}"
+
+
 def _extension():
     cxx = _cxx_flags()
     sources = ["csrc/dilated_attention.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     include = [os.path.join(HERE, "csrc")]
-    if _want_cuda():
+    archs, why = _cuda_plan()
+    if archs is not None:
         if CUDA_HOME is None:
             raise RuntimeError("FORCE_CUDA=1 was given but no CUDA toolkit (nvcc) was found; set CUDA_HOME")
         root = _toolkit_root()
         if root and root != CUDA_HOME:
             cpp_extension.CUDA_HOME = root  # read by CUDAExtension and BuildExtension at build time
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _default_arch_list())
-        print(
-            f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}"
-        )
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        print(f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} ({why})")
         # csrc/cuda: the op's CUDA half (host code in .cpp, kernels in .cu; see docs/cuda.md).
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
         nvcc += shlex.split(os.environ.get("DILATED_ATTENTION_NVCC_FLAGS", ""))  # e.g. "-Xptxas -v"
@@ -124,9 +162,7 @@ def _extension():
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
             py_limited_api=False,
         )
-    print(
-        "dilated_attention: building CPU kernels only (no nvcc with a CUDA-enabled torch, or DILATED_ATTENTION_CPU_ONLY=1)"
-    )
+    print(f"dilated_attention: {cpu_only_message(why)}")
     return CppExtension(
         "dilated_attention._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx}
     )
@@ -141,10 +177,13 @@ class _BuildExtension(BuildExtension):
         super().build_extensions()
         for ext in self.extensions:
             folder = os.path.dirname(self.get_ext_fullpath(ext.name))
+            archs, why = _cuda_plan()
             info = {
                 "torch": torch.__version__,
                 "cuda": torch.version.cuda,
                 "python": ".".join(map(str, sys.version_info[:2])),
+                "cuda_arch_list": archs,
+                "cuda_arch_reason": why,
             }
             with open(os.path.join(folder, "_build_info.json"), "w") as f:
                 json.dump(info, f)

@@ -186,3 +186,80 @@ def test_build_info_is_read_beside_the_extension(tmp_path):
     assert _ops._build_info(fake) == {"torch": "9.9", "cuda": None, "python": "3.11"}
     (tmp_path / "_build_info.json").write_text("not json")
     assert _ops._build_info(fake) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# setup.py: which CUDA architectures a build compiles
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def setup_py(monkeypatch, capsys):
+    """setup.py's functions, loaded with setuptools.setup stubbed out (nothing is built)."""
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: None)
+    for name in ("TORCH_CUDA_ARCH_LIST", "FORCE_CUDA", "DILATED_ATTENTION_CPU_ONLY"):
+        monkeypatch.setenv(name, "")  # restored (or removed) after the test, whatever setup.py sets
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(ROOT)
+    ns = runpy.run_path(os.path.join(ROOT, "setup.py"))
+    capsys.readouterr()
+    return ns
+
+
+def _fake_gpus(monkeypatch, caps):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(caps))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: caps[i or 0])
+
+
+def test_setup_builds_for_the_visible_gpus_else_the_cpu_only(setup_py, monkeypatch):
+    """PyTorch's convention: TORCH_CUDA_ARCH_LIST, else the visible GPUs, else (no GPU) the CPU
+    kernels only unless FORCE_CUDA=1 (every architecture, as for a wheel)."""
+    if setup_py["CUDA_HOME"] is None or torch.version.cuda is None:
+        pytest.skip("needs nvcc and a CUDA-enabled torch")
+    plan = setup_py["_cuda_plan"]
+    everything = setup_py["_default_arch_list"]()
+    _fake_gpus(monkeypatch, [])
+    assert plan() == (None, "no GPU visible")
+    message = setup_py["cpu_only_message"]("no GPU visible")
+    assert "CPU kernels only (no GPU visible)" in message and "FORCE_CUDA=1" in message
+    assert "TORCH_CUDA_ARCH_LIST" in message and everything in message
+    monkeypatch.setenv("FORCE_CUDA", "1")
+    assert plan() == (everything, "FORCE_CUDA=1, every architecture")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    assert plan() == ("8.0", "TORCH_CUDA_ARCH_LIST")
+    monkeypatch.delenv("FORCE_CUDA")
+    assert plan() == ("8.0", "TORCH_CUDA_ARCH_LIST")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    _fake_gpus(monkeypatch, [(9, 0)])
+    assert plan() == ("9.0+PTX", "the visible GPUs")
+    _fake_gpus(monkeypatch, [(9, 0), (8, 6), (9, 0)])
+    assert plan() == ("8.6;9.0+PTX", "the visible GPUs")
+    monkeypatch.setenv("FORCE_CUDA", "1")  # visible GPUs still decide: FORCE_CUDA only forces a CUDA build
+    assert plan() == ("8.6;9.0+PTX", "the visible GPUs")
+    # DILATED_ATTENTION_CPU_ONLY=1 wins over everything.
+    monkeypatch.setenv("DILATED_ATTENTION_CPU_ONLY", "1")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    assert plan() == (None, "DILATED_ATTENTION_CPU_ONLY=1")
+    assert "CPU kernels only (DILATED_ATTENTION_CPU_ONLY=1)" in setup_py["cpu_only_message"](
+        "DILATED_ATTENTION_CPU_ONLY=1"
+    )
+
+
+def test_setup_says_what_it_builds(setup_py, monkeypatch, capsys):
+    _fake_gpus(monkeypatch, [])
+    ext = setup_py["_extension"]()
+    out = capsys.readouterr().out
+    if setup_py["CUDA_HOME"] is not None and torch.version.cuda is not None:
+        assert out.strip() == "dilated_attention: " + setup_py["cpu_only_message"]("no GPU visible")
+    assert ext.name == "dilated_attention._C" and not any(s.endswith(".cu") for s in ext.sources)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    if setup_py["CUDA_HOME"] is None or torch.version.cuda is None:
+        return
+    ext = setup_py["_extension"]()
+    assert "for TORCH_CUDA_ARCH_LIST=8.0 (TORCH_CUDA_ARCH_LIST)" in capsys.readouterr().out
+    assert any(s.endswith(".cu") for s in ext.sources)
