@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["merge", "merge_into_"]
+__all__ = ["merge", "merge_into_", "merge_view_"]
 
 
 def _weights(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -36,6 +36,29 @@ def merge_into_(
     new = torch.logaddexp(lse_acc, lse_b)  # -inf only where both are -inf
     out_acc.mul_(_weights(lse_acc, new)).add_(out_b.to(out_acc.dtype) * _weights(lse_b, new))
     return new
+
+
+def merge_view_(
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    first: bool = False,
+) -> None:
+    """Merge ``(out_b, lse_b)`` into (possibly strided) views of the accumulators, in place.
+
+    ``out_acc`` and ``out_b`` are (..., n, H, D), ``lse_acc`` and ``lse_b`` (..., n, H), in the
+    layout of ``out``. ``first``: the accumulators hold nothing yet here (out 0, lse -inf), so the
+    values are copied. Not differentiable."""
+    if first:
+        out_acc.copy_(out_b)
+        lse_acc.copy_(lse_b)
+        return
+    new = torch.logaddexp(lse_acc, lse_b)  # -inf only where both are -inf
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    out_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1))
+    out_acc.add_(out_b * torch.exp(lse_b - safe).unsqueeze(-1))
+    lse_acc.copy_(new)
 
 
 def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

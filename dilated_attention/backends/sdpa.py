@@ -6,9 +6,15 @@ branch merge needs, so this backend calls the ATen operators that it wraps and t
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` -> (out, logsumexp (B, H, M)) and
   ``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (float16, bfloat16, float32,
   float64; grouped-query attention supported by the kernel).
-* CUDA: ``aten._scaled_dot_product_efficient_attention`` -> (out, logsumexp (B, H, M rounded up
-  to 32), philox seed, offset) and ``aten._scaled_dot_product_efficient_attention_backward``
-  (float16, bfloat16, float32; key/value heads are repeated for grouped-query attention).
+* CUDA: the best of ``aten._scaled_dot_product_cudnn_attention``,
+  ``aten._scaled_dot_product_flash_attention`` and ``aten._scaled_dot_product_efficient_attention``
+  for the device, dtype and head dim, chosen as PyTorch chooses (:mod:`.sdpa_kernels`), each with
+  its backward operator (float16, bfloat16, float32; key/value heads are repeated for
+  grouped-query attention).
+
+On CPU the backward is :func:`.sdpa_kernels.cpu_exact_backward` (the fused CPU backward misses
+the accuracy rule on large logits); set ``SdpaBackend.cpu_kernel_backward = True`` to run the
+operator's backward instead.
 
 Without dropout the backward feeds the merged ``out``/``lse`` into these backward operators (the
 merged path of :mod:`.gathered`). Neither fused kernel can replay a dropout mask from outside
@@ -22,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import sdpa_kernels
 from .base import BackendRequest, Capabilities, check_device_dtype
 from .gathered import GatheredBackend, lse_with_grad
 
@@ -36,7 +43,12 @@ _OPS = {
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_flash_attention_for_cpu_backward",
     ),
-    "cuda": ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"),
+    "cuda": (
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+    ),
 }
 
 
@@ -65,8 +77,12 @@ class SdpaBackend(GatheredBackend):
         dropout=True,
         gqa="cpu: native; cuda: repeated k/v heads",
         head_dims="1..256 (cuda: multiple of 8)",
-        backward="kernel backward fed the merged out/lse; autograd with dropout",
+        backward="kernel backward fed the merged out/lse (cpu: exact matmul backward); autograd with dropout",
     )
+
+    #: Run the CPU flash operator's own backward (fast, but outside the float32 accuracy rule on
+    #: large logits) instead of :func:`.sdpa_kernels.cpu_exact_backward`.
+    cpu_kernel_backward = False
 
     def reasons(self, request: BackendRequest) -> list[str]:
         why = check_device_dtype(request, "sdpa", _DTYPES)
@@ -102,36 +118,25 @@ class SdpaBackend(GatheredBackend):
                 _t(q), _t(k), _t(v), 0.0, is_causal, scale=scale
             )
             return _t(out), lse, None
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            _t(q), _t(k), _t(v), None, True, 0.0, is_causal, scale=scale
-        )
-        return _t(out), lse, (seed, offset)
+        return sdpa_kernels.cuda_forward(q, k, v, is_causal=is_causal, scale=scale)
 
     def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale):
         q, scale, sign = _positive_scale(q, scale)
-        if q.device.type == "cpu":
+        if q.device.type != "cpu":
+            dq, dk, dv = sdpa_kernels.cuda_backward(
+                dout, q, k, v, out, lse, extra, is_causal=is_causal, scale=scale
+            )
+        elif not self.cpu_kernel_backward:
+            dq, dk, dv = sdpa_kernels.cpu_exact_backward(
+                dout, q, k, v, out, lse, is_causal=is_causal, scale=scale
+            )
+        else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, is_causal, scale=scale
             )
-        else:
-            seed, offset = extra
-            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                _t(dout),
-                _t(q),
-                _t(k),
-                _t(v),
-                None,
-                _t(out),
-                lse.contiguous(),
-                seed,
-                offset,
-                0.0,
-                [True, True, True, False],
-                is_causal,
-                scale=scale,
-            )
+            dq, dk, dv = _t(dq), _t(dk), _t(dv)
         dq = dq if sign == 1.0 else dq * sign
-        return _t(dq), _t(dk), _t(dv)
+        return dq, dk, dv
 
     # -- autograd path (dropout) -------------------------------------------------------------------
     def attn_autograd(self, q, k, v, *, is_causal, scale, dropout_p):

@@ -1,0 +1,220 @@
+"""The merged path of the gather-based backends: kernels on strided views, one accumulator.
+
+Forward: every kernel call (see :mod:`.views`) reads strided views of q, k and v, and its
+``out``/``lse`` are merged by log-sum-exp straight into views of one output accumulator (float32
+for float16/bfloat16 inputs; the output itself for float32 and float64) and one lse (SPEC
+section 3). Backward: each call's kernel backward is fed the *merged* ``out`` and ``lse`` of its
+rows (as ring attention does), and its gradients are added in place into strided views of dq, dk
+and dv (float32 accumulators only where several calls add into a position of a float16/bfloat16
+gradient).
+
+Both directions are ``autograd.Function`` with ``setup_context`` and a ``vmap`` rule that folds
+the vmapped dimension into the batch, so ``torch.func.grad``, ``vjp``, ``jacrev`` and ``vmap``
+work. The backward is itself a Function whose backward raises: a kernel backward has no
+derivative (use ``backend='manual'`` to differentiate twice).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .._autograd import _message
+from ..merge import merge_view_
+from .base import lse_dtype
+from .views import Call, batches, view
+
+__all__ = ["MergedAttention", "kernel_backward"]
+
+
+def _fold(x: torch.Tensor | None, d: int | None, V: int) -> torch.Tensor | None:
+    """Move the vmapped dim ``d`` of ``x`` into its batch dim (expanding an unbatched ``x``)."""
+    if x is None:
+        return None
+    x = x.unsqueeze(0).expand(V, *x.shape) if d is None else x.movedim(d, 0)
+    return x.reshape(V * x.shape[1], *x.shape[2:])
+
+
+def _lse_of(lse_bnh: torch.Tensor, call: Call, lse_len: int) -> torch.Tensor:
+    """The merged lse of the call's rows, (Bb, h, lse_len) contiguous, as the kernel returned it."""
+    lg = view(lse_bnh.unsqueeze(-1), call, call.q)[..., 0].transpose(1, 2)
+    if lse_len == call.m:
+        return lg.contiguous()
+    padded = lg.new_zeros((*lg.shape[:-1], lse_len))
+    padded[..., : call.m] = lg
+    return padded
+
+
+def _add_(dst: torch.Tensor, call: Call, s: Any, val: torch.Tensor) -> None:
+    """dst's view of ``call`` at heads ``s`` += val; a stride-0 (shared) head takes the sum."""
+    if s.expanded:
+        s = type(s)(s.p0, s.dp, s.c0, 1, 1)
+        val = val.sum(2, keepdim=True)
+    view(dst, call, s).add_(val)
+
+
+def kernel_backward(
+    backend: Any,
+    dout: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    extra: Any,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one kernel call's q, k, v given the *merged* ``out`` and ``lse`` of its rows
+    and the gradients ``dout`` (Bb, m, h, D) and ``dlse`` (Bb, h, m) of the merged result (either
+    may be None). ``lse`` is in the layout the backend's ``attn_forward`` returned.
+
+    The ``dlse`` term ``dS += P * dlse`` comes from one more backward call with ``v = 0``,
+    ``out = e_0`` and ``dout = -dlse * e_0`` (``e_0`` the first unit vector of the head dim), for
+    which the kernel's formula gives exactly ``P * dlse``.
+    """
+    grads: list[torch.Tensor] | None = None
+    if dout is not None:
+        grads = list(
+            backend.attn_backward(
+                dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, extra, is_causal=is_causal, scale=scale
+            )
+        )
+    if dlse is not None:
+        unit_out = q.new_zeros(q.shape)
+        unit_out[..., 0] = 1
+        d_unit = q.new_zeros(q.shape)
+        d_unit[..., 0] = -dlse.transpose(1, 2).to(q.dtype)
+        g = backend.attn_backward(
+            d_unit, q, k, v.new_zeros(v.shape), unit_out, lse, extra, is_causal=is_causal, scale=scale
+        )
+        if grads is None:
+            grads = [g[0], g[1], v.new_zeros(v.shape)]
+        else:  # summed in the accumulation dtype
+            grads[0] = grads[0].to(lse.dtype) + g[0].to(lse.dtype)
+            grads[1] = grads[1].to(lse.dtype) + g[1].to(lse.dtype)
+    if grads is None:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    return grads[0], grads[1], grads[2]
+
+
+class MergedAttention(torch.autograd.Function):
+    """(q, k, v) -> (out (B, N, Hq, D), lse (B, Hq, N), lse (B, N, Hq), kernel aux)."""
+
+    @staticmethod
+    def forward(q, k, v, backend, plan, is_causal, scale, nonfinite):
+        B, N, Hq, D = q.shape
+        acc = lse_dtype(q.dtype)
+        out_acc = q.new_zeros((B, N, Hq, D), dtype=acc)
+        lse_acc = q.new_full((B, N, Hq), -math.inf, dtype=acc)
+        lse4 = lse_acc.unsqueeze(-1)
+        nf = nonfinite(q, k, v)
+        aux = []
+        for b, calls in enumerate(plan):
+            for call in calls:
+                for sl in batches(call, B, N):
+                    qv, kv, vv = (
+                        view(x[sl], call, s) for x, s in ((q, call.q), (k, call.kv), (nf.v_kernel, call.kv))
+                    )
+                    og, lg, extra = backend.attn_forward(qv, kv, vv, is_causal=is_causal, scale=scale)
+                    aux.append((lg.shape[-1], extra))
+                    og, lg = nf.apply(call, og, lg[..., : call.m], sl)
+                    o_view = view(out_acc[sl], call, call.q)
+                    l_view = view(lse4[sl], call, call.q)[..., 0]
+                    merge_view_(o_view, l_view, og, lg.transpose(1, 2), first=b == 0)
+        out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)
+        return out, lse_acc.transpose(1, 2).contiguous(), lse_acc, aux
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, backend, plan, is_causal, scale, _ = inputs
+        out, _, lse_bnh, aux = output
+        ctx.save_for_backward(q, k, v, out, lse_bnh)
+        ctx.backend, ctx.plan, ctx.is_causal, ctx.scale, ctx.aux = backend, plan, is_causal, scale, aux
+        ctx.mark_non_differentiable(lse_bnh)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, _dlse_bnh, _aux):
+        q, k, v, out, lse_bnh = ctx.saved_tensors
+        dq, dk, dv = MergedBackward.apply(
+            dout, dlse, q, k, v, out, lse_bnh, ctx.backend, ctx.plan, ctx.is_causal, ctx.scale, ctx.aux
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, backend, plan, is_causal, scale, nonfinite):
+        V = info.batch_size
+        out, lse, lse_bnh, aux = MergedAttention.apply(
+            _fold(q, in_dims[0], V),
+            _fold(k, in_dims[1], V),
+            _fold(v, in_dims[2], V),
+            backend,
+            plan,
+            is_causal,
+            scale,
+            nonfinite,
+        )
+        unf = (out.unflatten(0, (V, -1)), lse.unflatten(0, (V, -1)), lse_bnh.unflatten(0, (V, -1)), aux)
+        return unf, (0, 0, 0, None)
+
+
+class MergedBackward(torch.autograd.Function):
+    """(dout, dlse, q, k, v, out, lse) -> (dq, dk, dv); differentiating it again raises."""
+
+    @staticmethod
+    def forward(dout, dlse, q, k, v, out, lse_bnh, backend, plan, is_causal, scale, aux):
+        # float16/bfloat16 gradients that several calls add into are summed in the accumulation
+        # dtype and rounded once; a single branch writes every position once.
+        wide = lse_bnh.dtype if q.dtype != lse_bnh.dtype and (len(plan) > 1 or dlse is not None) else q.dtype
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+        dk = torch.zeros(k.shape, dtype=wide, device=k.device)
+        dv = torch.zeros(v.shape, dtype=wide, device=v.device)
+        if dout is not None:
+            dout = dout.to(q.dtype)
+        dlse_bnh = None if dlse is None else dlse.transpose(1, 2).contiguous().unsqueeze(-1)
+        i = 0
+        B, N = q.shape[0], q.shape[1]
+        for call in (c for calls in plan for c in calls):
+            for sl in batches(call, B, N):
+                lse_len, extra = aux[i]
+                i += 1
+                qv, kv, vv = view(q[sl], call, call.q), view(k[sl], call, call.kv), view(v[sl], call, call.kv)
+                dov = None if dout is None else view(dout[sl], call, call.q)
+                dl = None if dlse_bnh is None else view(dlse_bnh[sl], call, call.q)[..., 0].transpose(1, 2)
+                dqg, dkg, dvg = kernel_backward(
+                    backend,
+                    dov,
+                    dl,
+                    qv,
+                    kv,
+                    vv,
+                    view(out[sl], call, call.q),
+                    _lse_of(lse_bnh[sl], call, lse_len),
+                    extra,
+                    is_causal=is_causal,
+                    scale=scale,
+                )
+                _add_(dq[sl], call, call.q, dqg)
+                _add_(dk[sl], call, call.kv, dkg)
+                _add_(dv[sl], call, call.kv, dvg)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.backend_name = inputs[7].name
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_message(ctx.backend_name))
+
+    @staticmethod
+    def vmap(info, in_dims, dout, dlse, q, k, v, out, lse_bnh, backend, plan, is_causal, scale, aux):
+        V = info.batch_size
+        args = [_fold(x, d, V) for x, d in zip((dout, dlse, q, k, v, out, lse_bnh), in_dims[:7], strict=True)]
+        grads = MergedBackward.apply(*args, backend, plan, is_causal, scale, aux)
+        return tuple(g.unflatten(0, (V, -1)) for g in grads), (0, 0, 0)

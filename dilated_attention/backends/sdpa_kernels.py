@@ -1,0 +1,213 @@
+"""The kernels under the ``sdpa`` backend: PyTorch's fused attention operators that return the
+log-sum-exp, chosen as PyTorch chooses, and an exact CPU backward.
+
+CUDA, best first (:func:`cuda_kernel`; which one runs is logged once and shown by
+``python -m dilated_attention``):
+
+* ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` where ``torch.backends.cuda`` would pick
+  it: compute capability 9.0 or newer, float16/bfloat16, head dim a multiple of 8 up to 128;
+* ``flash``: ``aten._scaled_dot_product_flash_attention``: 8.0 or newer, float16/bfloat16, head dim
+  a multiple of 8 up to 256;
+* ``efficient``: ``aten._scaled_dot_product_efficient_attention`` (float32, older GPUs).
+
+All three take batch, sequence and head strides as they come (last dimension contiguous), so the
+driver hands them strided views. Key/value heads are repeated (stride 0) for grouped-query
+attention.
+
+CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` forward. Its backward computes the
+probabilities with an approximate exponential, which misses the float32 accuracy rule (SPEC
+section 4) on large logits and bfloat16 with grouped-query attention, so the CPU backward is
+:func:`cpu_exact_backward`: the same formula in plain PyTorch matmuls in the accumulation dtype,
+in chunks of bounded size (``CPU_KERNEL_BACKWARD = True`` restores the operator's backward).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+__all__ = ["cpu_exact_backward", "cuda_backward", "cuda_forward", "cuda_kernel"]
+
+logger = logging.getLogger(__name__)
+
+#: Score-chunk budget of :func:`cpu_exact_backward`, in elements (float32: 64 MiB per buffer).
+CHUNK_ELEMENTS = 16 * 1024 * 1024
+
+_HALF = (torch.float16, torch.bfloat16)
+_logged: set[tuple] = set()
+
+
+def cuda_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """``"cudnn"``, ``"flash"`` or ``"efficient"``: the operator the sdpa backend runs on ``device``
+    for ``dtype`` and ``head_dim`` (the capability comes from :mod:`dilated_attention.hardware`)."""
+    from .. import hardware
+
+    cap = hardware.compute_capability(device)
+    half = dtype in _HALF and head_dim % 8 == 0
+    aten = torch.ops.aten
+    if (
+        half
+        and cap is not None
+        and cap >= (9, 0)
+        and head_dim <= 128
+        and hasattr(aten, "_scaled_dot_product_cudnn_attention")
+        and torch.backends.cudnn.is_available()
+        and torch.backends.cuda.cudnn_sdp_enabled()
+    ):
+        return "cudnn"
+    if (
+        half
+        and cap is not None
+        and cap >= (8, 0)
+        and head_dim <= 256
+        and torch.backends.cuda.flash_sdp_enabled()
+    ):
+        return "flash"
+    return "efficient"
+
+
+def _log(kind: str, q: torch.Tensor) -> None:
+    key = (kind, q.device, q.dtype, int(q.shape[-1]))
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("sdpa on %s %s, head dim %d: %s attention kernel", q.device, q.dtype, q.shape[-1], kind)
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)  # (B, M, H, D) <-> (B, H, M, D), a view
+
+
+def _heads(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Key/value heads repeated to q's (the CUDA operators take as many as q has)."""
+    h, hk = q.shape[2], x.shape[2]
+    return x if h == hk else x.repeat_interleave(h // hk, dim=2)
+
+
+def cuda_forward(q, k, v, *, is_causal: bool, scale: float):
+    """(out (Bb, m, h, D), lse (Bb, h, >= m) float32, extra) on the chosen CUDA operator."""
+    kind = cuda_kernel(q.device, q.dtype, int(q.shape[-1]))
+    _log(kind, q)
+    k, v = _heads(q, k), _heads(q, v)
+    aten = torch.ops.aten
+    if kind == "cudnn":
+        res = aten._scaled_dot_product_cudnn_attention(
+            _t(q), _t(k), _t(v), None, True, 0.0, is_causal, False, scale=scale
+        )
+        return _t(res[0]), res[1], (kind, res[2], res[3], res[4], res[5], res[6], res[7])
+    if kind == "flash":
+        res = aten._scaled_dot_product_flash_attention(
+            _t(q), _t(k), _t(v), 0.0, is_causal, False, scale=scale
+        )
+        return _t(res[0]), res[1], (kind, res[2], res[3], res[4], res[5], res[6], res[7])
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+        _t(q), _t(k), _t(v), None, True, 0.0, is_causal, scale=scale
+    )
+    return _t(out), lse, (kind, seed, offset)
+
+
+def cuda_backward(dout, q, k, v, out, lse, extra, *, is_causal: bool, scale: float):
+    """(dq, dk, dv) of one call on the operator its forward ran on, fed ``out`` and ``lse``."""
+    hk = k.shape[2]
+    ke, ve = _heads(q, k), _heads(q, v)
+    aten = torch.ops.aten
+    kind = extra[0]
+    if kind == "cudnn":
+        cq, ck, mq, mk, seed, offset = extra[1:]
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            _t(dout),
+            _t(q),
+            _t(ke),
+            _t(ve),
+            _t(out),
+            lse,
+            seed,
+            offset,
+            None,
+            cq,
+            ck,
+            mq,
+            mk,
+            0.0,
+            is_causal,
+            scale=scale,
+        )
+    elif kind == "flash":
+        cq, ck, mq, mk, seed, offset = extra[1:]
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            _t(dout),
+            _t(q),
+            _t(ke),
+            _t(ve),
+            _t(out),
+            lse,
+            cq,
+            ck,
+            mq,
+            mk,
+            0.0,
+            is_causal,
+            seed,
+            offset,
+            scale=scale,
+        )
+    else:
+        seed, offset = extra[1:]
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            _t(dout),
+            _t(q),
+            _t(ke),
+            _t(ve),
+            None,
+            _t(out),
+            lse.contiguous(),
+            seed,
+            offset,
+            0.0,
+            [True, True, True, False],
+            is_causal,
+            scale=scale,
+        )
+    dq, dk, dv = _t(dq), _t(dk), _t(dv)
+    if hk != q.shape[2]:
+        dk = dk.unflatten(2, (hk, -1)).sum(3)
+        dv = dv.unflatten(2, (hk, -1)).sum(3)
+    return dq, dk, dv
+
+
+def cpu_exact_backward(dout, q, k, v, out, lse, *, is_causal: bool, scale: float):
+    """(dq, dk, dv) of one call, in the dtype of ``lse`` (float32, float64 for float64 inputs):
+    ``P = exp(scale q k^T - lse)``, ``dV = P^T dout``, ``dS = P (dout v^T - rowsum(dout out))``,
+    ``dQ = scale dS k``, ``dK = scale dS^T q`` (causal: top-left aligned, as the operator), in chunks of batch rows and query rows of at most
+    :data:`CHUNK_ELEMENTS` scores. q (Bb, m, h, D), k and v (Bb, mk, hk, D), lse (Bb, h, >= m)."""
+    ct = lse.dtype
+    Bb, m, h, D = q.shape
+    mk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    dq = torch.empty((Bb, m, h, D), dtype=ct, device=q.device)
+    dk = torch.zeros((Bb, mk, hk, D), dtype=ct, device=q.device)
+    dv = torch.zeros((Bb, mk, hk, D), dtype=ct, device=q.device)
+    rows = max(1, min(m, CHUNK_ELEMENTS // max(1, h * mk)))
+    nb = max(1, min(Bb, CHUNK_ELEMENTS // max(1, h * mk * rows)))
+    lse = lse[..., :m]
+    for b0 in range(0, Bb, nb):
+        b = slice(b0, b0 + nb)
+        kc, vc = k[b].to(ct), v[b].to(ct)  # (c, m, hk, D)
+        for i0 in range(0, m, rows):
+            i = slice(i0, min(m, i0 + rows))
+            qc = q[b, i].to(ct).unflatten(2, (hk, g))  # (c, n, hk, g, D)
+            doc = dout[b, i].to(ct).unflatten(2, (hk, g))
+            s = torch.einsum("bikgd,bjkd->bkgij", qc, kc).mul_(scale)
+            if is_causal:
+                future = torch.ones(i.stop - i0, mk, dtype=torch.bool, device=q.device).triu_(i0 + 1)
+                s.masked_fill_(future, -math.inf)
+            lc = lse[b, :, i].unflatten(1, (hk, g)).unsqueeze(-1)  # (c, hk, g, n, 1)
+            p = s.sub_(torch.where(torch.isneginf(lc), torch.zeros_like(lc), lc)).exp_()
+            dv[b] += torch.einsum("bkgij,bikgd->bjkd", p, doc)
+            rowsum = (doc * out[b, i].to(ct).unflatten(2, (hk, g))).sum(-1)  # (c, n, hk, g)
+            ds = torch.einsum("bikgd,bjkd->bkgij", doc, vc).sub_(rowsum.permute(0, 2, 3, 1).unsqueeze(-1))
+            ds.mul_(p).mul_(scale)
+            dq[b, i] = torch.einsum("bkgij,bjkd->bikgd", ds, kc).flatten(2, 3)
+            dk[b] += torch.einsum("bkgij,bikgd->bjkd", ds, qc)
+    return dq, dk, dv

@@ -1,0 +1,213 @@
+"""The kernel calls of the gather-based backends, as strided views of q, k and v (no gathers).
+
+A branch ``(w, r)`` cuts the sequence into segments of ``L = min(w, N)`` positions (and a shorter
+last one when ``N % w != 0``). Viewing x (B, N, H, D) as (B * N // L, L, H, D), query head ``h``
+of the branch reads the positions ``h % r, h % r + r, ...`` of every segment (SPEC section 2). A
+kernel call takes ``n`` heads whose phase and head index both step by a constant:
+
+    element [b, j, t] = seg[b, p0 + t * dp + j * r, c0 + t * dc]
+
+which is a strided view with the last dimension contiguous, built from ordinary view operations
+(``unflatten``, slicing, ``unfold``, ``diagonal``) so that autograd and ``torch.func`` see plain
+views:
+
+* ``r < Hq``: the heads of one phase ``o`` (``dp = 0``, heads ``o::r``) in one call, grouped-query
+  attention kept where the kernel takes it (group size dividing ``r`` or ``r`` dividing it) and
+  the key/value heads step evenly;
+* ``r >= Hq``: every head reads its own phase ``h``; the heads ``i, i + G, ...`` (``G`` the group
+  size) share one call (``dp = dc = G`` for q, key/value heads ``0, 1, ...``), split where the
+  number of rows ``m`` of a head changes (``r`` not dividing ``L``);
+* everything else splits into the longest runs of heads that step evenly (a key/value head read
+  by several query heads of a call is a stride-0 head).
+
+Rows of different segment lengths (the shorter last segment, or the sequences of a packed batch)
+are separate *parts*. The plans are cached per geometry (pure Python, no tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Call", "Part", "Strided", "batches", "plan_branches", "view"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """``rows`` segments of ``length`` positions each, the first at position ``start``."""
+
+    start: int
+    rows: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Strided:
+    """Head ``t < n`` of a call reads phase ``p0 + t * dp`` of head ``c0 + t * dc``."""
+
+    p0: int
+    dp: int
+    c0: int
+    dc: int
+    n: int
+
+    @property
+    def expanded(self) -> bool:
+        """Whether several heads of the call read the same head and phase (a stride-0 view)."""
+        return self.n > 1 and self.dc == 0 and self.dp == 0
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: ``m`` rows of every segment of ``part``, query heads ``q``, key/value
+    heads ``kv`` (``q.n == kv.n * g``: query head ``t`` reads key/value head ``t // g``)."""
+
+    part: Part
+    r: int
+    m: int
+    q: Strided
+    kv: Strided
+    g: int
+
+
+def view(x: torch.Tensor, call: Call, s: Strided) -> torch.Tensor:
+    """x (B, N, H, E) -> (B * rows, m, n, E): the rows of ``call`` at the heads ``s``. A view where
+    x's batch and sequence dims fold (contiguous x); otherwise the segments are copied first."""
+    part, r, m = call.part, call.r, call.m
+    seg = x.narrow(1, part.start, part.rows * part.length).unflatten(1, (part.rows, part.length))
+    seg = seg.flatten(0, 1)  # (Bb, L, H, E)
+    if s.dp == 0 or s.n == 1:
+        y = seg[:, s.p0 :: r][:, :m]  # (Bb, m, H, E)
+        if s.dc == 0 and s.n > 1:
+            return y[:, :, s.c0 : s.c0 + 1].expand(-1, -1, s.n, -1)
+        return y[:, :, s.c0 : s.c0 + (s.n - 1) * max(s.dc, 1) + 1 : max(s.dc, 1)]
+    span = s.p0 + (s.n - 1) * s.dp + 1
+    u = seg.unfold(1, span, r)[:, :m, :, :, s.p0 :: s.dp]  # (Bb, m, H, E, n): positions of head t
+    if s.dc == 0:
+        y = u[:, :, s.c0]  # (Bb, m, E, n)
+    else:
+        y = u[:, :, s.c0 : s.c0 + (s.n - 1) * s.dc + 1 : s.dc].diagonal(0, 2, 4)  # (Bb, m, E, n)
+    return y.movedim(-1, 2)
+
+
+def batches(call: Call, B: int, N: int) -> list[slice]:
+    """The batch slices to run ``call`` on: all of the batch at once where the batch and segment
+    dims of a contiguous (B, N, ...) tensor fold into one (one batch, one segment per row, or
+    segments that tile the whole sequence), else one batch element at a time."""
+    part = call.part
+    if B == 1 or part.rows == 1 or (part.start == 0 and part.rows * part.length == N):
+        return [slice(None)]
+    return [slice(b, b + 1) for b in range(B)]
+
+
+def _runs(vals: list[int]) -> list[tuple[int, int]]:
+    """Split ``vals`` into the longest runs ``[i, j)`` whose consecutive differences are equal."""
+    runs, i = [], 0
+    while i < len(vals):
+        j = i + 1
+        if j < len(vals):
+            d = vals[j] - vals[i]
+            while j < len(vals) and vals[j] - vals[j - 1] == d:
+                j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+def _step(vals: list[int]) -> int:
+    return vals[1] - vals[0] if len(vals) > 1 else 1
+
+
+def _phase_calls(part: Part, r: int, Hq: int, G: int, native_gqa: bool) -> list[Call]:
+    """``r < Hq``: one call per phase ``o`` (heads ``o::r``), split where the key/value heads do
+    not step evenly."""
+    calls = []
+    for o in range(r):
+        m = len(range(o, part.length, r))
+        qh = list(range(o, Hq, r))
+        if m == 0 or not qh:
+            continue
+        kvh = [h // G for h in qh]
+        uniq = sorted(set(kvh))
+        g = len(qh) // len(uniq)
+        if (
+            native_gqa
+            and g > 1
+            and len(qh) == g * len(uniq)
+            and kvh == [uniq[j // g] for j in range(len(qh))]
+            and len(_runs(uniq)) == 1
+        ):
+            kv = Strided(o, 0, uniq[0], _step(uniq), len(uniq))
+            calls.append(Call(part, r, m, Strided(o, 0, o, r, len(qh)), kv, g))
+            continue
+        for i, j in _runs(kvh):
+            sub = kvh[i:j]
+            kv = Strided(o, 0, sub[0], _step(sub) if len(sub) > 1 else 1, j - i)
+            if len(sub) > 1 and sub[1] == sub[0]:
+                kv = Strided(o, 0, sub[0], 0, j - i)
+                if native_gqa:  # one key/value head read by every query head of the run
+                    kv = Strided(o, 0, sub[0], 1, 1)
+                    calls.append(Call(part, r, m, Strided(o, 0, qh[i], r, j - i), kv, j - i))
+                    continue
+            calls.append(Call(part, r, m, Strided(o, 0, qh[i], r, j - i), kv, 1))
+    return calls
+
+
+def _diagonal_calls(part: Part, r: int, Hq: int, G: int) -> list[Call]:
+    """``r >= Hq``: head ``h`` reads phase ``h``; heads ``i, i + G, ...`` in one call, split where
+    their number of rows changes."""
+    calls = []
+    for i in range(G):
+        heads = [h for h in range(i, Hq, G) if h < part.length]
+        ms = [len(range(h, part.length, r)) for h in heads]
+        a = 0
+        while a < len(heads):
+            b = a + 1
+            while b < len(heads) and ms[b] == ms[a]:
+                b += 1
+            n, h0 = b - a, heads[a]
+            q = Strided(h0, G, h0, G, n)
+            kv = Strided(h0, G, h0 // G, 1, n)
+            calls.append(Call(part, r, ms[a], q, kv, 1))
+            a = b
+    return calls
+
+
+def _parts(lengths: tuple[int, ...], w: int) -> list[Part]:
+    parts, start = [], 0
+    for n in lengths:
+        if n > 0:
+            L = min(w, n)
+            full = n // L
+            parts.append(Part(start, full, L))
+            if n - full * L:
+                parts.append(Part(start + full * L, 1, n - full * L))
+        start += n
+    return parts
+
+
+@functools.lru_cache(maxsize=256)
+def plan_branches(
+    N: int | tuple[int, ...],
+    Hq: int,
+    Hkv: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    native_gqa: bool,
+) -> tuple[tuple[Call, ...], ...]:
+    """The kernel calls of every branch: one tuple of :class:`Call` per branch. ``N`` is the
+    sequence length, or the lengths of the sequences of a packed batch."""
+    lengths = N if isinstance(N, tuple) else (N,)
+    G = Hq // Hkv
+    plan = []
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
+        calls: list[Call] = []
+        for part in _parts(lengths, w):
+            if r >= Hq and Hq > 1:
+                calls += _diagonal_calls(part, r, Hq, G)
+            else:
+                calls += _phase_calls(part, r, Hq, G, native_gqa)
+        plan.append(tuple(calls))
+    return tuple(plan)
