@@ -180,8 +180,28 @@ def test_encoder_layer_in_eval_under_no_grad_and_torch_encoder():
     sa = ours.self_attn
     assert sa._qkv_same_embed_dim is False and sa.in_proj_bias.shape == (3 * E,)
     torch.testing.assert_close(sa.in_proj_weight, ref.self_attn.in_proj_weight, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="nested tensor"):
-        sa(torch.nested.nested_tensor([torch.randn(N, E, dtype=F64)]), x, x)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_encoder_built_before_the_swap_passes_nested_tensors():
+    """nn.TransformerEncoder built with nn.MultiheadAttention layers turns a right-padded batch into
+    a nested tensor in eval mode without gradients; the drop-in set in afterwards takes it."""
+    ref, _ = _layers("encoder", False, True)
+    stack = nn.TransformerEncoder(ref, 2, enable_nested_tensor=True).eval()
+    ref_stack = nn.TransformerEncoder(ref, 2, enable_nested_tensor=False).eval()
+    for layer in stack.layers:
+        layer.self_attn = DropInMultiheadAttention.from_torch(layer.self_attn, [64], [1])
+    x = torch.randn(3, N, E, dtype=F64)
+    kpm = torch.zeros(3, N, dtype=torch.bool)
+    kpm[0, 9:] = True  # right padding, which torch nests
+    with torch.no_grad():
+        got, want = stack(x, src_key_padding_mask=kpm), ref_stack(x, src_key_padding_mask=kpm)
+    torch.testing.assert_close(got[~kpm], want[~kpm], **TOL)
+    assert not got[kpm].any()  # torch's nested path: zeros at padded positions
+    sa = stack.layers[0].self_attn
+    nested = torch.nested.nested_tensor([torch.randn(N, E, dtype=F64)])
+    with pytest.raises(ValueError, match="nested tensors are taken only as"):
+        sa(nested, x, x)
 
 
 @pytest.mark.parametrize("average", [True, False])

@@ -77,10 +77,10 @@ class DropInMultiheadAttention(nn.Module):
     ``embed_dim``, so ``_qkv_same_embed_dim`` is False, and that tells torch's layers to skip their
     fused dense fast path (which would compute dense attention). ``in_proj_weight`` gives the three
     stacked, (3E, E), when ``kdim == vdim == embed_dim`` (None otherwise), and ``load_state_dict``
-    takes the ``in_proj_weight`` of an ``nn.MultiheadAttention`` checkpoint. Build
-    ``nn.TransformerEncoder`` after setting ``self_attn`` (it decides on nested tensors when it is
-    built; nested tensors are a ValueError here). :meth:`from_torch` converts a module with its
-    weights.
+    takes the ``in_proj_weight`` of an ``nn.MultiheadAttention`` checkpoint. An
+    ``nn.TransformerEncoder`` built with ``nn.MultiheadAttention`` layers passes nested tensors in
+    eval mode without gradients; they are taken (padded, attended, nested again). :meth:`from_torch`
+    converts a module with its weights.
     """
 
     __constants__: ClassVar[list[str]] = ["batch_first"]
@@ -206,10 +206,8 @@ class DropInMultiheadAttention(nn.Module):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.is_nested:
-                raise ValueError(
-                    f"{name} is a nested tensor, which DropInMultiheadAttention does not take: give a "
-                    "padded tensor and key_padding_mask (build nn.TransformerEncoder after setting "
-                    "self_attn, or pass enable_nested_tensor=False)"
+                return self._forward_nested(
+                    query, key, value, key_padding_mask, need_weights, attn_mask, average
                 )
             if t.dim() not in (2, 3) or t.shape[-1] != width or t.dim() != query.dim():
                 layout = "(B, L, E)" if self.batch_first else "(L, B, E)"
@@ -259,6 +257,36 @@ class DropInMultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _forward_nested(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: Any,
+        need_weights: bool,
+        attn_mask: Any,
+        average: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Self-attention over a batch-first strided nested tensor, as ``nn.TransformerEncoder``
+        passes one in eval mode without gradients when its layers were built with
+        ``nn.MultiheadAttention`` (it converts a padded batch with ``src_key_padding_mask``): the
+        rows are padded, attended with the padding masked, and nested again."""
+        if not (key is query and value is query and self.batch_first and query.layout == torch.strided):
+            raise ValueError(
+                "nested tensors are taken only as nn.TransformerEncoder passes them (self-attention, the "
+                "same batch-first strided nested tensor as query, key and value); give a padded tensor "
+                "and key_padding_mask instead"
+            )
+        if key_padding_mask is not None:
+            raise ValueError(
+                "key_padding_mask with a nested tensor: the nested tensor's lengths are the mask"
+            )
+        lengths = query._nested_tensor_size()[:, 0].to(query.device)  # (B,) rows of each sequence
+        padded = query.to_padded_tensor(0.0)  # (B, longest, E)
+        real = torch.arange(padded.shape[1], device=padded.device)[None] < lengths[:, None]
+        out, weights = self.forward(padded, padded, padded, ~real, need_weights, attn_mask, average)
+        return torch._nested_tensor_from_mask(out, real, mask_check=False), weights
 
     if TYPE_CHECKING:  # nn.Module.__call__ is typed as returning Any; give callers forward's types
 
