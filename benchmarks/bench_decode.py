@@ -1,20 +1,24 @@
-"""Benchmark of one decode step: ``dilated_attention_decode`` against dense attention over the cache.
+"""Benchmark of one decode step: the bounded cache's fused step, the full-cache step and dense attention.
 
 At each cache length L it times one generation step of one new token (B sequences, Hq query
 heads, Hkv key/value heads, head dim D):
 
-* ``dilated``: ``dilated_attention.dilated_attention_decode`` appending the token's key and value
-  and attending to the keys SPEC section 8 gives it, at most ``sum_i ceil(w_i / r_i)`` per query
-  however long the cache is;
+* ``bounded``: ``BoundedDilatedKVCache.attend`` (sized for L tokens): the token is written into
+  the slots that later queries read and the fused op ``decode_step`` reads each (sequence, kv
+  head, branch) row in place (plain PyTorch where the extension has no kernel for the device);
+* ``dilated``: ``dilated_attention.dilated_attention_decode`` on a full (B, Hkv, Lmax, D) cache,
+  gathering the keys SPEC section 8 gives the token (at most ``sum_i ceil(w_i / r_i)``);
 * ``dense_sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` of the token over all L
   cached keys (``enable_gqa``), what a dense model does at every step.
 
-Both read the same cache, a (B, Hkv, Lmax, D) tensor (transformers' layout; the decode function
-sees it through ``.transpose(1, 2)``), filled with random values once. Before timing, the decode
-step is checked against SDPA on a branch that covers the whole cache (one segment, rate 1), where
-the two compute the same attention. Reported per L: ms per step (median of the repeats), the keys
-each query reads (gathered slots for ``dilated``, L for dense), and the ratio. It writes ``<out>/<tag>.csv``, ``.json`` (rows plus machine,
-versions, date, commit and the ``--note``) and ``.png`` (time against L, log-log).
+``dilated`` and ``dense_sdpa`` read the same full cache, in transformers' layout, filled with random
+values once; the bounded cache holds random values in its slots. Before timing, ``dilated`` is
+checked against SDPA on a branch that covers the whole cache (one segment, rate 1), and
+``bounded`` (prefilled with the first L0 - 1 tokens) against ``dilated`` on the token at L0 - 1.
+Reported per L: ms per step (median of the repeats), the keys each query reads, and the bytes of
+keys and values each cache holds for one layer (also for L up to ``--memory-lengths``, computed
+from the layout). It writes ``<out>/<tag>.csv``, ``.json`` (rows, memory rows, machine, versions,
+date, commit and the ``--note``) and ``.png`` (time and bytes against L, log-log).
 
     python benchmarks/bench_decode.py                       # L = 4K .. 1M, float32, on the CPU
     python benchmarks/bench_decode.py --lengths 4k,64k --repeats 5 --threads 1 --note "shared machine"
@@ -37,15 +41,95 @@ import torch
 import torch.nn.functional as F
 
 from dilated_attention import dilated_attention_decode
-from dilated_attention.decode import decode_key_positions
+from dilated_attention.decode import BoundedDilatedKVCache, decode_key_positions
+from dilated_attention.decode._slots import branch_slots
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import DTYPES, _ints, machine_info, machine_tag
 
 log = logging.getLogger("bench_decode")
 
-METHODS = ("dilated", "dense_sdpa")
-CSV_FIELDS = ["method", "L", "B", "Hq", "Hkv", "D", "dtype", "keys_read", "ms_median", "ms_min", "repeats"]
+METHODS = ("bounded", "dilated", "dense_sdpa")
+CSV_FIELDS = [
+    "method",
+    "L",
+    "B",
+    "Hq",
+    "Hkv",
+    "D",
+    "dtype",
+    "keys_read",
+    "cache_bytes",
+    "ms_median",
+    "ms_min",
+    "repeats",
+]
+
+
+def bounded_bytes(L: int, args: argparse.Namespace, element_size: int) -> int:
+    """Bytes of keys and values of one layer of a bounded cache sized for L tokens."""
+    layout = branch_slots(args.segments, args.rates, args.heads // args.kv_heads, L)
+    slots = sum(br.rows * br.length for br in layout)
+    return 2 * args.batch * args.kv_heads * slots * args.dim * element_size
+
+
+def bounded_keys_read(L: int, args: argparse.Namespace) -> int:
+    """Keys the fused step loads for the token at L - 1, summed over the kv heads and divided by
+    Hkv: per branch one row of ``t // r + 1`` slots where a head of the group reads that phase."""
+    G = args.heads // args.kv_heads
+    total = 0
+    for w, r in zip(args.segments, args.rates, strict=True):
+        t = (L - 1) % w
+        for j in range(args.kv_heads):
+            if ((t % r) - j * G) % r < min(G, r):
+                total += t // r + 1
+    return total // args.kv_heads
+
+
+def make_bounded(L: int, args: argparse.Namespace, dtype: torch.dtype, device: torch.device):
+    """A bounded cache sized for L tokens, its slots random, holding L - 1 positions, and its step."""
+    cache = BoundedDilatedKVCache(
+        1, args.batch, args.heads, args.kv_heads, args.dim, args.segments, args.rates,
+        max_seqlen=L, dtype=dtype, device=device,
+    )  # fmt: skip
+    g = torch.Generator(device="cpu").manual_seed(L + 1)
+    for t in (cache.k[0], cache.v[0]):
+        t.copy_(torch.randn(t.shape, generator=g).to(t))
+    cache.advance(L - 1)
+    q = torch.randn(args.batch, 1, args.heads, args.dim, generator=g).to(device=device, dtype=dtype)
+    kn = torch.randn(args.batch, 1, args.kv_heads, args.dim, generator=g).to(device=device, dtype=dtype)
+
+    def bounded() -> torch.Tensor:  # the same position every repeat: the same work
+        return cache.attend(0, q, kn, kn)
+
+    return cache, bounded
+
+
+def check_bounded(cache_k: torch.Tensor, cache_v: torch.Tensor, L: int, args: argparse.Namespace) -> float:
+    """Max difference of the bounded cache's step and the full-cache step for the token at L - 1,
+    the bounded cache prefilled with the first L - 1 tokens of the full cache."""
+    B, Hkv, _, D = cache_k.shape
+    g = torch.Generator(device="cpu").manual_seed(3)
+    q = torch.randn(B, L, args.heads, D, generator=g).to(cache_k)
+    k, v = cache_k[:, :, :L].transpose(1, 2), cache_v[:, :, :L].transpose(1, 2)
+    cache = BoundedDilatedKVCache(
+        1,
+        B,
+        args.heads,
+        Hkv,
+        D,
+        args.segments,
+        args.rates,
+        max_seqlen=L,
+        dtype=cache_k.dtype,
+        device=cache_k.device,
+    )
+    cache.attend(0, q[:, : L - 1], k[:, : L - 1], v[:, : L - 1])
+    cache.advance(L - 1)
+    a = cache.attend(0, q[:, L - 1 :], k[:, L - 1 :], v[:, L - 1 :])
+    full_k, full_v = k.clone(), v.clone()
+    b = dilated_attention_decode(q[:, L - 1 :], full_k, full_v, L, args.segments, args.rates)
+    return float((a.float() - b.float()).abs().max())
 
 
 def keys_read(L: int, Hq: int, segments: Sequence[int], rates: Sequence[int]) -> int:
@@ -101,7 +185,7 @@ def time_fn(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
     return times
 
 
-def plot(path: str, rows: list[dict], meta: dict) -> bool:
+def plot(path: str, rows: list[dict], memory: list[dict], meta: dict) -> bool:
     try:
         import matplotlib
 
@@ -110,22 +194,30 @@ def plot(path: str, rows: list[dict], meta: dict) -> bool:
     except ImportError:
         log.warning("matplotlib is not installed: no plot")
         return False
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5))
     for i, m in enumerate(METHODS):
         pts = sorted((r["L"], r["ms_median"]) for r in rows if r["method"] == m)
         if pts:
             ax.plot(*zip(*pts, strict=True), "-o", ms=4, color=f"C{i}", label=m)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("cache length L (tokens)")
+    for key, i, label in (
+        ("bounded_bytes", 0, "bounded cache"),
+        ("full_bytes", 2, "full cache (dilated, dense)"),
+    ):
+        pts = sorted((r["L"], r[key] / 2**20) for r in memory)
+        bx.plot(*zip(*pts, strict=True), "-o", ms=4, color=f"C{i}", label=label)
+    for a in (ax, bx):
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("cache length L (tokens)")
+        a.grid(True, which="both", alpha=0.3)
+        a.legend()
     ax.set_ylabel("one decode step (ms, median)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    bx.set_ylabel("keys and values of one layer (MiB)")
     r0 = rows[0]
     where = meta.get("gpu") or f"{meta.get('cpu')} ({meta.get('torch_threads')} threads)"
     note = f"\n{meta['note']}" if meta.get("note") else ""
-    ax.set_title(
-        f"decode step, {r0['dtype']}, B={r0['B']} Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}\n"
+    fig.suptitle(
+        f"decode step, {r0['dtype']}, B={r0['B']} Hq={r0['Hq']} Hkv={r0['Hkv']} D={r0['D']}, "
         f"w={meta['segments']} r={meta['rates']}\n{where}, torch {meta['torch']}, {meta['date'][:10]}{note}",
         fontsize=8,
     )
@@ -135,22 +227,37 @@ def plot(path: str, rows: list[dict], meta: dict) -> bool:
     return True
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], memory: list[dict]) -> None:
     by = {(r["method"], r["L"]): r for r in rows}
-    print(f"{'L':>9} {'keys/query':>11} {'dilated ms':>11} {'dense ms':>10} {'dense/dilated':>14}")
+    nan = {"ms_median": float("nan"), "keys_read": "-"}
+    print(
+        f"{'L':>9} {'bounded ms':>11} {'dilated ms':>11} {'dense ms':>10} {'dense/bounded':>14} "
+        f"{'dilated/bounded':>16} {'keys bounded':>13} {'keys dilated':>13}"
+    )
     for L in sorted({r["L"] for r in rows}):
-        d, s = by.get(("dilated", L)), by.get(("dense_sdpa", L))
-        ratio = f"{s['ms_median'] / d['ms_median']:.2f}x" if d and s else "-"
+        b, d, s = (by.get((m, L), nan) for m in METHODS)
         print(
-            f"{L:>9} {d['keys_read'] if d else '-':>11} "
-            f"{d['ms_median'] if d else float('nan'):>11.3f} {s['ms_median'] if s else float('nan'):>10.3f} "
-            f"{ratio:>14}"
+            f"{L:>9} {b['ms_median']:>11.3f} {d['ms_median']:>11.3f} {s['ms_median']:>10.3f} "
+            f"{s['ms_median'] / b['ms_median']:>13.1f}x {d['ms_median'] / b['ms_median']:>15.1f}x "
+            f"{b['keys_read']:>13} {d['keys_read']:>13}"
+        )
+    print(f"\n{'L':>9} {'bounded MiB':>12} {'full MiB':>10} {'bounded/full':>13}")
+    for r in memory:
+        print(
+            f"{r['L']:>9} {r['bounded_bytes'] / 2**20:>12.2f} {r['full_bytes'] / 2**20:>10.2f} "
+            f"{100 * r['bounded_bytes'] / r['full_bytes']:>12.2f}%"
         )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=_ints, default=_ints("4k,16k,64k,256k,1m"), help="cache lengths")
+    p.add_argument(
+        "--memory-lengths",
+        type=_ints,
+        default=_ints("4k,16k,64k,256k,1m,4m,16m"),
+        help="cache lengths of the memory table (computed, not allocated)",
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
@@ -202,11 +309,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if err > (1e-4 if dtype in (torch.float32, torch.float64) else 2e-2):
         raise SystemExit(f"the decode step disagrees with SDPA at L={L0}: max difference {err:.3e}")
     meta["check_max_abs_diff"] = err
+    err_b = check_bounded(cache_k, cache_v, L0, args)
+    log.info("check at L=%d: max |bounded - dilated| = %.2e", L0, err_b)
+    if err_b > (1e-4 if dtype in (torch.float32, torch.float64) else 2e-2):
+        raise SystemExit(f"the bounded step disagrees with the full-cache step at L={L0}: {err_b:.3e}")
+    meta["check_bounded_max_abs_diff"] = err_b
+    esize = torch.empty((), dtype=dtype).element_size()
     rows = []
     with tqdm(total=len(args.lengths) * len(METHODS), unit="case", dynamic_ncols=True) as bar:
         for L in sorted(args.lengths):
             fns = step_fns(cache_k, cache_v, L, args)
-            reads = keys_read(L, args.heads, args.segments, args.rates)
+            cache, fns["bounded"] = make_bounded(L, args, dtype, device)
+            reads = {
+                "bounded": bounded_keys_read(L, args),
+                "dilated": keys_read(L, args.heads, args.segments, args.rates),
+            }
+            full = 2 * args.batch * args.kv_heads * L * args.dim * esize
             for m in METHODS:
                 bar.set_description(f"{m} L={L}")
                 times = time_fn(fns[m], device, args.warmup, args.repeats)
@@ -219,24 +337,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "Hkv": args.kv_heads,
                         "D": args.dim,
                         "dtype": args.dtype,
-                        "keys_read": reads if m == "dilated" else L,
+                        "keys_read": reads.get(m, L),
+                        "cache_bytes": cache.memory_bytes() if m == "bounded" else full,
                         "ms_median": sorted(times)[len(times) // 2],
                         "ms_min": min(times),
                         "repeats": args.repeats,
                     }
                 )
                 bar.update()
+            del cache, fns
+    memory = [
+        {
+            "L": L,
+            "bounded_bytes": bounded_bytes(L, args, esize),
+            "full_bytes": 2 * args.batch * args.kv_heads * L * args.dim * esize,
+        }
+        for L in sorted(set(args.memory_lengths) | set(args.lengths))
+    ]
     os.makedirs(args.out, exist_ok=True)
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         w.writerows(rows)
     with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "memory": memory}, f, indent=1)
     written = [stem + ".csv", stem + ".json"]
-    if plot(stem + ".png", rows, meta):
+    if plot(stem + ".png", rows, memory, meta):
         written.append(stem + ".png")
-    print_table(rows)
+    print_table(rows, memory)
     print("wrote " + ", ".join(written))
     return 0
 

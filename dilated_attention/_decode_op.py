@@ -13,6 +13,7 @@ extension has no kernel for the device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,7 @@ __all__ = ["decode_step", "has_decode_kernel"]
 _HAS_DECODE_OP = _C is not None and hasattr(torch.ops.dilated_attention, "decode_step")
 
 
+@functools.cache
 def has_decode_kernel(device_type: str) -> bool:
     """Whether the extension has a fused decode step for ``device_type`` (``"cpu"``, ``"cuda"``)."""
     if not _HAS_DECODE_OP or device_type not in ("cpu", "cuda"):

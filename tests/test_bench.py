@@ -168,7 +168,9 @@ def test_decode_benchmark_runs_and_writes_its_results(tmp_path):
     )
     data = json.loads((tmp_path / "t.json").read_text())
     rows = {(r["method"], r["L"]): r for r in data["rows"]}
-    assert set(rows) == {(m, L) for m in ("dilated", "dense_sdpa") for L in (64, 256)}
+    assert set(rows) == {(m, L) for m in ("bounded", "dilated", "dense_sdpa") for L in (64, 256)}
     assert rows[("dilated", 256)]["keys_read"] == 16 + 16  # w / r slots per branch
     assert rows[("dense_sdpa", 256)]["keys_read"] == 256
     assert data["meta"]["check_max_abs_diff"] < 1e-4
+    assert data["meta"]["check_bounded_max_abs_diff"] < 1e-4
+    assert rows[("bounded", 256)]["cache_bytes"] < rows[("dense_sdpa", 256)]["cache_bytes"]

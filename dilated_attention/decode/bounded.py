@@ -148,16 +148,16 @@ class BoundedDilatedKVCache:
             lse = torch.full((B, Hq, 0), float("-inf"), dtype=accumulation_dtype(dtype), device=q.device)
             return (out, lse) if return_lse else out
         q_dtype = q.dtype
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if q.dtype != dtype or k.dtype != dtype or v.dtype != dtype:
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         dev = kbuf.device
         lengths = self.seqlens
-        pad = torch.tensor([m - c for c in counts], device=dev) if num_new is not None else None
-        c = torch.arange(m, device=dev)
-        pos = (
-            lengths[:, None] + c
-            if pad is None
-            else torch.where(c >= pad[:, None], lengths[:, None] + c - pad[:, None], -1)
-        )
+        if num_new is None:
+            pos = lengths[:, None] if m == 1 else lengths[:, None] + torch.arange(m, device=dev)
+        else:
+            pad = torch.tensor([m - c for c in counts], device=dev)[:, None]
+            c = torch.arange(m, device=dev)
+            pos = torch.where(c >= pad, lengths[:, None] + c - pad, -1)
         if m == 1:  # the fused step writes the token, then reads the slots in place
             o, s = decode_step(
                 q[:, 0], k[:, 0], v[:, 0], kbuf, vbuf, pos[:, 0], self.layout, scale, fused=self.fused
