@@ -54,8 +54,16 @@ class ManualBackend(GatheredBackend):
         if is_causal:
             future = torch.ones(m, m, dtype=torch.bool, device=q.device).triu_(1)
             s = s.masked_fill(future, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)  # (Bb, Hk, g, m); every row has at least one key
-        p = torch.exp(s - lse.unsqueeze(-1))
+        # A row whose every score is -inf (e.g. an infinite query against opposite keys) has no
+        # weight anywhere: out 0 and lse -inf (SPEC section 3), with zero gradients, not NaN.
+        mx = s.detach().amax(dim=-1, keepdim=True)
+        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        e = torch.exp(s - mx)
+        total = e.sum(dim=-1, keepdim=True)
+        seen = total > 0
+        total = torch.where(seen, total, torch.ones_like(total))
+        lse = torch.where(seen, torch.log(total) + mx, torch.full_like(total, float("-inf")))[..., 0]
+        p = e / total
         if dropout_p > 0:
             p = F.dropout(p, p=dropout_p, training=True)
         out = torch.einsum("bkgij,bjkd->bikgd", p, v.to(ct)).reshape(Bb, m, H, D)
