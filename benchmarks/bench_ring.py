@@ -112,7 +112,7 @@ def _split_case(rank: int, P: int, args: argparse.Namespace, causal: bool, comm:
     times, waits, nbytes = [], [], []
     for i in range(args.warmup + args.rounds):
         dist.barrier()
-        reset_comm_stats()
+        reset_comm_stats(timing=True)
         t0 = time.perf_counter()
         out = attn(q, k, v, is_causal=causal)
         out.backward(dout)

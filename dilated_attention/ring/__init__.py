@@ -9,16 +9,19 @@ The package, by role (read in this order):
 * :mod:`.geometry`: which positions each rank holds (``layout``: contiguous, or zigzag for
   balanced causal work), which branches are local, and which keys each spanning piece reads from
   which rank. Plain arithmetic, testable without processes.
+* :mod:`.groups`: the process group (or ``DeviceMesh``) and who is in it; the error under a
+  launcher without a process group.
 * :mod:`.transport`: all-to-all and point-to-point transfers with byte counting
-  (:func:`comm_stats`) and clear errors; the process group and who is in it.
+  (:func:`comm_stats`) and clear errors.
 * :mod:`.pieces`: the attention of one piece, the one place that calls a kernel (``native``'s
   piece op, or a gather-based backend's kernel).
 * :mod:`.mode_all_gather` and :mod:`.mode_ring`: the two exchange modes, each forward then
   backward.
 * :mod:`.node`: the spanning pieces as one autograd node, and the helpers both modes share.
 * :mod:`.consistency`: the check that every rank was called with the same configuration.
-* :mod:`.modules`: :class:`RingDilatedAttention`, :class:`RingMultiheadDilatedAttention`,
-  :class:`StandardizedRingConfig`, :func:`shard_sequence`, :func:`gather_sequence`.
+* :mod:`.modules`: :class:`RingDilatedAttention`; :mod:`.multihead`:
+  :class:`RingMultiheadDilatedAttention`, :class:`StandardizedRingConfig`; :mod:`.sharding`:
+  :func:`shard_sequence`, :func:`gather_sequence`.
 
 Partial results are merged by log-sum-exp with :mod:`dilated_attention.merge`, as the
 gather-based backends merge their branches.
@@ -27,15 +30,10 @@ gather-based backends merge their branches.
 from __future__ import annotations
 
 from .geometry import LAYOUTS
-from .modules import (
-    COMM_MODES,
-    RingDilatedAttention,
-    RingDilatedAttentionV2Collective,
-    RingMultiheadDilatedAttention,
-    StandardizedRingConfig,
-    gather_sequence,
-    shard_sequence,
-)
+from .groups import SequenceSplitWarning
+from .modules import COMM_MODES, RingDilatedAttention, RingDilatedAttentionV2Collective
+from .multihead import RingMultiheadDilatedAttention, StandardizedRingConfig
+from .sharding import gather_sequence, shard_sequence
 from .transport import comm_stats, reset_comm_stats
 
 __all__ = [
@@ -44,6 +42,7 @@ __all__ = [
     "RingDilatedAttention",
     "RingDilatedAttentionV2Collective",
     "RingMultiheadDilatedAttention",
+    "SequenceSplitWarning",
     "StandardizedRingConfig",
     "comm_stats",
     "gather_sequence",

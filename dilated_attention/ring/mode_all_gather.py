@@ -55,8 +55,11 @@ def forward(job: SpanJob, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         for dst in range(plan.layout.P)
     ]
     recv_splits = [job.nbytes(plan.recv_items.get(src, []), B, D, k.dtype) for src in range(plan.layout.P)]
-    recv = job.comm.all_to_all(torch.cat(sends), [int(t.numel()) for t in sends], recv_splits, "forward")
-    recv = recv.to(q.device)
+    if plan.steps:  # the same on every rank: every rank joins the collective, or none does
+        recv = job.comm.all_to_all(torch.cat(sends), [int(t.numel()) for t in sends], recv_splits, "forward")
+        recv = recv.to(q.device)
+    else:
+        recv = torch.empty(0, dtype=torch.uint8, device=q.device)
     received = _unpack_all(job, recv, k.dtype, q.device, B, D)
     for piece in plan.pieces:
         job.attend(q, piece, piece.blocks, *_keys(job, k, v, received, piece))
@@ -92,6 +95,8 @@ def backward(
         grads = [g.reshape(-1) for pc, blk in plan.recv_items.get(p, []) for g in back[block_key(pc, blk)]]
         parts.append(torch.cat(grads).view(torch.uint8) if grads else empty)
     recv_splits = [job.nbytes(plan.send_items.get(p, []), B, D, cdt) for p in range(P)]
+    if not plan.steps:  # nothing moves anywhere (the same on every rank)
+        return
     recv = job.comm.all_to_all(torch.cat(parts), [int(t.numel()) for t in parts], recv_splits, "backward")
     returned, pos = {}, 0
     for p in range(P):

@@ -57,6 +57,7 @@ class SpanJob:
         self.acc: dict[Piece, list[torch.Tensor]] = {}  # per piece: (out, lse) merged so far
         self.piece_rows: dict[Piece, dict[str, torch.Tensor]] = {}  # per piece: its rows of q, dout, ...
         self.grads: dict[str, torch.Tensor] = {}  # the backward's accumulators
+        self.upcast = False  # set by the node: backward parts in float32 for float16/bfloat16
 
     # -- cutting tensors into pieces and blocks --------------------------------------------------
     def rows(self, t: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -186,7 +187,12 @@ class SpanJob:
         """dq, dk, dv of the local runs, in the accumulation dtype, given the rank's merged ``out``
         and ``lse`` and their gradients (the op's backward is exact for merged rows)."""
         cdt, n = out.dtype, q.shape[1]
-        out_q, dout_q = out.to(q.dtype), dout.to(q.dtype)
+        # float16/bfloat16: when a gradient collects more than one part (several runs, pieces, or
+        # gradients returned by other ranks), every part is computed in the accumulation dtype and
+        # the sum is rounded once, as the one-process op rounds once.
+        wdt = cdt if self.upcast and (len(self.local_runs) > 1 or self.plan.any_span) else q.dtype
+        out_q, dout_q = out.to(wdt), dout.to(wdt)
+        q, k, v = q.to(wdt), k.to(wdt), v.to(wdt)
         grads: dict[str, torch.Tensor] = {}
         for lo, hi, segs, rates in self.local_runs:
             g = torch.ops.dilated_attention.bwd(
@@ -241,10 +247,18 @@ class SpanJob:
         """Adds the piece's query gradients; returns the key/value gradients of ``blocks``
         (B, n, nkv, D), in the accumulation dtype."""
         hs = self.plan.head_sets(piece.r, piece.o, q.device)
+        cdt = self.out.dtype
+        q_rows = self._rows(piece, "q", q)
+        if self.upcast:  # every part in the accumulation dtype, rounded once when summed
+            rows = self.piece_rows[piece]
+            if "q_acc" not in rows:
+                rows["q_acc"] = q_rows.to(cdt)
+            q_rows = rows["q_acc"]
+            kb, vb = kb.to(cdt), vb.to(cdt)
         gq, gk, gv = self.pieces.backward(
             self._rows(piece, "dout", self.dout),
             self._rows(piece, "dlse", self.dlse),
-            self._rows(piece, "q", q),
+            q_rows,
             kb,
             vb,
             hs,
@@ -254,7 +268,6 @@ class SpanJob:
             self.scale,
             self.aux[(piece, blocks)],
         )
-        cdt = self.out.dtype
         dq = self.dq_piece.get(piece)
         self.dq_piece[piece] = gq.to(cdt) if dq is None else dq.add_(gq)
         return gk.to(cdt), gv.to(cdt)
@@ -301,7 +314,11 @@ class SpanAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, job: SpanJob, mode: Any):
         out, lse = job.local_forward(q, k, v)
-        saved = mode.forward(job, q, k, v) if job.plan.any_span else []
+        job.upcast = q.dtype in (torch.float16, torch.bfloat16)
+        # Every rank enters the exchange whenever any two ranks exchange (plan.steps is the same
+        # list on every rank): comm="all_gather" is a collective that every rank must join, even
+        # one with no spanning piece.
+        saved = mode.forward(job, q, k, v) if job.plan.joins_exchange else []
         out, lse = job.finish_forward(q, out, lse)
         ctx.job, ctx.mode = job, mode
         ctx.set_materialize_grads(False)  # an unused lse needs no zero-filled gradient
@@ -317,7 +334,7 @@ class SpanAttention(torch.autograd.Function):
             if dout is None:
                 dout = torch.zeros_like(out)
             g = job.local_backward(q, k, v, out, lse, dout, dlse)
-            if job.plan.any_span:
+            if job.plan.joins_exchange:
                 job.start_backward(out, lse, dout, dlse, g)
                 ctx.mode.backward(job, q, k, v, saved)
                 job.finish_backward()

@@ -1,0 +1,135 @@
+"""The ranks that share the sequence: a process group, a ``DeviceMesh``, or none.
+
+Wherever the ring package takes a process group it also takes a
+:class:`torch.distributed.device_mesh.DeviceMesh`, as PyTorch's context-parallel and
+tensor-parallel APIs do: a 1-D mesh, or a mesh of more dimensions with ``mesh_dim`` naming the
+dimension that splits the sequence (``mesh_dim="cp"`` of a ``("dp", "cp")`` mesh).
+
+Without a process group the sequence is not split: each process runs the op on the tensor it was
+given. Under a launcher (``WORLD_SIZE`` above 1: torchrun sets it) that is almost always a
+missing ``torch.distributed.init_process_group(...)``, so it is an error unless the caller asked
+for a local run explicitly with ``ring_size=1``. A ``ring_size`` above 1 without a process group
+and without a launcher warns (:class:`SequenceSplitWarning`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, cast
+
+import torch.distributed as dist
+
+from .._warnings import DilatedAttentionWarning, warn_once
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # torch built without distributed support
+    DeviceMesh = None  # type: ignore[assignment,misc]
+
+__all__ = ["GroupLike", "SequenceSplitWarning", "as_process_group", "resolve_group"]
+
+# A process group, a DeviceMesh, or GroupMember.NON_GROUP_MEMBER (what dist.new_group returns
+# on a process outside the group).
+GroupLike = Any
+
+
+class SequenceSplitWarning(DilatedAttentionWarning):
+    """A module configured to split the sequence across ranks runs without a process group: every
+    process computes the tensor it was given as the whole sequence."""
+
+
+def as_process_group(
+    group: GroupLike, mesh_dim: str | int | None = None, who: str = "RingDilatedAttention"
+) -> dist.ProcessGroup | int | None:
+    """The process group that ``group`` names: ``None``, a ``ProcessGroup`` (returned as is),
+    ``GroupMember.NON_GROUP_MEMBER`` (returned as is; forward refuses it), or a ``DeviceMesh``
+    (1-D, or with ``mesh_dim`` naming one of its dimensions). Raises TypeError or ValueError with
+    the value otherwise."""
+    if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        names = group.mesh_dim_names
+        if mesh_dim is None:
+            if group.ndim != 1:
+                example = f"mesh_dim={names[-1]!r}" if names else "mesh_dim=1"
+                raise ValueError(
+                    f"{who}: process_group is a {group.ndim}-D DeviceMesh (dims {names}); pass mesh_dim= "
+                    f"naming the dimension that splits the sequence (e.g. {example}), or the 1-D mesh of "
+                    "that dimension (mesh['cp'])"
+                )
+            return group.get_group()
+        if isinstance(mesh_dim, str):
+            if not names or mesh_dim not in names:
+                raise ValueError(f"{who}: mesh_dim={mesh_dim!r} is not a dimension of the DeviceMesh {names}")
+        elif isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int) or not 0 <= mesh_dim < group.ndim:
+            raise ValueError(
+                f"{who}: mesh_dim must be a dimension name or an int in [0, {group.ndim}), got {mesh_dim!r}"
+            )
+        return group.get_group(mesh_dim)
+    if mesh_dim is not None:
+        raise TypeError(
+            f"{who}: mesh_dim={mesh_dim!r} is given but process_group is not a DeviceMesh "
+            f"({type(group).__name__})"
+        )
+    if group is None or (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        return group
+    if isinstance(group, int) and dist.is_available() and group == dist.GroupMember.NON_GROUP_MEMBER:
+        return group  # a process outside the group: forward says so, in its own words
+    raise TypeError(
+        f"{who}: process_group must be a torch.distributed.ProcessGroup, a DeviceMesh or None, got "
+        f"{type(group).__name__}"
+    )
+
+
+def resolve_group(
+    process_group: dist.ProcessGroup | int | None,
+    ring_size: int | None = None,
+    who: str = "RingDilatedAttention",
+    strict: bool = True,
+) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, size, rank)`` of this process; size 1 when torch.distributed is not initialised.
+
+    Without a process group: under a launcher (``WORLD_SIZE`` above 1) raises RuntimeError saying
+    what to call, unless ``ring_size == 1`` (a local run asked for explicitly) or ``strict`` is
+    False (then it warns); a ``ring_size`` above 1 warns. A process that is not a member of
+    ``process_group`` raises.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise RuntimeError(
+                f"{who}: a process_group was given but torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group first"
+            )
+        world = os.environ.get("WORLD_SIZE", "1")
+        launched = world.isdigit() and int(world) > 1
+        if launched and ring_size != 1 and strict:
+            raise RuntimeError(
+                f"{who}: WORLD_SIZE={world} (a launcher such as torchrun started {world} processes) but no "
+                "process group is initialised, so the sequence would not be split and every process would "
+                "treat its chunk as the whole sequence. Call torch.distributed.init_process_group(...) "
+                "before the first forward (or pass process_group= a group or DeviceMesh); to run each "
+                "process on its own whole sequence, pass ring_size=1"
+            )
+        if (launched and ring_size != 1) or (ring_size is not None and ring_size > 1):
+            warn_once(
+                ("ring-no-group", who, ring_size, world),
+                f"{who}: ring_size={ring_size}, WORLD_SIZE={world}, but no process group is initialised: "
+                "each process computes the tensor it was given as the whole sequence. Call "
+                "torch.distributed.init_process_group(...) first to split the sequence across the processes.",
+                SequenceSplitWarning,
+            )
+        return None, 1, 0
+    if process_group is None:
+        return None, dist.get_world_size(), dist.get_rank()
+    if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise RuntimeError(
+            f"{who}: this process (global rank {dist.get_rank()}) is not a member of the process_group "
+            "it was given (dist.new_group returned NON_GROUP_MEMBER here); call forward only on the "
+            "group's members"
+        )
+    # The one int a group argument can be is NON_GROUP_MEMBER, refused above.
+    group = cast(dist.ProcessGroup, process_group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise RuntimeError(
+            f"{who}: this process (global rank {dist.get_rank()}) is not a member of the process_group given"
+        )
+    return group, dist.get_world_size(group), rank
