@@ -21,7 +21,14 @@ never dropped:
   :func:`dilated_attention.dilated_attention_decode`, reading ``O(sum w_i / r_i)`` keys each;
 * a pattern it cannot run (sliding window, chunked attention, packed sequences given by
   ``position_ids``, a custom mask overlay or a ready-made 4-D mask, soft-capping, attention sinks,
-  a position bias) is a ``ValueError``.
+  a position bias) is a ``ValueError``;
+* cross-attention (an encoder-decoder's decoder attending to the encoder, ``add_cross_attention``)
+  is a ``ValueError`` naming the layer: dilated attention is defined over one sequence;
+* a model whose attention layers do not call transformers' attention interface (BLOOM, CodeGen,
+  Falcon, ...) is a ``ValueError`` naming its class when built with or switched to it
+  (:mod:`dilated_attention._hf.dispatch`);
+* switching a model with trained (dense) weights warns once (:class:`DenseWeightsWarning`): unlike
+  eager/SDPA/FlashAttention, dilated attention computes another function.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ except ImportError as exc:  # the package imports without transformers; this mod
     ) from exc
 
 from . import _validation as V
+from ._hf import dispatch as _dispatch
+from ._hf.dispatch import DenseWeightsWarning, dispatch_problem
+from ._hf.layers import cross_attention_reason, describe, refuse_cross_attention
 from ._padding import pack_padding_mask
 from .backends import check_backend_name
 from .decode import dilated_attention_decode
@@ -56,8 +66,11 @@ __all__ = [
     "DEFAULT_CONFIG",
     "NAME",
     "TESTED_VERSIONS",
+    "DenseWeightsWarning",
+    "describe",
     "dilated_attention_forward",
     "dilated_attention_mask",
+    "dispatch_problem",
     "padded_attention",
     "register",
     "settings",
@@ -176,12 +189,15 @@ def dilated_attention_forward(
     :func:`dilated_attention_mask`. Returns ``(out, None)``, out (B, q_len, Hq, D)."""
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
-            raise ValueError(f"dilated attention cannot honour the model's {name}={kwargs[name]!r}")
+            raise ValueError(f"dilated attention cannot honour the model's {name}={describe(kwargs[name])}")
     if kwargs.get("output_attentions"):
         logger.warning("dilated attention returns no attention weights (output_attentions=True)")
     segs, rates, backend = settings(getattr(module, "config", None))
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len, kv_len = query.shape[2], key.shape[2]
+    cross = cross_attention_reason(module, bool(causal), q_len, kv_len)
+    if cross is not None:
+        raise refuse_cross_attention(module, cross)
     mask = attention_mask
     if mask is not None and (
         not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.dtype != torch.bool
@@ -208,11 +224,6 @@ def dilated_attention_forward(
         if mask is None:
             return dilated_attention(q, k, v, segs, rates, **kw), None
         return padded_attention(q, k, v, mask, segs, rates, **kw), None
-    if not causal:
-        raise ValueError(
-            f"dilated attention of {q_len} queries against {used} keys (a cache, or cross-attention) "
-            f"must be causal self-attention"
-        )
     if dropout > 0:
         raise ValueError(f"decoding with a cache runs without attention dropout, got dropout={dropout}")
     if mask is None:
@@ -250,6 +261,12 @@ def dilated_attention_mask(
             f"dilated attention needs the whole sequence in the cache, got kv_offset={kv_offset}"
         )
     used = int(q_offset) + q_length
+    if mask_function is bidirectional_mask_function and used != kv_length:
+        # Cross-attention (the keys are another sequence's): the attention function refuses it by
+        # the layer's name. Its padding mask covers the keys, not the queries.
+        if attention_mask is None:
+            return None
+        return prepare_padding_mask(attention_mask.to(device=device, dtype=torch.bool), kv_length, 0)
     if attention_mask is None:
         if used == kv_length:
             return None
@@ -267,6 +284,8 @@ def register(name: str = NAME) -> str:
     ``"dilated_attention"`` on import); returns ``name`` for ``attn_implementation=``."""
     AttentionInterface.register(name, dilated_attention_forward)
     AttentionMaskInterface.register(name, dilated_attention_mask)
+    _dispatch.NAMES.add(name)
+    _dispatch.install(settings)
     return name
 
 

@@ -1,0 +1,218 @@
+"""The transformers integration refuses what it cannot compute: cross-attention (BART, GPT-2 and
+BERT with add_cross_attention) by the layer's name, model classes whose attention layers bypass the
+attention interface (BLOOM, CodeGen, XGLM, Falcon, GPT-J, GPT-Neo, MPT) by the class's name; a
+model's position bias is named in short; a model with dense-trained weights switched to dilated
+attention gets a warning. Tiny configs, random weights, no downloads."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from common import one_thread  # noqa: E402, F401  (after the skip; one_thread: an autouse fixture)
+
+import dilated_attention.transformers as dt  # noqa: E402
+
+V = 48
+DENSE = {"segment_lengths": [64], "dilation_rates": [1]}
+
+
+def bart_config(**kw):
+    return transformers.BartConfig(
+        vocab_size=V,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        dilated_attention=DENSE,
+        **kw,
+    )
+
+
+def built(cls, cfg, attn, seed=0):
+    """The model on a copy of ``cfg`` (transformers sets the implementation on the config it is
+    given, which a second model built from it would change under the first)."""
+    torch.manual_seed(seed)
+    return cls._from_config(copy.deepcopy(cfg), attn_implementation=attn).double().eval()
+
+
+@pytest.mark.parametrize("dec_len", [7, 10, 13], ids=lambda n: f"dec{n}")
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_bart_cross_attention_is_refused_naming_the_layer(dec_len, padded):
+    """BART's decoder attends to the encoder's output. Dilated attention is defined over one
+    sequence: every forward (shorter, equal and longer decoder input; with and without the
+    encoder's padding mask) and generate() raise, naming the cross-attention layer, instead of
+    returning logits off by up to 8 (the keys cut to the query length, the encoder's mask packing
+    the decoder's rows)."""
+    model = built(transformers.BartForConditionalGeneration, bart_config(), dt.NAME)
+    x = torch.randint(3, V, (2, 10))
+    y = torch.randint(3, V, (2, dec_len))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    if padded:
+        mask[1, 6:] = 0
+    with pytest.raises(ValueError, match=r"cross-attention of BartAttention \(layer_idx=0\)"):
+        model(input_ids=x, attention_mask=mask, decoder_input_ids=y)
+    with pytest.raises(ValueError, match=r"cross-attention of BartAttention"):
+        model.generate(x, attention_mask=mask, max_new_tokens=3, do_sample=False)
+
+
+def test_bart_as_a_decoder_only_model_runs():
+    """BartForCausalLM without encoder states is self-attention only: it runs, and one dense branch
+    equals transformers' SDPA on the same weights (no cross-attention refused by mistake); given
+    encoder states, its cross-attention is refused."""
+    cfg = bart_config(is_decoder=True, is_encoder_decoder=False)
+    a = built(transformers.BartForCausalLM, cfg, dt.NAME)
+    b = built(transformers.BartForCausalLM, cfg, "sdpa")
+    x = torch.randint(3, V, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(a(x).logits, b(x).logits, rtol=1e-9, atol=1e-9)
+    states = torch.randn(2, 12, 32, dtype=torch.float64)  # as long as the decoder input
+    with pytest.raises(ValueError, match="cross-attention of BartAttention"):
+        a(x, encoder_hidden_states=states)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_cross_attention_layers_are_refused(arch):
+    """GPT-2 and BERT decoders with add_cross_attention: the cross-attention layer (marked by
+    is_cross_attention, or a cross-attention class) is refused even when the encoder states are
+    as long as the decoder input; without encoder states the model runs and equals SDPA."""
+    if arch == "gpt2":
+        cls = transformers.GPT2LMHeadModel
+        cfg = transformers.GPT2Config(
+            vocab_size=V, n_embd=32, n_layer=1, n_head=4, n_positions=64, add_cross_attention=True
+        )
+        layer = r"GPT2Attention \(layer_idx=0\)"
+    else:
+        cls = transformers.BertLMHeadModel
+        cfg = transformers.BertConfig(
+            vocab_size=V,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            is_decoder=True,
+            add_cross_attention=True,
+        )
+        layer = r"BertCrossAttention \(layer_idx=0\)"
+    cfg.dilated_attention = DENSE
+    a, b = built(cls, cfg, dt.NAME), built(cls, cfg, "sdpa")
+    x = torch.randint(3, V, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(a(x).logits, b(x).logits, rtol=1e-9, atol=1e-9)
+    for n in (9, 5):
+        states = torch.randn(2, n, 32, dtype=torch.float64)
+        with pytest.raises(ValueError, match=f"cross-attention of {layer}"):
+            a(x, encoder_hidden_states=states)
+
+
+def test_the_cross_attention_mask_covers_the_keys():
+    """The mask function sizes a cross-attention padding mask by the keys (the encoder's length),
+    not by the queries."""
+    enc = torch.tensor([[1] * 10, [1] * 6 + [0] * 4])
+    mask = dt.dilated_attention_mask(
+        2, 7, 10, mask_function=transformers.masking_utils.bidirectional_mask_function, attention_mask=enc
+    )
+    assert mask is not None and mask.shape == (2, 10) and mask.tolist() == enc.bool().tolist()
+
+
+def test_position_bias_is_named_in_short():
+    """T5 passes a position bias: the refusal names it by shape, not by printing the tensor."""
+    cfg = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    cfg.dilated_attention = DENSE
+    model = built(transformers.T5EncoderModel, cfg, dt.NAME)
+    with pytest.raises(ValueError) as info:
+        model(torch.randint(3, V, (2, 10)))
+    message = str(info.value)
+    assert "position_bias=<tensor of shape (1, 4, 10, 10), float64>" in message, message
+    assert len(message) < 200 and "tensor([" not in message
+
+
+def test_describe():
+    assert dt.describe(torch.zeros(2, 3)) == "<tensor of shape (2, 3), float32>"
+    assert dt.describe(4) == "4"
+    assert dt.describe("x" * 200).endswith("...") and len(dt.describe("x" * 200)) == 80
+
+
+def gpt2_config(branches=None):
+    cfg = transformers.GPT2Config(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=None, eos_token_id=None
+    )
+    if branches is not None:
+        cfg.dilated_attention = branches
+    return cfg
+
+
+def test_switching_dense_weights_warns_once_at_the_users_line():
+    """set_attn_implementation on a model built for SDPA changes its function (the logits move,
+    unlike eager/sdpa switches): one DenseWeightsWarning, naming the branches, at this file's line;
+    a second model of the same type and branches does not warn again."""
+    x = torch.randint(0, V, (2, 24))
+    model = built(transformers.GPT2LMHeadModel, gpt2_config(), "sdpa")
+    with torch.no_grad():
+        dense = model(x).logits
+    with pytest.warns(dt.DenseWeightsWarning) as record:
+        model.set_attn_implementation(dt.NAME)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "segment_lengths=[2048, 4096, 8192, 16384, 32768]" in message and "'sdpa'" in message
+    assert record[0].filename == __file__
+    with torch.no_grad():
+        assert (model(x).logits - dense).abs().max() > 1e-3  # what the warning is about
+    other = built(transformers.GPT2LMHeadModel, gpt2_config(), "eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dt.DenseWeightsWarning)
+        other.set_attn_implementation(dt.NAME)
+
+
+def test_dense_branches_and_models_built_for_dilated_attention_do_not_warn():
+    """One branch covering every position (w >= max_position_embeddings, r = 1) keeps the function:
+    no warning, and the logits equal SDPA's; a model built with dilated attention does not warn."""
+    x = torch.randint(0, V, (2, 24))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dt.DenseWeightsWarning)
+        model = built(transformers.GPT2LMHeadModel, gpt2_config(DENSE), "sdpa")
+        with torch.no_grad():
+            dense = model(x).logits
+        model.set_attn_implementation(dt.NAME)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, dense, rtol=1e-9, atol=1e-9)
+        built(transformers.GPT2LMHeadModel, gpt2_config(), dt.NAME)
+
+
+def test_loading_a_dense_checkpoint_warns(tmp_path):
+    """from_pretrained of a checkpoint saved without branches warns; one saved with them does not."""
+    built(transformers.GPT2LMHeadModel, gpt2_config(), "sdpa").save_pretrained(tmp_path / "dense")
+    with pytest.warns(dt.DenseWeightsWarning, match="loading its checkpoint"):
+        transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "dense", attn_implementation=dt.NAME)
+    cfg = gpt2_config({"segment_lengths": [8, 16], "dilation_rates": [1, 2]})
+    built(transformers.GPT2LMHeadModel, cfg, dt.NAME).save_pretrained(tmp_path / "dilated")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dt.DenseWeightsWarning)
+        transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "dilated", attn_implementation=dt.NAME)
+
+
+@pytest.mark.parametrize(
+    "arch,layer",
+    [("bloom", "BloomAttention"), ("codegen", "CodeGenAttention"), ("xglm", "XGLMAttention")],
+)
+def test_models_that_bypass_the_interface_are_refused_by_name(arch, layer):
+    """BLOOM, CodeGen and XGLM run their own dense attention whatever the implementation is: built
+    with or switched to dilated attention, they are refused naming the class and its layer."""
+    cfg = transformers.AutoConfig.for_model(
+        arch, vocab_size=V, hidden_size=32, n_embd=32, d_model=32, num_layers=1, n_layer=1, n_head=4
+    )
+    cfg.num_attention_heads = 4
+    with pytest.raises(ValueError, match=f"cannot run attn_implementation='dilated_attention'.*{layer}"):
+        transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=dt.NAME)
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    with pytest.raises(ValueError, match=rf"ForCausalLM \(model type '{arch}'\) cannot run.*{layer}"):
+        model.set_attn_implementation(dt.NAME)
