@@ -19,6 +19,7 @@ import torch
 from . import __version__, _ops, hardware
 from .backends import BACKEND_NAMES, BackendRequest, backend_reasons, get_backend, get_pattern_cache, resolve
 from .backends.base import dtype_name
+from .backends.sdpa_kernels import cuda_kernel as sdpa_cuda_kernel
 
 _DTYPES = {
     "float16": torch.float16,
@@ -91,6 +92,7 @@ def environment_report(
         "recommended_dtype": dtype_name(hardware.recommended_dtype(dev)),
         "recommended_backend": chosen,
         "pattern_cache": info._asdict(),
+        "sdpa_cuda_kernel": sdpa_cuda_kernel(dev, dt, head_dim) if dev.type == "cuda" else None,
     }
 
 
@@ -137,6 +139,8 @@ def format_report(r: dict[str, Any]) -> str:
     width = max(len(n) for n in BACKEND_NAMES)
     for name, b in r["backends"].items():
         state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
+        if name == "sdpa" and b["available"] and r.get("sdpa_cuda_kernel"):
+            state += f" (CUDA kernel: {r['sdpa_cuda_kernel']})"
         lines.append(f"  {name:<{width}}  {state}")
     lines.append("")
     lines.append(f"auto order       {' -> '.join(r['auto_order'])}")

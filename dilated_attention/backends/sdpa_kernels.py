@@ -32,8 +32,8 @@ __all__ = ["cpu_exact_backward", "cuda_backward", "cuda_forward", "cuda_kernel"]
 
 logger = logging.getLogger(__name__)
 
-#: Score-chunk budget of :func:`cpu_exact_backward`, in elements (float32: 64 MiB per buffer).
-CHUNK_ELEMENTS = 16 * 1024 * 1024
+#: Score-chunk budget of :func:`cpu_exact_backward`, in elements (float32: 16 MiB per buffer).
+CHUNK_ELEMENTS = 4 * 1024 * 1024
 
 _HALF = (torch.float16, torch.bfloat16)
 _logged: set[tuple] = set()
