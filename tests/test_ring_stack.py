@@ -102,3 +102,64 @@ def test_compile_matches_eager_without_host_timers(cluster4):
         assert got["diff"] < 1e-12, got
         assert not any("perf_counter" in r for r in got["reasons"]), got["reasons"]
         assert got["breaks"] <= 1, got  # the spanning pieces' node runs eagerly (docs)
+
+
+def _tiny_model(E: int, H: int, group_args: dict) -> torch.nn.Module:
+    """Embedding-free: a projection in, the multi-head ring attention, a projection out."""
+    from dilated_attention.ring import RingMultiheadDilatedAttention
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = torch.nn.Linear(E, E, dtype=torch.float64)
+            self.attn = RingMultiheadDilatedAttention(E, H, SEGS, RATES, dtype=torch.float64, **group_args)
+            self.out = torch.nn.Linear(E, E, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.attn(self.inp(x), is_causal=True)[0])
+
+    torch.manual_seed(0)  # the same weights on every rank and in the reference
+    return Tiny()
+
+
+def data_parallel(rank: int, P: int, wrapper: str) -> float:
+    """A ("dp", "cp") = (2, 2) mesh: each replica trains on its own sequence, split over "cp";
+    FSDP2 on the whole mesh (replicated over dp, sharded over cp) or DDP over all ranks. Each
+    rank's loss is the mean over its own tokens; the gradients must equal one process's gradients
+    of the mean over every token of both sequences. Returns the largest difference."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    E, H, B, N = 16, 4, 2, 32
+    mesh = init_device_mesh("cpu", (2, P // 2), mesh_dim_names=("dp", "cp"))
+    dp, cp, n = mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), N // (P // 2)
+    g = torch.Generator().manual_seed(5)
+    xs = torch.randn(2, B, N, E, generator=g, dtype=torch.float64)  # one sequence batch per replica
+    dys = torch.randn(2, B, N, E, generator=g, dtype=torch.float64)
+
+    alone = [dist.new_group([r]) for r in range(P)][rank]  # a group of one: the one-process op
+    reference = _tiny_model(E, H, {"process_group": alone})
+    total = sum((reference(xs[i]) * dys[i]).sum() for i in range(2)) / (2 * B * N)
+    total.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+
+    model = _tiny_model(E, H, {"process_group": mesh, "mesh_dim": "cp"})
+    if wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    sl = slice(cp * n, (cp + 1) * n)
+    loss = (model(xs[dp][:, sl]) * dys[dp][:, sl]).sum() / (B * n)
+    loss.backward()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, (grad - expected[name.removeprefix("module.")]).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp2", "ddp"])
+def test_fsdp2_and_ddp_over_a_dp_cp_mesh_equal_one_process(cluster4, wrapper):
+    for rank, worst in enumerate(cluster4.run(data_parallel, wrapper)):
+        assert worst < 1e-12, f"rank {rank}: gradients differ from one process by {worst:.3e}"
