@@ -153,6 +153,12 @@ def test_bad_arguments_name_the_value():
         cache.attend(0, q, k, k, softmax_scale=1e39)
     with pytest.raises(ValueError, match=r"beyond max_seqlen=6"):
         cache.attend(0, torch.zeros(2, 7, 4, 8), torch.zeros(2, 7, 2, 8), torch.zeros(2, 7, 2, 8))
+    with pytest.raises(
+        ValueError, match=r"holds the branches segment_lengths=\[4, 8\].*got \[4, 16\], \[1, 2\]"
+    ):
+        cache.attend(0, q, k, k, (4, 16), (1, 2))
+    cache.attend(0, q, k, k, (4, 8), (1, 2))  # the cache's own branches, as DilatedKVCache takes them
+    cache.reset()
     with pytest.raises(ValueError, match="num_heads must be a multiple of num_kv_heads, got 4 and 3"):
         BoundedDilatedKVCache(1, 2, 4, 3, 8, 4, 1)
     with pytest.raises(ValueError, match="dilation_rates"):

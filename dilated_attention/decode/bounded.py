@@ -112,6 +112,8 @@ class BoundedDilatedKVCache:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        segment_lengths: int | Sequence[int] | None = None,
+        dilation_rates: int | Sequence[int] | None = None,
         *,
         num_new: int | torch.Tensor | None = None,
         softmax_scale: float | None = None,
@@ -124,7 +126,16 @@ class BoundedDilatedKVCache:
 
         ``num_new``: None (all ``m`` tokens are real) or an int / (B,) tensor: row ``b``'s real
         tokens are its last ``num_new[b]`` (left padding). ``backend`` runs a prefill (new tokens
-        on an empty cache) as in :func:`~dilated_attention.dilated_attention`."""
+        on an empty cache) as in :func:`~dilated_attention.dilated_attention`. ``segment_lengths``,
+        ``dilation_rates`` (as :class:`DilatedKVCache` takes them) may be given: they must be the
+        cache's."""
+        if segment_lengths is not None or dilation_rates is not None:
+            given = V.normalize_branches(segment_lengths, dilation_rates)
+            if given != (self.segment_lengths, self.dilation_rates):
+                raise ValueError(
+                    f"this cache holds the branches segment_lengths={self.segment_lengths}, "
+                    f"dilation_rates={self.dilation_rates}; got {given[0]}, {given[1]}"
+                )
         if not 0 <= V._as_int(layer, "layer") < len(self.k):
             raise ValueError(f"layer must be in [0, {len(self.k)}), got {layer}")
         V.check_qkv(q, k, v)

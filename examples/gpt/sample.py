@@ -4,10 +4,13 @@
     python sample.py --out_dir=out-stdlib --start="def " --num_samples=2 --max_new_tokens=300
     python sample.py --start=FILE:prompt.txt --attention_backend=sdpa
 
-Decoding uses the library's key/value cache (``dilated_attention.DilatedKVCache`` and
-``dilated_attention_decode``; ``--use_kv_cache=False`` recomputes the whole context every step
-instead). With the cache, a new token reads only the cached keys of its segment and head phase in
-each branch, so the result equals a full recompute.
+Decoding uses the library's bounded key/value cache (``dilated_attention.decode.BoundedDilatedKVCache``):
+per layer, branch and kv head it keeps only the current segment's keys at the phases of the heads
+that read them, and each new token runs the fused decode step. ``--bounded_kv_cache=False`` uses the
+full cache of ``GPT.generate`` (``dilated_attention.DilatedKVCache``) instead, and
+``--use_kv_cache=False`` recomputes the whole context every step. With either cache, a new token
+reads only the cached keys of its segment and head phase in each branch, so the result equals a
+full recompute.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from model import ATTENTION_BACKENDS, GPT, GPTConfig
 from prepare import load_meta
 from train import DTYPES, auto_dtype, resolve_device
 
+from dilated_attention.decode import BoundedDilatedKVCache
+
 logger = logging.getLogger("sample")
 
 
@@ -47,7 +52,51 @@ class SampleConfig:
     dtype: str = "auto"
     compile: bool = False
     use_kv_cache: bool = True
+    bounded_kv_cache: bool = True  # the bounded cache and fused step (False: GPT.generate's full cache)
     attention_backend: str = ""  # "" = the checkpoint's
+
+
+def cache_kind(cfg: SampleConfig) -> str:
+    return "off" if not cfg.use_kv_cache else "bounded" if cfg.bounded_kv_cache else "full"
+
+
+def generate_bounded(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """``GPT.generate`` with the bounded cache: the same sampling, the cache rebuilt from the last
+    ``block_size // 2`` tokens when the context reaches the block size (the position embeddings')."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    c = getattr(model, "_orig_mod", model).config
+    segs, rates = (
+        ([c.block_size], [1]) if c.attention_backend == "dense" else (c.segment_lengths, c.dilation_rates)
+    )
+    p = next(model.parameters())
+    bs = c.block_size
+    cache: BoundedDilatedKVCache | None = None
+    for _ in range(max_new_tokens):
+        if cache is None or int(cache.seqlens.max()) >= bs:
+            ctx = idx[:, -(bs // 2 if cache is not None else bs) :]
+            cache = BoundedDilatedKVCache(
+                c.n_layer, idx.shape[0], c.n_head, c.n_kv_head, c.head_dim, segs, rates,
+                max_seqlen=bs, dtype=p.dtype, device=p.device,
+            )  # fmt: skip
+            logits, _ = model(ctx, kv_cache=cache)
+        else:
+            logits, _ = model(idx[:, -1:], kv_cache=cache)
+        logits = logits[:, -1, :].float() / temperature
+        if top_k is not None:
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("inf")
+        probs = torch.nn.functional.softmax(logits, dim=-1)
+        idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
+        idx = torch.cat((idx, idx_next), dim=1)
+    return idx
 
 
 def load_model(ckpt_path: Path, device: torch.device, attention_backend: str = "") -> tuple[GPT, dict]:
@@ -124,21 +173,24 @@ def main(argv: list[str] | None = None) -> list[str]:
     with torch.no_grad(), ctx:
         for _ in range(cfg.num_samples):
             t0 = time.time()
-            y = model.generate(
-                x,
-                cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k or None,
-                use_cache=cfg.use_kv_cache,
-                generator=gen,
-            )
+            if cfg.use_kv_cache and cfg.bounded_kv_cache:
+                y = generate_bounded(model, x, cfg.max_new_tokens, cfg.temperature, cfg.top_k or None, gen)
+            else:
+                y = model.generate(
+                    x,
+                    cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    top_k=cfg.top_k or None,
+                    use_cache=cfg.use_kv_cache,
+                    generator=gen,
+                )
             dt = time.time() - t0
             text = decode(y[0].tolist())
             texts.append(text)
             print(text)
             print(
                 f"---------------  ({cfg.max_new_tokens} tokens in {dt:.2f}s, "
-                f"{cfg.max_new_tokens / dt:.0f} tokens/s, kv cache {'on' if cfg.use_kv_cache else 'off'}, "
+                f"{cfg.max_new_tokens / dt:.0f} tokens/s, kv cache {cache_kind(cfg)}, "
                 f"attention {model.config.attention_backend})"
             )
     return texts
