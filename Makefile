@@ -32,8 +32,11 @@ LINT_TOOLS ?= ruff==0.17.6 clang-format==23.1.5
 TYPECHECK_TOOLS ?= mypy==2.4.1
 C_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
 
+# Without a GPU (and without TORCH_CUDA_ARCH_LIST or FORCE_CUDA=1) this builds the CPU kernels only
+# (setup.py); the last line says what was built and how to get the rest.
 install: deps
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
+	@$(PYTHON) -c "$$BUILT_REPORT"
 
 lint:
 	$(PYTHON) -m pip install -q $(LINT_TOOLS)
@@ -69,10 +72,13 @@ longcontext:
 bench:
 	$(PYTHON) benchmarks/bench.py
 
-# The sm_60/61 check fetches a CUDA 12 ptxas once (the nvidia-cuda-nvcc-cu12 wheel, with pip).
+# Every architecture's CUDA kernels compile whatever `make install` built here. The sm_60/61 check
+# fetches a CUDA 12 ptxas once (the nvidia-cuda-nvcc-cu12 wheel, with pip). check_cxx17.sh: the
+# sources stay C++17 (torch 2.11 builds extensions as C++17, newer torch as C++20).
 cuda-check:
 	bash scripts/check_cuda_build.sh
 	bash scripts/check_simt_sm60.sh
+	bash scripts/check_cxx17.sh
 
 gpu-check:
 	bash scripts/gpu_check.sh
@@ -83,18 +89,62 @@ dist:
 	$(PYTHON) -m build --sdist --wheel --no-isolation --outdir dist .
 
 # What a user of the source distribution does: a fresh virtual environment that sees the installed
-# torch (--system-site-packages), a wheel built from the sdist alone (pip unpacks it elsewhere, so a
-# file the sdist lacks fails the build), installed there and imported from outside the checkout.
+# torch, a wheel built from the sdist alone (pip unpacks it elsewhere, so a file the sdist lacks
+# fails the build), installed there and imported from outside the checkout. The new environment
+# sees what $(PYTHON) sees: --system-site-packages for the base interpreter's packages, and a .pth
+# file listing $(PYTHON)'s own package folders, where torch is when $(PYTHON) is itself a virtual
+# environment (the README's setup; --system-site-packages alone would not reach them).
 # CPU kernels only (DILATED_ATTENTION_CPU_ONLY=1) so that the kernels compile once, in a minute or two.
 DIST_VENV ?= build/dist-venv
 dist-check:
 	rm -rf dist $(DIST_VENV)
 	$(PYTHON) -m build --sdist --no-isolation --outdir dist .
 	$(PYTHON) -m venv --system-site-packages --without-pip $(DIST_VENV)
+	$(PYTHON) -c "$$DIST_OUTER_PATHS" $(DIST_VENV)
 	DILATED_ATTENTION_CPU_ONLY=1 $(DIST_VENV)/bin/python -m pip wheel -q --no-build-isolation --no-deps \
 		--wheel-dir dist dist/dilated_attention-*.tar.gz
 	$(DIST_VENV)/bin/python -m pip install -q --no-deps --no-index dist/dilated_attention-*.whl
 	cd $(DIST_VENV) && bin/python -c "$$DIST_SMOKE_TEST"
+
+# Writes DIST_VENV/.../site-packages/_outer_env.pth: the folders on $(PYTHON)'s sys.path that hold
+# packages (site-packages, dist-packages, or folders that .pth files added), but none that holds
+# dilated_attention itself (the checkout), so that the copy installed in DIST_VENV is imported.
+define DIST_OUTER_PATHS
+import os, subprocess, sys, sysconfig
+venv = sys.argv[1]
+inner = subprocess.check_output([os.path.join(venv, 'bin', 'python'), '-c', 'import sysconfig; print(sysconfig.get_paths()["purelib"])'], text=True).strip()
+stdlib = os.path.realpath(sysconfig.get_paths()['stdlib'])
+def wanted(p):
+    real = os.path.realpath(p)
+    if not p or not os.path.isdir(p) or real == os.path.realpath(os.getcwd()):
+        return False
+    if (real == stdlib or real.startswith(stdlib + os.sep)) and 'packages' not in real:
+        return False  # the standard library (and lib-dynload): the new environment has its own
+    return not os.path.exists(os.path.join(p, 'dilated_attention'))
+keep = [p for i, p in enumerate(sys.path) if wanted(p) and p not in sys.path[:i]]
+with open(os.path.join(inner, '_outer_env.pth'), 'w') as f:
+    f.write(''.join(p + '\n' for p in keep))
+print('dist-check: the new environment also sees', ', '.join(keep) or 'nothing more')
+endef
+export DIST_OUTER_PATHS
+
+define BUILT_REPORT
+import json
+try:
+    info = json.load(open('dilated_attention/_build_info.json'))
+except (OSError, ValueError):
+    info = {}
+archs, why = info.get('cuda_arch_list'), info.get('cuda_arch_reason', 'unknown')
+if archs:
+    print(f'dilated_attention: built the CPU kernels and the CUDA kernels for {archs} ({why})')
+elif why == 'no GPU visible':
+    print('dilated_attention: built the CPU kernels only (no GPU visible); for the CUDA kernels: '
+          'TORCH_CUDA_ARCH_LIST="9.0" make install (your GPU: 9.0 for H100/H200, 8.0 A100, 8.9 L4/RTX 40xx), '
+          'or FORCE_CUDA=1 make install (every architecture, slow)')
+else:
+    print(f'dilated_attention: built the CPU kernels only ({why})')
+endef
+export BUILT_REPORT
 
 define DIST_SMOKE_TEST
 import os, sys, warnings, torch
