@@ -263,3 +263,65 @@ def test_setup_says_what_it_builds(setup_py, monkeypatch, capsys):
     ext = setup_py["_extension"]()
     assert "for TORCH_CUDA_ARCH_LIST=8.0 (TORCH_CUDA_ARCH_LIST)" in capsys.readouterr().out
     assert any(s.endswith(".cu") for s in ext.sources)
+
+
+def _makefile_define(name: str) -> str:
+    import re
+
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        text = f.read()
+    m = re.search(rf"^define {name}\n(.*?)^endef$", text, re.MULTILINE | re.DOTALL)
+    assert m, f"no define {name} in the Makefile"
+    return m.group(1)
+
+
+def test_dist_check_venv_sees_the_torch_of_an_outer_virtual_environment(tmp_path):
+    """make dist-check inside a virtual environment: the nested --system-site-packages venv reaches
+    only the base interpreter's packages, not the outer venv's torch; DIST_OUTER_PATHS adds the
+    outer interpreter's package folders (not the checkout). The outer venv here is made from an
+    interpreter without torch, its torch reached through a .pth file."""
+    import shutil
+
+    torch_site = os.path.dirname(os.path.dirname(torch.__file__))
+    base = shutil.which(f"python{sys.version_info[0]}.{sys.version_info[1]}", path="/usr/bin:/usr/local/bin")
+    if base is None or os.path.realpath(base) == os.path.realpath(sys.executable):
+        pytest.skip("needs a second interpreter of this Python version (the outer venv's base)")
+    if subprocess.run([base, "-c", "import torch"], capture_output=True, timeout=120).returncode == 0:
+        pytest.skip(f"{base} has torch itself: the failure cannot be reproduced with it")
+
+    def python(venv):
+        return os.path.join(venv, "bin", "python")
+
+    def purelib(venv):
+        code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        return subprocess.check_output([python(venv), "-c", code], text=True).strip()
+
+    outer, inner = str(tmp_path / "outer"), str(tmp_path / "inner")
+    subprocess.run([base, "-m", "venv", "--without-pip", outer], check=True, timeout=120)
+    with open(os.path.join(purelib(outer), "torch_here.pth"), "w") as f:
+        f.write(torch_site + "\n")
+    subprocess.run(
+        [python(outer), "-m", "venv", "--system-site-packages", "--without-pip", inner],
+        check=True,
+        timeout=120,
+    )
+    probe = "import torch, sys; print(torch.__version__)"
+    before = subprocess.run(
+        [python(inner), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert before.returncode != 0 and "No module named 'torch'" in before.stderr  # the failure itself
+    res = subprocess.run(
+        [python(outer), "-c", _makefile_define("DIST_OUTER_PATHS"), inner],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,  # as make runs it: from the checkout, which must not be added
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    after = subprocess.run(
+        [python(inner), "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert after.returncode == 0 and after.stdout.strip() == torch.__version__, after.stderr
+    with open(os.path.join(purelib(inner), "_outer_env.pth")) as f:
+        added = f.read().split()
+    assert torch_site in added and not any(os.path.isdir(os.path.join(p, "dilated_attention")) for p in added)
