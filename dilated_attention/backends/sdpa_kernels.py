@@ -186,28 +186,41 @@ def cpu_exact_backward(dout, q, k, v, out, lse, *, is_causal: bool, scale: float
     mk, hk = k.shape[1], k.shape[2]
     g = h // hk
     dq = torch.empty((Bb, m, h, D), dtype=ct, device=q.device)
-    dk = torch.zeros((Bb, mk, hk, D), dtype=ct, device=q.device)
-    dv = torch.zeros((Bb, mk, hk, D), dtype=ct, device=q.device)
+    dk = torch.empty((Bb, mk, hk, D), dtype=ct, device=q.device)
+    dv = torch.empty((Bb, mk, hk, D), dtype=ct, device=q.device)
     rows = max(1, min(m, CHUNK_ELEMENTS // max(1, h * mk)))
     nb = max(1, min(Bb, CHUNK_ELEMENTS // max(1, h * mk * rows)))
     lse = lse[..., :m]
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        """(c, n, h, D) -> (c, hk, g * n, D), contiguous: the rows of one key/value head together."""
+        c, n = x.shape[0], x.shape[1]
+        return x.to(ct).permute(0, 2, 1, 3).reshape(c, hk, g * n, x.shape[-1])
+
     for b0 in range(0, Bb, nb):
         b = slice(b0, b0 + nb)
-        kc, vc = k[b].to(ct), v[b].to(ct)  # (c, m, hk, D)
+        kh = k[b].to(ct).permute(0, 2, 1, 3)  # (c, hk, mk, D)
+        vh = v[b].to(ct).permute(0, 2, 1, 3)
+        dkh = torch.zeros(kh.shape, dtype=ct, device=q.device)  # (c, hk, mk, D), scaled at the end
+        dvh = torch.zeros(vh.shape, dtype=ct, device=q.device)
         for i0 in range(0, m, rows):
             i = slice(i0, min(m, i0 + rows))
-            qc = q[b, i].to(ct).unflatten(2, (hk, g))  # (c, n, hk, g, D)
-            doc = dout[b, i].to(ct).unflatten(2, (hk, g))
-            s = torch.einsum("bikgd,bjkd->bkgij", qc, kc).mul_(scale)
+            n = i.stop - i0
+            qh, doh = heads_first(q[b, i]), heads_first(dout[b, i])  # (c, hk, g n, D)
+            c = qh.shape[0]
+            s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)  # (c, hk, g n, mk)
             if is_causal:
-                future = torch.ones(i.stop - i0, mk, dtype=torch.bool, device=q.device).triu_(i0 + 1)
-                s.masked_fill_(future, -math.inf)
-            lc = lse[b, :, i].unflatten(1, (hk, g)).unsqueeze(-1)  # (c, hk, g, n, 1)
+                future = torch.ones(n, mk, dtype=torch.bool, device=q.device).triu_(i0 + 1)
+                s.view(c, hk, g, n, mk).masked_fill_(future, -math.inf)
+            lc = lse[b, :, i].reshape(c, hk, g * n, 1)
             p = s.sub_(torch.where(torch.isneginf(lc), torch.zeros_like(lc), lc)).exp_()
-            dv[b] += torch.einsum("bkgij,bikgd->bjkd", p, doc)
-            rowsum = (doc * out[b, i].to(ct).unflatten(2, (hk, g))).sum(-1)  # (c, n, hk, g)
-            ds = torch.einsum("bikgd,bjkd->bkgij", doc, vc).sub_(rowsum.permute(0, 2, 3, 1).unsqueeze(-1))
-            ds.mul_(p).mul_(scale)
-            dq[b, i] = torch.einsum("bkgij,bjkd->bikgd", ds, kc).flatten(2, 3)
-            dk[b] += torch.einsum("bkgij,bikgd->bjkd", ds, qc)
+            dvh.add_(torch.matmul(p.transpose(-1, -2), doh))
+            rowsum = (dout[b, i].to(ct) * out[b, i].to(ct)).sum(-1)  # (c, n, h)
+            ds = torch.matmul(doh, vh.transpose(-1, -2))
+            ds.sub_(rowsum.permute(0, 2, 1).reshape(c, hk, g * n, 1)).mul_(p)  # dS / scale
+            dqh = torch.matmul(ds, kh).mul_(scale)  # (c, hk, g n, D)
+            dq[b, i] = dqh.view(c, hk, g, n, D).permute(0, 3, 1, 2, 4).reshape(c, n, h, D)
+            dkh.add_(torch.matmul(ds.transpose(-1, -2), qh))
+        dk[b] = dkh.mul_(scale).permute(0, 2, 1, 3)
+        dv[b] = dvh.permute(0, 2, 1, 3)
     return dq, dk, dv
