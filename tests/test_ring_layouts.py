@@ -98,7 +98,7 @@ IDLE_RANK_3 = [
     _case("idle", 3, 6, 1, 1, [4], [1], causal, comm, backend=backend)
     for causal in (False, True)
     for comm in ("all_gather", "ring")
-    for backend in ("auto",)
+    for backend in ("auto", "manual")
 ] + [_case("idle", 3, 9, 2, 1, [6, 3], [2, 1], True), _case("idle", 3, 6, 2, 2, [4], [2], False)]
 # P = 4, N = 8, w = 3 or 6: rank 3 holds only positions of segments inside its chunk.
 IDLE_RANK_4 = [_case("idle", 4, 8, 2, 2, [w], [r], c) for w, r in ((3, 1), (6, 2)) for c in (False, True)]
@@ -126,7 +126,7 @@ UNREAD = [
     _case("unread", 2, 4, 1, 1, [5], [5], causal, comm, backend=backend)
     for causal in (False, True)
     for comm in ("all_gather", "ring")
-    for backend in ("auto",)
+    for backend in ("auto", "manual")
 ] + [_case("unread", 2, 4, 2, 1, [4], [4], True), _case("unread", 3, 6, 2, 2, [6], [5], False)]
 
 
