@@ -1,0 +1,116 @@
+"""The CUDA kernels of ``decode_step`` (csrc/cuda/decode.cuh): run on the CPU through the kernels'
+emulation (csrc/cuda/emulation: threads as fibers, warp shuffles as collectives) against the CPU op
+on the same slots, and on a GPU (marked: needs a CUDA GPU and the extension's CUDA kernels) against
+the float64 reference through ``BoundedDilatedKVCache``."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from common import make_inputs, needs_cuda_kernels, one_thread  # noqa: F401  (one_thread: autouse)
+from reference import reference_attention
+
+from dilated_attention._decode_op import decode_step, has_decode_kernel
+from dilated_attention.decode import BoundedDilatedKVCache
+from dilated_attention.decode._slots import branch_slots
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _cuda_headers() -> Path | None:
+    """A directory with cuda_runtime.h, cuda_fp16.h and cuda_bf16.h (no GPU or driver needed)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOME, "/usr/local/cuda"):
+        inc = Path(root) / "include" if root else None
+        if inc and all((inc / h).exists() for h in ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")):
+            return inc
+    return None
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    inc = _cuda_headers()
+    if cxx is None or inc is None or not has_decode_kernel("cpu"):
+        pytest.skip("the emulation needs a C++ compiler, the CUDA headers and the CPU decode op")
+    lib = tmp_path_factory.mktemp("emu") / "run_decode.so"
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-DDA_CUDA_EMULATION", "-Wno-attributes"]
+    cmd += [f"-I{ROOT / 'csrc'}", f"-I{inc}", *(f"-I{p}" for p in include_paths())]
+    cmd += [str(ROOT / "csrc" / "cuda" / "emulation" / "run_decode.cpp"), "-o", str(lib)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert res.returncode == 0, f"building the emulation of the decode kernels failed:\n{res.stderr[-4000:]}"
+    so = ctypes.CDLL(str(lib))
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    so.da_emu_decode.argtypes = [ctypes.c_int] + [i64] * 7 + [vp] * 3 + [ctypes.c_double] + [vp] * 8
+    return so
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def emulate(so, q, k, v, kc, vc, pos, layout, scale, splits):
+    B, Hq, D = q.shape
+    Hkv, T = kc.shape[1], kc.shape[2]
+    w, r, n = (torch.tensor([getattr(b, a) for b in layout], dtype=torch.int64) for a in ("w", "r", "length"))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(
+        (B, Hq), float("nan"), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32
+    )
+    rc = so.da_emu_decode(
+        DTYPES[q.dtype], B, Hq, Hkv, D, T, len(layout), splits, _ptr(w), _ptr(r), _ptr(n), scale,
+        _ptr(q), _ptr(k), _ptr(v), _ptr(kc), _ptr(vc), _ptr(pos), _ptr(out), _ptr(lse),
+    )  # fmt: skip
+    assert rc == 0
+    return out, lse
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 16), (4, 4, 40)])
+def test_emulated_kernels_equal_the_cpu_op(emu, dtype, splits, Hq, Hkv, D):
+    """The kernels write the same slots and give the same out and lse as the CPU op, on slots of
+    arbitrary values, with rows split into S pieces, a sequence without a token and D not a
+    multiple of the warp."""
+    segs, rates = (8, 32, 64), (1, 4, 16)
+    layout = branch_slots(segs, rates, Hq // Hkv, None)
+    T = sum(b.rows * b.length for b in layout)
+    gen = torch.Generator().manual_seed(5)
+    B = 4
+    q = torch.randn(B, Hq, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    kc, vc = (torch.randn(B, Hkv, T, D, generator=gen).to(dtype) for _ in range(2))
+    pos = torch.tensor([21, -1, 63, 40])
+    kc2, vc2 = kc.clone(), vc.clone()
+    out, lse = emulate(emu, q, k, v, kc, vc, pos, layout, 0.3, splits)
+    ref, ref_lse = decode_step(q, k, v, kc2, vc2, pos, layout, 0.3, fused=True)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-5)
+
+
+@needs_cuda_kernels(has_decode_kernel("cuda"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_steps_equal_the_reference(dtype):
+    """On a GPU: token by token through the bounded cache, against the float64 reference."""
+    segs, rates, N = (8, 16, 32), (1, 2, 4)[:3], 40
+    q, k, v = make_inputs(2, N, 8, 2, 16, dtype, seed=4, requires_grad=False)
+    ref, _ = reference_attention(q, k, v, segs, rates, is_causal=True)
+    cache = BoundedDilatedKVCache(1, 2, 8, 2, 16, segs, rates, dtype=dtype, device="cuda", fused=True)
+    outs = []
+    for p in range(N):
+        outs.append(cache.attend(0, *(t[:, p : p + 1].cuda() for t in (q, k, v))))
+        cache.advance(1)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(torch.cat(outs, 1).cpu().double(), ref, rtol=tol, atol=tol)
