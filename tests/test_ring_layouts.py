@@ -88,9 +88,22 @@ def _failures(reports: list[dict[str, str | None]]) -> dict[str, str]:
     return {f"{cid} (rank {r})": err for r, rep in enumerate(reports) for cid, err in rep.items() if err}
 
 
-def _case(name, P, N, Hq, Hkv, segs, rates, causal, comm="all_gather", dtype="float64", backend="auto"):
-    cid = f"{name}-P{P}-N{N}-w{segs}-r{rates}-{'causal' if causal else 'full'}-{comm}-{dtype}-{backend}"
-    return (cid, 1, N, Hq, Hkv, 4, segs, rates, causal, comm, dtype, "contiguous", backend, N + Hq)
+def _case(
+    name,
+    P,
+    N,
+    Hq,
+    Hkv,
+    segs,
+    rates,
+    causal,
+    comm="all_gather",
+    dtype="float64",
+    backend="auto",
+    layout="contiguous",
+):
+    cid = f"{name}-P{P}-N{N}-w{segs}-r{rates}-{'causal' if causal else 'full'}-{comm}-{dtype}-{backend}-{layout}"
+    return (cid, 1, N, Hq, Hkv, 4, segs, rates, causal, comm, dtype, layout, backend, N + Hq)
 
 
 # P = 3, N = 6, w = 4, r = 1: rank 2's segment [4, 6) is local, ranks 0 and 1 share [0, 4).
@@ -102,14 +115,16 @@ IDLE_RANK_3 = [
 ] + [_case("idle", 3, 9, 2, 1, [6, 3], [2, 1], True), _case("idle", 3, 6, 2, 2, [4], [2], False)]
 # P = 4, N = 8, w = 3 or 6: rank 3 holds only positions of segments inside its chunk.
 IDLE_RANK_4 = [_case("idle", 4, 8, 2, 2, [w], [r], c) for w, r in ((3, 1), (6, 2)) for c in (False, True)]
+# zigzag, P = 4, N = 8 (chunks of 1): some rank holds no spanning segment of w = 6, r = 3.
+IDLE_RANK_4 += [_case("idle", 4, 8, 2, 2, [6], [3], c, layout="zigzag") for c in (False, True)]
 
 
 def test_the_idle_rank_cases_have_an_idle_rank():
     """Each case has a rank with nothing to exchange while others exchange (the situation of the
     test below), so that the test keeps testing it."""
-    for cid, _, N, Hq, Hkv, _, segs, rates, causal, *_ in IDLE_RANK_3 + IDLE_RANK_4:
+    for cid, _, N, Hq, Hkv, _, segs, rates, causal, _, _, layout, *_ in IDLE_RANK_3 + IDLE_RANK_4:
         P = int(cid.split("-P")[1].split("-")[0])
-        L = make_layout("contiguous", P, N // P)
+        L = make_layout(layout, P, N // P)
         plans = [Plan(L, j, segs, rates, Hq, Hkv, causal) for j in range(P)]
         assert plans[0].steps and any(not p.any_span for p in plans), cid
 
