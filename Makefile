@@ -3,7 +3,7 @@ PYTHON ?= python3
 # torch with CUDA support compiles and links the CUDA kernels even on a machine without a GPU.
 TORCH_SPEC ?= torch==2.14.1
 # The tested range of the optional extra `transformers` (pyproject.toml), so that its tests run.
-TRANSFORMERS_SPEC ?= transformers>=5.23,<5.24
+TRANSFORMERS_SPEC ?= transformers>=5.0,<5.25
 
 .PHONY: help deps install lint typecheck format test test-slow train longcontext bench cuda-check gpu-check dist dist-check clean
 

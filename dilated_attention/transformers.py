@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ._hf import TESTED_VERSIONS
+
 try:
     import transformers as _transformers
     from transformers import AttentionInterface
@@ -48,9 +50,15 @@ try:
         prepare_padding_mask,
     )
 except ImportError as exc:  # the package imports without transformers; this module needs it
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = f"transformers {version('transformers')} is installed, but "
+    except PackageNotFoundError:
+        found = ""
     raise ImportError(
-        "dilated_attention.transformers needs the transformers package: "
-        "pip install 'dilated-attention[transformers]'"
+        f"dilated_attention.transformers needs the transformers package{TESTED_VERSIONS}: {found}"
+        f"pip install 'dilated-attention[transformers]' ({exc})"
     ) from exc
 
 from . import _validation as V
@@ -79,8 +87,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NAME = "dilated_attention"
-# The range the tests run against (pyproject.toml's extra pins the same).
-TESTED_VERSIONS = ">=5.23,<5.24"
 # LongNet's configuration (Ding et al. 2023, section 4.1): used where a config sets none.
 DEFAULT_CONFIG: dict[str, Any] = {
     "segment_lengths": [2048, 4096, 8192, 16384, 32768],
@@ -237,18 +243,27 @@ def dilated_attention_forward(
 
 def dilated_attention_mask(
     batch_size: int,
-    q_length: int,
-    kv_length: int,
+    q_length: int | None = None,
+    kv_length: int = 0,
     q_offset: int | torch.Tensor = 0,
     kv_offset: int = 0,
     mask_function: Any = causal_mask_function,
     attention_mask: torch.Tensor | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
+    cache_position: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """transformers' mask-function interface: None when every cache slot in use holds a real
     token, else a (B, q_offset + q_length) bool mask of the slots in use (True = a real token) for
-    :func:`dilated_attention_forward`. Only the causal and bidirectional patterns are accepted."""
+    :func:`dilated_attention_forward`. Only the causal and bidirectional patterns are accepted.
+    Releases before 5.4 give the queries' ``cache_position`` instead of ``q_length``/``q_offset``."""
+    if q_length is None:
+        if cache_position is None:
+            raise TypeError("dilated_attention_mask needs q_length (or the cache_position of the queries)")
+        q_length = int(cache_position.shape[0])
+        q_offset = int(cache_position[0]) if q_length else 0
+        device = cache_position.device if device is None else device
+    device = "cpu" if device is None else device
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         name = getattr(mask_function, "__name__", repr(mask_function))
         raise ValueError(

@@ -128,7 +128,11 @@ def test_position_bias_is_named_in_short():
     """T5 passes a position bias: the refusal names it by shape, not by printing the tensor."""
     cfg = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
     cfg.dilated_attention = DENSE
-    model = built(transformers.T5EncoderModel, cfg, dt.NAME)
+    try:
+        model = built(transformers.T5EncoderModel, cfg, dt.NAME)
+    except ValueError as exc:  # releases before 5.5 run T5's attention without the interface
+        assert "T5Attention" in str(exc)
+        pytest.skip("T5's attention does not dispatch through the interface in this release")
     with pytest.raises(ValueError) as info:
         model(torch.randint(3, V, (2, 10)))
     message = str(info.value)
@@ -202,11 +206,13 @@ def test_loading_a_dense_checkpoint_warns(tmp_path):
 
 @pytest.mark.parametrize(
     "arch,layer",
-    [("bloom", "BloomAttention"), ("codegen", "CodeGenAttention"), ("xglm", "XGLMAttention")],
+    [("bloom", "BloomAttention"), ("xglm", "XGLMAttention")],
 )
 def test_models_that_bypass_the_interface_are_refused_by_name(arch, layer):
-    """BLOOM, CodeGen and XGLM run their own dense attention whatever the implementation is: built
-    with or switched to dilated attention, they are refused naming the class and its layer."""
+    """BLOOM and XGLM run their own dense attention whatever the implementation is: built with or
+    switched to dilated attention, they are refused naming the class and its layer. (CodeGen and
+    GPT-J did too up to transformers 5.23; tests/test_transformers_models.py checks every
+    architecture against what it does in the installed release.)"""
     cfg = transformers.AutoConfig.for_model(
         arch, vocab_size=V, hidden_size=32, n_embd=32, d_model=32, num_layers=1, n_layer=1, n_head=4
     )
@@ -216,3 +222,17 @@ def test_models_that_bypass_the_interface_are_refused_by_name(arch, layer):
     model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
     with pytest.raises(ValueError, match=rf"ForCausalLM \(model type '{arch}'\) cannot run.*{layer}"):
         model.set_attn_implementation(dt.NAME)
+
+
+def test_the_mask_function_takes_the_cache_position_of_older_releases():
+    """transformers 5.0-5.3 call the mask function with the queries' cache_position instead of
+    q_length/q_offset: both give the same mask."""
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 10])
+    for q_offset, q_length in [(0, 10), (7, 3), (9, 1)]:
+        new = dt.dilated_attention_mask(2, q_length, 10, q_offset=q_offset, attention_mask=pad)
+        old = dt.dilated_attention_mask(
+            2, kv_length=10, cache_position=torch.arange(q_offset, q_offset + q_length), attention_mask=pad
+        )
+        assert new is not None and old is not None and torch.equal(new, old)
+    with pytest.raises(TypeError, match="q_length"):
+        dt.dilated_attention_mask(2, kv_length=10)
