@@ -21,10 +21,10 @@ help:
 	@echo "make dist        build the source distribution and a wheel into dist/"
 	@echo "make dist-check  build the sdist, build a wheel from it in a fresh venv, install it there and import it"
 
+# One pip call (one resolution: each call costs seconds even when everything is installed).
 deps:
-	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -q "setuptools>=77" wheel ninja build tqdm numpy pytest expecttest matplotlib
-	$(PYTHON) -m pip install -q "$(TRANSFORMERS_SPEC)"
+	$(PYTHON) -m pip install -q "$(TORCH_SPEC)" "setuptools>=77" wheel ninja build tqdm numpy pytest expecttest \
+		matplotlib "$(TRANSFORMERS_SPEC)"
 
 # The formatters' versions are pinned: another version may format the same code differently.
 LINT_TOOLS ?= ruff==0.17.6 clang-format==23.1.5
