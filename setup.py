@@ -188,6 +188,17 @@ class _BuildExtension(BuildExtension):
             with open(os.path.join(folder, "_build_info.json"), "w") as f:
                 json.dump(info, f)
 
+    def copy_extensions_to_source(self) -> None:
+        """An in-place or editable build copies the extension into the source tree: its
+        ``_build_info.json`` goes with it (``_ops`` reads it beside the extension)."""
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            info = os.path.join(os.path.dirname(regular_file), "_build_info.json")
+            if os.path.exists(info):
+                self.copy_file(info, os.path.join(os.path.dirname(inplace_file), "_build_info.json"))
+
 
 setup(
     ext_modules=[_extension()],

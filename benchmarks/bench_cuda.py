@@ -147,7 +147,12 @@ def dense_attention(q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    try:
+        ctx = sdpa_kernel(order, set_priority=True)  # cuDNN first, whatever torch would prefer
+    except TypeError:  # a torch without set_priority
+        ctx = sdpa_kernel(order)
+    with ctx:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
@@ -171,6 +176,7 @@ def run_config(B, N, H, D, causal, args, clock: Clock, baseline, methods) -> Row
     dev, dt = clock.device, torch.bfloat16
     segs, rates = longnet_branches(N, args.w0)
     L = min(N, args.dense_len)
+    L = L if N % L == 0 else N  # whole sequences of length L
     dense_pairs = (B * N // L) * H * (L * (L + 1) // 2 if causal else L * L)
     row = Row(B, N, H, D, causal, len(segs), useful_flops(B, N, H, D, segs, rates, causal), L,
               attention_flops(dense_pairs, D))  # fmt: skip

@@ -325,3 +325,37 @@ def test_dist_check_venv_sees_the_torch_of_an_outer_virtual_environment(tmp_path
     with open(os.path.join(purelib(inner), "_outer_env.pth")) as f:
         added = f.read().split()
     assert torch_site in added and not any(os.path.isdir(os.path.join(p, "dilated_attention")) for p in added)
+
+
+@pytest.mark.parametrize(
+    "info,says",
+    [
+        (
+            {"cuda_arch_list": None, "cuda_arch_reason": "no GPU visible"},
+            "CPU kernels only (no GPU visible); for the CUDA kernels: TORCH_CUDA_ARCH_LIST=",
+        ),
+        (
+            {"cuda_arch_list": "9.0+PTX", "cuda_arch_reason": "the visible GPUs"},
+            "CUDA kernels for 9.0+PTX (the visible GPUs)",
+        ),
+        (
+            {"cuda_arch_list": None, "cuda_arch_reason": "DILATED_ATTENTION_CPU_ONLY=1"},
+            "CPU kernels only (DILATED_ATTENTION_CPU_ONLY=1)",
+        ),
+        (None, "CPU kernels only (unknown)"),
+    ],
+)
+def test_make_install_says_what_it_built(tmp_path, info, says):
+    import json
+
+    (tmp_path / "dilated_attention").mkdir()
+    if info is not None:
+        (tmp_path / "dilated_attention" / "_build_info.json").write_text(json.dumps(info))
+    res = subprocess.run(
+        [sys.executable, "-c", _makefile_define("BUILT_REPORT")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert res.returncode == 0 and says in res.stdout and res.stdout.count("\n") == 1, res.stdout + res.stderr
