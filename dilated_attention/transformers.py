@@ -23,7 +23,8 @@ never dropped:
   ``position_ids``, a custom mask overlay or a ready-made 4-D mask, soft-capping, attention sinks,
   a position bias) is a ``ValueError``;
 * cross-attention (an encoder-decoder's decoder attending to the encoder, ``add_cross_attention``)
-  is a ``ValueError`` naming the layer: dilated attention is defined over one sequence;
+  is a ``ValueError`` naming the layer: dilated attention is defined over one sequence. With
+  ``config.dilated_attention["cross_attention"] = "dense"`` those layers run dense (SDPA) instead;
 * a model whose attention layers do not call transformers' attention interface (BLOOM, CodeGen,
   Falcon, ...) is a ``ValueError`` naming its class when built with or switched to it
   (:mod:`dilated_attention._hf.dispatch`);
@@ -64,7 +65,7 @@ except ImportError as exc:  # the package imports without transformers; this mod
 from . import _validation as V
 from ._hf import dispatch as _dispatch
 from ._hf.dispatch import DenseWeightsWarning, dispatch_problem
-from ._hf.layers import cross_attention_reason, describe, refuse_cross_attention
+from ._hf.layers import cross_attention_reason, dense_cross_attention, describe, refuse_cross_attention
 from ._padding import pack_padding_mask
 from .backends import check_backend_name
 from .decode import dilated_attention_decode
@@ -75,6 +76,7 @@ __all__ = [
     "NAME",
     "TESTED_VERSIONS",
     "DenseWeightsWarning",
+    "cross_attention_mode",
     "describe",
     "dilated_attention_forward",
     "dilated_attention_mask",
@@ -92,6 +94,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "segment_lengths": [2048, 4096, 8192, 16384, 32768],
     "dilation_rates": [1, 2, 4, 6, 12],
     "backend": "auto",
+    # "refuse": a cross-attention layer is a ValueError; "dense": it runs dense (SDPA).
+    "cross_attention": "refuse",
 }
 # Attention arguments of some models that change what is computed and that we cannot honour.
 _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias")
@@ -113,6 +117,19 @@ def settings(config: Any) -> tuple[list[int], list[int], str]:
     merged = {**DEFAULT_CONFIG, **raw}
     segs, rates = V.normalize_branches(merged["segment_lengths"], merged["dilation_rates"])
     return segs, rates, check_backend_name(merged["backend"])
+
+
+def cross_attention_mode(config: Any) -> str:
+    """``config.dilated_attention['cross_attention']``: ``"refuse"`` (the default) or ``"dense"``."""
+    raw = getattr(config, "dilated_attention", None) or {}
+    mode = (
+        raw.get("cross_attention", DEFAULT_CONFIG["cross_attention"]) if isinstance(raw, dict) else "refuse"
+    )
+    if mode not in ("refuse", "dense"):
+        raise ValueError(
+            f"config.dilated_attention['cross_attention'] must be 'refuse' or 'dense', got {mode!r}"
+        )
+    return mode
 
 
 def _runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +220,9 @@ def dilated_attention_forward(
     q_len, kv_len = query.shape[2], key.shape[2]
     cross = cross_attention_reason(module, bool(causal), q_len, kv_len)
     if cross is not None:
-        raise refuse_cross_attention(module, cross)
+        if cross_attention_mode(getattr(module, "config", None)) != "dense":
+            raise refuse_cross_attention(module, cross)
+        return dense_cross_attention(query, key, value, attention_mask, scaling, dropout), None
     mask = attention_mask
     if mask is not None and (
         not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.dtype != torch.bool

@@ -236,3 +236,33 @@ def test_the_mask_function_takes_the_cache_position_of_older_releases():
         assert new is not None and old is not None and torch.equal(new, old)
     with pytest.raises(TypeError, match="q_length"):
         dt.dilated_attention_mask(2, kv_length=10)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_dense_cross_attention_when_opted_in_equals_sdpa(padded):
+    """config.dilated_attention['cross_attention'] = 'dense': BART's cross-attention layers run
+    dense. With one dense branch for the self-attention too, the whole model equals transformers'
+    SDPA on the same weights: forward (decoder shorter, as long as and longer than the encoder
+    input) and greedy generate() with its cache."""
+    branches = {**DENSE, "cross_attention": "dense"}
+    cfg = bart_config()
+    cfg.dilated_attention = branches
+    a = built(transformers.BartForConditionalGeneration, cfg, dt.NAME)
+    b = built(transformers.BartForConditionalGeneration, cfg, "sdpa")
+    x = torch.randint(3, V, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    if padded:
+        mask[1, 6:] = 0
+    with torch.no_grad():
+        for n in (7, 10, 13):
+            y = torch.randint(3, V, (2, n))
+            out = a(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+            ref = b(input_ids=x, attention_mask=mask, decoder_input_ids=y).logits
+            torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+        kw = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
+        ga = a.generate(x, attention_mask=mask, **kw)
+        gb = b.generate(x, attention_mask=mask, **kw)
+    assert torch.equal(ga.sequences, gb.sequences)
+    torch.testing.assert_close(torch.stack(ga.scores), torch.stack(gb.scores), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="'refuse' or 'dense', got 'sparse'"):
+        dt.cross_attention_mode(type("C", (), {"dilated_attention": {"cross_attention": "sparse"}})())

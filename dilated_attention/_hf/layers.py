@@ -1,5 +1,5 @@
-"""What one call of the attention function may run: cross-attention is refused naming the layer,
-and the values the function cannot honour are named in short (a tensor by its shape, not its
+"""What one call of the attention function may run: cross-attention is refused naming the layer
+(or runs dense where the config opts in), and the values the function cannot honour are named in short (a tensor by its shape, not its
 entries)."""
 
 from __future__ import annotations
@@ -57,6 +57,36 @@ def refuse_cross_attention(module: Any, reason: str) -> ValueError:
     return ValueError(
         f"dilated attention cannot run the cross-attention of {layer_name(module)} ({reason}): it is "
         f"defined over one sequence, and the keys of this layer come from another (e.g. an encoder's "
-        f"output). Use dilated attention in decoder-only or encoder-only models; an encoder-decoder "
-        f"model's cross-attention layers need a dense implementation (attn_implementation='sdpa')"
+        f"output). Set config.dilated_attention['cross_attention'] = 'dense' to run the "
+        f"cross-attention layers as dense attention (the self-attention stays dilated), or use "
+        f"another attn_implementation for this model"
     )
+
+
+def dense_cross_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Dense attention of query (B, Hq, nq, D) over every key of key, value (B, Hkv, nk, D), for the
+    cross-attention layers a user opted into (``cross_attention='dense'``): ``mask`` None or the
+    (B, nk) bool padding mask of the keys (True = a real key). Returns (B, nq, Hq, D)."""
+    if mask is not None and (mask.dim() != 2 or mask.dtype != torch.bool or mask.shape[1] != key.shape[2]):
+        raise ValueError(
+            f"cross-attention takes a (B, {key.shape[2]}) bool padding mask of the keys, got "
+            f"{tuple(mask.shape)} {mask.dtype}"
+        )
+    attn_mask = None if mask is None else mask[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2)
