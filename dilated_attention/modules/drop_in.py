@@ -235,9 +235,9 @@ class DropInMultiheadAttention(nn.Module):
         causal = causal_from_attn_mask(attn_mask, is_causal, B * self.num_heads, L, L)
         bq, bk, bv = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
         H, D = self.num_heads, self.head_dim
-        q = F.linear(query, self.q_proj_weight, bq).view(B, L, H, D)
-        k = F.linear(key, self.k_proj_weight, bk).view(B, L, H, D)
-        v = F.linear(value, self.v_proj_weight, bv).view(B, L, H, D)
+        q = F.linear(query, self.q_proj_weight, bq).reshape(B, L, H, D)
+        k = F.linear(key, self.k_proj_weight, bk).reshape(B, L, H, D)
+        v = F.linear(value, self.v_proj_weight, bv).reshape(B, L, H, D)
         weights = None
         if need_weights:
             dropout_p = self.dropout if self.training else 0.0
