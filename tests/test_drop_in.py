@@ -262,6 +262,37 @@ def test_dilated_branches_against_the_float64_reference(causal):
         assert torch.equal(fused[b, :s], m.out_proj.bias.expand(s, E))  # padded queries: out_proj(0)
 
 
+@pytest.mark.parametrize("backend", ["native", "manual"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_dilated_branches_inside_an_encoder_layer_against_the_reference(backend, train):
+    """Real dilated branches as the self_attn of nn.TransformerEncoderLayer: the layer's output at
+    the real positions is torch's own norm and feed-forward around the float64 reference's
+    attention of each row's real run."""
+    segs, rates = [4, 8], [1, 2]
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, dtype=F64).train(train)
+    layer.self_attn = DropInMultiheadAttention.from_torch(
+        layer.self_attn, segs, rates, attention_backend=backend
+    )
+    x = torch.randn(3, N, E, dtype=F64)
+    kpm = padding()
+    with torch.no_grad():
+        got = layer(x, src_key_padding_mask=kpm, src_mask=torch.ones(N, N, dtype=torch.bool).triu(1))
+        sa = layer.self_attn
+        q, k, v = _projected(sa, x)
+        for b in range(3):
+            run = (~kpm[b]).nonzero().squeeze(1)
+            s, e = int(run[0]), int(run[-1]) + 1
+            rows = slice(s, e)
+            out, _ = reference_attention(
+                q[b : b + 1, rows], k[b : b + 1, rows], v[b : b + 1, rows], segs, rates, True
+            )
+            attn = sa.out_proj(out.reshape(e - s, E))
+            h = layer.norm1(x[b, rows] + attn)
+            want = layer.norm2(h + layer.linear2(layer.activation(layer.linear1(h))))
+            torch.testing.assert_close(got[b, rows], want, **TOL)
+
+
 def test_state_dict_of_torch_loads_and_from_torch_keeps_everything():
     mha = torch_mha(batch_first=False, kdim=8, vdim=12)
     ours = DropInMultiheadAttention.from_torch(mha, [N], [1])
