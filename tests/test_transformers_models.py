@@ -238,7 +238,7 @@ def _bypassing_layer_ran(model_type: str, layer: str | None, seen: list) -> bool
             model(tokens())
     except Exception:  # e.g. MPT: its own mask code gets None from the registered mask function
         return True
-    dispatched = {id(s) for m in seen for s in [m]}
+    dispatched = {id(m) for m in seen}
     return any(not any(id(sub) in dispatched for sub in mod.modules()) for mod in ran)
 
 
