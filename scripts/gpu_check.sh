@@ -120,6 +120,11 @@ for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-saniti
   if [ -z "$sanitizer" ] && [ -x "$d/compute-sanitizer" ]; then sanitizer="$d/compute-sanitizer"; PATH="$PATH:$d"; fi
 done
 
+# The interpreter's own bin/ (a virtual environment's: its ninja) ahead on PATH, as an activated
+# environment would have it: torch's extension build runs `ninja` from PATH.
+pybin=$(dirname "$(command -v "$PYTHON" 2>/dev/null || echo /nonexistent/python)")
+if [ -x "$pybin/ninja" ] && [ "$(command -v ninja 2>/dev/null)" != "$pybin/ninja" ]; then PATH="$pybin:$PATH"; fi
+
 # What the machine has, first (also into summary.md).
 machine=$("$PYTHON" scripts/gpu_env.py 2>&1)
 echo "$machine"
