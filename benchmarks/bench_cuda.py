@@ -224,6 +224,15 @@ def run_config(B, N, H, D, causal, args, clock: Clock, baseline, methods) -> Row
                         t.grad = None
                     fwd().backward(d)
 
+            fwd_time = row.times.get((m, "fwd"))
+            if pass_ == "fwd+bwd" and fwd_time is not None and 3.5 * fwd_time.seconds > clock.remaining():
+                # One call would overrun the whole run's budget (a call cannot be cut short).
+                clock.skip()
+                row.notes.append(
+                    f"{m} {pass_}: not run, one call takes about {3.5 * fwd_time.seconds:.1f} s "
+                    f"(3.5x the forward) and {clock.remaining():.0f} s of the budget are left"
+                )
+                continue
             try:
                 timing = clock.measure(fn, args.iters)
                 if timing is None:

@@ -84,6 +84,14 @@ class Clock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def remaining(self) -> float:
+        """Seconds left of the run's budget."""
+        return max(0.0, self.deadline - time.perf_counter())
+
+    def skip(self) -> None:
+        """A measurement left out: the ones after it share its time."""
+        self.left -= 1
+
     def share(self) -> float:
         """Seconds for the next measurement: the time left over the measurements left."""
         return max(0.0, self.deadline - time.perf_counter()) / max(1, self.left)

@@ -476,3 +476,24 @@ def test_bench_cuda_gather_baseline_backward_takes_float32_inputs():
     narrow = base.attn_backward(dout.bfloat16(), q, k, v, out, lse, extra, is_causal=True, scale=0.35)
     for a, b in zip(wide, narrow, strict=True):
         torch.testing.assert_close(a.float(), b.float())
+
+
+def test_bench_cuda_dry_run_past_its_budget(tmp_path):
+    """A spent budget leaves the measurements out with a note instead of overrunning the command."""
+    bench = load_script(ROOT / "benchmarks" / "bench_cuda.py")
+    try:
+        argv = [
+            "--dry-run",
+            "--budget",
+            "0.001",
+            "--methods",
+            "native",
+            "dense",
+            "--out",
+            str(tmp_path / "b"),
+        ]
+        assert bench.main(argv) == 0
+    finally:
+        del sys.modules["bench_cuda"]
+    md = (tmp_path / "b.md").read_text()
+    assert "not run, the run's time budget is spent" in md
