@@ -20,11 +20,14 @@ from . import (
 )
 from ._warnings import (
     BackendFallbackWarning,
+    DenseWeightsWarning,
     DilatedAttentionWarning,
     ExtensionWarning,
     LayoutWarning,
+    SequenceSplitWarning,
     SlowPathWarning,
     UncoveredPositionsWarning,
+    VersionWarning,
 )
 from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
 from .decode import DilatedKVCache, dilated_attention_decode
@@ -58,6 +61,7 @@ __all__ = [
     "BACKEND_CHOICES",
     "BACKEND_NAMES",
     "BackendFallbackWarning",
+    "DenseWeightsWarning",
     "DilatedAttention",
     "DilatedAttentionWarning",
     "DilatedKVCache",
@@ -68,9 +72,11 @@ __all__ = [
     "RingDilatedAttention",
     "RingDilatedAttentionV2Collective",
     "RingMultiheadDilatedAttention",
+    "SequenceSplitWarning",
     "SlowPathWarning",
     "StandardizedRingConfig",
     "UncoveredPositionsWarning",
+    "VersionWarning",
     "__version__",
     "backends",
     "dilated_attention",

@@ -14,18 +14,22 @@ import sys
 import threading
 import warnings
 from collections.abc import Hashable
-from types import FrameType
+from types import FrameType, ModuleType
 
 import torch
 
 __all__ = [
     "BackendFallbackWarning",
+    "DenseWeightsWarning",
     "DilatedAttentionWarning",
     "ExtensionWarning",
     "LayoutWarning",
+    "SequenceSplitWarning",
     "SlowPathWarning",
     "UncoveredPositionsWarning",
+    "VersionWarning",
     "reset_warnings",
+    "skip_frames_of",
     "warn_once",
 ]
 
@@ -54,8 +58,24 @@ class LayoutWarning(DilatedAttentionWarning):
     """The inputs look like another layout than the one expected (e.g. (B, H, N, D) for (B, N, H, D))."""
 
 
+class SequenceSplitWarning(DilatedAttentionWarning):
+    """A module configured to split the sequence across ranks runs without a process group: every
+    process computes the tensor it was given as the whole sequence."""
+
+
+class DenseWeightsWarning(DilatedAttentionWarning):
+    """A model whose weights were trained with dense attention now runs dilated attention: unlike a
+    switch between eager, SDPA and FlashAttention, this changes the function the model computes."""
+
+
+class VersionWarning(DilatedAttentionWarning):
+    """An optional library the package plugs into is outside the range it is tested with."""
+
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+# Frames in these folders are not the user's: the package's own, torch's (nn.Module.__call__), and
+# those of libraries the package plugs into (transformers' model code), added by skip_frames_of.
+_SKIPPED_DIRS: tuple[str, ...] = (_PACKAGE_DIR, os.path.dirname(os.path.abspath(torch.__file__)))
 _seen: set[Hashable] = set()
 _lock = threading.Lock()
 
@@ -70,7 +90,7 @@ def _stacklevel() -> int:
         if "importlib" in name and "_bootstrap" in name:
             frame = frame.f_back  # skipped by warnings.warn too
             continue
-        if not os.path.abspath(name).startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        if not os.path.abspath(name).startswith(_SKIPPED_DIRS):
             return level
         frame = frame.f_back
         level += 1
@@ -91,6 +111,17 @@ def warn_once(cause: Hashable, message: str, category: type[Warning] = DilatedAt
     # Both count warn_once's own frame as level 1.
     warnings.warn(message, category, stacklevel=_stacklevel())
     return True
+
+
+def skip_frames_of(module: ModuleType) -> None:
+    """Count the frames of ``module``'s package folder as not the user's, so that a warning set off
+    through that library's code (a transformers model calling the attention function) points at
+    the user's line that called the library."""
+    global _SKIPPED_DIRS
+    path = os.path.dirname(os.path.abspath(module.__file__ or ""))
+    with _lock:
+        if path not in _SKIPPED_DIRS:
+            _SKIPPED_DIRS = (*_SKIPPED_DIRS, path)
 
 
 def reset_warnings() -> None:

@@ -64,9 +64,10 @@ except ImportError as exc:  # the package imports without transformers; this mod
 
 from . import _validation as V
 from ._hf import dispatch as _dispatch
-from ._hf.dispatch import DenseWeightsWarning, dispatch_problem
+from ._hf.dispatch import dispatch_problem
 from ._hf.layers import cross_attention_reason, dense_cross_attention, describe, refuse_cross_attention
 from ._padding import pack_padding_mask
+from ._warnings import DenseWeightsWarning, VersionWarning, warn_once
 from .backends import check_backend_name
 from .decode import dilated_attention_decode
 from .functional import _attention_varlen, dilated_attention
@@ -328,12 +329,11 @@ def _check_version() -> None:
     from packaging.version import Version
 
     if Version(_transformers.__version__) not in SpecifierSet(TESTED_VERSIONS):
-        import warnings
-
-        warnings.warn(
+        warn_once(
+            ("transformers-version", _transformers.__version__),
             f"dilated_attention.transformers is tested with transformers{TESTED_VERSIONS}, found "
             f"{_transformers.__version__}: its attention and mask interfaces may differ",
-            stacklevel=3,
+            VersionWarning,
         )
 
 

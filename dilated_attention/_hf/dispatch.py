@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import re
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +25,7 @@ import transformers
 from transformers import PreTrainedModel
 
 from .. import _warnings
-from .._warnings import DilatedAttentionWarning
+from .._warnings import DenseWeightsWarning, warn_once
 
 # The names this package registered its attention function under (dilated_attention.transformers.register).
 NAMES: set[str] = set()
@@ -41,11 +39,6 @@ _INTERFACE = "ALL_ATTENTION_FUNCTIONS"
 # A model that picks its attention layer classes from its own table by the implementation's name
 # (FALCON_ATTENTION_CLASSES[config._attn_implementation]) fails with a KeyError while it is built.
 _TABLE = re.compile(r"(\w+)\[(?:self\.)?(?:config\.)?_?attn_implementation\]")
-
-
-class DenseWeightsWarning(DilatedAttentionWarning):
-    """A model whose weights were trained with dense attention now runs dilated attention: unlike a
-    switch between eager, SDPA and FlashAttention, this changes the function the model computes."""
 
 
 _CLASS_PROBLEMS: dict[type, str | None] = {}
@@ -119,25 +112,7 @@ def check_dispatch(model: Any, name: str, problem: str | None = None) -> None:
         )
 
 
-_SKIPPED_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__ or ""))
-    for m in (sys.modules[__name__.split(".")[0]], torch, transformers)
-)
-
-
-def _user_stacklevel() -> int:
-    """The stack level, as ``warnings.warn`` counts it from the caller of this function, of the
-    first frame outside this package, torch and transformers: the user's line."""
-    frame = sys._getframe(2)
-    level = 2
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not ("importlib" in name and "_bootstrap" in name):
-            if not os.path.abspath(name).startswith(_SKIPPED_DIRS):
-                return level
-            level += 1
-        frame = frame.f_back  # type: ignore[assignment]
-    return 1
+_warnings.skip_frames_of(transformers)  # warnings set off through model code name the user's line
 
 
 def warn_dense_weights(model: Any, name: str, previous: str | None, settings: Callable[[Any], Any]) -> None:
@@ -150,21 +125,14 @@ def warn_dense_weights(model: Any, name: str, previous: str | None, settings: Ca
     n = getattr(config, "max_position_embeddings", None)
     if len(segs) == 1 and rates == [1] and isinstance(n, int) and segs[0] >= n:
         return
-    key = (
-        DenseWeightsWarning,
-        ("dense-weights", getattr(config, "model_type", ""), tuple(segs), tuple(rates)),
-    )
-    with _warnings._lock:
-        if key in _warnings._seen:
-            return
-        _warnings._seen.add(key)
     how = f"switching it from {previous!r}" if previous else "loading its checkpoint"
     default = (
         ""
         if getattr(config, "dilated_attention", None)
         else " (config.dilated_attention unset: the defaults)"
     )
-    warnings.warn(
+    warn_once(
+        ("dense-weights", getattr(config, "model_type", ""), tuple(segs), tuple(rates)),
         f"{type(model).__name__}: {how} to {name!r} changes the function the model computes: its "
         f"weights were trained with dense attention, and it now runs dilated attention with "
         f"segment_lengths={segs}, dilation_rates={rates}{default} (unlike a switch between eager, sdpa "
@@ -172,7 +140,6 @@ def warn_dense_weights(model: Any, name: str, previous: str | None, settings: Ca
         f"dense, use one branch with w >= N and r = 1: config.dilated_attention = "
         f"{{'segment_lengths': [N], 'dilation_rates': [1]}} (docs/transformers.md)",
         DenseWeightsWarning,
-        stacklevel=_user_stacklevel(),
     )
 
 

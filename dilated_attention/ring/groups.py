@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from .._warnings import DilatedAttentionWarning, warn_once
+from .._warnings import SequenceSplitWarning, warn_once
 
 try:
     from torch.distributed.device_mesh import DeviceMesh
@@ -31,11 +31,6 @@ __all__ = ["GroupLike", "SequenceSplitWarning", "as_process_group", "resolve_gro
 # A process group, a DeviceMesh, or GroupMember.NON_GROUP_MEMBER (what dist.new_group returns
 # on a process outside the group).
 GroupLike = Any
-
-
-class SequenceSplitWarning(DilatedAttentionWarning):
-    """A module configured to split the sequence across ranks runs without a process group: every
-    process computes the tensor it was given as the whole sequence."""
 
 
 def as_process_group(
