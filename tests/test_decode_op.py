@@ -99,3 +99,19 @@ def test_checks_name_the_bad_value():
         op(q, k.double(), v, kc, vc, pos, segs, rates, lens, 1.0)
     with pytest.raises(RuntimeError, match="must be contiguous"):
         op(q, k, v, kc.transpose(1, 2).contiguous().transpose(1, 2), vc, pos, segs, rates, lens, 1.0)
+
+
+def test_compiles_without_graph_breaks():
+    """The op (with its in-place writes) under ``torch.compile(fullgraph=True)``: the same slots
+    and outputs as eager."""
+    q, k, v, kc, vc, pos, layout = step_args(torch.float32)
+    kc2, vc2 = kc.clone(), vc.clone()
+
+    def step(q, k, v, kc, vc, pos):
+        return decode_step(q, k, v, kc, vc, pos, layout, 0.3, fused=True)
+
+    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, kc, vc, pos)
+    ref, ref_lse = step(q, k, v, kc2, vc2, pos)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
