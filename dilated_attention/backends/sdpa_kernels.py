@@ -68,6 +68,11 @@ def cuda_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     return "efficient"
 
 
+def _aten():
+    """The ATen operator namespace (one place to look it up, so tests can stand in for it)."""
+    return torch.ops.aten
+
+
 def _log(kind: str, q: torch.Tensor) -> None:
     key = (kind, q.device, q.dtype, int(q.shape[-1]))
     if key not in _logged:
@@ -80,9 +85,13 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 
 
 def _heads(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Key/value heads repeated to q's (the CUDA operators take as many as q has)."""
+    """Key/value heads repeated to q's (the CUDA operators take as many as q has); a stride-0 head
+    dim (one key/value head shared by the call) is materialised, as the operators' backward writes
+    one gradient per head."""
     h, hk = q.shape[2], x.shape[2]
-    return x if h == hk else x.repeat_interleave(h // hk, dim=2)
+    if h != hk:
+        return x.repeat_interleave(h // hk, dim=2)
+    return x.contiguous() if h > 1 and x.stride(2) == 0 else x
 
 
 def cuda_forward(q, k, v, *, is_causal: bool, scale: float):
@@ -90,7 +99,7 @@ def cuda_forward(q, k, v, *, is_causal: bool, scale: float):
     kind = cuda_kernel(q.device, q.dtype, int(q.shape[-1]))
     _log(kind, q)
     k, v = _heads(q, k), _heads(q, v)
-    aten = torch.ops.aten
+    aten = _aten()
     if kind == "cudnn":
         res = aten._scaled_dot_product_cudnn_attention(
             _t(q), _t(k), _t(v), None, True, 0.0, is_causal, False, scale=scale
@@ -111,7 +120,7 @@ def cuda_backward(dout, q, k, v, out, lse, extra, *, is_causal: bool, scale: flo
     """(dq, dk, dv) of one call on the operator its forward ran on, fed ``out`` and ``lse``."""
     hk = k.shape[2]
     ke, ve = _heads(q, k), _heads(q, v)
-    aten = torch.ops.aten
+    aten = _aten()
     kind = extra[0]
     if kind == "cudnn":
         cq, ck, mq, mk, seed, offset = extra[1:]

@@ -1,0 +1,102 @@
+"""The sdpa backend's CUDA plumbing on the CPU: the cuDNN, flash and efficient operators replaced by
+stand-ins that follow their ATen schemas (computed by the CPU flash operator), driven through the
+view driver for every geometry, against the float64 reference. What runs on a GPU is in
+test_backends_views.py (marked cuda)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backends_views import GEOMETRIES, _check
+
+from dilated_attention import dilated_attention as dattn
+from dilated_attention.backends import get_backend, sdpa_kernels
+
+_aten = torch.ops.aten
+
+
+def _fwd(q, k, v, is_causal, scale):
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert q.shape[1] == k.shape[1], "the CUDA operators get as many key/value heads as query heads"
+    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+
+
+def _bwd(do, q, k, v, out, lse, is_causal, scale):
+    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do, q, k, v, out, lse, 0.0, is_causal, scale=scale
+    )
+
+
+class FakeCudaOps:
+    """The three fused CUDA operators and their backwards, after their ATen schemas."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, lse_, p, is_causal, dbg, *, scale):
+        assert bias is None and lse_ and p == 0.0
+        self.calls.append("cudnn")
+        out, lse = _fwd(q, k, v, is_causal, scale)
+        e = torch.empty(0)
+        return out, lse, None, None, q.shape[2], k.shape[2], e, e, e
+
+    def _scaled_dot_product_cudnn_attention_backward(
+        self, do, q, k, v, out, lse, seed, offset, bias, cq, ck, mq, mk, p, is_causal, *, scale
+    ):
+        assert (mq, mk) == (q.shape[2], k.shape[2])
+        return _bwd(do, q, k, v, out, lse, is_causal, scale)
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, p, is_causal, dbg, *, scale):
+        self.calls.append("flash")
+        out, lse = _fwd(q, k, v, is_causal, scale)
+        e = torch.empty(0)
+        return out, lse, None, None, q.shape[2], k.shape[2], e, e, e
+
+    def _scaled_dot_product_flash_attention_backward(
+        self, do, q, k, v, out, lse, cq, ck, mq, mk, p, is_causal, seed, offset, *, scale
+    ):
+        return _bwd(do, q, k, v, out, lse, is_causal, scale)
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, lse_, p, is_causal, *, scale):
+        self.calls.append("efficient")
+        out, lse = _fwd(q, k, v, is_causal, scale)
+        m = lse.shape[-1]
+        padded = lse.new_zeros((*lse.shape[:-1], (m + 31) // 32 * 32))  # as the kernel pads it
+        padded[..., :m] = lse
+        return out, padded, torch.empty(0), torch.empty(0)
+
+    def _scaled_dot_product_efficient_attention_backward(
+        self, do, q, k, v, bias, out, lse, seed, offset, p, mask, is_causal, *, scale
+    ):
+        m = q.shape[2]
+        assert lse.shape[-1] == (m + 31) // 32 * 32
+        dq, dk, dv = _bwd(do, q, k, v, out, lse[..., :m].contiguous(), is_causal, scale)
+        return dq, dk, dv, None
+
+
+@pytest.mark.parametrize("kind", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", GEOMETRIES)
+def test_cuda_operators_through_the_driver(monkeypatch, kind, B, N, Hq, Hkv, D, segs, rates, is_causal):
+    fake = FakeCudaOps()
+    monkeypatch.setattr(sdpa_kernels, "_aten", lambda: fake)
+    monkeypatch.setattr(sdpa_kernels, "cuda_kernel", lambda device, dtype, head_dim: kind)
+    sdpa = type(get_backend("sdpa"))
+    monkeypatch.setattr(sdpa, "native_gqa", lambda self, device: False)  # as on CUDA
+    monkeypatch.setattr(
+        sdpa, "attn_forward", lambda self, q, k, v, **kw: sdpa_kernels.cuda_forward(q, k, v, **kw)
+    )
+    monkeypatch.setattr(
+        sdpa,
+        "attn_backward",
+        lambda self, dout, q, k, v, out, lse, extra, **kw: sdpa_kernels.cuda_backward(
+            dout, q, k, v, out, lse, extra, **kw
+        ),
+    )
+    monkeypatch.setattr(sdpa, "hides_nonfinite_scores", False)
+
+    def run(q, k, v):
+        return dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="sdpa")
+
+    _check(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float32)
+    assert fake.calls and set(fake.calls) == {kind}
