@@ -305,3 +305,12 @@ def test_cuda_kernels_under_the_driver(B, N, Hq, Hkv, D, segs, rates, is_causal,
         return dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="sdpa")
 
     _check(run, B, N, Hq, Hkv, D * 8, segs, rates, is_causal, dtype, q, k, v)
+
+
+def test_environment_report_shows_the_sdpa_cuda_kernel():
+    from dilated_attention.__main__ import environment_report, format_report
+
+    r = environment_report("cpu")
+    assert r["sdpa_cuda_kernel"] is None  # CPU: no CUDA kernel to name
+    r["sdpa_cuda_kernel"] = "cudnn"
+    assert "sdpa          available (CUDA kernel: cudnn)" in format_report(r)

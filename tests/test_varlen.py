@@ -10,7 +10,7 @@ import pytest
 import torch
 from common import grads, make_inputs
 from reference import reference_attention, reference_varlen
-from test_backends import FakeFlashAttn, FakeFlashAttn3, FakeXformers
+from test_backends_adapters import FakeFlashAttn, FakeFlashAttn3, FakeXformers
 from tolerance import assert_within_rule
 
 from dilated_attention import (
