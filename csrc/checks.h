@@ -7,9 +7,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "dilated_attention.h"
+#include "dropout.h"
 
 namespace dilated_attention {
 
@@ -59,6 +61,39 @@ inline void check_dtype(const at::Tensor& q, const char* who) {
               ": q, k, v must be float16, bfloat16, float32 or float64, got ", q.dtype());
 }
 
+// A dtype as Python names it (torch.float32 -> "float32").
+inline const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return "float64";
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
+// softmax_scale must be finite in the dtype the scores are computed in (float32 for float16,
+// bfloat16 and float32 inputs, float64 for float64), with room for the kernels' base-2 factor
+// log2(e) (|scale| <= max / 2): otherwise the scaled queries overflow and every score of a row is
+// inf or NaN. The functional API's rule (_validation.check_scale_for_dtype); ValueError.
+inline void check_scale(double softmax_scale, at::ScalarType dtype, const char* who) {
+  const bool f64 = dtype == at::kDouble;
+  const double limit =
+      (f64 ? std::numeric_limits<double>::max() : (double)std::numeric_limits<float>::max()) / 2;
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && std::fabs(softmax_scale) <= limit, who,
+                    ": softmax_scale must be finite in the compute dtype ", f64 ? "float64" : "float32",
+                    " of ", dtype_name(dtype), " inputs (|softmax_scale| <= ", limit, "), got ",
+                    softmax_scale);
+}
+
+// Attention dropout's parameters (dropout.h): dropout_p in [0, 1) (ValueError naming it), the
+// generator's seed and offset.
+inline da_dropout dropout_params(double dropout_p, int64_t seed, int64_t offset) {
+  TORCH_CHECK_VALUE(dropout_p >= 0 && dropout_p < 1, "dilated_attention: dropout_p must be in [0, 1), got ",
+                    dropout_p);
+  return da_dropout_make(dropout_p, (uint64_t)seed, (uint64_t)offset);
+}
+
 // The Problem of q (B, N, Hq, D) and k (B, ., Hkv, D), whose ranks, dtypes and B and D were
 // checked: the heads, the head dim and the softmax scale checked here (errors prefixed with `who`).
 // No branches, not causal.
@@ -73,7 +108,7 @@ inline Problem make_problem(const at::Tensor& q, const at::Tensor& k, double sof
               ") must be a positive multiple of the number of key/value heads (", p.Hkv, ")");
   TORCH_CHECK(p.D >= 1 && p.D <= DA_MAX_HEAD_DIM, who, ": head dim must be in [1, ", DA_MAX_HEAD_DIM,
               "], got ", p.D);
-  TORCH_CHECK(std::isfinite(softmax_scale), who, ": softmax_scale must be finite, got ", softmax_scale);
+  check_scale(softmax_scale, q.scalar_type(), who);
   p.branches.n = 0;
   p.is_causal = false;
   p.scale = softmax_scale;
@@ -127,9 +162,12 @@ inline int64_t piece_offset(bool is_causal, int64_t causal_offset, int64_t nq, i
   return causal_offset < -nq ? -nq : (causal_offset > nk ? nk : causal_offset);
 }
 
-// The layout of the log-sum-exp: (B, Hq, N), float32 (float64 for float64 inputs).
-inline at::ScalarType lse_dtype(at::ScalarType input) {
-  return input == at::kDouble ? at::kDouble : at::kFloat;
+// The layout of the log-sum-exp: (B, Hq, N), float32 (float64 for float64 inputs), or float64
+// whatever the inputs when the forward is asked for it (float64_lse): the backward then recomputes
+// the probabilities 2^(s - lse) without the rounding of lse to float32, whose error (up to half a
+// unit in the last place of |lse|, large for large logits) every probability would inherit.
+inline at::ScalarType lse_dtype(at::ScalarType input, bool float64_lse = false) {
+  return input == at::kDouble || float64_lse ? at::kDouble : at::kFloat;
 }
 
 // Checks of the extra tensors the backward takes.
@@ -146,8 +184,9 @@ inline void check_backward_inputs(const Problem& p, const at::Tensor& q, const a
   TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape),
               "dilated_attention backward: lse must have shape (B, Hq, N) = ", lse_shape, ", got ",
               lse.sizes());
-  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()), "dilated_attention backward: lse must be ",
-              c10::toString(lse_dtype(q.scalar_type())), ", got ", lse.dtype());
+  TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()) || lse.scalar_type() == at::kDouble,
+              "dilated_attention backward: lse must be ", c10::toString(lse_dtype(q.scalar_type())),
+              " or float64, got ", lse.dtype());
   TORCH_CHECK(lse.device() == q.device(), "dilated_attention backward: lse must be on ", q.device(), ", got ",
               lse.device());
   if (dlse.has_value() && dlse->defined()) {

@@ -19,6 +19,17 @@
 // dilated_attention::varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen, ...)
 //     -> (dq, dk, dv)
 //
+// The forwards' float64_lse=True returns lse in float64 whatever the inputs' dtype (the backwards
+// take lse in float32 or float64): a backward given that lse recomputes the probabilities without
+// the rounding of lse to float32 (see checks.h lse_dtype). The Python layer asks for it and hands
+// the caller lse in float32.
+//
+// Attention dropout (dropout_p > 0, dropout_seed, dropout_offset; SPEC section 3): the forwards
+// drop weights with the counter-based generator of dropout.h, and the backwards given the same
+// three arguments regenerate the same mask. The CPU kernels have it; the CUDA kernels refuse
+// dropout_p > 0 by name. dilated_attention::dropout_mask(B, H, Nq, Nk, ...) -> bool (B, H, Nq, Nk):
+// the keep mask of query rows 0..Nq-1 and key rows 0..Nk-1, for tests and references (CPU).
+//
 // The fixed-length op is the packed one with S = B sequences of N rows: both run the same kernels.
 //
 // Each device registers its implementation with TORCH_LIBRARY_IMPL in cpu/ and cuda/.
@@ -64,22 +75,29 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(dilated_attention, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, int[] segment_lengths, int[] dilation_rates, "
-      "bool is_causal, float softmax_scale) -> (Tensor out, Tensor lse)");
+      "bool is_causal, float softmax_scale, bool float64_lse=False, float dropout_p=0., int dropout_seed=0, "
+      "int dropout_offset=0) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
-      "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale, float dropout_p=0., "
+      "int dropout_seed=0, int dropout_offset=0) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
-      "piece_fwd(Tensor q, Tensor k, Tensor v, bool is_causal, int causal_offset, float softmax_scale) "
-      "-> (Tensor out, Tensor lse)");
+      "piece_fwd(Tensor q, Tensor k, Tensor v, bool is_causal, int causal_offset, float softmax_scale, "
+      "bool float64_lse=False) -> (Tensor out, Tensor lse)");
   m.def(
       "piece_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "bool is_causal, int causal_offset, float softmax_scale) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, "
-      "int[] dilation_rates, bool is_causal, float softmax_scale) -> (Tensor out, Tensor lse)");
+      "int[] dilation_rates, bool is_causal, float softmax_scale, bool float64_lse=False, float "
+      "dropout_p=0., "
+      "int dropout_seed=0, int dropout_offset=0) -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, int[] dilation_rates, bool is_causal, "
-      "float softmax_scale) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "float softmax_scale, float dropout_p=0., int dropout_seed=0, int dropout_offset=0) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "dropout_mask(int B, int H, int Nq, int Nk, float dropout_p, int dropout_seed, int dropout_offset) -> "
+      "Tensor");
 }

@@ -20,12 +20,20 @@ def _message(backend: str, advice: str | None = None) -> str:
 
 
 class _NoDoubleBackward(torch.autograd.Function):
-    """The identity on ``grads``, connected to ``inputs``; its backward raises ``message``."""
+    """The identity on ``grads``, connected to ``inputs``; its backward raises ``message``.
+
+    Written with ``setup_context`` and a generated vmap rule, so that torch.func transforms
+    (``grad``, ``vjp``, ``jacrev``, ``vmap``) can run the backward passes that return through it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, message, n, *tensors):
-        ctx.message = message
+    def forward(message, n, *tensors):
         return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.message = inputs[0]
 
     @staticmethod
     def backward(ctx, *unused):
@@ -55,10 +63,15 @@ def no_double_backward(
 class _FirstOrderOnly(torch.autograd.Function):
     """The identity; its backward passes the gradient on, marked with :func:`no_double_backward`."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, backend, x):
-        ctx.backend = backend
+    def forward(backend, x):
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.backend = inputs[0]
 
     @staticmethod
     def backward(ctx, grad):

@@ -3,16 +3,29 @@
 The schema lives in ``csrc/dilated_attention.cpp``:
 
 * ``torch.ops.dilated_attention.fwd(q, k, v, segment_lengths, dilation_rates, is_causal,
-  softmax_scale) -> (out, lse)``
+  softmax_scale, float64_lse=False) -> (out, lse)``
 * ``torch.ops.dilated_attention.bwd(dout, q, k, v, out, lse, dlse, segment_lengths,
   dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
 * ``torch.ops.dilated_attention.varlen_fwd(q, k, v, cu_seqlens, max_seqlen, segment_lengths,
-  dilation_rates, is_causal, softmax_scale) -> (out, lse)``: packed sequences, q (T, Hq, D), k and
-  v (T, Hkv, D), cu_seqlens int32 (S + 1,), out (T, Hq, D), lse (Hq, T)
+  dilation_rates, is_causal, softmax_scale, float64_lse=False) -> (out, lse)``: packed sequences,
+  q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S + 1,), out (T, Hq, D), lse (Hq, T)
+  (:mod:`._varlen_op`)
 * ``torch.ops.dilated_attention.varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen,
   segment_lengths, dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
-* ``torch.ops.dilated_attention.piece_fwd/piece_bwd``: the pieces of sequence parallelism (see
-  the end of this file); CPU only.
+* ``torch.ops.dilated_attention.piece_fwd/piece_bwd``: the pieces of sequence parallelism
+  (:mod:`._piece_op`).
+
+``lse`` is float32 (float64 for float64 inputs); with ``float64_lse=True`` the forwards return it in
+float64 whatever the inputs, and the backwards take either. The Python entry points below ask for
+float64 and hand the caller float32: their autograd then saves the float64 lse, and the backward
+recomputes the probabilities ``exp(s - lse)`` without the rounding of lse to float32, which for
+large logits (``|lse|`` of tens) would otherwise put errors of tens of float32 epsilons into every
+probability, beyond SPEC section 4's rule.
+
+The four fixed-length and packed ops also take ``dropout_p=0., dropout_seed=0, dropout_offset=0``
+(last): attention dropout with the counter-based mask of ``csrc/dropout.h``, which the backward,
+given the same three, draws again (CPU kernels; CUDA refuses ``dropout_p > 0`` by name);
+:func:`dropout_mask` returns that mask.
 
 Both backward kernels are deterministic (no atomics): the same inputs give the same bits. The
 backward has no derivative of its own: a second backward (after ``create_graph=True``) raises a
@@ -103,6 +116,8 @@ def _build_info(module: ModuleType) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
+_C: ModuleType | None
+EXTENSION_ERROR: str | None
 _C, EXTENSION_ERROR = _load_extension()
 """The loaded extension, or None; and why it could not be loaded (None when it was)."""
 
@@ -144,10 +159,14 @@ def _fwd_fake(
     dilation_rates: list[int],
     is_causal: bool,
     softmax_scale: float,
+    float64_lse: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, N, Hq, D = q.shape
     out = q.new_empty((B, N, Hq, D))
-    lse = q.new_empty((B, Hq, N), dtype=accumulation_dtype(q.dtype))
+    lse = q.new_empty((B, Hq, N), dtype=lse_dtype(q.dtype, float64_lse))
     return out, lse
 
 
@@ -163,15 +182,23 @@ def _bwd_fake(
     dilation_rates: list[int],
     is_causal: bool,
     softmax_scale: float,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _dropout_mask_fake(B, H, Nq, Nk, dropout_p, dropout_seed, dropout_offset) -> torch.Tensor:
+    return torch.empty((B, H, Nq, Nk), dtype=torch.bool)
+
+
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs
+    q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs[:7]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.config = (list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
+    ctx.dropout = tuple(inputs[8:11])  # dropout_p, dropout_seed, dropout_offset when given
 
 
 def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
@@ -189,14 +216,17 @@ def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[
         dilation_rates,
         is_causal,
         softmax_scale,
+        *ctx.dropout,
     )
     dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
-    return dq, dk, dv, None, None, None, None
+    return (dq, dk, dv) + (None,) * 8
 
 
 if _C is not None:
     torch.library.register_fake("dilated_attention::fwd")(_fwd_fake)
     torch.library.register_fake("dilated_attention::bwd")(_bwd_fake)
+    if hasattr(torch.ops.dilated_attention, "dropout_mask"):
+        torch.library.register_fake("dilated_attention::dropout_mask")(_dropout_mask_fake)
     torch.library.register_autograd("dilated_attention::fwd", _backward, setup_context=_setup_context)
 
 
@@ -208,195 +238,58 @@ def native_forward(
     dilation_rates: Sequence[int],
     is_causal: bool,
     softmax_scale: float,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the fused op: ``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N). Differentiable.
+    """Run the fused op: ``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N), float32 (float64 for float64
+    inputs); attention dropout with probability ``dropout_p`` (CPU kernels; seed and offset drawn
+    from torch's default generator, :func:`dropout_seed_offset`). Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap``
+    (:mod:`._func`); the backward reads the float64 lse the op computed (module docstring).
 
     ``RuntimeError`` saying what to run when the extension is not loaded."""
     _require_extension()
-    return torch.ops.dilated_attention.fwd(
-        q, k, v, list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale)
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Pieces of a segment that spans ranks (dilated_attention.ring): dense attention of nq queries
-# over nk keys; with is_causal, key j is visible to query i when j <= i + causal_offset.
-#   piece_fwd(q, k, v, is_causal, causal_offset, softmax_scale) -> (out, lse)
-#   piece_bwd(dout, q, k, v, out, lse, dlse, is_causal, causal_offset, softmax_scale) -> (dq, dk, dv)
-# q (B, nq, Hq, D), k and v (B, nk, Hkv, D); out (B, nq, Hq, D), lse (B, Hq, nq). The backward
-# takes any out/lse (for the ring: the merged ones of the rows) and is exact for them.
-# ---------------------------------------------------------------------------------------------
-
-_HAS_PIECE_OP = _C is not None and hasattr(torch.ops.dilated_attention, "piece_fwd")
-
-
-def has_piece_kernel(device_type: str) -> bool:
-    """Whether the extension has the piece kernels (``piece_fwd``/``piece_bwd``) for ``device_type``.
-
-    ``"cpu"``: true whenever the extension is loaded; ``"cuda"``: true when it was built with its
-    CUDA kernels (as :func:`has_kernel`); false for any other device type.
-    """
-    if not _HAS_PIECE_OP or device_type not in ("cpu", "cuda"):
-        return False
-    key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]
-    return torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attention::piece_fwd", key)
-
-
-if _HAS_PIECE_OP:
-    _piece_fwd = torch.ops.dilated_attention.piece_fwd
-    _piece_bwd = torch.ops.dilated_attention.piece_bwd
-
-    @torch.library.register_fake("dilated_attention::piece_fwd")
-    def _piece_fwd_fake(q, k, v, is_causal, causal_offset, softmax_scale):
-        B, nq, Hq, D = q.shape
-        return q.new_empty((B, nq, Hq, D)), q.new_empty((B, Hq, nq), dtype=accumulation_dtype(q.dtype))
-
-    @torch.library.register_fake("dilated_attention::piece_bwd")
-    def _piece_bwd_fake(dout, q, k, v, out, lse, dlse, is_causal, causal_offset, softmax_scale):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-    def _piece_setup_context(ctx, inputs, output):
-        q, k, v, is_causal, causal_offset, softmax_scale = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.config = (bool(is_causal), int(causal_offset), float(softmax_scale))
-
-    def _piece_backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = _piece_bwd(dout, q, k, v, out, lse, dlse, *ctx.config)
-        return dq, dk, dv, None, None, None
-
-    torch.library.register_autograd(
-        "dilated_attention::piece_fwd", _piece_backward, setup_context=_piece_setup_context
-    )
-
-
-def piece_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    is_causal: bool,
-    causal_offset: int,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense attention of q (B, nq, Hq, D) over k, v (B, nk, Hkv, D): ``out`` (B, nq, Hq, D) and
-    ``lse`` (B, Hq, nq); with ``is_causal``, key ``j`` is visible to query ``i`` when
-    ``j <= i + causal_offset``. Differentiable."""
-    return _piece_fwd(q, k, v, bool(is_causal), int(causal_offset), float(softmax_scale))
-
-
-def piece_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    is_causal: bool,
-    causal_offset: int,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`piece_forward` for the given ``out``/``lse`` (which may be merged
-    results over more keys than ``k``: the gradients are then this piece's share)."""
-    return _piece_bwd(
-        dout, q, k, v, out, lse, dlse, bool(is_causal), int(causal_offset), float(softmax_scale)
-    )
-
-
-def _varlen_fwd_fake(
-    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
-):
-    T, Hq, D = q.shape
-    out = q.new_empty((T, Hq, D))
-    lse = q.new_empty((Hq, T), dtype=accumulation_dtype(q.dtype))
-    return out, lse
-
-
-def _varlen_bwd_fake(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dlse,
-    cu_seqlens,
-    max_seqlen,
-    segment_lengths,
-    dilation_rates,
-    is_causal,
-    softmax_scale,
-):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.config = (
-        int(max_seqlen),
+    seed, offset = dropout_seed_offset() if dropout_p > 0 else (0, 0)
+    out, lse = native_attention(
+        q,
+        k,
+        v,
         list(segment_lengths),
         list(dilation_rates),
         bool(is_causal),
         float(softmax_scale),
+        float(dropout_p),
+        seed,
+        offset,
     )
+    return out, lse.to(accumulation_dtype(q.dtype))
 
 
-def _varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = ctx.config
-    dq, dk, dv = torch.ops.dilated_attention.varlen_bwd(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dlse,
-        cu_seqlens,
-        max_seqlen,
-        segment_lengths,
-        dilation_rates,
-        is_causal,
-        softmax_scale,
-    )
-    return dq, dk, dv, None, None, None, None, None, None
+def dropout_seed_offset() -> tuple[int, int]:
+    """A seed and an offset for the kernels' dropout generator (csrc/dropout.h), drawn from torch's
+    default CPU generator: ``torch.manual_seed`` makes a run's masks reproducible, and every call
+    gets new ones."""
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
+    return int(seed), int(offset)
 
 
-if _C is not None:
-    torch.library.register_fake("dilated_attention::varlen_fwd")(_varlen_fwd_fake)
-    torch.library.register_fake("dilated_attention::varlen_bwd")(_varlen_bwd_fake)
-    torch.library.register_autograd(
-        "dilated_attention::varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context
-    )
-
-
-def native_varlen_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    is_causal: bool,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the fused packed op: ``out`` (T, Hq, D) and ``lse`` (Hq, T). Differentiable.
-
-    ``RuntimeError`` saying what to run when the extension is not loaded."""
+def dropout_mask(
+    B: int, H: int, Nq: int, Nk: int, dropout_p: float, dropout_seed: int, dropout_offset: int
+) -> torch.Tensor:
+    """The keep mask the kernels apply for dropout ``(dropout_p, dropout_seed, dropout_offset)``:
+    bool (B, H, Nq, Nk), ``[b, h, q, x]`` whether the weight of query row ``q`` and key row ``x`` of
+    head ``h`` of batch entry ``b`` is kept (then scaled by ``1 / (1 - dropout_p)``). A packed call's
+    rows are those of its ``(1, T, ...)`` view."""
     _require_extension()
-    return torch.ops.dilated_attention.varlen_fwd(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        int(max_seqlen),
-        list(segment_lengths),
-        list(dilation_rates),
-        bool(is_causal),
-        float(softmax_scale),
+    return torch.ops.dilated_attention.dropout_mask(
+        B, H, Nq, Nk, float(dropout_p), int(dropout_seed), int(dropout_offset)
     )
+
+
+def lse_dtype(dtype: torch.dtype, float64_lse: bool = False) -> torch.dtype:
+    """The dtype of the ops' ``lse`` for inputs of ``dtype``: float64 with ``float64_lse``, else
+    the accumulation dtype (csrc/checks.h ``lse_dtype``)."""
+    return torch.float64 if float64_lse else accumulation_dtype(dtype)
+
+
+from ._func import native_attention  # noqa: E402
+from ._piece_op import has_piece_kernel, piece_backward, piece_forward  # noqa: E402
+from ._varlen_op import native_varlen_forward  # noqa: E402

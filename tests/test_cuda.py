@@ -24,6 +24,7 @@ import ctypes
 import functools
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -584,6 +585,7 @@ def emu(tmp_path_factory):
     so.da_emu_options.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_int]
     so.da_emu_varlen.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     so.da_emu_piece.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    so.da_emu_lse64.argtypes = [ctypes.c_int]
     yield so
     so.da_emu_options(0, 1, 0)
 
@@ -622,18 +624,26 @@ def _emu_call(fn, dtype, family, q, k, segs, rates, causal, scale, tiling, tenso
     assert rc == 0, err.value.decode()
 
 
-def emulated(emu, q, k, v, segs, rates, causal, family, tiling=(0, 0, 4, 32), dout=None, dlse=None):
-    """Forward (out, lse) and, given dout, backward (dq, dk, dv) of the CUDA kernels, emulated."""
+def emulated(
+    emu, q, k, v, segs, rates, causal, family, tiling=(0, 0, 4, 32), dout=None, dlse=None, float64_lse=False
+):
+    """Forward (out, lse) and, given dout, backward (dq, dk, dv) of the CUDA kernels, emulated;
+    ``float64_lse``: lse in float64 whatever the dtype, as the op's ``float64_lse=True``."""
     dtype, scale = q.dtype, q.shape[-1] ** -0.5
     B, N, Hq, _ = q.shape
     out = torch.empty_like(q)
-    lse = torch.empty(B, Hq, N, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    _emu_call(
-        emu.da_emu_forward, dtype, family, q, k, segs, rates, causal, scale, tiling, (q, k, v, out, lse)
-    )
-    if dout is None:
-        return out, lse
-    grads = emulated_backward(emu, q, k, v, segs, rates, causal, family, tiling, dout, out, lse, dlse)
+    wide = float64_lse or dtype == torch.float64
+    lse = torch.empty(B, Hq, N, dtype=torch.float64 if wide else torch.float32)
+    emu.da_emu_lse64(int(float64_lse))
+    try:
+        _emu_call(
+            emu.da_emu_forward, dtype, family, q, k, segs, rates, causal, scale, tiling, (q, k, v, out, lse)
+        )
+        if dout is None:
+            return out, lse
+        grads = emulated_backward(emu, q, k, v, segs, rates, causal, family, tiling, dout, out, lse, dlse)
+    finally:
+        emu.da_emu_lse64(0)
     return out, lse, grads
 
 
@@ -672,9 +682,11 @@ def check_emulated(
     with_dlse=True,
     gain=1.0,
     seed=0,
+    float64_lse=False,
 ):
     """The emulated kernels against the float64 reference under the SPEC section 4 rule; q and k
-    are multiplied by ``gain`` (logits of standard deviation about gain**2)."""
+    are multiplied by ``gain`` (logits of standard deviation about gain**2); ``float64_lse``: the
+    forward saves lse in float64 (as the Python layer asks the op to)."""
     q, k, v = (t.detach() for t in make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed, device="cpu"))
     q, k, v = (q * gain).contiguous(), (k * gain).contiguous(), v.contiguous()
     g = torch.Generator().manual_seed(11)
@@ -698,6 +710,7 @@ def check_emulated(
         tiling,
         dout.to(dtype).contiguous(),
         None if dlse is None else dlse.to(lse_t).contiguous(),
+        float64_lse,
     )
     assert_within_rule("out", out, out64, outl, dtype)
     assert_within_rule("lse", lse, lse64, lsel, dtype)
@@ -841,6 +854,57 @@ def test_emulated_simt_float32_large_logits(emu, logit_std, is_causal, seed):
         gain=logit_std**0.5,
         seed=seed,
     )
+
+
+# (seed, N, Hq, Hkv, D, segment_lengths, dilation_rates, is_causal): logits of standard deviation
+# about 10 (q times 10), for which the emulated float32 dk and dq exceeded the rule by 28-84% while
+# the kernels saved lse in float32 (its rounding went into every probability of the backward).
+LARGE_LOGITS = [
+    pytest.param(12, 33, 4, 2, 8, [8, 16], [1, 2], True, id="two-branches-causal"),
+    pytest.param(33, 64, 1, 1, 16, [8, 16], [1, 2], False, id="two-branches"),
+    pytest.param(119, 33, 2, 1, 8, [8], [1], False, id="one-branch-gqa"),
+]
+
+
+@pytest.mark.parametrize("seed,N,Hq,Hkv,D,segs,rates,is_causal", LARGE_LOGITS)
+def test_emulated_simt_float32_large_logits_float64_lse(emu, seed, N, Hq, Hkv, D, segs, rates, is_causal):
+    """The SIMT kernels with the float64 lse the op saves for its backward (float64_lse=True): the
+    backward reads it in base 2 as hi + lo (common.cuh da_lse_base2), and every gradient is within
+    the rule."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64) * 10).float()
+    k, v = (torch.randn(1, N, Hkv, D, generator=g, dtype=torch.float64).float() for _ in range(2))
+    gd = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(1, N, Hq, D, generator=gd, dtype=torch.float64)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, is_causal)
+    dlse = torch.randn(1, Hq, N, generator=gd, dtype=torch.float64) * torch.isfinite(lse64)
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    outl, lsel = reference_attention(ql, kl, vl, segs, rates, is_causal, dtype=torch.float32)
+    out, lse, got = emulated(
+        emu, q, k, v, segs, rates, is_causal, 1, (0, 0, 4, 32), dout.float(), dlse.float(), float64_lse=True
+    )
+    assert lse.dtype == torch.float64
+    assert_within_rule("out", out, out64, outl, torch.float32)
+    assert_within_rule("lse", lse, lse64, lsel, torch.float32)
+
+    def loss(o, chunk):
+        masked = torch.where(torch.isfinite(chunk), chunk.double(), torch.zeros_like(chunk.double()))
+        return (o.double() * dout).sum() + (masked * dlse).sum()
+
+    ref = torch.autograd.grad(loss(out64, lse64), (q64, k64, v64))
+    plain = torch.autograd.grad(loss(outl, lsel), (ql, kl, vl))
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
+        assert_within_rule(name, a, e, p, torch.float32)
+
+
+def test_emulated_float64_lse_in_every_family(emu):
+    """float64_lse in the tensor-core kernels (bf16) and the SIMT kernels (fp16, fp64) too: the same
+    results as with the accumulation dtype's lse, up to that lse's rounding."""
+    for dtype, family in ((torch.bfloat16, 0), (torch.float16, 1), (torch.float64, 1)):
+        check_emulated(
+            emu, 1, 61, 4, 2, 64, [8, 32, 64], [1, 2, 4], True, dtype, family, (0, 0, 2, 16), float64_lse=True
+        )
 
 
 def test_emulated_simt_float32_long_causal_segment(emu):
@@ -1343,6 +1407,40 @@ def test_backward_is_bitwise_reproducible(dtype):
     for later in runs[1:]:
         for a, b in zip(runs[0], later, strict=True):
             assert torch.equal(a, b)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "dtype,scale", [(torch.float32, 1e39), (torch.bfloat16, -1e39), (torch.float16, 3e38)]
+)
+def test_raw_ops_refuse_a_scale_the_scores_cannot_hold(dtype, scale):
+    """As on the CPU (tests/test_op.py): the CUDA entries share checks.h's scale rule."""
+    q = torch.randn(1, 8, 2, 32, device="cuda", dtype=dtype)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+    want = r"softmax_scale must be finite in the compute dtype float32 .*got " + re.escape(repr(scale))
+    for call in (
+        lambda: torch.ops.dilated_attention.fwd(q, q, q, [4], [1], False, scale),
+        lambda: torch.ops.dilated_attention.varlen_fwd(q[0], q[0], q[0], cu, 8, [4], [1], False, scale),
+        lambda: torch.ops.dilated_attention.piece_fwd(q, q, q, True, 0, scale),
+    ):
+        with pytest.raises(ValueError, match=want):
+            call()
+
+
+@needs_gpu
+@pytest.mark.cuda
+def test_dropout_is_refused_by_name_until_the_cuda_kernels_have_it():
+    """The CUDA kernels have no dropout yet: the raw op refuses dropout_p > 0 by name, and native
+    falls back (warning) rather than run without it."""
+    q = torch.randn(1, 8, 2, 32, device="cuda")
+    with pytest.raises(
+        NotImplementedError, match=r"CUDA kernels have no attention dropout yet, got dropout_p=0\.2"
+    ):
+        torch.ops.dilated_attention.fwd(q, q, q, [4], [1], False, 0.5, False, 0.2, 1, 2)
+    with pytest.warns(UserWarning, match="no attention dropout"):
+        out = dattn(q, q, q, [4], [1], dropout_p=0.2, backend="native")
+    assert out.shape == q.shape
 
 
 @needs_gpu

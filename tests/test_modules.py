@@ -64,9 +64,9 @@ def test_dropout_in_training_only(caplog):
         c = attn(q, k, v)
     torch.testing.assert_close(c, reference_attention(q, k, v, [8, 16], [1, 2])[0])
     infos = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert len(infos) == 2 and "'sdpa'" in infos[0] and "'native'" in infos[1]
+    assert len(infos) == 2 and "'native'" in infos[0] and "'native'" in infos[1]
     assert all(m.startswith("DilatedAttention:") for m in infos)
-    assert "sdpa (cpu float64, dropout), native (cpu float64)" in repr(attn)
+    assert "native (cpu float64, dropout), native (cpu float64)" in repr(attn)
 
 
 def test_each_module_chooses_and_logs_once(caplog):
@@ -306,7 +306,7 @@ def test_mhda_dropout_and_repr(caplog):
         "segment_lengths=[4, 8]",
         "dilation_rates=[1, 2]",
         "attention_backend='auto'",
-        "sdpa (cpu float64, dropout)",
+        "native (cpu float64, dropout)",
         "native (cpu float64)",
         "(norm)",
     ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -133,12 +134,14 @@ def test_gradcheck(is_causal):
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("float64_lse", [False, True], ids=["lse", "float64-lse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_opcheck(dtype):
+def test_opcheck(dtype, float64_lse):
     q, k, v = make_inputs(2, 19, 4, 2, 8, dtype)
-    args = (q, k, v, [4, 8], [1, 2], True, 0.35)
+    args = (q, k, v, [4, 8], [1, 2], True, 0.35, float64_lse)
     torch.library.opcheck(torch.ops.dilated_attention.fwd.default, args)
     out, lse = torch.ops.dilated_attention.fwd(*args)
+    assert lse.dtype == (torch.float64 if float64_lse or dtype == torch.float64 else torch.float32)
     dout = torch.randn_like(out)
     bargs = (
         dout,
@@ -280,7 +283,6 @@ BAD_OP_ARGS = [
     (lambda q, k, v: (q, k, v, [4, 2], [1], False, 1.0), "same length"),
     (lambda q, k, v: (q, k, v, [-3], [1], False, 1.0), "segment_lengths\\[0\\] must be >= 1, got -3"),
     (lambda q, k, v: (q, k, v, [4], [9], False, 1.0), "must not exceed"),
-    (lambda q, k, v: (q, k, v, [4], [1], False, float("inf")), "finite"),
     (lambda q, k, v: (q.half(), k, v, [4], [1], False, 1.0), "same dtype"),
 ]
 
@@ -291,13 +293,60 @@ def test_bad_input_op(make, match):
         torch.ops.dilated_attention.fwd(*make(*_qkv()))
 
 
+# (dtype, softmax_scale): beyond max / 2 of the compute dtype (float32, or float64 for float64).
+BAD_SCALES = [
+    (torch.float32, 1e39),
+    (torch.bfloat16, -1e39),
+    (torch.float16, 3e38),
+    (torch.float64, 1e308),
+    (torch.float32, float("inf")),
+    (torch.float32, float("nan")),
+]
+
+
+def _raw_forwards(q, k, v, scale):
+    """Every forward entry of the op, called on q, k, v with ``scale``."""
+    cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+    n = q.shape[1]
+    return {
+        "fwd": lambda: torch.ops.dilated_attention.fwd(q, k, v, [4], [1], False, scale),
+        "varlen_fwd": lambda: torch.ops.dilated_attention.varlen_fwd(
+            q[0], k[0], v[0], cu, n, [4], [1], False, scale
+        ),
+        "piece_fwd": lambda: torch.ops.dilated_attention.piece_fwd(q, k, v, True, 0, scale),
+        "bwd": lambda: torch.ops.dilated_attention.bwd(
+            q, q, k, v, q, q.new_zeros((1, q.shape[2], n), dtype=torch.float32), None, [4], [1], False, scale
+        ),
+    }
+
+
+@pytest.mark.parametrize("dtype,scale", BAD_SCALES, ids=str)
+def test_raw_ops_refuse_a_scale_the_scores_cannot_hold(dtype, scale):
+    """A softmax_scale whose scaled queries overflow the compute dtype gave NaN out of the raw ops
+    (float32 piece_fwd with 1e39); now a ValueError naming it, with the functional API's rule."""
+    q, k, v = (t.to(dtype) for t in _qkv())
+    compute = "float64" if dtype == torch.float64 else "float32"
+    name = str(dtype).replace("torch.", "")
+    for call in _raw_forwards(q, k, v, scale).values():
+        want = rf"softmax_scale must be finite in the compute dtype {compute} of {name} inputs .*got "
+        with pytest.raises(ValueError, match=want + re.escape(repr(scale))):
+            call()
+
+
+def test_raw_ops_take_a_large_finite_scale():
+    """A scale just inside the rule is accepted (zero queries: every score is 0)."""
+    q, k, v = _qkv()
+    out, lse = torch.ops.dilated_attention.piece_fwd(q * 0, k, v, False, 0, 1.7e38)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
 def test_bad_backward_inputs():
     q, k, v = _qkv()
     out, lse = torch.ops.dilated_attention.fwd(q, k, v, [4], [1], False, 1.0)
     with pytest.raises(RuntimeError, match="lse must have shape"):
         torch.ops.dilated_attention.bwd(out, q, k, v, out, lse[:, :1], None, [4], [1], False, 1.0)
-    with pytest.raises(RuntimeError, match="lse must be Float"):
-        torch.ops.dilated_attention.bwd(out, q, k, v, out, lse.double(), None, [4], [1], False, 1.0)
+    with pytest.raises(RuntimeError, match="lse must be Float or float64, got c10::Half"):
+        torch.ops.dilated_attention.bwd(out, q, k, v, out, lse.half(), None, [4], [1], False, 1.0)
     with pytest.raises(RuntimeError, match="dout must have"):
         torch.ops.dilated_attention.bwd(out[:, :4], q, k, v, out, lse, None, [4], [1], False, 1.0)
 

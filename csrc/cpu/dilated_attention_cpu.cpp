@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include <math.h>
+#include <cmath>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__linux__)
@@ -54,6 +55,7 @@
 
 #include "../checks.h"
 #include "../dilated_attention.h"
+#include "../dropout.h"
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(DA_NO_ISA_DISPATCH)
 #define DA_X86_DISPATCH 1
@@ -359,7 +361,9 @@ struct Fwd {
   int64_t N, Hq, Hkv, D, Dp, QB;
   da_branches br;
   int causal;
-  T scale2;  // softmax_scale * log2(e): the forward keeps scores, max and lse in base 2
+  T scale2;         // softmax_scale * log2(e): the forward keeps scores, max and lse in base 2
+  da_dropout drop;  // attention dropout (drop.threshold 0: none), keyed by rows start + position
+  int64_t start;    // the sequence's first row in the (B, N, ...) tensors
 };
 
 template <typename T>
@@ -452,6 +456,31 @@ DA_INLINE bool rows_finite(const T* rows, int64_t stride, int64_t n, int64_t D) 
   return ok;
 }
 
+/*
+ * Attention dropout on a tile of weights: t[i * si + j * sj] *= (kept ? 1 / (1 - p) : 0) for query
+ * rows q0 + i * qs (i < nq) and key rows x0 + j * xs (j < nk) of head bh (dropout.h). One Philox
+ * call serves the four keys of a group x / 4 (all of them when xs = 1). Cost: nq * nk / 4 to
+ * nq * nk Philox calls.
+ */
+template <typename T>
+static void dropout_tile(const da_dropout& d, int64_t bh, T* t, int64_t si, int64_t sj, int64_t nq,
+                         int64_t q0, int64_t qs, int64_t nk, int64_t x0, int64_t xs) {
+  const T keep = (T)d.scale;
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t q = q0 + i * qs;
+    uint32_t r[4];
+    int64_t group = -1;
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t x = x0 + j * xs;
+      if (x >> 2 != group) {
+        group = x >> 2;
+        da_dropout_draws(&d, bh, q, group, r);
+      }
+      t[i * si + j * sj] *= r[x & 3] >= d.threshold ? keep : (T)0;
+    }
+  }
+}
+
 /* Merge a query tile's state (m2, l2, acc2) into the block's rows row0 + i * step. */
 template <typename T>
 DA_INLINE void merge_tile(T* m, T* l, T* acc, const T* m2, const T* l2, const T* acc2, int64_t n,
@@ -523,6 +552,9 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
             if (c != 1)
               for (int64_t d = 0; d < Dp; ++d) s->acct[i * Dp + d] *= c;
           }
+          if (P.drop.threshold)  // the denominator has the weights; the output their kept share
+            dropout_tile(P.drop, b * P.Hq + h, s->st, 1, ld, nq, P.start + g.first + q0 * r, r, nk,
+                         P.start + g.seg_first + kt0 * r, r);
           if (diag && !rows_finite(vp + kt0 * vs, vs, nk, D)) {
             // A non-finite value must reach only the queries that see its key, not the earlier
             // ones through 0 * inf in a masked lane: each query row takes only its own keys.
@@ -579,12 +611,12 @@ static void fwd_block(Isa isa, const Fwd<T>& P, int64_t b, int64_t h, int64_t a0
   }
 }
 
-/* out = acc / l and lse = m * unit + ln(l) for the block's rows, in double (one rounding of the
- * result); uncovered rows: 0 and -inf. unit = softmax_scale / scale2 turns the base-2 scores back
- * into natural ones: ln 2, corrected for the rounding of scale2 to T, which would otherwise scale
- * lse by up to one unit in the last place of T. */
-template <typename scalar_t, typename T>
-static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* lse, int64_t a0, int64_t a1,
+/* out = acc / l and lse = m * unit + ln(l) for the block's rows, in double (rounded once, to L:
+ * float, or double for a float64 lse); uncovered rows: 0 and -inf. unit = softmax_scale / scale2
+ * turns the base-2 scores back into natural ones: ln 2, corrected for the rounding of scale2 to T,
+ * which would otherwise scale lse by up to one unit in the last place of T. */
+template <typename scalar_t, typename T, typename L>
+static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, L* lse, int64_t a0, int64_t a1,
                       int64_t D, int64_t Dp, double unit) {
   for (int64_t p = a0; p < a1; ++p) {
     const int64_t row = p - a0;
@@ -592,11 +624,11 @@ static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, T* 
     scalar_t* o = out + p * out_sn;
     if (l == 0) {
       for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)0;
-      lse[p] = neg_inf<T>();
+      lse[p] = neg_inf<L>();
     } else {
       const T inv = (T)1 / l;
       for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s.acc[row * Dp + d] * inv);
-      lse[p] = (T)((double)s.m[row] * unit + ::log((double)l));
+      lse[p] = (L)((double)s.m[row] * unit + ::log((double)l));
     }
   }
 }
@@ -721,7 +753,8 @@ static void point_backward(Args* A, const at::Tensor& q, const at::Tensor& k, co
  * masking start at its first row).
  */
 static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, const at::Tensor& q_in,
-                          const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& out, at::Tensor& lse) {
+                          const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& out, at::Tensor& lse,
+                          const da_dropout& drop) {
   const int64_t QB = block_size(P, seqs);
   const TaskSplit split(seqs, [&](const Sequence& sq) { return P.Hq * da_ceil_div(sq.len, QB); });
   if (split.total() == 0) return;
@@ -744,8 +777,12 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
     F.br = P.branches;
     F.causal = P.is_causal;
     F.scale2 = (T)(P.scale * 1.44269504088896340736);
+    F.drop = drop;
+    F.start = 0;
     scalar_t* out_p = out.data_ptr<scalar_t>();
-    T* lse_p = lse.data_ptr<T>();
+    // lse is float32, or float64 (float64 inputs, or a float64 lse asked for): written as such.
+    T* lse_t = lse.scalar_type() == st ? lse.data_ptr<T>() : nullptr;
+    double* lse_d = lse_t ? nullptr : lse.data_ptr<double>();
     parallel_tasks(
         split.total(), [&] { return FwdScratch<T>(QB, P.D, Dp); },
         [&](int64_t task, FwdScratch<T>& s) {
@@ -759,11 +796,15 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
           S.k += sq.start * F.k_sn;
           S.v += sq.start * F.v_sn;
           S.N = sq.len;
+          S.start = sq.start;
           fwd_block(isa, S, sq.b, h, a0, a1, &s);
-          fwd_write<scalar_t, T>(s,
-                                 out_p + sq.b * out.stride(0) + sq.start * out.stride(1) + h * out.stride(2),
-                                 out.stride(1), lse_p + sq.b * lse.stride(0) + h * lse.stride(1) + sq.start,
-                                 a0, a1, P.D, Dp, score_unit(P.scale, F.scale2));
+          scalar_t* o = out_p + sq.b * out.stride(0) + sq.start * out.stride(1) + h * out.stride(2);
+          const int64_t at = sq.b * lse.stride(0) + h * lse.stride(1) + sq.start;
+          const double unit = score_unit(P.scale, F.scale2);
+          if (lse_t)
+            fwd_write<scalar_t, T>(s, o, out.stride(1), lse_t + at, a0, a1, P.D, Dp, unit);
+          else
+            fwd_write<scalar_t, T>(s, o, out.stride(1), lse_d + at, a0, a1, P.D, Dp, unit);
         });
   });
 }
@@ -771,13 +812,16 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                            const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                            at::IntArrayRef dilation_rates, bool is_causal,
-                                           double softmax_scale) {
+                                           double softmax_scale, bool float64_lse, double dropout_p,
+                                           int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  const da_dropout drop = dropout_params(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
   at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q_in.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
+  at::Tensor lse =
+      at::empty({P.B, P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type(), float64_lse)));
   if (P.B == 0 || P.N == 0) return {out, lse};
-  fwd_sequences(P, fixed_sequences(P.B, P.N), q_in, k_in, v_in, out, lse);
+  fwd_sequences(P, fixed_sequences(P.B, P.N), q_in, k_in, v_in, out, lse, drop);
   return {out, lse};
 }
 
@@ -787,16 +831,18 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q_in, const 
                                                   const at::Tensor& v_in, const at::Tensor& cu_seqlens,
                                                   int64_t max_seqlen, at::IntArrayRef segment_lengths,
                                                   at::IntArrayRef dilation_rates, bool is_causal,
-                                                  double softmax_scale) {
+                                                  double softmax_scale, bool float64_lse, double dropout_p,
+                                                  int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
                                         dilation_rates, is_causal, softmax_scale);
+  const da_dropout drop = dropout_params(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
   const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, P.N, max_seqlen);
   at::Tensor out = at::empty({P.N, P.Hq, P.D}, q_in.options());
-  at::Tensor lse = at::empty({P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
+  at::Tensor lse = at::empty({P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type(), float64_lse)));
   if (P.N == 0) return {out, lse};
   at::Tensor out4 = out.unsqueeze(0), lse3 = lse.unsqueeze(0);
-  fwd_sequences(P, seqs, q_in.unsqueeze(0), k_in.unsqueeze(0), v_in.unsqueeze(0), out4, lse3);
+  fwd_sequences(P, seqs, q_in.unsqueeze(0), k_in.unsqueeze(0), v_in.unsqueeze(0), out4, lse3, drop);
   return {out, lse};
 }
 
@@ -804,6 +850,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q_in, const 
 /* Backward                                                                                     */
 /*   P = exp(s - lse), dP = dout . v, dS = P * (dP - delta), delta = rowsum(dout * out) - dlse  */
 /*   dq = scale * dS k,  dk = scale * dS^T q,  dv = P^T dout                                   */
+/*   With dropout (mask M of 0 and 1 / (1 - p)): dP = M * (dout . v), dv = (P * M)^T dout      */
 /* ------------------------------------------------------------------------------------------ */
 
 /* delta[b, h, p] = sum_d dout * out - dlse, one value per query row. Cost: B * Hq * N * D. */
@@ -832,13 +879,16 @@ struct Bwd {
   T *dq, *dk, *dv;            // accumulators, rows of Dp values
   int64_t q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, do_sb, do_sn, do_sh;
   int64_t dq_sb, dq_sn, dq_sh, dk_sb, dk_sn, dk_sh, dv_sb, dv_sn, dv_sh;
-  const T *lse, *delta;  // (B, Hq, N), row p of head h of batch entry b at b * lse_sb + h * lse_sh + p
+  const double* lse;  // (B, Hq, N) in double, row p of head h of batch entry b at b * lse_sb + h * lse_sh + p
+  const T* delta;     // (B, Hq, N), as lse
   int64_t lse_sb, lse_sh;
   int64_t N, Hq, Hkv, D, Dp;
   da_branches br;
   int causal;
   T scale, scale2;  // softmax_scale, and softmax_scale * log2(e) as the forward rounds it
   double unit;      // softmax_scale / scale2: natural units per base-2 unit of the scores
+  da_dropout drop;  // the forward's dropout (drop.threshold 0: none)
+  int64_t start;    // the sequence's first row
 };
 
 template <typename T>
@@ -847,11 +897,13 @@ struct BwdScratch {
   T *kt, *vt;      // (D, KB) keys and values of the tile, transposed
   T *dkt, *dvt;    // (KB, Dp) their gradients
   T *s, *dp;       // (QT, KB): scores then P; dout . v then dS
-  T *lse, *delta;  // (QT): lse in base 2 (lse / unit), delta
+  T *lse, *lselo;  // (QT): lse in base 2 (lse / unit) as hi + lo (lse_base2)
+  T* delta;        // (QT)
   T *dqt, *q2;     // (QT, Dp): one key tile's share of dq; the tile's queries times scale2
+  T* mask;         // (QT, KB): dropout's factors (0 or 1 / (1 - p)) of the tile
   BwdScratch(int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp), (size_t)(KB * Dp),
-                              QT * KB, QT * KB, QT, QT, (size_t)(QT * Dp), (size_t)(QT * Dp)})) {
+                              QT * KB, QT * KB, QT, QT, QT, (size_t)(QT * Dp), (size_t)(QT * Dp), QT * KB})) {
     kt = arena.take(D * KB);
     vt = arena.take(D * KB);
     dkt = arena.take(KB * Dp);
@@ -859,11 +911,28 @@ struct BwdScratch {
     s = arena.take(QT * KB);
     dp = arena.take(QT * KB);
     lse = arena.take(QT);
+    lselo = arena.take(QT);
     delta = arena.take(QT);
     dqt = arena.take(QT * Dp);
     q2 = arena.take(QT * Dp);
+    mask = arena.take(QT * KB);
   }
 };
+
+/*
+ * A row's natural lse L (double) in base 2, L / unit, as hi + lo: hi rounded to T and lo the rest
+ * (rounded to T), so that 2^((s2 - hi) - lo) is as accurate as with L / unit itself: s2 - hi is
+ * exact for the scores that matter (within a factor 2 of hi) and lo is tiny. With hi alone, every
+ * probability of the row would inherit the rounding of L / unit to T, up to half a unit in the last
+ * place of |L / unit| (for logits of standard deviation 10, |L| ~ 40: ~60 times float32's epsilon,
+ * relative), which plain PyTorch, differentiating its own softmax, never sees. -inf: (-inf, 0).
+ */
+template <typename T>
+DA_INLINE void lse_base2(double L, double unit, T* hi, T* lo) {
+  const double L2 = L / unit;
+  *hi = (T)L2;
+  *lo = std::isfinite(L2) ? (T)(L2 - (double)*hi) : (T)0;
+}
 
 /*
  * From base-2 scores s2 and dP (nq rows x ld key lanes): s <- P = 2^(s2 - lse2), dp <- dS = scale * P *
@@ -874,18 +943,18 @@ struct BwdScratch {
  */
 template <typename T, int B>
 DA_INLINE void ds_tile(T* s, T* dp, int64_t ld, int64_t nq, int64_t nk, int causal, int64_t off,
-                       const T* lse2, const T* delta, T scale) {
+                       const T* lse2, const T* lse2lo, const T* delta, T scale) {
   typedef Vec<T, B> X;
   typedef typename X::v V;
   const int W = Vec<T, B>::W;
   const V iota = X::iota(), zero = V{};
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t last = causal ? da_min64(nk - 1, off + i) : nk - 1;  // last key lane it sees
-    const T l = lse2[i], dl = delta[i];
+    const T l = lse2[i], lo = lse2lo[i], dl = delta[i];
     for (int64_t u = 0; u * W < ld; ++u) {
       T* sp = s + i * ld + u * W;
       T* dpp = dp + i * ld + u * W;
-      V p = l == neg_inf<T>() ? zero : X::exp2v(X::load(sp) - l);
+      V p = l == neg_inf<T>() ? zero : X::exp2v((X::load(sp) - l) - lo);
       if ((u + 1) * W - 1 > last) p = iota + (T)(u * W) > (T)last ? zero : p;
       X::store(sp, p);
       X::store(dpp, p * scale * (X::load(dpp) - dl));
@@ -932,12 +1001,12 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
       const T* qp = P.q + b * P.q_sb + g.seg_first * P.q_sn + h * P.q_sh;
       const T* dop = P.dout + b * P.do_sb + g.seg_first * P.do_sn + h * P.do_sh;
       T* dqp = P.dq + b * P.dq_sb + g.seg_first * P.dq_sn + h * P.dq_sh;
-      const T* lse_h = P.lse + b * P.lse_sb + h * P.lse_sh + g.seg_first;
+      const double* lse_h = P.lse + b * P.lse_sb + h * P.lse_sh + g.seg_first;
       const T* delta_h = P.delta + b * P.lse_sb + h * P.lse_sh + g.seg_first;
       for (int64_t qt0 = P.causal ? kt0 : 0; qt0 < c; qt0 += QT) {
         const int64_t nq = da_min64(QT, c - qt0);
         for (int64_t i = 0; i < nq; ++i) {
-          s->lse[i] = (T)((double)lse_h[(qt0 + i) * r] / P.unit);
+          lse_base2<T>(lse_h[(qt0 + i) * r], P.unit, &s->lse[i], &s->lselo[i]);
           s->delta[i] = delta_h[(qt0 + i) * r];
         }
         const T* qi = qp + qt0 * qs;
@@ -946,7 +1015,15 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
           for (int64_t d = 0; d < D; ++d) s->q2[i * Dp + d] = qi[i * qs + d] * P.scale2;
         gemm<T, B>(s->s, ld, s->q2, Dp, 1, s->kt, ld, nq, nv, D, false);  // S2 = (scale2 Q) K^T
         gemm<T, B>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false);  // dP = dO V^T
-        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->delta, P.scale);
+        if (P.drop.threshold) {  // dP = M dO V^T; after ds_tile, P M for dV
+          for (int64_t i = 0; i < nq * ld; ++i) s->mask[i] = 1;
+          dropout_tile(P.drop, b * P.Hq + h, s->mask, ld, 1, nq, P.start + g.seg_first + qt0 * r, r, nk,
+                       P.start + g.seg_first + kt0 * r, r);
+          for (int64_t i = 0; i < nq * ld; ++i) s->dp[i] *= s->mask[i];
+        }
+        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->lselo, s->delta, P.scale);
+        if (P.drop.threshold)
+          for (int64_t i = 0; i < nq * ld; ++i) s->s[i] *= s->mask[i];
         gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);             // dV += P^T dO
         gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, qs, nk, Dp / W, nq, true);              // dK += dS^T Q
         gemm<T, B>(s->dqt, Dp, s->dp, ld, 1, kp + kt0 * ks, ks, nq, Dp / W, nk, false);  // dS K
@@ -1002,13 +1079,15 @@ static void bwd_task(Isa isa, const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk
 static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
     const Problem& P, const std::vector<Sequence>& seqs, const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
-    const c10::optional<at::Tensor>& dlse_in) {
+    const c10::optional<at::Tensor>& dlse_in, const da_dropout& drop) {
   const at::Tensor dout_c = last_dim_contiguous(dout_in), out_c = last_dim_contiguous(out_in);
-  const at::Tensor lse = lse_in.contiguous();
+  // lse read in double (float32 or float64, lse_base2); dlse and delta in the accumulation type.
+  const at::Tensor lse = lse_in.to(at::kDouble).contiguous();
+  const at::ScalarType acc = lse_dtype(q_in.scalar_type());
   at::Tensor dlse;
-  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse.scalar_type()).contiguous();
+  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(acc).contiguous();
   if (P.B == 0 || P.N == 0) return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
-  at::Tensor delta = at::empty_like(lse);
+  at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(acc));
   at::Tensor dq, dk, dv;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q_in.scalar_type(), "dilated_attention_bwd", [&] {
@@ -1027,7 +1106,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
                      dv_acc = zeroed_buffer({P.B, P.Hkv, P.N, Dp}, opt).transpose(1, 2);
     Bwd<T> A;
     point_backward<T>(&A, q, k, v, dout, dq_acc, dk_acc, dv_acc);
-    A.lse = lse.data_ptr<T>();
+    A.lse = lse.data_ptr<double>();
     A.delta = delta.data_ptr<T>();
     A.lse_sb = lse.stride(0);
     A.lse_sh = lse.stride(1);
@@ -1041,6 +1120,8 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
     A.scale = (T)P.scale;
     A.scale2 = (T)(P.scale * 1.44269504088896340736);  // as the forward's
     A.unit = score_unit(P.scale, A.scale2);
+    A.drop = drop;
+    A.start = 0;
     const int64_t G = P.Hq / P.Hkv;
     // Branch by branch: within one, tasks (sequence, hk, segment, phase) write disjoint rows.
     for (int64_t bi = 0; bi < P.branches.n; ++bi) {
@@ -1066,6 +1147,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
             S.lse += sq.start;
             S.delta += sq.start;
             S.N = sq.len;
+            S.start = sq.start;
             bwd_task(isa, S, bi, sq.b, hk, seg, ph, &s);
           });
     }
@@ -1081,11 +1163,14 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
-    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale,
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  const da_dropout drop = dropout_params(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
-  return bwd_sequences(P, fixed_sequences(P.B, P.N), dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in);
+  return bwd_sequences(P, fixed_sequences(P.B, P.N), dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in,
+                       drop);
 }
 
 // The packed form: dout and out (T, Hq, D), lse and dlse (Hq, T); dq (T, Hq, D), dk and dv (T, Hkv, D).
@@ -1093,15 +1178,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
     const at::Tensor& cu_seqlens, int64_t max_seqlen, at::IntArrayRef segment_lengths,
-    at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+    at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale, double dropout_p,
+    int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
                                         dilation_rates, is_causal, softmax_scale);
   const c10::optional<at::Tensor> dlse =
       check_varlen_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  const da_dropout drop = dropout_params(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention: expected CPU tensors, got ", q_in.device());
   const std::vector<Sequence> seqs = varlen_sequences(cu_seqlens, P.N, max_seqlen);
   auto grads = bwd_sequences(P, seqs, dout_in.unsqueeze(0), q_in.unsqueeze(0), k_in.unsqueeze(0),
-                             v_in.unsqueeze(0), out_in.unsqueeze(0), lse_in.unsqueeze(0), dlse);
+                             v_in.unsqueeze(0), out_in.unsqueeze(0), lse_in.unsqueeze(0), dlse, drop);
   return {std::get<0>(grads).squeeze(0), std::get<1>(grads).squeeze(0), std::get<2>(grads).squeeze(0)};
 }
 

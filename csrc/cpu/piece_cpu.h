@@ -28,7 +28,8 @@ struct PieceArgs {
   T *dq, *dk, *dv;            // backward accumulators, rows of Dp values
   int64_t q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, do_sb, do_sn, do_sh;
   int64_t dq_sb, dq_sn, dq_sh, dk_sb, dk_sn, dk_sh, dv_sb, dv_sn, dv_sh;
-  const T *lse, *delta;  // (B, Hq, nq), backward only
+  const double* lse;  // (B, Hq, nq) in double, backward only
+  const T* delta;     // (B, Hq, nq), backward only
   int64_t nq, nk, Hq, Hkv, D, Dp;
   int causal;
   int64_t offset;   // key j is visible to query i when j <= i + offset (causal only)
@@ -126,12 +127,12 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
       const T* qp = P.q + b * P.q_sb + h * P.q_sh;
       const T* dop = P.dout + b * P.do_sb + h * P.do_sh;
       T* dqp = P.dq + b * P.dq_sb + h * P.dq_sh;
-      const T* lse_h = P.lse + (b * P.Hq + h) * P.nq;
+      const double* lse_h = P.lse + (b * P.Hq + h) * P.nq;
       const T* delta_h = P.delta + (b * P.Hq + h) * P.nq;
       for (int64_t qt0 = q_first; qt0 < P.nq; qt0 += QT) {
         const int64_t nq = da_min64(QT, P.nq - qt0);
         for (int64_t i = 0; i < nq; ++i) {
-          s->lse[i] = (T)((double)lse_h[qt0 + i] / P.unit);
+          lse_base2<T>(lse_h[qt0 + i], P.unit, &s->lse[i], &s->lselo[i]);
           s->delta[i] = delta_h[qt0 + i];
         }
         const T* qi = qp + qt0 * P.q_sn;
@@ -140,7 +141,8 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
           for (int64_t d = 0; d < D; ++d) s->q2[i * Dp + d] = qi[i * P.q_sn + d] * P.scale2;
         gemm<T, B>(s->s, ld, s->q2, Dp, 1, s->kt, ld, nq, nv, D, false);      // S2 = (scale2 Q) K^T
         gemm<T, B>(s->dp, ld, doi, P.do_sn, 1, s->vt, ld, nq, nv, D, false);  // dP = dO V^T
-        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 + P.offset - kt0, s->lse, s->delta, P.scale);
+        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 + P.offset - kt0, s->lse, s->lselo, s->delta,
+                      P.scale);
         gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, P.do_sn, nk, Dp / W, nq, true);  // dV += P^T dO
         gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, P.q_sn, nk, Dp / W, nq, true);   // dK += dS^T Q
         gemm<T, B>(dqp + qt0 * P.dq_sn, P.dq_sn, s->dp, ld, 1, kp + kt0 * P.k_sn, P.k_sn, nq, Dp / W, nk,
@@ -182,12 +184,14 @@ static void piece_bwd_task(Isa isa, const PieceArgs<T>& P, int64_t b, int64_t hk
 
 std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                  const at::Tensor& v_in, bool is_causal,
-                                                 int64_t causal_offset, double softmax_scale) {
+                                                 int64_t causal_offset, double softmax_scale,
+                                                 bool float64_lse) {
   const Problem P = check_piece_inputs(q_in, k_in, v_in, softmax_scale);
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention piece: expected CPU tensors, got ", q_in.device());
   const int64_t nq = P.N, nk = k_in.size(1);
   at::Tensor out = at::empty({P.B, nq, P.Hq, P.D}, q_in.options());
-  at::Tensor lse = at::empty({P.B, P.Hq, nq}, q_in.options().dtype(lse_dtype(q_in.scalar_type())));
+  at::Tensor lse =
+      at::empty({P.B, P.Hq, nq}, q_in.options().dtype(lse_dtype(q_in.scalar_type(), float64_lse)));
   if (P.B == 0 || nq == 0) return {out, lse};
   const int64_t ntiles = da_ceil_div(nq, QT);
 
@@ -212,7 +216,8 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
         A.scale2 = (T)(P.scale * 1.44269504088896340736);
         A.unit = score_unit(P.scale, A.scale2);
         scalar_t* out_p = out.data_ptr<scalar_t>();
-        T* lse_p = lse.data_ptr<T>();
+        T* lse_t = lse.scalar_type() == st ? lse.data_ptr<T>() : nullptr;  // else a float64 lse
+        double* lse_d = lse_t ? nullptr : lse.data_ptr<double>();
         parallel_tasks(
             P.B * P.Hq * ntiles, [&] { return FwdScratch<T>(1, P.D, Dp); },
             [&](int64_t task, FwdScratch<T>& s) {
@@ -222,14 +227,18 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
               for (int64_t i = 0; i < n; ++i) {  // out = acc / l, lse = m unit + ln l; no key: 0, -inf
                 scalar_t* o = out_p + b * out.stride(0) + (qt0 + i) * out.stride(1) + h * out.stride(2);
                 const T l = s.lt[i];
+                double L = -INFINITY;
                 if (l == 0) {
                   for (int64_t d = 0; d < P.D; ++d) o[d] = (scalar_t)0;
-                  lse_p[bh * nq + qt0 + i] = neg_inf<T>();
                 } else {
                   const T inv = (T)1 / l;
                   for (int64_t d = 0; d < P.D; ++d) o[d] = (scalar_t)(s.acct[i * Dp + d] * inv);
-                  lse_p[bh * nq + qt0 + i] = (T)((double)s.mt[i] * A.unit + ::log((double)l));
+                  L = (double)s.mt[i] * A.unit + ::log((double)l);
                 }
+                if (lse_t)
+                  lse_t[bh * nq + qt0 + i] = (T)L;
+                else
+                  lse_d[bh * nq + qt0 + i] = L;
               }
             });
       });
@@ -245,12 +254,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   const int64_t nq = P.N, nk = k_in.size(1);
   const at::Tensor dout_c = last_dim_contiguous(dout_in), out_c = last_dim_contiguous(out_in);
-  const at::Tensor lse = lse_in.contiguous();
+  const at::Tensor lse = lse_in.to(at::kDouble).contiguous();  // read in double (lse_base2)
+  const at::ScalarType acc = lse_dtype(q_in.scalar_type());
   at::Tensor dlse;
-  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse.scalar_type()).contiguous();
+  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(acc).contiguous();
   if (P.B == 0 || nq == 0 || nk == 0)
     return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
-  at::Tensor delta = at::empty_like(lse);
+  at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(acc));
   at::Tensor dq, dk, dv;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -269,7 +279,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
                          dv_acc = zeroed_buffer({P.B, P.Hkv, nk, Dp}, opt).transpose(1, 2);
         PieceArgs<T> A{};
         point_backward<T>(&A, q, k, v, dout, dq_acc, dk_acc, dv_acc);
-        A.lse = lse.data_ptr<T>();
+        A.lse = lse.data_ptr<double>();
         A.delta = delta.data_ptr<T>();
         A.nq = nq;
         A.nk = nk;

@@ -71,9 +71,10 @@ __device__ __forceinline__ double da_max(double a, double b) {
  * The kernels keep scores in base 2: q (or its tile) times sl2 = (acc_t)(softmax_scale * log2(e)).
  * unit = softmax_scale / sl2 turns them back into natural units: ln 2, corrected for the rounding
  * of sl2 to acc_t, which would otherwise scale lse by up to one unit in the last place (ln 2
- * itself where sl2 is 0). lse = m * unit + ln(l) is formed in double and rounded once, and the
- * backward turns it back into base 2 in double, so that p = 2^(s - lse2) is as consistent with
- * the forward's own normalisation as the rounding of lse to acc_t allows (as the CPU kernel does).
+ * itself where sl2 is 0). lse = m * unit + ln(l) is formed in double and rounded once (to acc_t, or
+ * not at all where the op returns a float64 lse, p.lse_f64), and the backward turns it back into
+ * base 2 in double, split into hi + lo (da_lse_base2), so that p = 2^((s - hi) - lo) is as
+ * consistent with the forward's own normalisation as the saved lse allows (as the CPU kernel does).
  * Once per row (or per row of a tile of the other side): the double arithmetic costs nothing
  * measurable next to the pairs.
  */
@@ -82,16 +83,37 @@ __host__ __device__ __forceinline__ double da_score_unit(double scale, acc_t sl2
   return sl2 != (acc_t)0 ? scale / (double)sl2 : DA_LN2;
 }
 
-// lse in natural units from the base-2 running max m and denominator l (l > 0).
+// lse in natural units from the base-2 running max m and denominator l (l > 0), in double.
 template <typename acc_t>
-__device__ __forceinline__ acc_t da_lse_natural(acc_t m, acc_t l, double unit) {
-  return (acc_t)((double)m * unit + log((double)l));
+__device__ __forceinline__ double da_lse_natural(acc_t m, acc_t l, double unit) {
+  return (double)m * unit + log((double)l);
 }
 
-// The backward's base-2 lse of a saved natural-unit lse; +inf for -inf, so that 2^(s - lse2) = 0.
+// Row i of the saved lse (B, Hq, N): acc_t, or double where p.lse_f64.
 template <typename acc_t>
-__device__ __forceinline__ acc_t da_lse_base2(acc_t L, double unit) {
-  return L == -da_inf<acc_t>() ? da_inf<acc_t>() : (acc_t)((double)L / unit);
+__device__ __forceinline__ void da_set_lse(const Params& p, int64_t i, double L) {
+  if (p.lse_f64)
+    static_cast<double*>(p.lse)[i] = L;
+  else
+    static_cast<acc_t*>(p.lse)[i] = (acc_t)L;
+}
+template <typename acc_t>
+__device__ __forceinline__ double da_get_lse(const Params& p, int64_t i) {
+  return p.lse_f64 ? static_cast<const double*>(p.lse)[i] : (double)static_cast<const acc_t*>(p.lse)[i];
+}
+
+// The backward's base-2 lse of a saved natural-unit lse L, as hi + *lo: hi = L / unit rounded to
+// acc_t, lo the rest, so that 2^((s - hi) - lo) does not inherit the rounding of L / unit to acc_t
+// (up to half a unit in the last place of |L / unit|, tens of float epsilons for large logits).
+// -inf gives hi = +inf and lo = 0, so that 2^(s - hi) = 0.
+template <typename acc_t>
+__device__ __forceinline__ acc_t da_lse_base2(double L, double unit, acc_t* lo) {
+  *lo = (acc_t)0;
+  if (L == -(double)INFINITY) return da_inf<acc_t>();
+  const double L2 = L / unit;
+  const acc_t hi = (acc_t)L2;
+  if (L2 - L2 == 0.0) *lo = (acc_t)(L2 - (double)hi);  // finite
+  return hi;
 }
 
 template <typename V>

@@ -288,27 +288,41 @@ void fwd_sequences(const Problem& P, const Seqs& S, at::Tensor q, at::Tensor k, 
   p.v = tensor4(v);
   p.out = tensor4(out);
   p.lse = lse.data_ptr();
+  p.lse_f64 = lse.scalar_type() == at::kDouble;
   use_tc = use_tc && tc_fits(cuda::kFwd, t, p, prop);
   run(cuda::kFwd, P, S, t, p, use_tc, prop, stream);
 }
 
-// The forward's outputs for q (B, N, Hq, D): out (B, N, Hq, D) in q's dtype, lse (B, Hq, N).
-std::tuple<at::Tensor, at::Tensor> forward_outputs(const Problem& P, const at::Tensor& q) {
+// The CUDA kernels have no attention dropout yet (the CPU kernels do): dropout_p > 0 is refused
+// by name (after the CPU's range check), so that no caller gets undropped results silently.
+void check_no_dropout(double dropout_p, int64_t seed, int64_t offset) {
+  dropout_params(dropout_p, seed, offset);
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      dropout_p == 0, "dilated_attention: the CUDA kernels have no attention dropout yet, ",
+      "got dropout_p=", dropout_p, " (the CPU kernels have it; on CUDA run the sdpa or ",
+      "manual backend for dropout)");
+}
+
+// The forward's outputs for q (B, N, Hq, D): out (B, N, Hq, D) in q's dtype, lse (B, Hq, N)
+// (float64 with float64_lse).
+std::tuple<at::Tensor, at::Tensor> forward_outputs(const Problem& P, const at::Tensor& q, bool float64_lse) {
   return {at::empty({P.B, P.N, P.Hq, P.D}, q.options()),
-          at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())))};
+          at::empty({P.B, P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type(), float64_lse)))};
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                             const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                             at::IntArrayRef dilation_rates, bool is_causal,
-                                            double softmax_scale) {
+                                            double softmax_scale, bool float64_lse, double dropout_p,
+                                            int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  check_no_dropout(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in);
-  auto [out, lse] = forward_outputs(P, q);
+  auto [out, lse] = forward_outputs(P, q, float64_lse);
   if (P.B == 0 || P.N == 0) return {out, lse};
   fwd_sequences(P, fixed_seqs(P), q, k, v, out, lse);
   return {out, lse};
@@ -320,9 +334,11 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
                                                    const at::Tensor& v_in, const at::Tensor& cu_seqlens,
                                                    int64_t max_seqlen, at::IntArrayRef segment_lengths,
                                                    at::IntArrayRef dilation_rates, bool is_causal,
-                                                   double softmax_scale) {
+                                                   double softmax_scale, bool float64_lse, double dropout_p,
+                                                   int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
                                         dilation_rates, is_causal, softmax_scale);
+  check_no_dropout(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -331,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in);
   at::Tensor out = at::empty({P.N, P.Hq, P.D}, q.options());
-  at::Tensor lse = at::empty({P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type())));
+  at::Tensor lse = at::empty({P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type(), float64_lse)));
   if (P.N == 0) return {out, lse};
   at::Tensor out4 = out.unsqueeze(0), lse3 = lse.unsqueeze(0);
   fwd_sequences(P, S, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4, lse3);
@@ -348,7 +364,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, c
   at::Tensor dk = at::empty({P.B, k.size(1), P.Hkv, P.D}, q.options());
   at::Tensor dv = at::empty({P.B, k.size(1), P.Hkv, P.D}, q.options());
   if (P.B == 0 || P.N == 0) return {dq, dk, dv};
-  at::Tensor delta = at::empty_like(lse);
+  at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(lse_dtype(q.scalar_type())));
 
   const DType t = dtype_of(q);
   const Device prop = device_info(q.device().index());
@@ -357,6 +373,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, c
   p.out = tensor4(out);
   p.dout = tensor4(dout);
   p.lse = lse.data_ptr();
+  p.lse_f64 = lse.scalar_type() == at::kDouble;
   p.delta = delta.data_ptr();
   p.dlse = dlse.defined() ? dlse.data_ptr() : nullptr;
   cuda::delta_kernel(p, t, stream);
@@ -384,14 +401,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, c
 }
 
 // The backward of (B, N, ...) inputs as the op receives them (the fixed-length op and the pieces):
-// their last dimension made contiguous and dlse converted to lse's dtype, then bwd_sequences.
+// their last dimension made contiguous and dlse converted to the accumulation dtype, then
+// bwd_sequences. lse may be float64 for any inputs (the op's float64_lse).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fixed(const Problem& P, const Seqs& S,
                                                          const at::Tensor& dout, const at::Tensor& q,
                                                          const at::Tensor& k, const at::Tensor& v,
                                                          const at::Tensor& out, const at::Tensor& lse,
                                                          const c10::optional<at::Tensor>& dlse_in) {
   at::Tensor dlse;
-  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse.scalar_type()).contiguous();
+  if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse_dtype(q.scalar_type())).contiguous();
   return bwd_sequences(P, S, last_dim_contiguous(dout), last_dim_contiguous(q), last_dim_contiguous(k),
                        last_dim_contiguous(v), last_dim_contiguous(out), lse.contiguous(), dlse);
 }
@@ -399,9 +417,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fixed(const Problem& P, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
-    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale,
+    double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  check_no_dropout(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -413,9 +433,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const c10::optional<at::Tensor>& dlse_in,
     const at::Tensor& cu_seqlens, int64_t max_seqlen, at::IntArrayRef segment_lengths,
-    at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+    at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale, double dropout_p,
+    int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
                                         dilation_rates, is_causal, softmax_scale);
+  check_no_dropout(dropout_p, dropout_seed, dropout_offset);
   const c10::optional<at::Tensor> dlse4 =
       check_varlen_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
@@ -424,7 +446,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const at::Tensor cu = cu_seqlens.contiguous();
   const Seqs S = packed_seqs(cu, P.N, max_seqlen);
   at::Tensor dlse;
-  if (dlse4.has_value()) dlse = dlse4->to(lse_in.scalar_type()).contiguous();
+  if (dlse4.has_value()) dlse = dlse4->to(lse_dtype(q_in.scalar_type())).contiguous();
   auto grads =
       bwd_sequences(P, S, last_dim_contiguous(dout_in).unsqueeze(0), last_dim_contiguous(q_in).unsqueeze(0),
                     last_dim_contiguous(k_in).unsqueeze(0), last_dim_contiguous(v_in).unsqueeze(0),
@@ -447,13 +469,14 @@ Problem check_piece_cuda(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // lse = -inf.
 std::tuple<at::Tensor, at::Tensor> piece_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                   const at::Tensor& v_in, bool is_causal,
-                                                  int64_t causal_offset, double softmax_scale) {
+                                                  int64_t causal_offset, double softmax_scale,
+                                                  bool float64_lse) {
   Problem P = check_piece_cuda(q_in, k_in, v_in, softmax_scale);
   const int64_t nk = k_in.size(1);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in),
                    v = last_dim_contiguous(v_in);
-  auto [out, lse] = forward_outputs(P, q);
+  auto [out, lse] = forward_outputs(P, q, float64_lse);
   if (P.B == 0 || P.N == 0) return {out, lse};
   if (nk == 0) {
     out.zero_();

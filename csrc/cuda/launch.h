@@ -26,7 +26,8 @@ struct Params {
   Tensor4 out;      // forward: written; backward (delta kernel): the forward's output, read
   Tensor4 dout;     // backward: gradient of out
   Tensor4 dq, dk, dv;
-  void* lse;                    // forward: written; backward: read
+  void* lse;                    // forward: written; backward: read; acc_t, or double (lse_f64)
+  int lse_f64;                  // lse holds double whatever acc_t (the op's float64_lse)
   void* delta;                  // backward: rowsum(dout * out) - dlse
   const void* dlse;             // backward: gradient of lse, or nullptr
   int64_t B, N, Hq, Hkv, D, G;  // G = Hq / Hkv; B, N of the tensors (a packed call: 1 and T)

@@ -78,7 +78,7 @@ __host__ __device__ inline int64_t simt_smem_elems(int64_t D, int64_t rpw, int o
   switch (kernel) {
     case kFwd: return M * D + ot * ld + ot * D + totals;        // Q rows, K tile, V tile
     case kDq: return 2 * M * D + 2 * ot * ld + totals;          // Q, dO rows; K, V tiles
-    default: return 2 * M * D + 2 * ot * ld + 2 * ot + totals;  // K, V rows; Q, dO tiles; lse, delta
+    default: return 2 * M * D + 2 * ot * ld + 3 * ot + totals;  // K, V rows; Q, dO tiles; lse hi, lo, delta
   }
 }
 
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   if (TwoLevel<acc_t>::value) fold();
 
   scalar_t* out = static_cast<scalar_t*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
-  acc_t* lse = static_cast<acc_t*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
+  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
   const double unit = da_score_unit(p.scale, sl2);
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
@@ -250,7 +250,8 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
         out[x * p.out.sn + d] = (scalar_t)(empty ? (acc_t)0 : a * inv);
       }
     }
-    if (lane == 0) lse[x] = empty ? -da_inf<acc_t>() : da_lse_natural(mf, lf, unit);
+    if (lane == 0)
+      da_set_lse<acc_t>(p, lse_row + x, empty ? -(double)INFINITY : da_lse_natural(mf, lf, unit));
   }
 }
 
@@ -302,7 +303,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
       static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn + h * p.dout.sh;
   const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
   const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
-  const acc_t* lse = static_cast<const acc_t*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
+  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
   const acc_t* delta = static_cast<const acc_t*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
   const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E);
 
@@ -321,11 +322,11 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
 
   // dq: the partial sum of the last kSumSteps steps; sDq: the rows' totals.
   const double unit = da_score_unit(p.scale, sl2);
-  acc_t lse2[kMaxRowsPerWarp], dl[kMaxRowsPerWarp], dq[kMaxRowsPerWarp][kMaxCols];
+  acc_t lse2[kMaxRowsPerWarp], lse2lo[kMaxRowsPerWarp], dl[kMaxRowsPerWarp], dq[kMaxRowsPerWarp][kMaxCols];
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
-    lse2[i] = da_lse_base2(x < N ? lse[x] : (acc_t)0, unit);
+    lse2[i] = da_lse_base2<acc_t>(x < N ? da_get_lse<acc_t>(p, lse_row + x) : 0.0, unit, &lse2lo[i]);
     dl[i] = x < N ? delta[x] : (acc_t)0;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) dq[i][t] = 0;
@@ -364,7 +365,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
         const int64_t row = warp * rpw + i;
         const acc_t s = simt_dot(sQ + row * D, sK + lane * ld, D);
         const acc_t dp = simt_dot(sdO + row * D, sV + lane * ld, D);
-        const acc_t pr = da_exp2(s - lse2[i]);
+        const acc_t pr = da_exp2((s - lse2[i]) - lse2lo[i]);
         ds = pr * (dp - dl[i]);
       }
       acc_t step[kMaxCols];  // this step's dS K, summed afresh
@@ -411,8 +412,9 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   acc_t* sV = sK + M * D;                          // [M][D]
   acc_t* sQ = sV + M * D;                          // [QT][ld], scaled by scale * log2(e) as the forward's
   acc_t* sdO = sQ + QT * ld;                       // [QT][ld]
-  acc_t* sL = sdO + QT * ld;                       // [QT] lse, log2 domain
-  acc_t* sDl = sL + QT;                            // [QT] delta
+  acc_t* sL = sdO + QT * ld;                       // [QT] lse, log2 domain (hi)
+  acc_t* sLlo = sL + QT;                           // [QT] and its low part (da_lse_base2)
+  acc_t* sDl = sLlo + QT;                          // [QT] delta
   acc_t* sDk = sDl + QT;                           // [M][D] the rows' totals of dk (float only)
   acc_t* sDv = sDk + M * D;                        // [M][D] and of dv
 
@@ -426,7 +428,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
   const scalar_t* q_all = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
   const scalar_t* do_all = static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
-  const acc_t* lse_all = static_cast<const acc_t*>(p.lse) + b * p.Hq * p.N + sq.start;
+  const int64_t lse_all = b * p.Hq * p.N + sq.start;
   const acc_t* delta_all = static_cast<const acc_t*>(p.delta) + b * p.Hq * p.N + sq.start;
   const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E);
   const double unit = da_score_unit(p.scale, sl2);
@@ -483,13 +485,14 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     }
     for (int jj = threadIdx.x; jj < QT; jj += kSimtThreads) {
       const int j = cur.o0 + jj;
-      acc_t L = da_inf<acc_t>(), dlt = 0;
+      acc_t L = da_inf<acc_t>(), lo = 0, dlt = 0;
       if (j < cur.o_end) {
         const int64_t x = cur.other_position(j);
-        L = da_lse_base2(lse_all[h * p.N + x], unit);
+        L = da_lse_base2<acc_t>(da_get_lse<acc_t>(p, lse_all + h * p.N + x), unit, &lo);
         dlt = delta_all[h * p.N + x];
       }
       sL[jj] = L;
+      sLlo[jj] = lo;
       sDl[jj] = dlt;
     }
     __syncthreads();
@@ -504,7 +507,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
         const int64_t row = warp * rpw + i;
         const acc_t s = simt_dot(sQ + lane * ld, sK + row * D, D);  // the forward's score, bit for bit
         const acc_t dp = simt_dot(sV + row * D, sdO + lane * ld, D);
-        pr = da_exp2(s - sL[lane]);
+        pr = da_exp2((s - sL[lane]) - sLlo[lane]);
         ds = pr * (dp - sDl[lane]);
       }
       acc_t step_k[kMaxCols], step_v[kMaxCols];  // this step's dS^T Q and P^T dO, summed afresh

@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   cp_async_wait<0>();
 
   T* out = static_cast<T*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
-  float* lse = static_cast<float*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
+  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     float lsum = l[ri];
@@ -344,7 +344,9 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
       const int d = dt * 8 + 2 * tq;
       if (d < p.D) store2<T>(o + d, empty ? 0.f : O[dt][2 * ri] * inv, empty ? 0.f : O[dt][2 * ri + 1] * inv);
     }
-    if (tq == 0) lse[x] = empty ? -INFINITY : da_lse_natural(m[ri], lsum, da_score_unit(p.scale, sl2));
+    if (tq == 0)
+      da_set_lse<float>(p, lse_row + x,
+                        empty ? -(double)INFINITY : da_lse_natural(m[ri], lsum, da_score_unit(p.scale, sl2)));
   }
 #endif
 }
@@ -401,15 +403,16 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   cur.start(p);
 
   // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
-  const float* lse = static_cast<const float*>(p.lse) + (b * p.Hq + h) * p.N + sq.start;
+  // (float16/bfloat16 only: lse's low part, da_lse_base2, is far below their rounding and unused.)
+  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
   const float* delta = static_cast<const float*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
   const float sl2 = (float)(p.scale * DA_LOG2E);
   const double unit = da_score_unit(p.scale, sl2);
-  float lse2[2], dl[2];
+  float lse2[2], dl[2], lo;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t x = cur.pos[ri];
-    lse2[ri] = da_lse_base2(x < N ? lse[x] : 0.f, unit);
+    lse2[ri] = da_lse_base2<float>(x < N ? da_get_lse<float>(p, lse_row + x) : 0.0, unit, &lo);
     dl[ri] = x < N ? delta[x] : 0.f;
   }
 
@@ -549,7 +552,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
 
   const T* q_all = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
   const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
-  const float* lse_all = static_cast<const float*>(p.lse) + b * p.Hq * p.N + sq.start;
+  const int64_t lse_all = b * p.Hq * p.N + sq.start;
   const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N + sq.start;
   const float sl2 = (float)(p.scale * DA_LOG2E);
   const double unit = da_score_unit(p.scale, sl2);
@@ -569,10 +572,10 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
     });
     for (int jj = threadIdx.x; jj < QT; jj += kTcThreads) {
       const int j = w.o0 + jj;
-      float L = INFINITY, dlt = 0.f;
+      float L = INFINITY, dlt = 0.f, lo;
       if (j < w.o_end) {
         const int64_t x = w.other_position(j);
-        L = da_lse_base2(lse_all[h * p.N + x], unit);
+        L = da_lse_base2<float>(da_get_lse<float>(p, lse_all + h * p.N + x), unit, &lo);
         dlt = delta_all[h * p.N + x];
       }
       sL[stage * QT + jj] = L;

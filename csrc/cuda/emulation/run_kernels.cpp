@@ -82,6 +82,12 @@ da_piece& piece() {
   return pc;
 }
 
+// Whether the next calls' lse is float64 whatever the dtype (the op's float64_lse; da_emu_lse64).
+bool& lse64() {
+  static bool on = false;
+  return on;
+}
+
 // Rows of keys: N, or a piece's nk.
 int64_t key_rows(int64_t N) {
   return piece().nk > 0 ? piece().nk : N;
@@ -264,6 +270,12 @@ extern "C" void da_emu_piece(int64_t nk, int64_t offset) {
   piece() = da_piece{0, nk < 0 ? 0 : nk, offset};
 }
 
+// lse in float64 (on != 0) or in the accumulation dtype for the calls that follow; dlse and delta
+// stay in the accumulation dtype.
+extern "C" void da_emu_lse64(int on) {
+  lse64() = on != 0;
+}
+
 // Forward: out (B, N, Hq, D) and lse (B, Hq, N) from contiguous q, k, v. Returns 0 or 1 (err set).
 extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
                               int64_t nb, const int64_t* w, const int64_t* r, int causal, double scale,
@@ -274,7 +286,7 @@ extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64
                              rows_per_warp, other_tile);
   Params p;
   if (setup(P, &p, err, errlen)) return 1;
-  const size_t es = elem_size(dtype), ls = dtype == 3 ? 8 : 4;
+  const size_t es = elem_size(dtype), ls = dtype == 3 || lse64() ? 8 : 4;
   const int64_t Nk = key_rows(N);
   Guarded gq(q, B * N * Hq * D * es, false), gk(k, B * Nk * Hkv * D * es, false),
       gv(v, B * Nk * Hkv * D * es, false);
@@ -284,6 +296,7 @@ extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64
   p.v = contiguous4(gv.data(), Nk, Hkv, D);
   p.out = contiguous4(go.data(), N, Hq, D);
   p.lse = gl.data();
+  p.lse_f64 = lse64();
   if (family == 0) {
     if (dtype == 0)
       tc_forward<__half>(p);
@@ -318,11 +331,12 @@ extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int6
                              rows_per_warp, other_tile);
   Params p;
   if (setup(P, &p, err, errlen)) return 1;
-  const size_t es = elem_size(dtype), ls = dtype == 3 ? 8 : 4;
+  const size_t es = elem_size(dtype), as = dtype == 3 ? 8 : 4, ls = lse64() ? 8 : as;
   const int64_t Nk = key_rows(N);
-  const size_t nq = B * N * Hq * D * es, nk = B * Nk * Hkv * D * es, nl = B * Hq * N * ls;
+  const size_t nq = B * N * Hq * D * es, nk = B * Nk * Hkv * D * es, nl = B * Hq * N * ls,
+               na = B * Hq * N * as;
   Guarded gdo(dout, nq, false), gq(q, nq, false), gk(k, nk, false), gv(v, nk, false), go(out, nq, false);
-  Guarded gl(lse, nl, false), gdl(dlse, dlse ? nl : 0, false), gdelta(nullptr, nl, true);
+  Guarded gl(lse, nl, false), gdl(dlse, dlse ? na : 0, false), gdelta(nullptr, na, true);
   Guarded gdq(nullptr, nq, true), gdk(nullptr, nk, true), gdv(nullptr, nk, true);
   p.q = contiguous4(gq.data(), N, Hq, D);
   p.k = contiguous4(gk.data(), Nk, Hkv, D);
@@ -333,6 +347,7 @@ extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int6
   p.dk = contiguous4(gdk.data(), Nk, Hkv, D);
   p.dv = contiguous4(gdv.data(), Nk, Hkv, D);
   p.lse = gl.data();
+  p.lse_f64 = lse64();
   p.delta = gdelta.data();
   p.dlse = dlse ? gdl.data() : nullptr;
   switch (dtype) {

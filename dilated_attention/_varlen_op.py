@@ -1,0 +1,143 @@
+"""The packed (varlen) form of the fused op (SPEC section 7), its fake kernels and autograd formula.
+
+* ``torch.ops.dilated_attention.varlen_fwd(q, k, v, cu_seqlens, max_seqlen, segment_lengths,
+  dilation_rates, is_causal, softmax_scale, float64_lse=False) -> (out, lse)``
+* ``torch.ops.dilated_attention.varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen,
+  segment_lengths, dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
+
+q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S + 1,); out (T, Hq, D), lse (Hq, T).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._autograd import no_double_backward
+from ._ops import _C, _require_extension, dropout_seed_offset, lse_dtype
+from .flops import accumulation_dtype
+
+__all__ = ["native_varlen_forward"]
+
+
+def _varlen_fwd_fake(
+    q,
+    k,
+    v,
+    cu_seqlens,
+    max_seqlen,
+    segment_lengths,
+    dilation_rates,
+    is_causal,
+    softmax_scale,
+    float64_lse=False,
+    dropout_p=0.0,
+    dropout_seed=0,
+    dropout_offset=0,
+):
+    T, Hq, D = q.shape
+    out = q.new_empty((T, Hq, D))
+    lse = q.new_empty((Hq, T), dtype=lse_dtype(q.dtype, float64_lse))
+    return out, lse
+
+
+def _varlen_bwd_fake(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    cu_seqlens,
+    max_seqlen,
+    segment_lengths,
+    dilation_rates,
+    is_causal,
+    softmax_scale,
+    dropout_p=0.0,
+    dropout_seed=0,
+    dropout_offset=0,
+):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs[:9]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.config = (
+        int(max_seqlen),
+        list(segment_lengths),
+        list(dilation_rates),
+        bool(is_causal),
+        float(softmax_scale),
+    )
+    ctx.dropout = tuple(inputs[10:13])  # dropout_p, dropout_seed, dropout_offset when given
+
+
+def _varlen_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = ctx.config
+    dq, dk, dv = torch.ops.dilated_attention.varlen_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse,
+        cu_seqlens,
+        max_seqlen,
+        segment_lengths,
+        dilation_rates,
+        is_causal,
+        softmax_scale,
+        *ctx.dropout,
+    )
+    dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
+    return (dq, dk, dv) + (None,) * 10
+
+
+if _C is not None:
+    torch.library.register_fake("dilated_attention::varlen_fwd")(_varlen_fwd_fake)
+    torch.library.register_fake("dilated_attention::varlen_bwd")(_varlen_bwd_fake)
+    torch.library.register_autograd(
+        "dilated_attention::varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context
+    )
+
+
+def native_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    is_causal: bool,
+    softmax_scale: float,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the fused packed op: ``out`` (T, Hq, D) and ``lse`` (Hq, T), float32 (float64 for
+    float64 inputs); attention dropout with probability ``dropout_p`` (CPU kernels).
+    Differentiable; the backward reads the op's float64 lse (see :mod:`._ops`).
+
+    ``RuntimeError`` saying what to run when the extension is not loaded."""
+    _require_extension()
+    out, lse = torch.ops.dilated_attention.varlen_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        int(max_seqlen),
+        list(segment_lengths),
+        list(dilation_rates),
+        bool(is_causal),
+        float(softmax_scale),
+        True,
+        *((float(dropout_p), *dropout_seed_offset()) if dropout_p > 0 else ()),
+    )
+    return out, lse.to(accumulation_dtype(q.dtype))
