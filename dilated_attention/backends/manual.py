@@ -60,9 +60,9 @@ class ManualBackend(GatheredBackend):
         mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
         e = torch.exp(s - mx)
         total = e.sum(dim=-1, keepdim=True)
-        seen = total > 0
-        total = torch.where(seen, total, torch.ones_like(total))
-        lse = torch.where(seen, torch.log(total) + mx, torch.full_like(total, float("-inf")))[..., 0]
+        empty = total == 0  # a NaN score keeps its NaN (total NaN is not empty)
+        total = torch.where(empty, torch.ones_like(total), total)
+        lse = torch.where(empty, torch.full_like(total, float("-inf")), torch.log(total) + mx)[..., 0]
         p = e / total
         if dropout_p > 0:
             p = F.dropout(p, p=dropout_p, training=True)
