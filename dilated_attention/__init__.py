@@ -30,7 +30,7 @@ from ._warnings import (
     VersionWarning,
 )
 from .backends import BACKEND_CHOICES, BACKEND_NAMES, get_pattern_cache, select_backend
-from .decode import DilatedKVCache, dilated_attention_decode
+from .decode import BoundedDilatedKVCache, DilatedKVCache, dilated_attention_decode
 from .functional import dilated_attention, dilated_attention_varlen
 from .hardware import recommended_backends, recommended_dtype
 from .hilbert import hilbert_permutation
@@ -61,6 +61,7 @@ __all__ = [
     "BACKEND_CHOICES",
     "BACKEND_NAMES",
     "BackendFallbackWarning",
+    "BoundedDilatedKVCache",
     "DenseWeightsWarning",
     "DilatedAttention",
     "DilatedAttentionWarning",

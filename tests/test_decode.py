@@ -237,7 +237,7 @@ def test_readme_snippet_runs():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("## Generation with a key/value cache")
+    start = readme.index("## Generation in bounded memory")
     code = readme[
         readme.index("```python\n", start) + 10 : readme.index("```\n", readme.index("```python\n", start))
     ]
