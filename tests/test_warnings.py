@@ -49,7 +49,9 @@ def test_the_package_warns_only_through_warn_once():
                 if category is not None and not isinstance(category, (ast.Name, ast.Attribute)):
                     categories.append(f"{where}: category is not a name")
                     continue
-                cname = "DilatedAttentionWarning" if category is None else ast.unparse(category).split(".")[-1]
+                cname = (
+                    "DilatedAttentionWarning" if category is None else ast.unparse(category).split(".")[-1]
+                )
                 cls = getattr(_warnings, cname, None) or getattr(da, cname, None)
                 if not (inspect.isclass(cls) and issubclass(cls, _warnings.DilatedAttentionWarning)):
                     categories.append(f"{where}: {cname}")
