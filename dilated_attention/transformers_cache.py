@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import transformers as _hf
+from ._hf.layers import describe
 from .decode.bounded import BoundedDilatedKVCache
 
 __all__ = ["BoundedDilatedCache", "BoundedDilatedLayer"]
@@ -193,7 +194,7 @@ def dilated_attention_forward(
         )
     for name in _hf._UNSUPPORTED:
         if kwargs.get(name) is not None:
-            raise ValueError(f"dilated attention cannot honour the model's {name}={kwargs[name]!r}")
+            raise ValueError(f"dilated attention cannot honour the model's {name}={describe(kwargs[name])}")
     if dropout > 0:
         raise ValueError(f"the bounded dilated cache runs without attention dropout, got dropout={dropout}")
     if is_causal is False or not getattr(module, "is_causal", True):
