@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from backend_fixtures import DTYPES, LOGGER, RUNNABLE, fresh_selection, one_thread  # noqa: F401
 from common import grads, make_inputs
 from reference import reference_attention
 from tolerance import assert_within_rule
@@ -18,10 +19,6 @@ from dilated_attention import backends
 from dilated_attention import dilated_attention as dattn
 from dilated_attention.backends import BackendRequest, get_backend
 from dilated_attention.backends.patterns import PatternCache, build_positions
-
-RUNNABLE = ["native", "sdpa", "manual"]
-DTYPES = [torch.float32, torch.float64, torch.bfloat16]
-LOGGER = "dilated_attention.backends.registry"
 
 # (B, N, Hq, Hkv, D, segment_lengths, dilation_rates)
 CONFIGS = [
@@ -81,23 +78,6 @@ def check_against_reference(
     for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
         assert a.dtype == dtype
         assert_within_rule(name, a, e, p, dtype)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The problems here are tiny: one thread is faster, and steady on a busy machine (the fused
-    CPU attention kernels otherwise pay a thread wake-up per call)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def fresh_selection():
-    backends.default_selector().clear()
-    yield
-    backends.default_selector().clear()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,46 +8,13 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from backend_fixtures import DTYPES, LOGGER, RUNNABLE, fresh_selection, one_thread  # noqa: F401
 from common import make_inputs
 from reference import reference_attention
 from test_backends import check_against_reference
 
-from dilated_attention import backends, hardware
+from dilated_attention import hardware
 from dilated_attention.backends import BackendRequest, get_backend, resolve
-
-RUNNABLE = ["native", "sdpa", "manual"]
-DTYPES = [torch.float32, torch.float64, torch.bfloat16]
-LOGGER = "dilated_attention.backends.registry"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The problems here are tiny: one thread is faster, and steady on a busy machine (the fused
-    CPU attention kernels otherwise pay a thread wake-up per call)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def fresh_selection():
-    backends.default_selector().clear()
-    yield
-    backends.default_selector().clear()
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """Make the hardware module report one CUDA GPU of a chosen compute capability."""
-    state = {"cap": (8, 0)}
-    monkeypatch.setattr(hardware, "compute_capability", lambda device=None: state["cap"])
-    monkeypatch.setattr(
-        hardware, "device_name", lambda device=None: f"FAKE sm_{state['cap'][0]}{state['cap'][1]}"
-    )
-    monkeypatch.setattr(hardware, "device_unavailable", lambda device=None: None)
-    return state
-
 
 # ----------------------------------------------------------------------------------------------
 # Test doubles of flash_attn and xformers, after their documented APIs
