@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from backend_fixtures import RUNNABLE, fresh_selection, one_thread  # noqa: F401
 from common import make_inputs
 from reference import reference_attention
 from test_backends import check_against_reference
@@ -21,24 +22,6 @@ from tolerance import assert_causal_segment_within_rule
 
 from dilated_attention import DilatedAttention, MultiheadDilatedAttention, backends
 from dilated_attention import dilated_attention as dattn
-
-RUNNABLE = ["native", "sdpa", "manual"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def fresh_selection():
-    backends.default_selector().clear()
-    yield
-    backends.default_selector().clear()
-
 
 # ----------------------------------------------------------------------------------------------
 # Double backward: exact (manual) or a clear error, never a wrong number

@@ -9,28 +9,10 @@ import math
 
 import pytest
 import torch
+from backend_fixtures import RUNNABLE, fresh_selection, one_thread  # noqa: F401
 from common import make_inputs
 
-from dilated_attention import backends
 from dilated_attention import dilated_attention as dattn
-
-RUNNABLE = ["native", "sdpa", "manual"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def fresh_selection():
-    backends.default_selector().clear()
-    yield
-    backends.default_selector().clear()
-
 
 # ----------------------------------------------------------------------------------------------
 # Non-finite values reach exactly the rows that read them
