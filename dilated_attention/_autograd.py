@@ -6,10 +6,20 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["first_order_only", "no_double_backward"]
+__all__ = ["first_order_only", "forward_mode_message", "no_double_backward"]
 
 
 _ADVICE = "differentiate twice with backend='manual', which autograd differentiates end to end"
+
+
+def forward_mode_message(backend: str) -> str:
+    """The error of a fused backend under forward-mode AD, naming the transforms it refuses."""
+    return (
+        f"dilated_attention: the {backend!r} backend has no forward-mode gradients (torch.func.jvp, "
+        "jacfwd, hessian, torch.autograd.forward_ad): its backward is a fused reverse-mode kernel; use "
+        "reverse mode (torch.func.grad, vjp, jacrev) or backend='manual', which autograd "
+        "differentiates end to end"
+    )
 
 
 def _message(backend: str, advice: str | None = None) -> str:

@@ -1,10 +1,13 @@
-"""The fused op under torch.func (``grad``, ``vjp``, ``jacrev``, ``vmap``) and torch.export.
+"""The fused ops under torch.func (``grad``, ``vjp``, ``jacrev``, ``vmap``) and torch.export.
 
 :func:`native_attention` runs ``torch.ops.dilated_attention.fwd`` through :class:`NativeAttention`,
-an ``autograd.Function`` written with ``setup_context`` (what torch.func transforms require; the
-op's own ``register_autograd`` formula is the older kind, which they refuse), whose forward and
-backward run the ops. Both ops have vmap rules (``torch.library.register_vmap``): the vmapped
-dimension is folded into the batch, one kernel call for the whole vmapped batch, so ``vmap`` and
+and :func:`native_varlen_attention` the packed ``varlen_fwd`` through
+:class:`NativeVarlenAttention`: ``autograd.Function``s written with ``setup_context`` (what
+torch.func transforms require; the ops' own ``register_autograd`` formulas are the older kind,
+which they refuse, and under forward mode give a zero tangent without a word), whose forward and
+backward run the ops. The four ops have vmap rules (``torch.library.register_vmap``): the vmapped
+dimension is folded into the batch (the packed ops: into the rows, each vmapped example's
+sequences after the previous one's), one kernel call for the whole vmapped batch, so ``vmap`` and
 ``jacrev`` (a vmap over vjps) need no per-example loop. Forward-mode AD (``jvp``, ``jacfwd``,
 ``hessian``) has no formula: it raises an error that names it. Under torch.compile and
 torch.export the op is called directly (Dynamo traces it and its ``register_autograd`` formula,
@@ -18,16 +21,12 @@ from typing import Any
 
 import torch
 
-from ._autograd import no_double_backward
+from ._autograd import forward_mode_message, no_double_backward
 from ._ops import _C
 
-__all__ = ["NativeAttention", "native_attention"]
+__all__ = ["NativeAttention", "NativeVarlenAttention", "native_attention", "native_varlen_attention"]
 
-_FORWARD_MODE = (
-    "dilated_attention: the 'native' backend has no forward-mode gradients (torch.func.jvp, jacfwd, "
-    "hessian, torch.autograd.forward_ad): its backward is a fused reverse-mode kernel; use reverse "
-    "mode (torch.func.grad, vjp, jacrev) or backend='manual', which autograd differentiates end to end"
-)
+_FORWARD_MODE = forward_mode_message("native")
 
 
 def _fold(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
@@ -54,9 +53,46 @@ def _bwd_vmap(info: Any, in_dims: tuple[Any, ...], dout, q, k, v, out, lse, dlse
     return tuple(g.unflatten(0, (V, -1)) for g in grads), (0, 0, 0)
 
 
+def _fold_lse(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
+    """A packed op's lse (Hq, T) with its vmapped dimension folded into the rows: (Hq, V * T)."""
+    x = x.movedim(bdim, 0) if bdim is not None else x.unsqueeze(0).expand(size, *x.shape)
+    return x.transpose(0, 1).reshape(x.shape[1], size * x.shape[2])
+
+
+def _fold_cu_seqlens(cu: torch.Tensor, bdim: int | None, size: int, rows: int) -> torch.Tensor:
+    """The cu_seqlens of ``size`` packed batches of ``rows`` rows laid one after the other: the
+    sequences of vmapped example ``i`` (its own cu_seqlens where they are vmapped too) start at
+    row ``i * rows``."""
+    cu = cu.movedim(bdim, 0) if bdim is not None else cu.unsqueeze(0).expand(size, *cu.shape)
+    starts = torch.arange(size, device=cu.device, dtype=cu.dtype).mul_(rows).unsqueeze(1)
+    return torch.cat([cu[0, :1], (cu[:, 1:] + starts).reshape(-1)])
+
+
+def _varlen_fwd_vmap(info: Any, in_dims: tuple[Any, ...], q, k, v, cu_seqlens, *rest):
+    V = info.batch_size
+    q, k, v = (_fold(t, d, V) for t, d in zip((q, k, v), in_dims[:3], strict=True))
+    T = q.shape[0] // V
+    cu = _fold_cu_seqlens(cu_seqlens, in_dims[3], V, T)
+    out, lse = torch.ops.dilated_attention.varlen_fwd(q, k, v, cu, *rest)
+    return (out.unflatten(0, (V, T)), lse.unflatten(1, (V, T))), (0, 1)
+
+
+def _varlen_bwd_vmap(info: Any, in_dims: tuple[Any, ...], dout, q, k, v, out, lse, dlse, cu_seqlens, *rest):
+    V = info.batch_size
+    rows = [_fold(t, d, V) for t, d in zip((dout, q, k, v, out), in_dims[:5], strict=True)]
+    T = rows[1].shape[0] // V
+    lse = _fold_lse(lse, in_dims[5], V)
+    dlse = None if dlse is None else _fold_lse(dlse, in_dims[6], V)
+    cu = _fold_cu_seqlens(cu_seqlens, in_dims[7], V, T)
+    grads = torch.ops.dilated_attention.varlen_bwd(*rows, lse, dlse, cu, *rest)
+    return tuple(g.unflatten(0, (V, T)) for g in grads), (0, 0, 0)
+
+
 if _C is not None:
     torch.library.register_vmap("dilated_attention::fwd", _fwd_vmap)
     torch.library.register_vmap("dilated_attention::bwd", _bwd_vmap)
+    torch.library.register_vmap("dilated_attention::varlen_fwd", _varlen_fwd_vmap)
+    torch.library.register_vmap("dilated_attention::varlen_bwd", _varlen_bwd_vmap)
 
 
 class NativeAttention(torch.autograd.Function):
@@ -116,4 +152,72 @@ def native_attention(
     out, lse = NativeAttention.apply(
         q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout
     )
+    return out, lse
+
+
+class NativeVarlenAttention(torch.autograd.Function):
+    """``(out, lse)`` of the fused packed op (lse in float64, as :class:`NativeAttention`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout
+    ):
+        return torch.ops.dilated_attention.varlen_fwd(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            max_seqlen,
+            segment_lengths,
+            dilation_rates,
+            is_causal,
+            softmax_scale,
+            True,
+            *dropout,
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, *config = inputs  # max_seqlen ... softmax_scale, dropout_p, seed, offset
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.config = tuple(config)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = torch.ops.dilated_attention.varlen_bwd(
+            dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.config
+        )
+        dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
+        return (dq, dk, dv, None) + (None,) * len(ctx.config)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_FORWARD_MODE)
+
+
+def native_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    is_causal: bool,
+    softmax_scale: float,
+    dropout: tuple[float, int, int] | tuple[()] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the fused packed op through :class:`NativeVarlenAttention` (lse in
+    float64); ``dropout`` is ``(dropout_p, dropout_seed, dropout_offset)`` or empty."""
+    args = (q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale)
+    if torch.compiler.is_compiling():
+        # As native_attention: Dynamo traces the op and its register_autograd formula.
+        return torch.ops.dilated_attention.varlen_fwd(*args, True, *dropout)
+    out, lse = NativeVarlenAttention.apply(*args, *dropout)
     return out, lse

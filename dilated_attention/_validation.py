@@ -194,7 +194,15 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: Any) -
 
 def varlen_lengths(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> list[int]:
     """The sequence lengths of ``cu_seqlens`` (read on the host), checked: ``cu_seqlens[0] = 0``,
-    non-decreasing, ``cu_seqlens[-1] = T`` and no length above ``max_seqlen``."""
+    non-decreasing, ``cu_seqlens[-1] = T`` and no length above ``max_seqlen``.
+
+    A ``cu_seqlens`` vmapped by ``torch.func.vmap`` has no values to read: ``ValueError`` naming it
+    (q, k and v may be vmapped, the packing is shared)."""
+    if torch._C._functorch.is_batchedtensor(cu_seqlens):
+        raise ValueError(
+            "cu_seqlens cannot be vmapped (torch.func.vmap): the packing is read on the host; vmap q, k "
+            "and v and pass one cu_seqlens for every example (in_dims None)"
+        )
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0]}")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ._autograd import no_double_backward
+from ._func import native_varlen_attention
 from ._ops import _C, _require_extension, dropout_seed_offset, lse_dtype
 from .flops import accumulation_dtype
 
@@ -123,11 +124,12 @@ def native_varlen_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused packed op: ``out`` (T, Hq, D) and ``lse`` (Hq, T), float32 (float64 for
     float64 inputs); attention dropout with probability ``dropout_p`` (CPU kernels).
-    Differentiable; the backward reads the op's float64 lse (see :mod:`._ops`).
+    Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap`` (:mod:`._func`);
+    the backward reads the op's float64 lse (see :mod:`._ops`).
 
     ``RuntimeError`` saying what to run when the extension is not loaded."""
     _require_extension()
-    out, lse = torch.ops.dilated_attention.varlen_fwd(
+    out, lse = native_varlen_attention(
         q,
         k,
         v,
@@ -137,7 +139,6 @@ def native_varlen_forward(
         list(dilation_rates),
         bool(is_causal),
         float(softmax_scale),
-        True,
-        *((float(dropout_p), *dropout_seed_offset()) if dropout_p > 0 else ()),
+        (float(dropout_p), *dropout_seed_offset()) if dropout_p > 0 else (),
     )
     return out, lse.to(accumulation_dtype(q.dtype))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from common import make_inputs, one_thread  # noqa: F401
-from reference import reference_attention
+from reference import reference_attention, reference_varlen
 
 from dilated_attention import dilated_attention as dattn
+from dilated_attention import dilated_attention_varlen as dattn_varlen
 
 SEGS, RATES = [4, 8], [1, 2]
 
@@ -94,14 +95,106 @@ def test_func_vmap_of_grad_matches_a_loop():
         torch.testing.assert_close(got[i], ref, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
-def test_forward_mode_refused_by_name(transform):
-    q, k, v = _inputs()
-    with pytest.raises(RuntimeError, match="'native' backend has no forward-mode gradients"):
+CU = [0, 5, 5, 12]  # three sequences, the second empty
+
+
+def _native_varlen(q, k, v, cu=None):
+    cu = torch.tensor(CU, dtype=torch.int32) if cu is None else cu
+    return dattn_varlen(q, k, v, cu, 7, SEGS, RATES, is_causal=True, backend="native")
+
+
+def _reference_varlen(q, k, v):
+    return reference_varlen(q, k, v, CU, SEGS, RATES, True)[0]
+
+
+def _packed(T=12, Hq=4, Hkv=2, D=3, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(T, h, D, generator=g, dtype=torch.float64) for h in (Hq, Hkv, Hkv))
+
+
+def test_func_on_packed_sequences_matches_reference():
+    """grad, vjp and jacrev of the packed op equal those of the float64 reference."""
+    q, k, v = _packed()
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v) * w).sum()
+
+    got = torch.func.grad(loss(_native_varlen), argnums=(0, 1, 2))(q, k, v)
+    ref = torch.func.grad(loss(_reference_varlen), argnums=(0, 1, 2))(q, k, v)
+    for a, e in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+    out, pull = torch.func.vjp(_native_varlen, q, k, v)
+    torch.testing.assert_close(out, _reference_varlen(q, k, v), rtol=1e-10, atol=1e-10)
+    for a, e in zip(pull(w), ref, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+    q, k, v = _packed(D=2, Hq=2, Hkv=1)
+    got = torch.func.jacrev(_native_varlen, argnums=(0, 1, 2))(q, k, v)
+    want = torch.func.jacrev(_reference_varlen, argnums=(0, 1, 2))(q, k, v)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("in_dims", [(0, 0, 0, None), (1, None, 0, None), (0, 0, 0, 0)])
+def test_func_vmap_on_packed_sequences_matches_a_loop(in_dims):
+    """vmap over packed batches equals a loop, as does the vmapped gradient; the kernels' vmap rule
+    folds the examples into the rows (the fallback loop would warn). cu_seqlens itself cannot be
+    vmapped (the packing is read on the host): that is refused by name."""
+    V, T = 3, 12
+    g = torch.Generator().manual_seed(6)
+    args = []
+    for h, d in zip((4, 2, 2), in_dims[:3], strict=True):
+        shape = [T, h, 3]
+        if d is not None:
+            shape.insert(d, V)
+        args.append(torch.randn(shape, generator=g, dtype=torch.float64))
+    cus = [[0, 5, 5, 12], [0, 12, 12, 12], [0, 1, 2, 12]]
+    cu = torch.tensor(cus if in_dims[3] == 0 else CU, dtype=torch.int32)
+    if in_dims[3] == 0:
+        with pytest.raises(ValueError, match=r"cu_seqlens cannot be vmapped \(torch.func.vmap\)"):
+            torch.func.vmap(_native_varlen, in_dims=in_dims)(*args, cu)
+        return
+    got = torch.func.vmap(_native_varlen, in_dims=in_dims)(*args, cu)
+    grad = torch.func.vmap(
+        torch.func.grad(lambda q, k, v, cu: _native_varlen(q, k, v, cu).square().sum()), in_dims=in_dims
+    )
+    dq = grad(*args, cu)
+    for i in range(V):
+        one = [a if d is None else a.select(d, i) for a, d in zip(args, in_dims[:3], strict=True)]
+        cu_i = cus[i] if in_dims[3] == 0 else CU
+        want = reference_varlen(*one, cu_i, SEGS, RATES, True)[0]
+        torch.testing.assert_close(got[i], want, rtol=1e-10, atol=1e-10)
+        q = one[0].clone().requires_grad_()
+        reference_varlen(q, one[1], one[2], cu_i, SEGS, RATES, True)[0].square().sum().backward()
+        torch.testing.assert_close(dq[i], q.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["native", "sdpa"])
+@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "forward_ad"])
+def test_forward_mode_refused_by_name(transform, packed, backend):
+    """A fused backend has no forward-mode formula: every forward-mode transform raises the
+    package's error naming the backend (never a zero tangent)."""
+    if packed:
+        q, k, v = _packed()
+        cu = torch.tensor(CU, dtype=torch.int32)
+
+        def fn(q, k, v):
+            return dattn_varlen(q, k, v, cu, 7, SEGS, RATES, is_causal=True, backend=backend)
+    else:
+        q, k, v = _inputs()
+
+        def fn(q, k, v):
+            return dattn(q, k, v, SEGS, RATES, is_causal=True, backend=backend)
+
+    with pytest.raises(RuntimeError, match=f"'{backend}' backend has no forward-mode gradients"):
         if transform == "jvp":
-            torch.func.jvp(_native, (q, k, v), (q, k, v))
+            torch.func.jvp(fn, (q, k, v), (q, k, v))
+        elif transform == "jacfwd":
+            torch.func.jacfwd(fn)(q, k, v)
         else:
-            torch.func.jacfwd(_native)(q, k, v)
+            with torch.autograd.forward_ad.dual_level():
+                fn(torch.autograd.forward_ad.make_dual(q, torch.ones_like(q)), k, v)
 
 
 def test_second_order_through_func_refused_by_name():

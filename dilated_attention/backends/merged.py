@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._autograd import _message
+from .._autograd import _message, forward_mode_message
 from ..merge import merge_view_
 from .base import lse_dtype
 from .views import Call, batches, view
@@ -145,6 +145,10 @@ class MergedAttention(torch.autograd.Function):
             dout, dlse, q, k, v, out, lse_bnh, ctx.backend, ctx.plan, ctx.is_causal, ctx.scale, ctx.aux
         )
         return dq, dk, dv, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(forward_mode_message(ctx.backend.name))
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, backend, plan, is_causal, scale, nonfinite):
