@@ -41,11 +41,16 @@ def reference_attention(
     is_causal: bool = False,
     softmax_scale: float | None = None,
     dtype: torch.dtype | None = None,
+    keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out, lse)``: out (B, N, Hq, D), lse (B, Hq, N), computed in ``dtype``
-    (float64 by default). Differentiable by autograd."""
+    (float64 by default). Differentiable by autograd. With ``keep`` (bool (B, Hq, N, N), the
+    kernels' mask: ``dilated_attention._ops.dropout_mask``), attention dropout: the normalised
+    weight of query p and key x of head h of batch entry b is multiplied by
+    ``keep[b, h, p, x] / (1 - dropout_p)``; lse is that of the weights before dropout."""
     mult = multiplicity(q.shape[1], q.shape[2], segment_lengths, dilation_rates, is_causal)
-    return _weighted_attention(q, k, v, mult.to(q.device), softmax_scale, dtype)
+    return _weighted_attention(q, k, v, mult.to(q.device), softmax_scale, dtype, keep, dropout_p)
 
 
 def _weighted_attention(
@@ -55,11 +60,14 @@ def _weighted_attention(
     mult: torch.Tensor,
     softmax_scale: float | None,
     dtype: torch.dtype | None,
+    keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of q (B, nq, Hq, D) over k, v (B, nk, Hkv, D), key ``x`` counted ``mult[h, p, x]``
     times by query ``p`` of head ``h`` (``mult`` (Hq, nq, nk) or (nq, nk); 0: not seen), in
     ``dtype`` (float64 by default). A query that sees no key gets out = 0 and lse = -inf; a score it
-    does not see never enters its sums, whatever its value."""
+    does not see never enters its sums, whatever its value. ``keep`` (B, Hq, nq, nk) and
+    ``dropout_p``: attention dropout as in :func:`reference_attention`."""
     dtype = dtype or torch.float64
     D, G = q.shape[3], q.shape[2] // k.shape[2]
     scale = D**-0.5 if softmax_scale is None else softmax_scale
@@ -76,7 +84,10 @@ def _weighted_attention(
     denom = weights.sum(dim=-1, keepdim=True)  # (B, Hq, nq, 1)
     covered = denom > 0
     safe = torch.where(covered, denom, torch.ones_like(denom))
-    out = torch.einsum("bhpx,bxhd->bphd", weights / safe, vd)  # (B, nq, Hq, D)
+    probs = weights / safe
+    if keep is not None:
+        probs = probs * keep.to(device=q.device, dtype=dtype) / (1 - dropout_p)
+    out = torch.einsum("bhpx,bxhd->bphd", probs, vd)  # (B, nq, Hq, D)
     lse = torch.where(covered, torch.log(safe) + row_max, neg_inf).squeeze(-1)  # (B, Hq, nq)
     return out, lse
 
@@ -113,9 +124,12 @@ def reference_varlen(
     is_causal: bool = False,
     softmax_scale: float | None = None,
     dtype: torch.dtype | None = None,
+    keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences (SPEC section 7), each run alone through :func:`reference_attention`:
-    q (T, Hq, D), k and v (T, Hkv, D); returns out (T, Hq, D) and lse (Hq, T)."""
+    q (T, Hq, D), k and v (T, Hkv, D); returns out (T, Hq, D) and lse (Hq, T). ``keep`` (1, Hq, T,
+    T): the dropout mask of the packed rows, sequence i reading it at its rows (``dropout_p``)."""
     dtype = dtype or torch.float64
     _T, Hq, D = q.shape
     outs = [q.new_zeros((0, Hq, D), dtype=dtype)]
@@ -125,7 +139,7 @@ def reference_varlen(
             continue
         o, lse = reference_attention(
             q[s:e][None], k[s:e][None], v[s:e][None], segment_lengths, dilation_rates, is_causal,
-            softmax_scale, dtype,
+            softmax_scale, dtype, None if keep is None else keep[..., s:e, s:e], dropout_p,
         )  # fmt: skip
         outs.append(o[0])
         lses.append(lse[0])

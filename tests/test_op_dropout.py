@@ -4,14 +4,13 @@ kernels' own keep mask (``dilated_attention._ops.dropout_mask``)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 
 import pytest
 import torch
 from common import make_inputs, one_thread  # noqa: F401
-from reference import multiplicity
+from reference import reference_attention, reference_varlen
 from tolerance import assert_within_rule
 
 import dilated_attention
@@ -21,27 +20,6 @@ from dilated_attention.backends import registry
 from dilated_attention.backends.native import NO_CUDA_DROPOUT, NativeBackend
 
 P, SEED, OFFSET = 0.2, 1234567, 89
-
-
-def _reference(q, k, v, segs, rates, causal, scale, keep, p, dtype=torch.float64):
-    """(out, lse) of SPEC sections 2-3 in ``dtype`` with the weights of query p, key x of head h
-    multiplied by keep[b, h, p, x] / (1 - p); lse is that of the weights before dropout."""
-    N, Hq = q.shape[1], q.shape[2]
-    G = Hq // k.shape[2]
-    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
-    kd, vd = kd.repeat_interleave(G, 2), vd.repeat_interleave(G, 2)
-    mult = multiplicity(N, Hq, segs, rates, causal).to(dtype)  # (Hq, N, N)
-    s = torch.einsum("bphd,bxhd->bhpx", qd, kd) * scale
-    seen = mult > 0
-    m = torch.where(seen, s, torch.full_like(s, -math.inf)).amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = mult * torch.exp(torch.where(seen, s, m) - m)
-    denom = w.sum(-1, keepdim=True)
-    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-    weights = w / safe * keep.to(dtype) / (1 - p)
-    out = torch.einsum("bhpx,bxhd->bphd", weights, vd)
-    lse = torch.where(denom > 0, torch.log(safe) + m, torch.full_like(m, -math.inf)).squeeze(-1)
-    return out, lse
 
 
 def test_mask_keeps_one_minus_p_and_is_a_function_of_its_arguments():
@@ -78,9 +56,9 @@ def test_forward_and_gradients_match_the_masked_reference(B, N, Hq, Hkv, D, segs
     out, lse = torch.ops.dilated_attention.fwd(q, k, v, segs, rates, causal, scale, True, P, SEED, OFFSET)
     keep = _ops.dropout_mask(B, Hq, N, N, P, SEED, OFFSET)
     leaves64 = tuple(t.detach().double().requires_grad_() for t in (q, k, v))
-    out64, lse64 = _reference(*leaves64, segs, rates, causal, scale, keep, P)
+    out64, lse64 = reference_attention(*leaves64, segs, rates, causal, scale, keep=keep, dropout_p=P)
     plain = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
-    outl, _ = _reference(*plain, segs, rates, causal, scale, keep, P, dtype=dtype)
+    outl, _ = reference_attention(*plain, segs, rates, causal, scale, dtype, keep=keep, dropout_p=P)
     assert_within_rule("out", out, out64, outl, dtype)
     torch.testing.assert_close(lse, lse64, rtol=1e-6, atol=1e-6)  # lse is that before dropout
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -111,14 +89,8 @@ def test_packed_sequences_use_the_rows_of_the_packed_tensor():
         q, k, v, cu_t, 27, [8, 16], [1, 2], True, 0.3, False, P, SEED, OFFSET
     )
     keep = _ops.dropout_mask(1, 2, 40, 40, P, SEED, OFFSET)
-    for a, b in itertools.pairwise(cu):
-        if a == b:
-            continue
-        sl = slice(a, b)
-        ref, _ = _reference(
-            q[None, sl], k[None, sl], v[None, sl], [8, 16], [1, 2], True, 0.3, keep[..., sl, sl], P
-        )
-        torch.testing.assert_close(out[sl], ref[0], rtol=1e-10, atol=1e-10)
+    ref, _ = reference_varlen(q, k, v, cu, [8, 16], [1, 2], True, 0.3, keep=keep, dropout_p=P)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
 def test_unbiased_on_average():
