@@ -6,6 +6,11 @@ place: tens of float32 epsilons) went into every probability ``exp(s - lse)`` th
 recomputed, where plain PyTorch, differentiating its own softmax, has no such error: dk and dq
 exceeded the rule for these inputs. The op now hands its backward a float64 lse (the Python layer
 asks for ``float64_lse=True`` and returns float32 to the caller), read in base 2 as hi + lo.
+
+The scores are the rounded dot products times ``softmax_scale * log2(e)``, as plain PyTorch scales
+its scores: dot products of queries scaled first (one more rounding per term, and the scaled
+queries no longer those that dk is summed over) put up to 2.4x the rule's bound into dk at logit
+standard deviations of 10-12 (``SCALED_SCORES``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,15 @@ CONFIGS = [
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# (seed, N, Hq, Hkv, D, segment_lengths, dilation_rates, is_causal, logit std): float32 dk was
+# 2.43x, 1.27x and 1.49x the rule's bound when the kernels scaled the queries before the dot
+# products (inputs from one generator: q * std, k, v, dout; see _scaled_inputs).
+SCALED_SCORES = [
+    pytest.param(205, 63, 2, 2, 32, [8, 128], [4, 1], True, 12, id="two-branches-causal-d32"),
+    pytest.param(206, 9, 2, 1, 8, [8], [1], True, 10, id="one-branch-gqa-causal"),
+    pytest.param(210, 57, 2, 1, 8, [4, 8, 16], [1, 4, 1], True, 12, id="three-branches-causal"),
+]
 
 
 def _inputs(seed, N, Hq, Hkv, D, nk=None):
@@ -67,6 +81,27 @@ def test_large_logits_within_rule(seed, N, Hq, Hkv, D, segs, rates, is_causal, d
         return reference_attention(q, k, v, segs, rates, is_causal, dtype=dt)
 
     _check("native", out, lse, leaves, reference, dtype, dout, dlse if dtype != torch.float16 else None)
+
+
+def _scaled_inputs(seed, N, Hq, Hkv, D, std):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64) * std
+    k, v = (torch.randn(1, N, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64)
+    dlse = torch.randn(1, Hq, N, generator=g, dtype=torch.float64)
+    return (q, k, v), dout, dlse
+
+
+@pytest.mark.parametrize("seed,N,Hq,Hkv,D,segs,rates,is_causal,std", SCALED_SCORES)
+def test_scores_scaled_after_the_dot_product(seed, N, Hq, Hkv, D, segs, rates, is_causal, std):
+    (q, k, v), dout, dlse = _scaled_inputs(seed, N, Hq, Hkv, D, std)
+    leaves = tuple(t.float().requires_grad_() for t in (q, k, v))
+    out, lse = dattn(*leaves, segs, rates, is_causal=is_causal, return_lse=True, backend="native")
+
+    def reference(q, k, v, dt):
+        return reference_attention(q, k, v, segs, rates, is_causal, dtype=dt)
+
+    _check("native", out, lse, leaves, reference, torch.float32, dout, dlse)
 
 
 # (seed, nq, nk, Hq, Hkv, D, causal offset or None): pieces of segments that span ranks, whose

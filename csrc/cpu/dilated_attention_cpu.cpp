@@ -19,7 +19,7 @@
 // extensions. The kernels are templates over the vector width and are compiled three times, each at
 // the width of one instruction set's registers: AVX-512 (64 bytes), AVX2 + FMA (32) and the
 // baseline (16: SSE2, or NEON on ARM). The widest set the CPU has is chosen once per process
-// (cpu_isa below), so one build runs well on every x86-64 CPU. Scores are kept in base 2 (q scaled by softmax_scale *
+// (cpu_isa below), so one build runs well on every x86-64 CPU. Scores are kept in base 2 (dot products times softmax_scale *
 // log2(e)) and exponentiated by a vectorised 2^x (degree-6 polynomial, relative error about 1e-7);
 // float64 calls libm's exp2. NaN propagates, -inf scores add nothing, a row that no branch covers
 // gets out = 0 and lse = -inf.
@@ -30,7 +30,8 @@
 // the same layout and converts them back to (B, N, H, D) at the end.
 //
 // Cost: forward 2 * D multiply-adds per (query, key) pair with multiplicity, backward 5 * D (S, dP,
-// dV, dK, dQ; no recomputation). Memory: the outputs, the head-major copies (forward 3, backward 7
+// dV, dK, dQ; no recomputation) and D subtractions (dP as dout . (v - out), see Backward below).
+// Memory: the outputs, the head-major copies (forward 3, backward 8
 // tensors of B * H * N * Dp values), the (B, Hq, N) delta of the backward, and
 // O(threads * (QB + QT + KB) * Dp) scratch.
 #include <ATen/ATen.h>
@@ -214,13 +215,15 @@ static Isa cpu_isa() {
 /* ------------------------------------------------------------------------------------------ */
 
 /*
- * C[i][0 : R*W] (+)= sum_{k < K} A[i * as + k * ak] * B[k * ldb + 0 : R*W]  for i < M.
- * A register block of M x R vectors: per k, R vector loads of B's row k and M broadcasts of A.
- * Cost: M * R * K vector multiply-adds.
+ * C[i][0 : R*W] (+)= alpha * sum_{k < K} A[i * as + k * ak] * B[k * ldb + 0 : R*W]  for i < M
+ * (alpha != 1 only without accumulate); with Sub, B[k * ldb + j] - O[i * as + k * ak] in place of
+ * B[k * ldb + j] (O laid out as A). A register block of M x R vectors: per k, R vector loads of B's
+ * row k and M broadcasts of A (and of O). Cost: M * R * K vector multiply-adds (and as many
+ * subtractions with Sub).
  */
-template <typename T, int B, int M, int R>
+template <typename T, int B, int M, int R, bool Sub>
 DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
-                     int64_t K, bool accumulate, T* cmax) {
+                     int64_t K, bool accumulate, T* cmax, T alpha, const T* O) {
   typedef Vec<T, B> X;
   typedef typename X::v V;
   const int W = X::W;
@@ -236,10 +239,21 @@ DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, cons
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       const T a = A[i * as + k * ak];  // scalar * vector: one broadcast from memory
+      if constexpr (Sub) {
+        const T o = O[i * as + k * ak];
 #pragma GCC unroll 8
-      for (int j = 0; j < R; ++j) c[i][j] += a * b[j];
+        for (int j = 0; j < R; ++j) c[i][j] += a * (b[j] - o);
+      } else {
+#pragma GCC unroll 8
+        for (int j = 0; j < R; ++j) c[i][j] += a * b[j];
+      }
     }
   }
+  if (alpha != 1)
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < R; ++j) c[i][j] *= alpha;
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
 #pragma GCC unroll 8
@@ -255,24 +269,32 @@ DA_INLINE void micro(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, cons
   }
 }
 
-template <typename T, int B, int R>
+template <typename T, int B, int R, bool Sub>
 DA_INLINE void gemm_rows(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
-                         int64_t m, int64_t K, bool accumulate, T* cmax) {
+                         int64_t m, int64_t K, bool accumulate, T* cmax, T alpha, const T* O) {
   const int MR = Vec<T, B>::MR;
   int64_t i = 0;
   for (; i + MR <= m; i += MR)
-    micro<T, B, MR, R>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax);
-  for (; i < m; ++i) micro<T, B, 1, R>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax);
+    micro<T, B, MR, R, Sub>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax, alpha,
+                            Sub ? O + i * as : O);
+  for (; i < m; ++i)
+    micro<T, B, 1, R, Sub>(C + i * ldc, ldc, A + i * as, as, ak, Bm, ldb, K, accumulate, cmax, alpha,
+                           Sub ? O + i * as : O);
 }
 
 /*
  * C (m x nv*W) (+)= A (m x K) * B (K x nv*W): rows of C at stride ldc, A[i][k] = A[i*as + k*ak],
- * rows of B at stride ldb. Every product of the kernels is one of these, in column panels of NV
- * vectors. Cost: m * K * nv * W multiply-adds.
+ * rows of B at stride ldb; without accumulate, the products are multiplied by alpha once summed
+ * (the scores: softmax_scale * log2(e) times the rounded dot product, as plain PyTorch scales its
+ * scores, rather than a dot product of scaled queries, whose roundings cost up to 4x the gradient
+ * error at large logits). With Sub, C = A (B - O): row i of A times B's columns less row i of O
+ * (O laid out as A; see micro). Every product of the kernels is one of these, in column panels of
+ * NV vectors. Cost: m * K * nv * W multiply-adds.
  */
-template <typename T, int B>
+template <typename T, int B, bool Sub = false>
 DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
-                    int64_t m, int64_t nv, int64_t K, bool accumulate, T* cmax = nullptr) {
+                    int64_t m, int64_t nv, int64_t K, bool accumulate, T* cmax = nullptr, T alpha = 1,
+                    const T* O = nullptr) {
   typedef Vec<T, B> X;
   const int W = X::W, NV = X::NV;
   for (int64_t v0 = 0; v0 < nv; v0 += NV) {
@@ -280,10 +302,14 @@ DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const
     const T* bb = Bm + v0 * W;
     T* cm = cmax ? cmax + v0 * W : nullptr;
     switch (std::min<int64_t>(NV, nv - v0)) {
-      case 1: gemm_rows<T, B, 1>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm); break;
-      case 2: gemm_rows<T, B, (NV >= 2 ? 2 : 1)>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm); break;
-      case 3: gemm_rows<T, B, (NV >= 3 ? 3 : 1)>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm); break;
-      default: gemm_rows<T, B, NV>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm); break;
+      case 1: gemm_rows<T, B, 1, Sub>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm, alpha, O); break;
+      case 2:
+        gemm_rows<T, B, (NV >= 2 ? 2 : 1), Sub>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm, alpha, O);
+        break;
+      case 3:
+        gemm_rows<T, B, (NV >= 3 ? 3 : 1), Sub>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm, alpha, O);
+        break;
+      default: gemm_rows<T, B, NV, Sub>(c, ldc, A, as, ak, bb, ldb, m, K, accumulate, cm, alpha, O); break;
     }
   }
 }
@@ -370,7 +396,7 @@ template <typename T>
 struct FwdScratch {
   Arena<T> arena;
   T *m, *l, *acc;            // block state per position: (QB), (QB), (QB, Dp)
-  T *qt, *st;                // (D, QT) scaled queries, transposed; (KF, QT) scores, then weights
+  T *qt, *st;                // (D, QT) queries, transposed; (KF, QT) scores, then weights
   T *mt, *lt, *corr, *tmax;  // (QT) tile state
   T* acct;                   // (QT, Dp)
   FwdScratch(int64_t QB, int64_t D, int64_t Dp)
@@ -532,7 +558,7 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
         const int64_t nq = da_min64(QT, g.count - q0), nv = da_ceil_div(nq, W), ld = nv * W;
         const int64_t jq0 = g.j0 + q0;  // dilated index of the tile's first query
         const T* qp = P.q + b * P.q_sb + (g.first + q0 * r) * P.q_sn + h * P.q_sh;
-        pack_transposed(s->qt, ld, qp, r * P.q_sn, nq, D, P.scale2);
+        pack_transposed(s->qt, ld, qp, r * P.q_sn, nq, D, (T)1);
         for (int64_t i = 0; i < ld; ++i) {
           s->mt[i] = neg_inf<T>();
           s->lt[i] = 0;
@@ -543,8 +569,8 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
           const int64_t nk = da_min64(KF, nk_all - kt0);
           const bool diag = P.causal && kt0 + nk - 1 > jq0;
           for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
-          gemm<T, B>(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false,
-                     diag ? nullptr : s->tmax);  // S^T = K Q^T and its column max
+          gemm<T, B>(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false, diag ? nullptr : s->tmax,
+                     P.scale2);  // S^T = scale2 K Q^T and its column max
           if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - jq0);
           online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
           for (int64_t i = 0; i < nq; ++i) {
@@ -746,6 +772,15 @@ static void point_backward(Args* A, const at::Tensor& q, const at::Tensor& k, co
   set_strides<T>(dv, &A->dv_sb, &A->dv_sn, &A->dv_sh);
 }
 
+/* out's head-major rows (head_major_rows) at the strides of dout's, so that one offset finds a row
+ * of either (the backward's dO (V - O)^T). */
+static at::Tensor rows_like(const at::Tensor& out, const at::Tensor& dout, at::ScalarType st, int64_t Dp) {
+  at::Tensor rows = head_major_rows(out, st, Dp);
+  if (rows.strides() == dout.strides()) return rows;
+  at::Tensor same = at::empty_strided(dout.sizes(), dout.strides(), dout.options());
+  return same.copy_(rows);
+}
+
 /*
  * The forward of every sequence of a call, into out (B, N, Hq, D) and lse (B, Hq, N) (a packed call
  * passes its (1, T, ...) views): tasks (sequence, head, block of QB positions), each run by
@@ -848,15 +883,23 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q_in, const 
 
 /* ------------------------------------------------------------------------------------------ */
 /* Backward                                                                                     */
-/*   P = exp(s - lse), dP = dout . v, dS = P * (dP - delta), delta = rowsum(dout * out) - dlse  */
+/*   P = exp(s - lse), dS = P * (dout . (v - out) + dlse)                                       */
 /*   dq = scale * dS k,  dk = scale * dS^T q,  dv = P^T dout                                   */
-/*   With dropout (mask M of 0 and 1 / (1 - p)): dP = M * (dout . v), dv = (P * M)^T dout      */
+/*   With dropout (mask M of 0 and 1 / (1 - p)): dS = P * (M * (dout . v) - delta),            */
+/*   delta = rowsum(dout * out) - dlse, and dv = (P * M)^T dout                                 */
+/*                                                                                              */
+/*   dout . (v - out) is dP - rowsum(dout * out) with the subtraction before the rounding: for a  */
+/*   row whose weight sits on one key (large logits), v - out is tiny there and so is the error,  */
+/*   where dP and the rowsum, two dot products rounded apart, would leave their difference's      */
+/*   rounding (and out's) in dS, times P ~ 1: several times the error of plain PyTorch, whose     */
+/*   softmax backward subtracts rowsum(P * dP) from the same rounded dP.                          */
 /* ------------------------------------------------------------------------------------------ */
 
-/* delta[b, h, p] = sum_d dout * out - dlse, one value per query row. Cost: B * Hq * N * D. */
+/* delta[b, h, p] = sum_d dout * out - dlse (with_out) or -dlse, one value per query row. Cost:
+ * B * Hq * N * D. */
 template <typename scalar_t, typename T>
 static void compute_delta(const Problem& P, const at::Tensor& dout, const at::Tensor& out, const T* dlse,
-                          T* delta) {
+                          bool with_out, T* delta) {
   const scalar_t* dp = dout.data_ptr<scalar_t>();
   const scalar_t* op = out.data_ptr<scalar_t>();
   at::parallel_for(0, P.B * P.Hq, 1, [&](int64_t begin, int64_t end) {
@@ -866,7 +909,7 @@ static void compute_delta(const Problem& P, const at::Tensor& dout, const at::Te
         const scalar_t* x = dp + b * dout.stride(0) + p * dout.stride(1) + h * dout.stride(2);
         const scalar_t* y = op + b * out.stride(0) + p * out.stride(1) + h * out.stride(2);
         T sum = 0;
-        for (int64_t d = 0; d < P.D; ++d) sum += (T)x[d] * (T)y[d];
+        for (int64_t d = 0; with_out && d < P.D; ++d) sum += (T)x[d] * (T)y[d];
         delta[bh * P.N + p] = sum - (dlse ? dlse[bh * P.N + p] : (T)0);
       }
     }
@@ -876,6 +919,7 @@ static void compute_delta(const Problem& P, const at::Tensor& dout, const at::Te
 template <typename T>
 struct Bwd {
   const T *q, *k, *v, *dout;  // rows of Dp values (zero padded past D)
+  const T* out;               // rows of Dp values at dout's strides (rows_like); null with dropout
   T *dq, *dk, *dv;            // accumulators, rows of Dp values
   int64_t q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, do_sb, do_sn, do_sh;
   int64_t dq_sb, dq_sn, dq_sh, dk_sb, dk_sn, dk_sh, dv_sb, dv_sn, dv_sh;
@@ -899,11 +943,11 @@ struct BwdScratch {
   T *s, *dp;       // (QT, KB): scores then P; dout . v then dS
   T *lse, *lselo;  // (QT): lse in base 2 (lse / unit) as hi + lo (lse_base2)
   T* delta;        // (QT)
-  T *dqt, *q2;     // (QT, Dp): one key tile's share of dq; the tile's queries times scale2
+  T* dqt;          // (QT, Dp): one key tile's share of dq
   T* mask;         // (QT, KB): dropout's factors (0 or 1 / (1 - p)) of the tile
   BwdScratch(int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp), (size_t)(KB * Dp),
-                              QT * KB, QT * KB, QT, QT, QT, (size_t)(QT * Dp), (size_t)(QT * Dp), QT * KB})) {
+                              QT * KB, QT * KB, QT, QT, QT, (size_t)(QT * Dp), QT * KB})) {
     kt = arena.take(D * KB);
     vt = arena.take(D * KB);
     dkt = arena.take(KB * Dp);
@@ -914,7 +958,6 @@ struct BwdScratch {
     lselo = arena.take(QT);
     delta = arena.take(QT);
     dqt = arena.take(QT * Dp);
-    q2 = arena.take(QT * Dp);
     mask = arena.take(QT * KB);
   }
 };
@@ -1011,10 +1054,12 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
         }
         const T* qi = qp + qt0 * qs;
         const T* doi = dop + qt0 * dos;
-        for (int64_t i = 0; i < nq; ++i)  // the forward's scaled queries (pack_transposed)
-          for (int64_t d = 0; d < D; ++d) s->q2[i * Dp + d] = qi[i * qs + d] * P.scale2;
-        gemm<T, B>(s->s, ld, s->q2, Dp, 1, s->kt, ld, nq, nv, D, false);  // S2 = (scale2 Q) K^T
-        gemm<T, B>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false);  // dP = dO V^T
+        gemm<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false, nullptr, P.scale2);  // S2 = scale2 Q K^T
+        if (P.out)                                                                        // dO (V - O)^T
+          gemm<T, B, true>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
+                           P.out + (doi - P.dout));
+        else  // dP = dO V^T
+          gemm<T, B>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false);
         if (P.drop.threshold) {  // dP = M dO V^T; after ds_tile, P M for dV
           for (int64_t i = 0; i < nq * ld; ++i) s->mask[i] = 1;
           dropout_tile(P.drop, b * P.Hq + h, s->mask, ld, 1, nq, P.start + g.seg_first + qt0 * r, r, nk,
@@ -1096,9 +1141,10 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
     const Isa isa = cpu_isa();
     const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
     compute_delta<scalar_t, T>(P, dout_c, out_c, dlse.defined() ? dlse.data_ptr<T>() : nullptr,
-                               delta.data_ptr<T>());
+                               drop.threshold != 0, delta.data_ptr<T>());
     at::Tensor q = head_major_rows(q_in, st, Dp), k = head_major_rows(k_in, st, Dp),
                v = head_major_rows(v_in, st, Dp), dout = head_major_rows(dout_c, st, Dp);
+    at::Tensor out = drop.threshold ? at::Tensor() : rows_like(out_c, dout, st, Dp);
     const at::TensorOptions opt = q_in.options().dtype(st);
     // Accumulators, head-major as the inputs: (B, H, N, Dp) seen as (B, N, H, Dp).
     const at::Tensor dq_acc = zeroed_buffer({P.B, P.Hq, P.N, Dp}, opt).transpose(1, 2),
@@ -1106,6 +1152,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
                      dv_acc = zeroed_buffer({P.B, P.Hkv, P.N, Dp}, opt).transpose(1, 2);
     Bwd<T> A;
     point_backward<T>(&A, q, k, v, dout, dq_acc, dk_acc, dv_acc);
+    A.out = out.defined() ? out.data_ptr<T>() : nullptr;
     A.lse = lse.data_ptr<double>();
     A.delta = delta.data_ptr<T>();
     A.lse_sb = lse.stride(0);
@@ -1141,6 +1188,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
             S.k += sq.start * A.k_sn;
             S.v += sq.start * A.v_sn;
             S.dout += sq.start * A.do_sn;
+            if (S.out) S.out += sq.start * A.do_sn;
             S.dq += sq.start * A.dq_sn;
             S.dk += sq.start * A.dk_sn;
             S.dv += sq.start * A.dv_sn;
@@ -1152,7 +1200,7 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
           });
     }
     // Back to the inputs' dtype and (B, N, H, D) layout, the input copies released first.
-    q = k = v = dout = at::Tensor();
+    q = k = v = dout = out = at::Tensor();
     dq = dq_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
     dk = dk_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
     dv = dv_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();

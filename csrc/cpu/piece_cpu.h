@@ -14,8 +14,9 @@
 //            heads and query tiles inner (from the first query that sees the tile); dk and dv
 //            accumulate in the tile, dq in a head-major accumulator. Tasks write disjoint rows.
 //
-// Cost: forward 2 * D multiply-adds per visible (query, key) pair, backward 5 * D, no
-// recomputation. Memory: the outputs and the head-major copies of the op (forward 3, backward 7
+// Cost: forward 2 * D multiply-adds per visible (query, key) pair, backward 5 * D and D
+// subtractions, no recomputation. Memory: the outputs and the head-major copies of the op (forward
+// 3, backward 8
 // tensors of B * H * n * Dp values), O(threads * (QT + KB) * Dp) scratch.
 //
 // This file is part of the translation unit of dilated_attention_cpu.cpp: it is included at the end
@@ -25,6 +26,7 @@
 template <typename T>
 struct PieceArgs {
   const T *q, *k, *v, *dout;  // rows of Dp values (zero padded past D)
+  const T* out;               // backward: rows of Dp values at dout's strides (rows_like)
   T *dq, *dk, *dv;            // backward accumulators, rows of Dp values
   int64_t q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, do_sb, do_sn, do_sh;
   int64_t dq_sb, dq_sn, dq_sh, dk_sb, dk_sn, dk_sh, dv_sb, dv_sn, dv_sh;
@@ -48,7 +50,7 @@ DA_INLINE void piece_fwd_tile_impl(const PieceArgs<T>& P, int64_t b, int64_t h, 
   const int W = Vec<T, B>::W;
   const int64_t D = P.D, Dp = P.Dp, hk = h / (P.Hq / P.Hkv);
   const int64_t nq = da_min64(QT, P.nq - qt0), nv = da_ceil_div(nq, W), ld = nv * W;
-  pack_transposed(s->qt, ld, P.q + b * P.q_sb + qt0 * P.q_sn + h * P.q_sh, P.q_sn, nq, D, P.scale2);
+  pack_transposed(s->qt, ld, P.q + b * P.q_sb + qt0 * P.q_sn + h * P.q_sh, P.q_sn, nq, D, (T)1);
   for (int64_t i = 0; i < ld; ++i) {
     s->mt[i] = neg_inf<T>();
     s->lt[i] = 0;
@@ -62,8 +64,8 @@ DA_INLINE void piece_fwd_tile_impl(const PieceArgs<T>& P, int64_t b, int64_t h, 
     const int64_t nk = da_min64(KF, nk_all - kt0);
     const bool diag = P.causal && kt0 + nk - 1 > qt0 + P.offset;  // the first query misses some
     for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
-    gemm<T, B>(s->st, ld, kp + kt0 * P.k_sn, P.k_sn, 1, s->qt, ld, nk, nv, D, false,
-               diag ? nullptr : s->tmax);  // S^T = K Q^T and its column max
+    gemm<T, B>(s->st, ld, kp + kt0 * P.k_sn, P.k_sn, 1, s->qt, ld, nk, nv, D, false, diag ? nullptr : s->tmax,
+               P.scale2);  // S^T = scale2 K Q^T and its column max
     if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - qt0 - P.offset);
     online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
     for (int64_t i = 0; i < nq; ++i) {
@@ -137,10 +139,11 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
         }
         const T* qi = qp + qt0 * P.q_sn;
         const T* doi = dop + qt0 * P.do_sn;
-        for (int64_t i = 0; i < nq; ++i)  // the forward's scaled queries, so that scores cancel its lse
-          for (int64_t d = 0; d < D; ++d) s->q2[i * Dp + d] = qi[i * P.q_sn + d] * P.scale2;
-        gemm<T, B>(s->s, ld, s->q2, Dp, 1, s->kt, ld, nq, nv, D, false);      // S2 = (scale2 Q) K^T
-        gemm<T, B>(s->dp, ld, doi, P.do_sn, 1, s->vt, ld, nq, nv, D, false);  // dP = dO V^T
+        // the forward's scores bit for bit, so that they cancel its lse
+        gemm<T, B>(s->s, ld, qi, P.q_sn, 1, s->kt, ld, nq, nv, D, false, nullptr,
+                   P.scale2);  // S2 = scale2 Q K^T
+        gemm<T, B, true>(s->dp, ld, doi, P.do_sn, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
+                         P.out + (doi - P.dout));  // dO (V - O)^T
         ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 + P.offset - kt0, s->lse, s->lselo, s->delta,
                       P.scale);
         gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, P.do_sn, nk, Dp / W, nq, true);  // dV += P^T dO
@@ -269,16 +272,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
         const int64_t Dp = da_ceil_div(P.D, pad_values<T>()) * pad_values<T>();
         const Isa isa = cpu_isa();
         const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
-        compute_delta<scalar_t, T>(P, dout_c, out_c, dlse.defined() ? dlse.data_ptr<T>() : nullptr,
-                                   delta.data_ptr<T>());
+        compute_delta<scalar_t, T>(P, dout_c, out_c, dlse.defined() ? dlse.data_ptr<T>() : nullptr, false,
+                                   delta.data_ptr<T>());  // -dlse: dS = P (dO (V - O)^T + dlse)
         at::Tensor q = head_major_rows(q_in, st, Dp), k = head_major_rows(k_in, st, Dp),
-                   v = head_major_rows(v_in, st, Dp), dout = head_major_rows(dout_c, st, Dp);
+                   v = head_major_rows(v_in, st, Dp), dout = head_major_rows(dout_c, st, Dp),
+                   out = rows_like(out_c, dout, st, Dp);
         const at::TensorOptions opt = q_in.options().dtype(st);
         const at::Tensor dq_acc = zeroed_buffer({P.B, P.Hq, nq, Dp}, opt).transpose(1, 2),
                          dk_acc = zeroed_buffer({P.B, P.Hkv, nk, Dp}, opt).transpose(1, 2),
                          dv_acc = zeroed_buffer({P.B, P.Hkv, nk, Dp}, opt).transpose(1, 2);
         PieceArgs<T> A{};
         point_backward<T>(&A, q, k, v, dout, dq_acc, dk_acc, dv_acc);
+        A.out = out.data_ptr<T>();
         A.lse = lse.data_ptr<double>();
         A.delta = delta.data_ptr<T>();
         A.nq = nq;
@@ -295,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
         parallel_tasks(
             P.B * P.Hkv, [&] { return BwdScratch<T>(P.D, Dp); },
             [&](int64_t task, BwdScratch<T>& s) { piece_bwd_task(isa, A, task / P.Hkv, task % P.Hkv, &s); });
-        q = k = v = dout = at::Tensor();
+        q = k = v = dout = out = at::Tensor();
         dq = dq_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
         dk = dk_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
         dv = dv_acc.narrow(3, 0, P.D).to(q_in.scalar_type()).contiguous();
