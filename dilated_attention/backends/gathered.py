@@ -209,6 +209,22 @@ class GatheredBackend(Backend):
         """Whether to use the merged path (kernel backward fed the merged out/lse)."""
         return False
 
+    def row_dots(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        is_causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(sum_x P(p, x) (dout_p . v_x), sum_x P(p, x))`` over the call's keys, each (Bb, m, h)
+        in lse's dtype, for a backend whose backward takes ``delta`` and ``norm`` (the merged path
+        sums them over every call, see ``merged._merged_rows``); None: it does not."""
+        return None
+
     def attn_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -228,8 +244,12 @@ class GatheredBackend(Backend):
         *,
         is_causal: bool,
         scale: float,
+        delta: torch.Tensor | None = None,
+        norm: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Kernel backward with the given ``out`` and ``lse`` (shaped as attn_forward's)."""
+        """Kernel backward with the given ``out`` and ``lse`` (shaped as attn_forward's); where
+        :meth:`row_dots` is implemented, ``delta`` (Bb, m, h) in place of ``rowsum(dout * out)``
+        and the probabilities times ``norm`` (Bb, m, h)."""
         raise NotImplementedError
 
     def attn_autograd(

@@ -68,10 +68,12 @@ def kernel_backward(
     *,
     is_causal: bool,
     scale: float,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one kernel call's q, k, v given the *merged* ``out`` and ``lse`` of its rows
     and the gradients ``dout`` (Bb, m, h, D) and ``dlse`` (Bb, h, m) of the merged result (either
-    may be None). ``lse`` is in the layout the backend's ``attn_forward`` returned.
+    may be None). ``lse`` is in the layout the backend's ``attn_forward`` returned; ``rows``: the
+    ``(delta, norm)`` of the call's rows, (Bb, m, h) each (:func:`_merged_rows`).
 
     The ``dlse`` term ``dS += P * dlse`` comes from one more backward call with ``v = 0``,
     ``out = e_0`` and ``dout = -dlse * e_0`` (``e_0`` the first unit vector of the head dim), for
@@ -81,7 +83,16 @@ def kernel_backward(
     if dout is not None:
         grads = list(
             backend.attn_backward(
-                dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, extra, is_causal=is_causal, scale=scale
+                dout.to(q.dtype),
+                q,
+                k,
+                v,
+                out.to(q.dtype),
+                lse,
+                extra,
+                is_causal=is_causal,
+                scale=scale,
+                **({} if rows is None else {"delta": rows[0], "norm": rows[1]}),
             )
         )
     if dlse is not None:
@@ -90,7 +101,16 @@ def kernel_backward(
         d_unit = q.new_zeros(q.shape)
         d_unit[..., 0] = -dlse.transpose(1, 2).to(q.dtype)
         g = backend.attn_backward(
-            d_unit, q, k, v.new_zeros(v.shape), unit_out, lse, extra, is_causal=is_causal, scale=scale
+            d_unit,
+            q,
+            k,
+            v.new_zeros(v.shape),
+            unit_out,
+            lse,
+            extra,
+            is_causal=is_causal,
+            scale=scale,
+            **({} if rows is None else {"norm": rows[1]}),
         )
         if grads is None:
             grads = [g[0], g[1], v.new_zeros(v.shape)]
@@ -167,6 +187,49 @@ class MergedAttention(torch.autograd.Function):
         return unf, (0, 0, 0, None)
 
 
+def _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux):
+    """``(delta, norm)`` (B, N, Hq, 1) each, for a backend with
+    :meth:`~.gathered.GatheredBackend.row_dots` (else None): over the keys of every call,
+    ``Z = sum_x P(p, x)`` and ``norm = 1 / Z``, ``delta = sum_x P(p, x) (dout_p . v_x) / Z``.
+
+    In exact arithmetic Z = 1 and delta = rowsum(dout * out). Computed from the backward's own
+    probabilities, as PyTorch's softmax backward computes them, the probabilities sum to 1 (a
+    forward lse from another kernel, an approximate exponential or a float32 rounding of lse would
+    scale a whole row) and the rounding of delta cancels against that of ``dout . v_x`` in
+    ``dS = P (dout . v_x - delta)``, where the forward's ``out`` (another kernel, another order of
+    summation) would leave both in dS, times P ~ 1 for a row whose weight sits on one key (large
+    logits): several times plain PyTorch's error in dk."""
+    B, N = q.shape[0], q.shape[1]
+    dots: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+    if dout is None:
+        dout = q.new_zeros(q.shape)
+    i = 0
+    for call in (c for calls in plan for c in calls):
+        for sl in batches(call, B, N):
+            lse_len, _ = aux[i]
+            i += 1
+            got = backend.row_dots(
+                view(dout[sl], call, call.q),
+                view(q[sl], call, call.q),
+                view(k[sl], call, call.kv),
+                view(v[sl], call, call.kv),
+                _lse_of(lse_bnh[sl], call, lse_len),
+                is_causal=is_causal,
+                scale=scale,
+            )
+            if got is None:
+                return None
+            if dots is None or total is None:
+                dots, total = lse_bnh.new_zeros((*lse_bnh.shape, 1)), lse_bnh.new_zeros((*lse_bnh.shape, 1))
+            view(dots[sl], call, call.q)[..., 0].add_(got[0])
+            view(total[sl], call, call.q)[..., 0].add_(got[1])
+    if dots is None or total is None:
+        return None
+    norm = torch.where(total > 0, total.reciprocal(), torch.ones_like(total))
+    return dots.mul_(norm), norm
+
+
 class MergedBackward(torch.autograd.Function):
     """(dout, dlse, q, k, v, out, lse) -> (dq, dk, dv); differentiating it again raises."""
 
@@ -181,6 +244,7 @@ class MergedBackward(torch.autograd.Function):
         if dout is not None:
             dout = dout.to(q.dtype)
         dlse_bnh = None if dlse is None else dlse.transpose(1, 2).contiguous().unsqueeze(-1)
+        rows = _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux)
         i = 0
         B, N = q.shape[0], q.shape[1]
         for call in (c for calls in plan for c in calls):
@@ -202,6 +266,9 @@ class MergedBackward(torch.autograd.Function):
                     extra,
                     is_causal=is_causal,
                     scale=scale,
+                    rows=None
+                    if rows is None
+                    else (view(rows[0][sl], call, call.q)[..., 0], view(rows[1][sl], call, call.q)[..., 0]),
                 )
                 _add_(dq[sl], call, call.q, dqg)
                 _add_(dk[sl], call, call.kv, dkg)

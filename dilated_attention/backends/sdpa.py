@@ -120,7 +120,13 @@ class SdpaBackend(GatheredBackend):
             return _t(out), lse, None
         return sdpa_kernels.cuda_forward(q, k, v, is_causal=is_causal, scale=scale)
 
-    def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale):
+    def row_dots(self, dout, q, k, v, lse, *, is_causal, scale):
+        if q.device.type != "cpu" or self.cpu_kernel_backward:
+            return None
+        q, scale, _ = _positive_scale(q, scale)
+        return sdpa_kernels.cpu_row_dots(dout, q, k, v, lse, is_causal=is_causal, scale=scale)
+
+    def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale, delta=None, norm=None):
         q, scale, sign = _positive_scale(q, scale)
         if q.device.type != "cpu":
             dq, dk, dv = sdpa_kernels.cuda_backward(
@@ -128,7 +134,7 @@ class SdpaBackend(GatheredBackend):
             )
         elif not self.cpu_kernel_backward:
             dq, dk, dv = sdpa_kernels.cpu_exact_backward(
-                dout, q, k, v, out, lse, is_causal=is_causal, scale=scale
+                dout, q, k, v, out, lse, is_causal=is_causal, scale=scale, delta=delta, norm=norm
             )
         else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

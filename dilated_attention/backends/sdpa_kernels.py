@@ -24,7 +24,6 @@ in chunks of bounded size (``CPU_KERNEL_BACKWARD = True`` restores the operator'
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -185,51 +184,84 @@ def cuda_backward(dout, q, k, v, out, lse, extra, *, is_causal: bool, scale: flo
     return dq, dk, dv
 
 
-def cpu_exact_backward(dout, q, k, v, out, lse, *, is_causal: bool, scale: float):
-    """(dq, dk, dv) of one call, in the dtype of ``lse`` (float32, float64 for float64 inputs):
-    ``P = exp(scale q k^T - lse)``, ``dV = P^T dout``, ``dS = P (dout v^T - rowsum(dout out))``,
-    ``dQ = scale dS k``, ``dK = scale dS^T q`` (causal: top-left aligned, as the operator), in chunks of batch rows and query rows of at most
-    :data:`CHUNK_ELEMENTS` scores. q (Bb, m, h, D), k and v (Bb, mk, hk, D), lse (Bb, h, >= m)."""
+def _cpu_chunks(q, k, v, lse, *, is_causal: bool, scale: float):
+    """The call in chunks of batch rows and query rows of at most :data:`CHUNK_ELEMENTS` scores, in
+    the dtype of ``lse``: yields ``(b, i, heads_first, kh, vh, p)``, b and i the chunk's batch and
+    query slices, ``heads_first`` the layout of its rows ((c, n, h, D) -> (c hk, g n, D)), kh and
+    vh its keys and values (c hk, mk, D) and ``P = exp(scale (q k^T) - lse)`` (c hk, g n, mk),
+    causal: top-left aligned, as the operator. The same inputs give the same P bit for bit."""
     ct = lse.dtype
     Bb, m, h, D = q.shape
     mk, hk = k.shape[1], k.shape[2]
     g = h // hk
-    dq = torch.empty((Bb, m, h, D), dtype=ct, device=q.device)
-    dk = torch.empty((Bb, mk, hk, D), dtype=ct, device=q.device)
-    dv = torch.empty((Bb, mk, hk, D), dtype=ct, device=q.device)
     rows = max(1, min(m, CHUNK_ELEMENTS // max(1, h * mk)))
     nb = max(1, min(Bb, CHUNK_ELEMENTS // max(1, h * mk * rows)))
     lse = lse[..., :m]
-
-    def heads_first(x: torch.Tensor) -> torch.Tensor:
-        """(c, n, h, D) -> (c, hk, g * n, D), contiguous: the rows of one key/value head together."""
-        c, n = x.shape[0], x.shape[1]
-        return x.to(ct).permute(0, 2, 1, 3).reshape(c, hk, g * n, x.shape[-1])
-
     for b0 in range(0, Bb, nb):
         b = slice(b0, b0 + nb)
-        kh = k[b].to(ct).permute(0, 2, 1, 3)  # (c, hk, mk, D)
-        vh = v[b].to(ct).permute(0, 2, 1, 3)
-        dkh = torch.zeros(kh.shape, dtype=ct, device=q.device)  # (c, hk, mk, D), scaled at the end
-        dvh = torch.zeros(vh.shape, dtype=ct, device=q.device)
+        c = k[b].shape[0]
+        # (c hk, mk, D), contiguous: one batched matmul per product
+        kh = k[b].to(ct).permute(0, 2, 1, 3).reshape(c * hk, mk, D)
+        vh = v[b].to(ct).permute(0, 2, 1, 3).reshape(c * hk, mk, D)
+
+        def heads_first(x: torch.Tensor, c: int = c) -> torch.Tensor:
+            return x.to(ct).permute(0, 2, 1, 3).reshape(c * hk, g * x.shape[1], x.shape[-1])
+
         for i0 in range(0, m, rows):
             i = slice(i0, min(m, i0 + rows))
             n = i.stop - i0
-            qh, doh = heads_first(q[b, i]), heads_first(dout[b, i])  # (c, hk, g n, D)
-            c = qh.shape[0]
-            s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)  # (c, hk, g n, mk)
+            lc = lse[b, :, i].reshape(c * hk, g * n, 1)
+            lc = torch.where(torch.isneginf(lc), torch.zeros_like(lc), lc)
+            # the dot products scaled once rounded, as PyTorch's own scores (a matmul given the
+            # scale may fold it into q: one more rounding per term)
+            p = torch.bmm(heads_first(q[b, i]), kh.mT).mul_(scale).sub_(lc).exp_()
             if is_causal:
                 future = torch.ones(n, mk, dtype=torch.bool, device=q.device).triu_(i0 + 1)
-                s.view(c, hk, g, n, mk).masked_fill_(future, -math.inf)
-            lc = lse[b, :, i].reshape(c, hk, g * n, 1)
-            p = s.sub_(torch.where(torch.isneginf(lc), torch.zeros_like(lc), lc)).exp_()
-            dvh.add_(torch.matmul(p.transpose(-1, -2), doh))
-            rowsum = (dout[b, i].to(ct) * out[b, i].to(ct)).sum(-1)  # (c, n, h)
-            ds = torch.matmul(doh, vh.transpose(-1, -2))
-            ds.sub_(rowsum.permute(0, 2, 1).reshape(c, hk, g * n, 1)).mul_(p)  # dS / scale
-            dqh = torch.matmul(ds, kh).mul_(scale)  # (c, hk, g n, D)
-            dq[b, i] = dqh.view(c, hk, g, n, D).permute(0, 3, 1, 2, 4).reshape(c, n, h, D)
-            dkh.add_(torch.matmul(ds.transpose(-1, -2), qh))
-        dk[b] = dkh.mul_(scale).permute(0, 2, 1, 3)
-        dv[b] = dvh.permute(0, 2, 1, 3)
-    return dq, dk, dv
+                p.view(c * hk, g, n, mk).masked_fill_(future, 0)
+            yield b, i, heads_first, kh, vh, p
+
+
+def _rows_last(x: torch.Tensor, c: int, hk: int, n: int) -> torch.Tensor:
+    """(c hk, g n, ...) -> (c, n, h, ...): the chunk's rows back in the (B, m, h) layout."""
+    g = x.shape[1] // n
+    return x.view(c, hk, g, n, *x.shape[2:]).movedim(3, 1).reshape(c, n, hk * g, *x.shape[2:])
+
+
+def cpu_row_dots(dout, q, k, v, lse, *, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_x P(p, x) (dout_p . v_x), sum_x P(p, x))`` of one call, each (Bb, m, h) in lse's
+    dtype, from the same P as :func:`cpu_exact_backward`."""
+    dots = torch.empty(q.shape[:3], dtype=lse.dtype, device=q.device)
+    total = torch.empty(q.shape[:3], dtype=lse.dtype, device=q.device)
+    hk = k.shape[2]
+    for b, i, heads_first, _, vh, p in _cpu_chunks(q, k, v, lse, is_causal=is_causal, scale=scale):
+        c, n = vh.shape[0] // hk, i.stop - i.start
+        total[b, i] = _rows_last(p.sum(-1), c, hk, n)
+        dots[b, i] = _rows_last(p.mul_(torch.bmm(heads_first(dout[b, i]), vh.mT)).sum(-1), c, hk, n)
+    return dots, total
+
+
+def cpu_exact_backward(dout, q, k, v, out, lse, *, is_causal: bool, scale: float, delta=None, norm=None):
+    """(dq, dk, dv) of one call, in the dtype of ``lse`` (float32, float64 for float64 inputs):
+    ``P = exp(scale q k^T - lse) * norm``, ``dV = P^T dout``, ``dS = P (dout v^T - delta)``,
+    ``dQ = scale dS k``, ``dK = scale dS^T q`` (causal: top-left aligned, as the operator), in
+    chunks (:func:`_cpu_chunks`). q (Bb, m, h, D), k and v (Bb, mk, hk, D), lse (Bb, h, >= m);
+    ``delta`` and ``norm`` (Bb, m, h), by default ``rowsum(dout * out)`` and 1."""
+    ct = lse.dtype
+    hk = k.shape[2]
+    dq = torch.empty(q.shape, dtype=ct, device=q.device)
+    dk = torch.zeros(k.shape, dtype=ct, device=q.device)
+    dv = torch.zeros(v.shape, dtype=ct, device=q.device)
+    if delta is None:
+        delta = (dout.to(ct) * out.to(ct)).sum(-1)
+    for b, i, heads_first, kh, vh, p in _cpu_chunks(q, k, v, lse, is_causal=is_causal, scale=scale):
+        c, n = kh.shape[0] // hk, i.stop - i.start
+        qh, doh = heads_first(q[b, i]), heads_first(dout[b, i])
+        if norm is not None:
+            p.mul_(heads_first(norm[b, i].unsqueeze(-1)))
+        dvh = torch.bmm(p.mT, doh)
+        ds = torch.baddbmm(heads_first(delta[b, i].unsqueeze(-1)), doh, vh.mT, beta=-1).mul_(p)  # dS / scale
+        dq[b, i] = _rows_last(torch.bmm(ds, kh).mul_(scale), c, hk, n)
+        dkh = torch.bmm(ds.mT, qh)
+        dk[b] += dkh.view(c, hk, -1, dkh.shape[-1]).transpose(1, 2)
+        dv[b] += dvh.view(c, hk, -1, dvh.shape[-1]).transpose(1, 2)
+    return dq, dk.mul_(scale), dv
