@@ -26,9 +26,11 @@
 //
 // Attention dropout (dropout_p > 0, dropout_seed, dropout_offset; SPEC section 3): the forwards
 // drop weights with the counter-based generator of dropout.h, and the backwards given the same
-// three arguments regenerate the same mask. The CPU kernels have it; the CUDA kernels refuse
-// dropout_p > 0 by name. dilated_attention::dropout_mask(B, H, Nq, Nk, ...) -> bool (B, H, Nq, Nk):
-// the keep mask of query rows 0..Nq-1 and key rows 0..Nk-1, for tests and references (CPU).
+// three arguments regenerate the same mask, the same on the CPU and on CUDA (the pieces take no
+// dropout). dilated_attention::dropout_mask(B, H, Nq, Nk, ...) -> bool (B, H, Nq, Nk):
+// the keep mask of query rows 0..Nq-1 and key rows 0..Nk-1, for tests and references (CPU). The
+// seed and offset are SymInt in the ops' schemas, so that torch.compile can pass the values it
+// draws in the graph (unbacked symbolic ints) without a graph break; the kernels read them as ints.
 //
 // The fixed-length op is the packed one with S = B sequences of N rows: both run the same kernels.
 //
@@ -75,12 +77,13 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(dilated_attention, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, int[] segment_lengths, int[] dilation_rates, "
-      "bool is_causal, float softmax_scale, bool float64_lse=False, float dropout_p=0., int dropout_seed=0, "
-      "int dropout_offset=0) -> (Tensor out, Tensor lse)");
+      "bool is_causal, float softmax_scale, bool float64_lse=False, float dropout_p=0., SymInt "
+      "dropout_seed=0, "
+      "SymInt dropout_offset=0) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale, float dropout_p=0., "
-      "int dropout_seed=0, int dropout_offset=0) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "SymInt dropout_seed=0, SymInt dropout_offset=0) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "piece_fwd(Tensor q, Tensor k, Tensor v, bool is_causal, int causal_offset, float softmax_scale, "
       "bool float64_lse=False) -> (Tensor out, Tensor lse)");
@@ -91,11 +94,11 @@ TORCH_LIBRARY(dilated_attention, m) {
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, "
       "int[] dilation_rates, bool is_causal, float softmax_scale, bool float64_lse=False, float "
       "dropout_p=0., "
-      "int dropout_seed=0, int dropout_offset=0) -> (Tensor out, Tensor lse)");
+      "SymInt dropout_seed=0, SymInt dropout_offset=0) -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, int[] dilation_rates, bool is_causal, "
-      "float softmax_scale, float dropout_p=0., int dropout_seed=0, int dropout_offset=0) "
+      "float softmax_scale, float dropout_p=0., SymInt dropout_seed=0, SymInt dropout_offset=0) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "dropout_mask(int B, int H, int Nq, int Nk, float dropout_p, int dropout_seed, int dropout_offset) -> "

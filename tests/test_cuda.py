@@ -22,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,8 @@ from common import make_inputs as _make_inputs
 from reference import multiplicity, reference_attention, reference_piece, reference_varlen
 from tolerance import assert_causal_segment_within_rule, assert_within_rule
 
+import dilated_attention
+from dilated_attention import _ops
 from dilated_attention import dilated_attention as dattn
 from dilated_attention._ops import has_kernel
 from dilated_attention.backends import select_backend
@@ -586,6 +590,7 @@ def emu(tmp_path_factory):
     so.da_emu_varlen.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     so.da_emu_piece.argtypes = [ctypes.c_int64, ctypes.c_int64]
     so.da_emu_lse64.argtypes = [ctypes.c_int]
+    so.da_emu_dropout.argtypes = [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
     yield so
     so.da_emu_options(0, 1, 0)
 
@@ -666,6 +671,29 @@ def emulated_backward(emu, q, k, v, segs, rates, causal, family, tiling, dout, o
     return dq, dk, dv
 
 
+# Attention dropout's probability (1 / (1 - p) = 1.25 exactly: the kernels' scale is a float, whose
+# rounding float64 inputs would otherwise see), seed (both 32-bit halves of the generator's key in
+# use) and offset.
+DROPOUT_P, DROPOUT_SEED, DROPOUT_OFFSET = 0.2, 0x1234_5678_9ABC, 77
+
+
+@contextlib.contextmanager
+def emulating_dropout(emu, dropout_p):
+    """The emulated kernels' calls drop attention weights with probability ``dropout_p`` (seed
+    DROPOUT_SEED, offset DROPOUT_OFFSET), forward and backward."""
+    emu.da_emu_dropout(dropout_p, DROPOUT_SEED, DROPOUT_OFFSET)
+    try:
+        yield
+    finally:
+        emu.da_emu_dropout(0.0, 0, 0)
+
+
+def dropout_keep(B, H, N, dropout_p):
+    """The keep mask (B, H, N, N) of the CPU kernels (the op's dropout_mask) for emulating_dropout,
+    or None without dropout."""
+    return _ops.dropout_mask(B, H, N, N, dropout_p, DROPOUT_SEED, DROPOUT_OFFSET) if dropout_p else None
+
+
 def check_emulated(
     emu,
     B,
@@ -683,35 +711,39 @@ def check_emulated(
     gain=1.0,
     seed=0,
     float64_lse=False,
+    dropout_p=0.0,
 ):
     """The emulated kernels against the float64 reference under the SPEC section 4 rule; q and k
     are multiplied by ``gain`` (logits of standard deviation about gain**2); ``float64_lse``: the
-    forward saves lse in float64 (as the Python layer asks the op to)."""
+    forward saves lse in float64 (as the Python layer asks the op to); ``dropout_p``: attention
+    dropout, the references applying the CPU kernels' keep mask (dropout_keep)."""
     q, k, v = (t.detach() for t in make_inputs(B, N, Hq, Hkv, D, dtype, seed=seed, device="cpu"))
     q, k, v = (q * gain).contiguous(), (k * gain).contiguous(), v.contiguous()
     g = torch.Generator().manual_seed(11)
     dout = torch.randn(B, N, Hq, D, generator=g, dtype=torch.float64)
+    drop = {"keep": dropout_keep(B, Hq, N, dropout_p), "dropout_p": dropout_p}
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, causal)
+    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, causal, **drop)
     ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-    outl, lsel = reference_attention(ql, kl, vl, segs, rates, causal, dtype=dtype)
+    outl, lsel = reference_attention(ql, kl, vl, segs, rates, causal, dtype=dtype, **drop)
     finite = torch.isfinite(lse64)
     dlse = torch.randn(B, Hq, N, generator=g, dtype=torch.float64) * finite if with_dlse else None
     lse_t = torch.float64 if dtype == torch.float64 else torch.float32
-    out, lse, got = emulated(
-        emu,
-        q,
-        k,
-        v,
-        segs,
-        rates,
-        causal,
-        family,
-        tiling,
-        dout.to(dtype).contiguous(),
-        None if dlse is None else dlse.to(lse_t).contiguous(),
-        float64_lse,
-    )
+    with emulating_dropout(emu, dropout_p):
+        out, lse, got = emulated(
+            emu,
+            q,
+            k,
+            v,
+            segs,
+            rates,
+            causal,
+            family,
+            tiling,
+            dout.to(dtype).contiguous(),
+            None if dlse is None else dlse.to(lse_t).contiguous(),
+            float64_lse,
+        )
     assert_within_rule("out", out, out64, outl, dtype)
     assert_within_rule("lse", lse, lse64, lsel, dtype)
 
@@ -1011,9 +1043,12 @@ def test_emulated_random_configs(emu):
         )
 
 
-def check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, causal, dtype, family, tiling):
+def check_emulated_varlen(
+    emu, lengths, Hq, Hkv, D, segs, rates, causal, dtype, family, tiling, dropout_p=0.0
+):
     """Packed sequences through the emulated kernels (one sequence per blockIdx.z) against the
-    per-sequence float64 reference under the SPEC section 4 rule, forward and backward."""
+    per-sequence float64 reference under the SPEC section 4 rule, forward and backward;
+    ``dropout_p``: attention dropout, the mask read at the rows of the packed tensors."""
     cu_list = [0]
     for n in lengths:
         cu_list.append(cu_list[-1] + n)
@@ -1024,15 +1059,17 @@ def check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, causal, dtype, 
     dout = torch.randn(1, T, Hq, D, generator=g, dtype=torch.float64)
     emu.da_emu_varlen(cu.data_ptr(), len(lengths))
     try:
-        out, lse, got = emulated(
-            emu, q, k, v, segs, rates, causal, family, tiling, dout.to(dtype).contiguous(), None
-        )
+        with emulating_dropout(emu, dropout_p):
+            out, lse, got = emulated(
+                emu, q, k, v, segs, rates, causal, family, tiling, dout.to(dtype).contiguous(), None
+            )
     finally:
         emu.da_emu_varlen(None, -1)
+    drop = {"keep": dropout_keep(1, Hq, T, dropout_p), "dropout_p": dropout_p}
     q64, k64, v64 = (t[0].double().requires_grad_() for t in (q, k, v))
-    out64, lse64 = reference_varlen(q64, k64, v64, cu_list, segs, rates, causal)
+    out64, lse64 = reference_varlen(q64, k64, v64, cu_list, segs, rates, causal, **drop)
     ql, kl, vl = (t[0].clone().requires_grad_() for t in (q, k, v))
-    outl, lsel = reference_varlen(ql, kl, vl, cu_list, segs, rates, causal, dtype=dtype)
+    outl, lsel = reference_varlen(ql, kl, vl, cu_list, segs, rates, causal, dtype=dtype, **drop)
     assert_within_rule("out", out[0], out64, outl, dtype)
     assert_within_rule("lse", lse[0], lse64, lsel, dtype)
     ref = torch.autograd.grad((out64 * dout[0]).sum(), (q64, k64, v64))
@@ -1054,6 +1091,64 @@ EMU_VARLEN_CONFIGS = [
 def test_emulated_kernels_on_packed_sequences(emu, lengths, Hq, Hkv, D, segs, rates, is_causal):
     check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 0, (0, 0, 16, 64))
     check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.float32, 1, (3, 1, 2, 16))
+
+
+# Attention dropout in the emulated kernels, against references that apply the CPU kernels' keep
+# mask (tests/test_op_dropout.py checks the CPU kernels the same way): the CUDA kernels must draw
+# the identical mask, keyed by the rows of the (B, N, ...) tensors and the head b * Hq + h.
+
+# (B, N, Hq, Hkv, D, segment_lengths, dilation_rates): a batch of two, grouped-query attention, N
+# no multiple of any w, three branches; a branch repeated (a key that two branches find is dropped
+# or kept as a whole) and w > N.
+EMU_DROPOUT_CONFIGS = [
+    pytest.param(2, 61, 4, 2, 64, [8, 32, 64], [1, 2, 4], id="three-branches-gqa-B2"),
+    pytest.param(1, 45, 2, 1, 32, [16, 16, 90], [1, 1, 3], id="repeated-branch-w-above-N"),
+]
+
+# (dtype, kernel family, tiling (R, interleaved, rows per warp, keys or queries per step)).
+EMU_DROPOUT_KERNELS = [
+    pytest.param(torch.float16, 0, (0, 0, 16, 64), id="tc-fp16"),
+    pytest.param(torch.bfloat16, 0, (3, 1, 16, 64), id="tc-bf16-R3-interleaved"),
+    pytest.param(torch.float32, 1, (0, 0, 4, 32), id="simt-fp32"),
+    pytest.param(torch.bfloat16, 1, (2, 0, 2, 16), id="simt-bf16-R2"),
+    pytest.param(torch.float16, 1, (0, 0, 1, 8), id="simt-fp16"),
+    pytest.param(torch.float64, 1, (0, 0, 2, 16), id="simt-fp64"),
+]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype,family,tiling", EMU_DROPOUT_KERNELS)
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", EMU_DROPOUT_CONFIGS)
+def test_emulated_kernels_with_dropout(emu, B, N, Hq, Hkv, D, segs, rates, dtype, family, tiling, is_causal):
+    """out, lse (that of the weights before dropout) and dq, dk, dv with a gradient on lse."""
+    check_emulated(
+        emu,
+        B,
+        N,
+        Hq,
+        Hkv,
+        D,
+        segs,
+        rates,
+        is_causal,
+        dtype,
+        family,
+        tiling,
+        with_dlse=dtype != torch.float16,
+        dropout_p=DROPOUT_P,
+    )
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_emulated_kernels_with_dropout_on_packed_sequences(emu, is_causal):
+    """Packed sequences read the mask at their rows of the (1, T, ...) tensors."""
+    lengths, segs, rates = [5, 0, 1, 37, 20], [8, 16], [1, 2]
+    check_emulated_varlen(
+        emu, lengths, 4, 2, 32, segs, rates, is_causal, torch.bfloat16, 0, (0, 0, 16, 64), dropout_p=DROPOUT_P
+    )
+    check_emulated_varlen(
+        emu, lengths, 4, 2, 32, segs, rates, is_causal, torch.float32, 1, (3, 1, 2, 16), dropout_p=DROPOUT_P
+    )
 
 
 @contextlib.contextmanager
@@ -1428,19 +1523,118 @@ def test_raw_ops_refuse_a_scale_the_scores_cannot_hold(dtype, scale):
             call()
 
 
+def assert_dropout_within_rule(out, lse, inputs, reference, dtype, dlse=True):
+    """out, lse and the gradients (autograd through the op's backward, with a gradient on lse
+    unless ``dlse`` is False) of a CUDA call with dropout against ``reference(q, k, v, dtype)``, the
+    reference applying the same keep mask, run in float64 and in ``dtype``, under the rule."""
+    leaves64 = tuple(t.detach().cpu().double().requires_grad_() for t in inputs)
+    plain = tuple(t.detach().cpu().clone().requires_grad_() for t in inputs)
+    out64, lse64 = reference(*leaves64, torch.float64)
+    outl, lsel = reference(*plain, dtype)
+    assert_within_rule("out", out.cpu(), out64, outl, dtype)
+    assert_within_rule("lse", lse.cpu(), lse64, lsel, dtype)  # that of the weights before dropout
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dl = torch.randn(lse.shape, generator=g, dtype=torch.float64) if dlse else None
+    got = grads(out, lse, inputs, dout.cuda(), None if dl is None else dl.cuda())
+    ref = grads(out64, lse64, leaves64, dout, dl)
+    pl = grads(outl, lsel, plain, dout, dl)
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, pl, strict=True):
+        assert_within_rule(name, a.cpu(), e, p, dtype)
+
+
 @needs_gpu
 @pytest.mark.cuda
-def test_dropout_is_refused_by_name_until_the_cuda_kernels_have_it():
-    """The CUDA kernels have no dropout yet: the raw op refuses dropout_p > 0 by name, and native
-    falls back (warning) rather than run without it."""
-    q = torch.randn(1, 8, 2, 32, device="cuda")
-    with pytest.raises(
-        NotImplementedError, match=r"CUDA kernels have no attention dropout yet, got dropout_p=0\.2"
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_dropout_matches_the_masked_reference(monkeypatch, kernels, dtype, is_causal):
+    """The CUDA kernels drop the weights that the CPU kernels' mask drops (_ops.dropout_mask), in
+    both kernel families: a batch of two, grouped-query attention, N no multiple of any w."""
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_SIMT", "1" if kernels == "simt" else "0")
+    B, N, Hq, Hkv, D, segs, rates = 2, 133, 8, 2, 64, [16, 32, 64], [1, 2, 4]
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, dtype)
+    drop = (DROPOUT_P, DROPOUT_SEED, DROPOUT_OFFSET)
+    out, lse = torch.ops.dilated_attention.fwd(q, k, v, segs, rates, is_causal, D**-0.5, False, *drop)
+    keep = dropout_keep(B, Hq, N, DROPOUT_P)
+
+    def reference(q, k, v, dt):
+        return reference_attention(q, k, v, segs, rates, is_causal, dtype=dt, keep=keep, dropout_p=DROPOUT_P)
+
+    assert_dropout_within_rule(out, lse, (q, k, v), reference, dtype, dlse=dtype != torch.float16)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernels", ["auto", "simt"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_dropout_on_packed_sequences_reads_the_packed_rows(monkeypatch, kernels, is_causal):
+    """varlen_fwd/varlen_bwd with dropout: sequence i reads the mask at its rows of the (1, T, ...)
+    tensors, as on the CPU."""
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_SIMT", "1" if kernels == "simt" else "0")
+    lengths, Hq, Hkv, D, segs, rates = [5, 0, 1, 137, 20, 64], 4, 2, 64, [8, 32, 128], [1, 2, 4]
+    cu_list = [0, *itertools.accumulate(lengths)]
+    T, dtype = cu_list[-1], torch.bfloat16
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    q, k, v = (t[0].detach().requires_grad_() for t in make_inputs(1, T, Hq, Hkv, D, dtype))
+    drop = (DROPOUT_P, DROPOUT_SEED, DROPOUT_OFFSET)
+    out, lse = torch.ops.dilated_attention.varlen_fwd(
+        q, k, v, cu, max(lengths), segs, rates, is_causal, D**-0.5, False, *drop
+    )
+    keep = dropout_keep(1, Hq, T, DROPOUT_P)
+
+    def reference(q, k, v, dt):
+        return reference_varlen(
+            q, k, v, cu_list, segs, rates, is_causal, dtype=dt, keep=keep, dropout_p=DROPOUT_P
+        )
+
+    assert_dropout_within_rule(out, lse, (q, k, v), reference, dtype)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_cpu_and_cuda_drop_the_same_weights(is_causal):
+    """float64 on both devices (CUDA: the SIMT kernels) with the same seed and offset: the same
+    output and gradients to float64 rounding, which a single weight dropped on one device only
+    would exceed by far."""
+    B, N, Hq, Hkv, D, segs, rates = 2, 90, 4, 2, 32, [16, 48], [1, 3]
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, torch.float64, device="cpu")
+    qc, kc, vc = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+    args = (segs, rates, is_causal, 0.3, False, DROPOUT_P, DROPOUT_SEED, DROPOUT_OFFSET)
+    out, lse = torch.ops.dilated_attention.fwd(q, k, v, *args)
+    outc, lsec = torch.ops.dilated_attention.fwd(qc, kc, vc, *args)
+    torch.testing.assert_close(outc.cpu(), out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lsec.cpu(), lse, rtol=1e-10, atol=1e-10)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(outc, (qc, kc, vc), dout.cuda()),
+        strict=True,
     ):
-        torch.ops.dilated_attention.fwd(q, q, q, [4], [1], False, 0.5, False, 0.2, 1, 2)
-    with pytest.warns(UserWarning, match="no attention dropout"):
-        out = dattn(q, q, q, [4], [1], dropout_p=0.2, backend="native")
-    assert out.shape == q.shape
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-9, atol=1e-9)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_native_runs_dropout_on_cuda(dtype):
+    """backend="native" with dropout_p > 0 runs the CUDA kernels (no fallback, no warning); seed and
+    offset come from torch's generator, so torch.manual_seed reproduces a run, forward and backward."""
+    q, k, v = make_inputs(1, 64, 4, 2, 32, dtype)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        out = dattn(q, k, v, [16, 32], [1, 2], is_causal=True, dropout_p=DROPOUT_P, backend="native")
+        return out, torch.autograd.grad(out.float().square().sum(), (q, k, v))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dilated_attention.DilatedAttentionWarning)
+        (a, ga), (b, gb), (c, _) = run(0), run(0), run(1)
+    assert select_backend("native", q, k, dropout_p=DROPOUT_P).name == "native"
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    for x, y in zip(ga, gb, strict=True):
+        assert torch.equal(x, y) and torch.isfinite(x).all()
 
 
 @needs_gpu

@@ -116,6 +116,19 @@ __device__ __forceinline__ acc_t da_lse_base2(double L, double unit, acc_t* lo) 
   return hi;
 }
 
+/*
+ * Attention dropout (dropout.h, as the CPU kernel applies it): the forward multiplies the normalised
+ * weights by their pairs' factors, 0 (dropped) or 1 / (1 - p) (kept), after their sum went into the
+ * denominator (lse is that before dropout); the backward multiplies dP = dO . v by them, and P for
+ * dV. A step draws the keep flags of the pairs it computes into the bits of a word (Walk::
+ * dropout_keep; ~0u without dropout) and takes each pair's factor from its bit: 1 / (1 - p) or 0,
+ * and d.scale = 1 without dropout.
+ */
+template <typename acc_t>
+__device__ __forceinline__ acc_t da_dropout_factor(const da_dropout& d, uint32_t keep, int bit) {
+  return (keep >> bit) & 1u ? (acc_t)d.scale : (acc_t)0;
+}
+
 template <typename V>
 __device__ __forceinline__ V warp_sum(V v) {
 #pragma unroll
@@ -217,6 +230,37 @@ struct Walk {
 
   // Current query head (dk/dv walk) or the block's head (forward, dq).
   __device__ __forceinline__ int64_t head() const { return h0 + st.gi; }
+
+  // Attention dropout's keep flags (dropout.h) of n <= 32 pairs of the current chunk of head bh:
+  // bit i for pair(i, &slot, &jj), the row pos[slot] and the other side's index o0 + jj, their rows
+  // being the sequence's `start` plus their positions. One Philox call per pair, in a loop that is
+  // not unrolled, in 32-bit arithmetic (the rows are below 2^30, and the generator takes the low 32
+  // bits of its counter words): the draws take few registers next to the kernels' accumulators.
+  template <typename Pair>
+  __device__ __forceinline__ uint32_t dropout_keep(const da_dropout& d, int64_t bh, int64_t start, int n,
+                                                   Pair pair) const {
+    uint32_t rows[ROWS];
+#pragma unroll
+    for (int k = 0; k < ROWS; ++k) rows[k] = (uint32_t)(start + pos[k]);
+    const uint32_t other0 = (uint32_t)(start + other_position(o0)), r32 = (uint32_t)st.r;
+    const bool rows_are_queries = rows_are == DA_ROWS_ARE_QUERIES;
+    uint32_t bits = 0;
+#pragma unroll 1
+    for (int i = 0; i < n; ++i) {
+      int slot, jj;
+      pair(i, &slot, &jj);
+      uint32_t row = rows[0];  // rows[slot] without indexing at run time (no local memory)
+#pragma unroll
+      for (int k = 1; k < ROWS; ++k) row = slot == k ? rows[k] : row;
+      const uint32_t other = other0 + (uint32_t)jj * r32;
+      const uint32_t q = rows_are_queries ? row : other, x = rows_are_queries ? other : row;
+      uint32_t w[4];
+      da_dropout_draws(&d, (uint32_t)bh, q, x >> 2, w);
+      const uint32_t draw = x & 2 ? (x & 1 ? w[3] : w[2]) : (x & 1 ? w[1] : w[0]);  // w[x & 3]
+      bits |= (uint32_t)(draw >= d.threshold) << i;
+    }
+    return bits;
+  }
 
   // Whether this warp skips the current chunk / must mask it (tiling.h).
   __device__ __forceinline__ bool skip_chunk() const {

@@ -6,7 +6,10 @@
 //
 // Semantics are those of the CPU kernel (csrc/cpu/dilated_attention_cpu.cpp, SPEC sections 2-3):
 // out (B, N, Hq, D) contiguous in the input dtype, lse (B, Hq, N) float32 (float64 for float64
-// inputs); rows that no branch covers get out = 0 and lse = -inf.
+// inputs); rows that no branch covers get out = 0 and lse = -inf. Attention dropout (dropout_p,
+// dropout_seed, dropout_offset of fwd, bwd, varlen_fwd, varlen_bwd) draws the CPU kernel's mask
+// (csrc/dropout.h, keyed by the rows of the (B, N, ...) tensors, or of a packed call's (1, T, ...)
+// view), so both devices drop the same weights; the pieces take no dropout, as on the CPU.
 //
 // The pieces of sequence parallelism (piece_fwd/piece_bwd, those of csrc/cpu/piece_cpu.h: dense
 // attention of q (B, nq, Hq, D) over k, v (B, nk, Hkv, D), key j visible to query i when
@@ -269,14 +272,15 @@ void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool us
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The forward of the sequences S of (B, N, ...) inputs into out (B, N, Hq, D) and lse (B, Hq, N);
-// k and v have S.max_keys rows for a piece.
+// The forward of the sequences S of (B, N, ...) inputs into out (B, N, Hq, D) and lse (B, Hq, N),
+// with attention dropout `drop`; k and v have S.max_keys rows for a piece.
 void fwd_sequences(const Problem& P, const Seqs& S, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor& out,
-                   at::Tensor& lse) {
+                   at::Tensor& lse, const da_dropout& drop) {
   const DType t = dtype_of(q);
   const Device prop = device_info(q.device().index());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   Params p = base_params(P, S);
+  p.drop = drop;
   bool use_tc = tc_eligible(P, t, prop);
   if (use_tc) {
     q = tc_ready(q);
@@ -293,14 +297,9 @@ void fwd_sequences(const Problem& P, const Seqs& S, at::Tensor q, at::Tensor k, 
   run(cuda::kFwd, P, S, t, p, use_tc, prop, stream);
 }
 
-// The CUDA kernels have no attention dropout yet (the CPU kernels do): dropout_p > 0 is refused
-// by name (after the CPU's range check), so that no caller gets undropped results silently.
-void check_no_dropout(double dropout_p, int64_t seed, int64_t offset) {
-  dropout_params(dropout_p, seed, offset);
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      dropout_p == 0, "dilated_attention: the CUDA kernels have no attention dropout yet, ",
-      "got dropout_p=", dropout_p, " (the CPU kernels have it; on CUDA run the sdpa or ",
-      "manual backend for dropout)");
+// No attention dropout: a piece's, which takes none.
+da_dropout no_dropout() {
+  return da_dropout_make(0.0, 0, 0);
 }
 
 // The forward's outputs for q (B, N, Hq, D): out (B, N, Hq, D) in q's dtype, lse (B, Hq, N)
@@ -316,7 +315,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             double softmax_scale, bool float64_lse, double dropout_p,
                                             int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
-  check_no_dropout(dropout_p, dropout_seed, dropout_offset);
+  const da_dropout drop = dropout_params(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -324,7 +323,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                    v = last_dim_contiguous(v_in);
   auto [out, lse] = forward_outputs(P, q, float64_lse);
   if (P.B == 0 || P.N == 0) return {out, lse};
-  fwd_sequences(P, fixed_seqs(P), q, k, v, out, lse);
+  fwd_sequences(P, fixed_seqs(P), q, k, v, out, lse, drop);
   return {out, lse};
 }
 
@@ -338,7 +337,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
                                                    int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
                                         dilation_rates, is_causal, softmax_scale);
-  check_no_dropout(dropout_p, dropout_seed, dropout_offset);
+  const da_dropout drop = dropout_params(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -350,16 +349,17 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   at::Tensor lse = at::empty({P.Hq, P.N}, q.options().dtype(lse_dtype(q.scalar_type(), float64_lse)));
   if (P.N == 0) return {out, lse};
   at::Tensor out4 = out.unsqueeze(0), lse3 = lse.unsqueeze(0);
-  fwd_sequences(P, S, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4, lse3);
+  fwd_sequences(P, S, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out4, lse3, drop);
   return {out, lse};
 }
 
-// The backward of the sequences S of (B, N, ...) inputs: dq, dk, dv of the inputs' shapes (k and
-// v have S.max_keys rows for a piece, which has at least one query and one key).
+// The backward of the sequences S of (B, N, ...) inputs with the forward's attention dropout
+// `drop`: dq, dk, dv of the inputs' shapes (k and v have S.max_keys rows for a piece, which has at
+// least one query and one key).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, const Seqs& S, at::Tensor dout,
                                                              at::Tensor q, at::Tensor k, at::Tensor v,
                                                              const at::Tensor& out, const at::Tensor& lse,
-                                                             const at::Tensor& dlse) {
+                                                             const at::Tensor& dlse, const da_dropout& drop) {
   at::Tensor dq = at::empty({P.B, P.N, P.Hq, P.D}, q.options());
   at::Tensor dk = at::empty({P.B, k.size(1), P.Hkv, P.D}, q.options());
   at::Tensor dv = at::empty({P.B, k.size(1), P.Hkv, P.D}, q.options());
@@ -370,6 +370,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, c
   const Device prop = device_info(q.device().index());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   Params p = base_params(P, S);
+  p.drop = drop;
   p.out = tensor4(out);
   p.dout = tensor4(dout);
   p.lse = lse.data_ptr();
@@ -407,11 +408,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fixed(const Problem& P, const
                                                          const at::Tensor& dout, const at::Tensor& q,
                                                          const at::Tensor& k, const at::Tensor& v,
                                                          const at::Tensor& out, const at::Tensor& lse,
-                                                         const c10::optional<at::Tensor>& dlse_in) {
+                                                         const c10::optional<at::Tensor>& dlse_in,
+                                                         const da_dropout& drop) {
   at::Tensor dlse;
   if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(lse_dtype(q.scalar_type())).contiguous();
   return bwd_sequences(P, S, last_dim_contiguous(dout), last_dim_contiguous(q), last_dim_contiguous(k),
-                       last_dim_contiguous(v), last_dim_contiguous(out), lse.contiguous(), dlse);
+                       last_dim_contiguous(v), last_dim_contiguous(out), lse.contiguous(), dlse, drop);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
@@ -421,11 +423,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     double dropout_p, int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
-  check_no_dropout(dropout_p, dropout_seed, dropout_offset);
+  const da_dropout drop = dropout_params(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  return bwd_fixed(P, fixed_seqs(P), dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in);
+  return bwd_fixed(P, fixed_seqs(P), dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in, drop);
 }
 
 // The packed form: dout and out (T, Hq, D), lse and dlse (Hq, T); dq (T, Hq, D), dk and dv (T, Hkv, D).
@@ -437,9 +439,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     int64_t dropout_seed, int64_t dropout_offset) {
   const Problem P = check_varlen_inputs(q_in, k_in, v_in, cu_seqlens, max_seqlen, segment_lengths,
                                         dilation_rates, is_causal, softmax_scale);
-  check_no_dropout(dropout_p, dropout_seed, dropout_offset);
   const c10::optional<at::Tensor> dlse4 =
       check_varlen_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
+  const da_dropout drop = dropout_params(dropout_p, dropout_seed, dropout_offset);
   TORCH_CHECK(q_in.device().is_cuda(), "dilated_attention: expected CUDA tensors, got ", q_in.device());
   check_sizes(P);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -450,7 +452,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   auto grads =
       bwd_sequences(P, S, last_dim_contiguous(dout_in).unsqueeze(0), last_dim_contiguous(q_in).unsqueeze(0),
                     last_dim_contiguous(k_in).unsqueeze(0), last_dim_contiguous(v_in).unsqueeze(0),
-                    last_dim_contiguous(out_in).unsqueeze(0), lse_in.contiguous().unsqueeze(0), dlse);
+                    last_dim_contiguous(out_in).unsqueeze(0), lse_in.contiguous().unsqueeze(0), dlse, drop);
   return {std::get<0>(grads).squeeze(0), std::get<1>(grads).squeeze(0), std::get<2>(grads).squeeze(0)};
 }
 
@@ -484,7 +486,7 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cuda(const at::Tensor& q_in, const 
     return {out, lse};
   }
   const Seqs S = piece_seqs(&P, nk, is_causal, causal_offset);
-  fwd_sequences(P, S, q, k, v, out, lse);
+  fwd_sequences(P, S, q, k, v, out, lse, no_dropout());
   return {out, lse};
 }
 
@@ -501,7 +503,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cuda(
   if (P.B == 0 || P.N == 0 || nk == 0)
     return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
   const Seqs S = piece_seqs(&P, nk, is_causal, causal_offset);
-  return bwd_fixed(P, S, dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in);
+  return bwd_fixed(P, S, dout_in, q_in, k_in, v_in, out_in, lse_in, dlse_in, no_dropout());
 }
 
 }  // namespace

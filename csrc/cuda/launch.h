@@ -8,6 +8,7 @@
 #include <atomic>
 
 #include "../dilated_attention.h"
+#include "../dropout.h"
 #include "tiling.h"
 
 namespace dilated_attention {
@@ -42,7 +43,10 @@ struct Params {
   // piece.nk = 0 (zeroed Params): the op.
   da_piece piece;
   int is_causal;
-  double scale;      // softmax scale
+  double scale;  // softmax scale
+  // Attention dropout (dropout.h), keyed by the rows of the (B, N, ...) tensors (a sequence's start
+  // plus the position) and head b * Hq + h; drop.threshold = 0: none (always for a piece).
+  da_dropout drop;
   da_tiling tiling;  // how rows are cut into thread blocks (tiling.h)
   int other_tile;    // SIMT kernels: keys (or queries) per step, <= 32
 };

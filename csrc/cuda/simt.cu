@@ -11,9 +11,12 @@
 // rows that read them. As in the CPU kernel, every pass computes a pair's score from the same
 // scaled query (q * scale * log2 e) in the same order, so the backward's probabilities match the
 // forward's lse, and float accumulators sum in levels (kSumSteps) whose error does not grow with
-// the segment length.
+// the segment length. Attention dropout (p.drop) scales each lane's weight by its pair's factor
+// (common.cuh da_dropout_factor): in the forward after the weight went into the denominator, in the
+// backward dP and, for dV, P; P V and P^T dO skip a dropped weight as they skip a masked one.
 //
-// Cost per (query, key) pair: forward 2 D multiply-adds; backward (dq pass + dk/dv pass) 5 D.
+// Cost per (query, key) pair: forward 2 D multiply-adds; backward (dq pass + dk/dv pass) 5 D; with
+// dropout, one Philox call more in each of the three passes.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -107,6 +110,18 @@ __device__ __forceinline__ void simt_walk_init(W& w, const Params& p, int64_t N,
     w.pos[i] = i < p.tiling.rows_per_warp ? da_row_position(&p.tiling, base, warp, i) : N;
 }
 
+// Attention dropout's keep flags of the warp's rows (bit i: row i) against the lane's index
+// o0 + lane of the other side, in the step's head bh; ~0u without dropout (common.cuh).
+template <typename W>
+__device__ __forceinline__ uint32_t simt_dropout_keep(const W& cur, const Params& p, int64_t bh,
+                                                      int64_t start, int lane) {
+  if (p.drop.threshold == 0u) return ~0u;
+  return cur.dropout_keep(p.drop, bh, start, (int)p.tiling.rows_per_warp, [&](int i, int* slot, int* jj) {
+    *slot = i;
+    *jj = lane;
+  });
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Forward                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
@@ -198,6 +213,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
       sK[jj * ld + d] = kv;
       sV[jj * D + d] = vv;
     }
+    const uint32_t keep = simt_dropout_keep(cur, p, b * p.Hq + h, sq.start, lane);
     __syncthreads();
 
 #pragma unroll
@@ -211,12 +227,13 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
       const acc_t corr = da_exp2(m[i] - m_use);
       m[i] = m_new;
       const acc_t pr = da_exp2(s - m_use);
-      l[i] = l[i] * corr + warp_sum(pr);
-      acc_t step[kMaxCols];  // this step's P V, summed afresh
+      l[i] = l[i] * corr + warp_sum(pr);                                // the weights before dropout
+      const acc_t pd = pr * da_dropout_factor<acc_t>(p.drop, keep, i);  // and after
+      acc_t step[kMaxCols];                                             // this step's P V, summed afresh
 #pragma unroll
       for (int t = 0; t < kMaxCols; ++t) step[t] = 0;
       for (int jj = 0; jj < KT; ++jj) {
-        const acc_t pj = __shfl_sync(DA_FULL_MASK, pr, jj);
+        const acc_t pj = __shfl_sync(DA_FULL_MASK, pd, jj);
         if (pj == (acc_t)0) continue;
 #pragma unroll
         for (int t = 0; t < kMaxCols; ++t) {
@@ -353,6 +370,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
       sK[jj * ld + d] = kv;
       sV[jj * ld + d] = vv;
     }
+    const uint32_t keep = simt_dropout_keep(cur, p, b * p.Hq + h, sq.start, lane);
     __syncthreads();
 
 #pragma unroll
@@ -364,7 +382,8 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
       if (ok) {
         const int64_t row = warp * rpw + i;
         const acc_t s = simt_dot(sQ + row * D, sK + lane * ld, D);
-        const acc_t dp = simt_dot(sdO + row * D, sV + lane * ld, D);
+        const acc_t dp = simt_dot(sdO + row * D, sV + lane * ld, D) *
+                         da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T
         const acc_t pr = da_exp2((s - lse2[i]) - lse2lo[i]);
         ds = pr * (dp - dl[i]);
       }
@@ -495,6 +514,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       sLlo[jj] = lo;
       sDl[jj] = dlt;
     }
+    const uint32_t keep = simt_dropout_keep(cur, p, b * p.Hq + h, sq.start, lane);
     __syncthreads();
 
 #pragma unroll
@@ -507,8 +527,10 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
         const int64_t row = warp * rpw + i;
         const acc_t s = simt_dot(sQ + lane * ld, sK + row * D, D);  // the forward's score, bit for bit
         const acc_t dp = simt_dot(sV + row * D, sdO + lane * ld, D);
+        const acc_t f = da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T, and P M for dV
         pr = da_exp2((s - sL[lane]) - sLlo[lane]);
-        ds = pr * (dp - sDl[lane]);
+        ds = pr * (dp * f - sDl[lane]);
+        pr *= f;
       }
       acc_t step_k[kMaxCols], step_v[kMaxCols];  // this step's dS^T Q and P^T dO, summed afresh
 #pragma unroll

@@ -25,6 +25,12 @@
 // B tile (v, k, or q and dout) holds an inf or NaN, the product with them is summed on CUDA cores
 // without the zero probabilities (tc_gemm_pb_masked), so the value reaches only its readers.
 // lse is formed in double and read back into base 2 in double (common.cuh).
+//
+// Attention dropout (p.drop, common.cuh da_dropout_factor): the forward multiplies P by the pairs'
+// factors after its row sums went into l (lse is that before dropout); the dq pass multiplies dP,
+// the dk/dv pass dP and, for dV, P. One Philox call per element of the thread's fragments, in the
+// kernels' instantiations with DROPOUT = true only (tc_dropout): those without are the kernels as
+// they were, with their registers.
 #pragma once
 
 #include <type_traits>
@@ -198,11 +204,31 @@ __device__ __forceinline__ void tc_gemm_pb_masked(float (&acc)[CT][4], const flo
     tc_gemm_pb<T, LDS, NT, CT>(acc, P, sB, c0, lane, D);
 }
 
+// Attention dropout's keep flags of the thread's elements of a warp's C fragments [NT][4] of the
+// chunk at cur.o0 (bit nt * 4 + e: row slot e >> 1, column nt * 8 + 2 * tq + (e & 1)), in head bh
+// (common.cuh).
+template <int NT>
+__device__ __forceinline__ uint32_t tc_dropout_keep(const Walk<2>& cur, const Params& p, int64_t bh,
+                                                    int64_t start, int tq) {
+  static_assert(NT * 4 <= 32, "one bit per element");
+  return cur.dropout_keep(p.drop, bh, start, NT * 4, [&](int i, int* slot, int* jj) {
+    *slot = (i >> 1) & 1;
+    *jj = (i >> 2) * 8 + 2 * tq + (i & 1);
+  });
+}
+
+// Which instantiation of a kernel runs: with attention dropout (DROPOUT = true) or without. They
+// are compiled apart, so that the kernels without dropout keep their registers (the draws of
+// tc_dropout_keep would take some and spill the forward and dk/dv kernels at head dim 64).
+inline int tc_dropout(const Params& p) {
+  return p.drop.threshold != 0u ? 1 : 0;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Forward                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 
-template <typename T, int DP>
+template <typename T, int DP, bool DROPOUT>
 __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
 #if DA_SM80
   using Cfg = TcFwdCfg<DP>;
@@ -275,6 +301,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
     if (!cur.skip_chunk()) {
       const T* sKs = sK + stage * KT * LDS;
       const T* sVs = sV + stage * KT * LDS;
+      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
       float S[NT][4];
       tc_gemm_abt<T, DP, LDS, NT>(S, sQ, sKs, warp, lane, p.D);
 
@@ -319,6 +346,12 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
         }
         l[ri] += sum;  // this thread's columns; the quad is summed at the end
       }
+      if (DROPOUT) {  // the denominator has the weights, the output their kept share
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) S[nt][e] *= da_dropout_factor<float>(p.drop, keep, nt * 4 + e);
+      }
       tc_gemm_pb_masked<T, DP, LDS, NT, DT>(O, S, sVs, 0, lane, p.D, need_mask);
     }
     __syncthreads();  // the buffer of `stage` is free for the prefetch of the next iteration
@@ -355,7 +388,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
 /* Backward: dq                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 
-template <typename T, int DP>
+template <typename T, int DP, bool DROPOUT>
 __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
 #if DA_SM80
   using Cfg = TcDqCfg<DP>;
@@ -451,6 +484,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
     if (!cur.skip_chunk()) {
       const T* sKs = sK + stage * KT * LDS;
       const T* sVs = sV + stage * KT * LDS;
+      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
       float S[NT][4], dP[NT][4];
       tc_gemm_abt<T, DP, LDS, NT>(S, sQ, sKs, warp, lane, p.D);
       tc_gemm_abt<T, DP, LDS, NT>(dP, sdO, sVs, warp, lane, p.D);
@@ -465,8 +499,10 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
             const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
             ok = cur.pair_active(cur.jrow[ri], j);
           }
+          const float f =
+              DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;  // dropout: M dO V^T
           const float pr = ok ? exp2f(S[nt][e] * sl2 - lse2[ri]) : 0.f;
-          S[nt][e] = ok ? pr * (dP[nt][e] - dl[ri]) : 0.f;  // dS
+          S[nt][e] = ok ? pr * (dP[nt][e] * f - dl[ri]) : 0.f;  // dS
         }
       }
       tc_gemm_pb_masked<T, DP, LDS, NT, DT>(dQ, S, sKs, 0, lane, p.D, need_mask);
@@ -503,7 +539,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
 /* Backward: dk, dv                                                                             */
 /* ------------------------------------------------------------------------------------------ */
 
-template <typename T, int DP>
+template <typename T, int DP, bool DROPOUT>
 __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
 #if DA_SM80
   using Cfg = TcDkvCfg<DP>;
@@ -610,6 +646,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
       const T* sdOs = sdO + stage * QT * LDS;
       const float* sLs = sL + stage * QT;
       const float* sDls = sDl + stage * QT;
+      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + cur.head(), sq.start, tq) : 0u;
       float St[NT][4], dPt[NT][4];  // (this warp's 16 keys) x (QT queries)
       tc_gemm_abt<T, DP, LDS, NT>(St, sK, sQs, warp, lane, p.D);
       tc_gemm_abt<T, DP, LDS, NT>(dPt, sV, sdOs, warp, lane, p.D);
@@ -621,9 +658,11 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
           const int qc = nt * 8 + 2 * tq + (e & 1);
           bool ok = true;
           if (need_mask) ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
+          // Dropout: M dO V^T, and P M for dV.
+          const float f = DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;
           const float pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
-          St[nt][e] = pr;
-          dPt[nt][e] = ok ? pr * (dPt[nt][e] - sDls[qc]) : 0.f;  // dS^T
+          St[nt][e] = pr * f;
+          dPt[nt][e] = ok ? pr * (dPt[nt][e] * f - sDls[qc]) : 0.f;  // dS^T
         }
       }
       tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dV, St, sdOs, c0, lane, p.D, need_mask);
@@ -679,8 +718,9 @@ TcConfig tc_fwd_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcFwdCfg<DP>::SMEM, 1};
   if (launch) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
-    static SmemOptIn opt_in;
-    tc_launch(tc_fwd_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
+    static SmemOptIn opt_in[2];  // without and with dropout
+    tc_launch(tc_dropout(p) ? tc_fwd_kernel<T, DP, true> : tc_fwd_kernel<T, DP, false>, grid, cfg.smem_bytes,
+              p, stream, opt_in[tc_dropout(p)]);
   }
   return cfg;
 }
@@ -690,8 +730,9 @@ TcConfig tc_dq_dp(const Params& p, bool launch, cudaStream_t stream) {
   const TcConfig cfg{16, kTcWarps, TcDqCfg<DP>::SMEM, 1};
   if (launch) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
-    static SmemOptIn opt_in;
-    tc_launch(tc_dq_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
+    static SmemOptIn opt_in[2];  // without and with dropout
+    tc_launch(tc_dropout(p) ? tc_dq_kernel<T, DP, true> : tc_dq_kernel<T, DP, false>, grid, cfg.smem_bytes, p,
+              stream, opt_in[tc_dropout(p)]);
   }
   return cfg;
 }
@@ -702,8 +743,9 @@ TcConfig tc_dkv_dp(const Params& p, bool launch, cudaStream_t stream) {
   if (launch) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks),
                     (unsigned)p.num_seqs);
-    static SmemOptIn opt_in;
-    tc_launch(tc_dkv_kernel<T, DP>, grid, cfg.smem_bytes, p, stream, opt_in);
+    static SmemOptIn opt_in[2];  // without and with dropout
+    tc_launch(tc_dropout(p) ? tc_dkv_kernel<T, DP, true> : tc_dkv_kernel<T, DP, false>, grid, cfg.smem_bytes,
+              p, stream, opt_in[tc_dropout(p)]);
   }
   return cfg;
 }

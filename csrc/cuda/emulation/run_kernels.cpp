@@ -2,7 +2,8 @@
 // (tests/test_cuda.py loads it with ctypes). It mirrors what dilated_attention_cuda.cpp does on the
 // host (tiling, the delta pass, the dq and dk/dv passes) for contiguous (B, N, H, D) tensors (or,
 // after da_emu_varlen, packed sequences of (1, T, H, D) tensors; after da_emu_piece, a piece of
-// N queries over nk keys: k, v, dk, dv of (B, nk, Hkv, D)), and
+// N queries over nk keys: k, v, dk, dv of (B, nk, Hkv, D)), with attention dropout after
+// da_emu_dropout, and
 // guards every buffer: outputs start as NaN bytes and every buffer is fenced by canary bytes that
 // must survive the run. Build:
 //   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>
@@ -88,6 +89,12 @@ bool& lse64() {
   return on;
 }
 
+// Attention dropout of the next calls (da_emu_dropout); threshold 0: none.
+da_dropout& dropout() {
+  static da_dropout d = da_dropout_make(0.0, 0, 0);
+  return d;
+}
+
 // Rows of keys: N, or a piece's nk.
 int64_t key_rows(int64_t N) {
   return piece().nk > 0 ? piece().nk : N;
@@ -109,10 +116,11 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
   p->is_causal = P.causal;
   p->scale = P.scale;
   p->num_seqs = P.B;
+  p->drop = dropout();
   int64_t tile_rows = P.N;  // the longest sequence
   if (piece().nk > 0) {     // as the host launches a piece: one branch, R = 1 unless forced
-    if (!packed().cu.empty()) {
-      snprintf(err, errlen, "a piece takes no packed sequences");
+    if (!packed().cu.empty() || p->drop.threshold != 0) {
+      snprintf(err, errlen, "a piece takes no packed sequences and no dropout");
       return 1;
     }
     const int64_t nk = piece().nk, offset = da_min64(da_max64(piece().offset, -P.N), nk);  // as checks.h
@@ -160,39 +168,56 @@ Params key_params(const Params& p) {
   return k;
 }
 
-template <typename T>
-void tc_forward(const Params& p) {
+template <typename T, bool DROP>
+void tc_forward_with(const Params& p) {
   const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
   switch (tc_padded_dim(p.D)) {
-    case 32: run_grid(tc_fwd_kernel<T, 32>, grid, TcFwdCfg<32>::SMEM, p); break;
-    case 64: run_grid(tc_fwd_kernel<T, 64>, grid, TcFwdCfg<64>::SMEM, p); break;
-    case 96: run_grid(tc_fwd_kernel<T, 96>, grid, TcFwdCfg<96>::SMEM, p); break;
-    case 128: run_grid(tc_fwd_kernel<T, 128>, grid, TcFwdCfg<128>::SMEM, p); break;
-    case 192: run_grid(tc_fwd_kernel<T, 192>, grid, TcFwdCfg<192>::SMEM, p); break;
-    default: run_grid(tc_fwd_kernel<T, 256>, grid, TcFwdCfg<256>::SMEM, p); break;
+    case 32: run_grid(tc_fwd_kernel<T, 32, DROP>, grid, TcFwdCfg<32>::SMEM, p); break;
+    case 64: run_grid(tc_fwd_kernel<T, 64, DROP>, grid, TcFwdCfg<64>::SMEM, p); break;
+    case 96: run_grid(tc_fwd_kernel<T, 96, DROP>, grid, TcFwdCfg<96>::SMEM, p); break;
+    case 128: run_grid(tc_fwd_kernel<T, 128, DROP>, grid, TcFwdCfg<128>::SMEM, p); break;
+    case 192: run_grid(tc_fwd_kernel<T, 192, DROP>, grid, TcFwdCfg<192>::SMEM, p); break;
+    default: run_grid(tc_fwd_kernel<T, 256, DROP>, grid, TcFwdCfg<256>::SMEM, p); break;
   }
 }
 
-template <typename T, int DP>
+// The instantiation with or without dropout, as the host launches it (tc_dropout).
+template <typename T>
+void tc_forward(const Params& p) {
+  if (tc_dropout(p))
+    tc_forward_with<T, true>(p);
+  else
+    tc_forward_with<T, false>(p);
+}
+
+template <typename T, int DP, bool DROP>
 void tc_backward_dp(const Params& p) {
   const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
-  run_grid(tc_dq_kernel<T, DP>, grid, TcDqCfg<DP>::SMEM, p);
+  run_grid(tc_dq_kernel<T, DP, DROP>, grid, TcDqCfg<DP>::SMEM, p);
   const Params pk = key_params(p);
   const dim3 grid_kv((unsigned)da_num_tiles(&pk.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS),
                      (unsigned)p.num_seqs);
-  run_grid(tc_dkv_kernel<T, DP>, grid_kv, TcDkvCfg<DP>::SMEM, pk);
+  run_grid(tc_dkv_kernel<T, DP, DROP>, grid_kv, TcDkvCfg<DP>::SMEM, pk);
+}
+
+template <typename T, bool DROP>
+void tc_backward_with(const Params& p) {
+  switch (tc_padded_dim(p.D)) {
+    case 32: tc_backward_dp<T, 32, DROP>(p); break;
+    case 64: tc_backward_dp<T, 64, DROP>(p); break;
+    case 96: tc_backward_dp<T, 96, DROP>(p); break;
+    case 128: tc_backward_dp<T, 128, DROP>(p); break;
+    case 192: tc_backward_dp<T, 192, DROP>(p); break;
+    default: tc_backward_dp<T, 256, DROP>(p); break;
+  }
 }
 
 template <typename T>
 void tc_backward(const Params& p) {
-  switch (tc_padded_dim(p.D)) {
-    case 32: tc_backward_dp<T, 32>(p); break;
-    case 64: tc_backward_dp<T, 64>(p); break;
-    case 96: tc_backward_dp<T, 96>(p); break;
-    case 128: tc_backward_dp<T, 128>(p); break;
-    case 192: tc_backward_dp<T, 192>(p); break;
-    default: tc_backward_dp<T, 256>(p); break;
-  }
+  if (tc_dropout(p))
+    tc_backward_with<T, true>(p);
+  else
+    tc_backward_with<T, false>(p);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -268,6 +293,12 @@ extern "C" void da_emu_varlen(const int32_t* cu_seqlens, int64_t S) {
 // branches are then ignored); nk = 0 returns to the op.
 extern "C" void da_emu_piece(int64_t nk, int64_t offset) {
   piece() = da_piece{0, nk < 0 ? 0 : nk, offset};
+}
+
+// Attention dropout with probability p (0 <= p < 1; 0: none), seed and offset for the calls that
+// follow, forward and backward (the op's dropout_p, dropout_seed, dropout_offset).
+extern "C" void da_emu_dropout(double p, int64_t seed, int64_t offset) {
+  dropout() = da_dropout_make(p, (uint64_t)seed, (uint64_t)offset);
 }
 
 // lse in float64 (on != 0) or in the accumulation dtype for the calls that follow; dlse and delta
