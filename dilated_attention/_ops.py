@@ -24,7 +24,7 @@ probability, beyond SPEC section 4's rule.
 
 The four fixed-length and packed ops also take ``dropout_p=0., dropout_seed=0, dropout_offset=0``
 (last): attention dropout with the counter-based mask of ``csrc/dropout.h``, which the backward,
-given the same three, draws again (CPU kernels; CUDA refuses ``dropout_p > 0`` by name);
+given the same three, draws again (the CPU and the CUDA kernels draw the same mask);
 :func:`dropout_mask` returns that mask.
 
 Both backward kernels are deterministic (no atomics): the same inputs give the same bits. The
@@ -241,8 +241,8 @@ def native_forward(
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused op: ``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N), float32 (float64 for float64
-    inputs); attention dropout with probability ``dropout_p`` (CPU kernels; seed and offset drawn
-    from torch's default generator, :func:`dropout_seed_offset`). Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap``
+    inputs); attention dropout with probability ``dropout_p`` (seed and offset drawn from torch's
+    default generator, :func:`dropout_seed_offset`). Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap``
     (:mod:`._func`); the backward reads the float64 lse the op computed (module docstring).
 
     ``RuntimeError`` saying what to run when the extension is not loaded."""

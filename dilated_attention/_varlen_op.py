@@ -123,7 +123,7 @@ def native_varlen_forward(
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused packed op: ``out`` (T, Hq, D) and ``lse`` (Hq, T), float32 (float64 for
-    float64 inputs); attention dropout with probability ``dropout_p`` (CPU kernels).
+    float64 inputs); attention dropout with probability ``dropout_p``.
     Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap`` (:mod:`._func`);
     the backward reads the op's float64 lse (see :mod:`._ops`).
 

@@ -17,7 +17,8 @@ import dilated_attention
 from dilated_attention import _ops
 from dilated_attention import dilated_attention as dattn
 from dilated_attention.backends import registry
-from dilated_attention.backends.native import NO_CUDA_DROPOUT, NativeBackend
+from dilated_attention.backends.base import BackendRequest
+from dilated_attention.backends.native import NativeBackend
 
 P, SEED, OFFSET = 0.2, 1234567, 89
 
@@ -129,14 +130,22 @@ def test_auto_keeps_native_for_dropout_on_cpu():
     assert registry.BackendSelector().select("native", q, k, 0.2).name == "native"
 
 
-def test_auto_warns_when_it_leaves_native_for_dropout(monkeypatch):
-    """Where the kernels have no dropout (CUDA, for now) and auto would run native, it warns that it
-    leaves them (a DilatedAttentionWarning), rather than logging at INFO only."""
-    q, k, _ = make_inputs(1, 32, 2, 2, 8, torch.float32, requires_grad=False)
+def test_native_takes_dropout_on_cuda(fake_gpu, monkeypatch):
+    """The CUDA kernels draw the CPU kernels' mask (tests/test_cuda.py checks them, emulated and on a
+    GPU): dropout changes none of native's reasons on either device, and a CUDA request with dropout
+    runs native wherever one without would (explicitly, or first in auto's order)."""
+    monkeypatch.setattr(_ops, "has_kernel", lambda device: True)
     monkeypatch.setattr(registry.hardware, "recommended_backends", lambda *a: ["native", "manual"])
-    monkeypatch.setattr(NativeBackend, "reasons", lambda self, r: [NO_CUDA_DROPOUT] if r.dropout else [])
-    with pytest.warns(dilated_attention.DilatedAttentionWarning, match="leaves the fused native kernels"):
-        assert registry.BackendSelector("t").select("auto", q, k, 0.2).name == "manual"
+    for device in ("cpu", "cuda"):
+
+        def request(dropout, device=device):
+            return BackendRequest(torch.device(device), torch.float32, 8, dropout)
+
+        assert NativeBackend().reasons(request(True)) == NativeBackend().reasons(request(False)) == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", dilated_attention.DilatedAttentionWarning)
+            for requested in ("native", "auto"):
+                assert registry.resolve(requested, request(True)).name == "native"
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])

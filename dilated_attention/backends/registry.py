@@ -31,7 +31,7 @@ from .advice import slow_path
 from .base import Backend, BackendRequest, dtype_name
 from .flash import FlashAttn2Backend, FlashAttn3Backend
 from .manual import ManualBackend
-from .native import NO_CUDA_DROPOUT, NativeBackend
+from .native import NativeBackend
 from .sdpa import SdpaBackend
 from .xformers import XformersBackend
 
@@ -196,14 +196,6 @@ class BackendSelector:
             logger.warning("%s", message)
             warn_once(
                 ("fallback", sel.requested, sel.name, sel.request.cache_key), message, BackendFallbackWarning
-            )
-        if sel.requested == "auto" and ("native", (NO_CUDA_DROPOUT,)) in sel.skipped:
-            # auto would have run the fused kernels but for dropout: say so where users see it.
-            warn_once(
-                ("auto-dropout", sel.name, sel.request.cache_key),
-                f"{self.owner}: backend='auto' leaves the fused native kernels for {sel.name!r} on "
-                f"{sel.request.describe()} because {NO_CUDA_DROPOUT}; dropout_p=0 keeps them",
-                BackendFallbackWarning,
             )
         slow = slow_path(sel.name, sel.request)
         if slow:
