@@ -77,9 +77,8 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(dilated_attention, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, int[] segment_lengths, int[] dilation_rates, "
-      "bool is_causal, float softmax_scale, bool float64_lse=False, float dropout_p=0., SymInt "
-      "dropout_seed=0, "
-      "SymInt dropout_offset=0) -> (Tensor out, Tensor lse)");
+      "bool is_causal, float softmax_scale, bool float64_lse=False, float dropout_p=0., "
+      "SymInt dropout_seed=0, SymInt dropout_offset=0) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale, float dropout_p=0., "
@@ -92,9 +91,8 @@ TORCH_LIBRARY(dilated_attention, m) {
       "bool is_causal, int causal_offset, float softmax_scale) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, "
-      "int[] dilation_rates, bool is_causal, float softmax_scale, bool float64_lse=False, float "
-      "dropout_p=0., "
-      "SymInt dropout_seed=0, SymInt dropout_offset=0) -> (Tensor out, Tensor lse)");
+      "int[] dilation_rates, bool is_causal, float softmax_scale, bool float64_lse=False, "
+      "float dropout_p=0., SymInt dropout_seed=0, SymInt dropout_offset=0) -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, int[] dilation_rates, bool is_causal, "
