@@ -22,7 +22,8 @@
 
 typedef struct {
   uint32_t threshold;  /* round(p * 2^32): a draw below it drops the weight; 0: no dropout */
-  float scale;         /* 1 / (1 - p) */
+  float scale;         /* 1 / (1 - p), for float computations */
+  double scale64;      /* 1 / (1 - p), for double ones */
   uint32_t key0, key1; /* the seed */
   uint32_t offset;     /* the counter's last word */
 } da_dropout;
@@ -32,7 +33,8 @@ DA_HD da_dropout da_dropout_make(double p, uint64_t seed, uint64_t offset) {
   da_dropout d;
   const double t = p * 4294967296.0;
   d.threshold = p <= 0 ? 0u : t >= 4294967295.0 ? 4294967295u : (uint32_t)(t + 0.5);
-  d.scale = p <= 0 ? 1.0f : (float)(1.0 / (1.0 - p));
+  d.scale64 = p <= 0 ? 1.0 : 1.0 / (1.0 - p);
+  d.scale = (float)d.scale64;
   d.key0 = (uint32_t)seed;
   d.key1 = (uint32_t)(seed >> 32);
   d.offset = (uint32_t)offset ^ (uint32_t)(offset >> 32);

@@ -94,6 +94,17 @@ def test_packed_sequences_use_the_rows_of_the_packed_tensor():
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("p", [0.3, 0.1, 1 / 3])
+def test_float64_scale_is_exact(p):
+    """1 / (1 - p) rounded to float would put 1e-7 relative error into every kept weight of a
+    float64 call (p = 0.3): float64 kernels scale by the double."""
+    q, k, v = make_inputs(1, 24, 2, 2, 8, torch.float64, requires_grad=False)
+    out, _ = torch.ops.dilated_attention.fwd(q, k, v, [8, 24], [1, 2], True, 0.35, False, p, SEED, OFFSET)
+    keep = _ops.dropout_mask(1, 2, 24, 24, p, SEED, OFFSET)
+    ref, _ = reference_attention(q, k, v, [8, 24], [1, 2], True, 0.35, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_unbiased_on_average():
     """Averaged over many masks, the dropped output is the output without dropout."""
     q, k, v = make_inputs(1, 24, 2, 2, 8, torch.float64, requires_grad=False)

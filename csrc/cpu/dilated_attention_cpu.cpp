@@ -491,7 +491,7 @@ DA_INLINE bool rows_finite(const T* rows, int64_t stride, int64_t n, int64_t D) 
 template <typename T>
 static void dropout_tile(const da_dropout& d, int64_t bh, T* t, int64_t si, int64_t sj, int64_t nq,
                          int64_t q0, int64_t qs, int64_t nk, int64_t x0, int64_t xs) {
-  const T keep = (T)d.scale;
+  const T keep = sizeof(T) == 8 ? (T)d.scale64 : (T)d.scale;
   for (int64_t i = 0; i < nq; ++i) {
     const int64_t q = q0 + i * qs;
     uint32_t r[4];

@@ -126,7 +126,8 @@ __device__ __forceinline__ acc_t da_lse_base2(double L, double unit, acc_t* lo) 
  */
 template <typename acc_t>
 __device__ __forceinline__ acc_t da_dropout_factor(const da_dropout& d, uint32_t keep, int bit) {
-  return (keep >> bit) & 1u ? (acc_t)d.scale : (acc_t)0;
+  const acc_t scale = sizeof(acc_t) == 8 ? (acc_t)d.scale64 : (acc_t)d.scale;
+  return (keep >> bit) & 1u ? scale : (acc_t)0;
 }
 
 template <typename V>
