@@ -53,6 +53,7 @@ from train_utils import (
     estimate_loss,
     get_lr,
     log_reachable,
+    measure_peak,
     peak_flops,
     resolve_device,
 )
@@ -356,6 +357,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
                 per_iter = window_time / window_iters
                 tok_s = tokens_per_iter / per_iter
                 mfu = window_flops / (window_time * peak * world)
+                if mfu > 1 and "measured" in peak_src:  # the peak was measured while the machine was busy
+                    peak = max(peak, measure_peak(device, ptdtype))
+                    log(f"MFU peak measured again: {peak / 1e12:.3f} TFLOP/s per device")
+                    mfu = window_flops / (window_time * peak * world)
                 timing = f"{per_iter * 1000:.0f} ms/iter | {tok_s:,.0f} tok/s | mfu {mfu * 100:.2f}%"
             window_time, window_iters, window_flops = 0.0, 0, 0.0
             log(f"iter {iter_num}: loss {lossf:.4f} | lr {lr:.2e} | {timing} | attn {backend_name}")

@@ -83,10 +83,16 @@ def peak_flops(device: torch.device, dtype: torch.dtype, given: float) -> tuple[
                 return spec_flops, f"{name} {dtype} spec"
     n = 4096 if device.type == "cuda" else 1024
     name = str(dtype).replace("torch.", "")
-    # The best of three medians: other work on the machine only ever slows a measurement down, and
-    # a peak measured too low would put the MFU above 100%.
-    best = max(flops.matmul_flops(device, dtype, n=n) for _ in range(3))
-    return best, f"{name} {n}x{n} matmul measured once at the start"
+    return measure_peak(device, dtype), f"{name} {n}x{n} matmul measured (at the start; again if exceeded)"
+
+
+def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """The FLOP/s of an ``n x n`` matmul in ``dtype`` (n = 4096 on a GPU, 1024 on a CPU): the best
+    of three medians, since other work on the machine only ever slows a measurement down. A peak
+    measured while the machine was busy is too low; the trainer measures again when the work
+    itself runs faster than it (an MFU above 100%)."""
+    n = 4096 if device.type == "cuda" else 1024
+    return max(flops.matmul_flops(device, dtype, n=n) for _ in range(3))
 
 
 # ---------------------------------------------------------------------------------------------
