@@ -69,16 +69,35 @@ def kernel_backward(
     is_causal: bool,
     scale: float,
     rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one kernel call's q, k, v given the *merged* ``out`` and ``lse`` of its rows
     and the gradients ``dout`` (Bb, m, h, D) and ``dlse`` (Bb, h, m) of the merged result (either
-    may be None). ``lse`` is in the layout the backend's ``attn_forward`` returned; ``rows``: the
-    ``(delta, norm)`` of the call's rows, (Bb, m, h) each (:func:`_merged_rows`).
+    may be None). ``lse`` is in the layout the backend's ``attn_forward`` returned.
 
-    The ``dlse`` term ``dS += P * dlse`` comes from one more backward call with ``v = 0``,
-    ``out = e_0`` and ``dout = -dlse * e_0`` (``e_0`` the first unit vector of the head dim), for
-    which the kernel's formula gives exactly ``P * dlse``.
+    With ``rows``, the ``(delta, norm)`` of the call's rows ((Bb, m, h) each, :func:`_merged_rows`),
+    one call of the backend's backward does both terms (``dS = P (dP - delta + dlse)``) and adds
+    its gradients into the views ``into`` (dq, dk, dv of the call, in lse's dtype), which it
+    returns. Otherwise the ``dlse`` term ``dS += P * dlse`` comes from one more backward call with
+    ``v = 0``, ``out = e_0`` and ``dout = -dlse * e_0`` (``e_0`` the first unit vector of the head
+    dim), for which the kernel's formula gives exactly ``P * dlse``.
     """
+    if rows is not None and into is not None:
+        delta = rows[0] if dlse is None else rows[0] - dlse.transpose(1, 2).to(rows[0].dtype)
+        return backend.attn_backward(
+            q.new_zeros(q.shape) if dout is None else dout.to(q.dtype),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            extra,
+            is_causal=is_causal,
+            scale=scale,
+            delta=delta,
+            norm=rows[1],
+            into=into,
+        )
     grads: list[torch.Tensor] | None = None
     if dout is not None:
         grads = list(
@@ -254,6 +273,12 @@ class MergedBackward(torch.autograd.Function):
                 qv, kv, vv = view(q[sl], call, call.q), view(k[sl], call, call.kv), view(v[sl], call, call.kv)
                 dov = None if dout is None else view(dout[sl], call, call.q)
                 dl = None if dlse_bnh is None else view(dlse_bnh[sl], call, call.q)[..., 0].transpose(1, 2)
+                # gradients added in place into the views of dq, dk, dv where the backend can
+                into = (
+                    (view(dq[sl], call, call.q), view(dk[sl], call, call.kv), view(dv[sl], call, call.kv))
+                    if rows is not None and dq.dtype == lse_bnh.dtype and not call.kv.expanded
+                    else None
+                )
                 dqg, dkg, dvg = kernel_backward(
                     backend,
                     dov,
@@ -269,10 +294,12 @@ class MergedBackward(torch.autograd.Function):
                     rows=None
                     if rows is None
                     else (view(rows[0][sl], call, call.q)[..., 0], view(rows[1][sl], call, call.q)[..., 0]),
+                    into=into,
                 )
-                _add_(dq[sl], call, call.q, dqg)
-                _add_(dk[sl], call, call.kv, dkg)
-                _add_(dv[sl], call, call.kv, dvg)
+                if into is None:
+                    _add_(dq[sl], call, call.q, dqg)
+                    _add_(dk[sl], call, call.kv, dkg)
+                    _add_(dv[sl], call, call.kv, dvg)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod

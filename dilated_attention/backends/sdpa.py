@@ -126,16 +126,21 @@ class SdpaBackend(GatheredBackend):
         q, scale, _ = _positive_scale(q, scale)
         return sdpa_kernels.cpu_row_dots(dout, q, k, v, lse, is_causal=is_causal, scale=scale)
 
-    def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale, delta=None, norm=None):
+    def attn_backward(
+        self, dout, q, k, v, out, lse, extra, *, is_causal, scale, delta=None, norm=None, into=None
+    ):
         q, scale, sign = _positive_scale(q, scale)
         if q.device.type != "cpu":
             dq, dk, dv = sdpa_kernels.cuda_backward(
                 dout, q, k, v, out, lse, extra, is_causal=is_causal, scale=scale
             )
         elif not self.cpu_kernel_backward:
-            dq, dk, dv = sdpa_kernels.cpu_exact_backward(
-                dout, q, k, v, out, lse, is_causal=is_causal, scale=scale, delta=delta, norm=norm
-            )
+            kw = {"is_causal": is_causal, "scale": scale, "delta": delta, "norm": norm}
+            if sign == 1.0:
+                return sdpa_kernels.cpu_exact_backward(dout, q, k, v, out, lse, **kw, into=into)
+            dq, dk, dv = sdpa_kernels.cpu_exact_backward(dout, q, k, v, out, lse, **kw)
+            if into is not None:  # added in, dq with its sign changed back
+                return into[0].add_(dq, alpha=sign), into[1].add_(dk), into[2].add_(dv)
         else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 _t(dout), _t(q), _t(k), _t(v), _t(out), lse, 0.0, is_causal, scale=scale

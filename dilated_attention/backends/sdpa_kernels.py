@@ -240,17 +240,25 @@ def cpu_row_dots(dout, q, k, v, lse, *, is_causal: bool, scale: float) -> tuple[
     return dots, total
 
 
-def cpu_exact_backward(dout, q, k, v, out, lse, *, is_causal: bool, scale: float, delta=None, norm=None):
+def cpu_exact_backward(
+    dout, q, k, v, out, lse, *, is_causal: bool, scale: float, delta=None, norm=None, into=None
+):
     """(dq, dk, dv) of one call, in the dtype of ``lse`` (float32, float64 for float64 inputs):
     ``P = exp(scale q k^T - lse) * norm``, ``dV = P^T dout``, ``dS = P (dout v^T - delta)``,
     ``dQ = scale dS k``, ``dK = scale dS^T q`` (causal: top-left aligned, as the operator), in
     chunks (:func:`_cpu_chunks`). q (Bb, m, h, D), k and v (Bb, mk, hk, D), lse (Bb, h, >= m);
-    ``delta`` and ``norm`` (Bb, m, h), by default ``rowsum(dout * out)`` and 1."""
+    ``delta`` and ``norm`` (Bb, m, h), by default ``rowsum(dout * out)`` and 1. ``into``: three
+    tensors (views) of those shapes in lse's dtype that the gradients are added into and that are
+    returned, instead of new ones."""
     ct = lse.dtype
     hk = k.shape[2]
-    dq = torch.empty(q.shape, dtype=ct, device=q.device)
-    dk = torch.zeros(k.shape, dtype=ct, device=q.device)
-    dv = torch.zeros(v.shape, dtype=ct, device=q.device)
+    if into is None:
+        into = (
+            torch.zeros(q.shape, dtype=ct, device=q.device),
+            torch.zeros(k.shape, dtype=ct, device=q.device),
+            torch.zeros(v.shape, dtype=ct, device=q.device),
+        )
+    dq, dk, dv = into
     if delta is None:
         delta = (dout.to(ct) * out.to(ct)).sum(-1)
     for b, i, heads_first, kh, vh, p in _cpu_chunks(q, k, v, lse, is_causal=is_causal, scale=scale):
@@ -260,8 +268,8 @@ def cpu_exact_backward(dout, q, k, v, out, lse, *, is_causal: bool, scale: float
             p.mul_(heads_first(norm[b, i].unsqueeze(-1)))
         dvh = torch.bmm(p.mT, doh)
         ds = torch.baddbmm(heads_first(delta[b, i].unsqueeze(-1)), doh, vh.mT, beta=-1).mul_(p)  # dS / scale
-        dq[b, i] = _rows_last(torch.bmm(ds, kh).mul_(scale), c, hk, n)
-        dkh = torch.bmm(ds.mT, qh)
+        dq[b, i] += _rows_last(torch.bmm(ds, kh).mul_(scale), c, hk, n)
+        dkh = torch.bmm(ds.mT, qh).mul_(scale)
         dk[b] += dkh.view(c, hk, -1, dkh.shape[-1]).transpose(1, 2)
         dv[b] += dvh.view(c, hk, -1, dvh.shape[-1]).transpose(1, 2)
-    return dq, dk.mul_(scale), dv
+    return dq, dk, dv
