@@ -930,6 +930,46 @@ def test_emulated_simt_float32_large_logits_float64_lse(emu, seed, N, Hq, Hkv, D
         assert_within_rule(name, a, e, p, torch.float32)
 
 
+# (seed, N, Hq, Hkv, D, segment_lengths, dilation_rates, is_causal, logit std), inputs from one
+# generator (q * std, k, v, dout, dlse; tests/test_op_large_logits.py SCALED_SCORES): the CPU
+# kernel's dk exceeded the rule on them when it scaled the queries before the dot products.
+SCALED_SCORES = [
+    pytest.param(205, 63, 2, 2, 32, [8, 128], [4, 1], True, 12, id="two-branches-causal-d32"),
+    pytest.param(206, 9, 2, 1, 8, [8], [1], True, 10, id="one-branch-gqa-causal"),
+    pytest.param(210, 57, 2, 1, 8, [4, 8, 16], [1, 4, 1], True, 12, id="three-branches-causal"),
+]
+
+
+@pytest.mark.parametrize("seed,N,Hq,Hkv,D,segs,rates,is_causal,std", SCALED_SCORES)
+def test_emulated_simt_scores_scaled_after_the_dot_product(
+    emu, seed, N, Hq, Hkv, D, segs, rates, is_causal, std
+):
+    """The SIMT kernels' scores are the rounded dot products times scale * log2(e), as the CPU
+    kernel's: every gradient within the rule at logit standard deviations of 10-12."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64) * std).float()
+    k, v = (torch.randn(1, N, Hkv, D, generator=g, dtype=torch.float64).float() for _ in range(2))
+    dout = torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64)
+    dlse = torch.randn(1, Hq, N, generator=g, dtype=torch.float64)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, is_causal)
+    dlse = dlse * torch.isfinite(lse64)
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    outl, lsel = reference_attention(ql, kl, vl, segs, rates, is_causal, dtype=torch.float32)
+    out, lse, got = emulated(
+        emu, q, k, v, segs, rates, is_causal, 1, (0, 0, 4, 32), dout.float(), dlse.float(), float64_lse=True
+    )
+
+    def loss(o, chunk):
+        masked = torch.where(torch.isfinite(chunk), chunk.double(), torch.zeros_like(chunk.double()))
+        return (o.double() * dout).sum() + (masked * dlse).sum()
+
+    ref = torch.autograd.grad(loss(out64, lse64), (q64, k64, v64))
+    plain = torch.autograd.grad(loss(outl, lsel), (ql, kl, vl))
+    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
+        assert_within_rule(name, a, e, p, torch.float32)
+
+
 def test_emulated_float64_lse_in_every_family(emu):
     """float64_lse in the tensor-core kernels (bf16) and the SIMT kernels (fp16, fp64) too: the same
     results as with the accumulation dtype's lse, up to that lse's rounding."""

@@ -59,6 +59,23 @@ __device__ __forceinline__ float da_log2(float x) {
 __device__ __forceinline__ double da_log2(double x) {
   return log2(x);
 }
+// a * b rounded on its own, never contracted with a following add into an FMA: a score is the
+// rounded dot product times scale * log2(e), the same bits wherever a kernel recomputes it.
+#if defined(DA_CUDA_EMULATION)
+__device__ __forceinline__ float da_mul_rn(float a, float b) {
+  return a * b;
+}
+__device__ __forceinline__ double da_mul_rn(double a, double b) {
+  return a * b;
+}
+#else
+__device__ __forceinline__ float da_mul_rn(float a, float b) {
+  return __fmul_rn(a, b);
+}
+__device__ __forceinline__ double da_mul_rn(double a, double b) {
+  return __dmul_rn(a, b);
+}
+#endif
 // Maximum that ignores NaN (like the CPU kernel's `a > b ? a : b` scan from -inf).
 __device__ __forceinline__ float da_max(float a, float b) {
   return fmaxf(a, b);

@@ -8,9 +8,9 @@
 // tiles and the other side's tiles are read from their dilated positions (strided addressing) and
 // converted to the accumulation type acc_t (float, or double for float64) in shared memory.
 // Pairs with probability 0 are skipped, as in the CPU kernel, so non-finite values only reach the
-// rows that read them. As in the CPU kernel, every pass computes a pair's score from the same
-// scaled query (q * scale * log2 e) in the same order, so the backward's probabilities match the
-// forward's lse, and float accumulators sum in levels (kSumSteps) whose error does not grow with
+// rows that read them. As in the CPU kernel, every pass computes a pair's score as the same dot
+// product, in the same order, times scale * log2 e (da_mul_rn), so the backward's probabilities
+// match the forward's lse, and float accumulators sum in levels (kSumSteps) whose error does not grow with
 // the segment length. Attention dropout (p.drop) scales each lane's weight by its pair's factor
 // (common.cuh da_dropout_factor): in the forward after the weight went into the denominator, in the
 // backward dP and, for dV, P; P V and P^T dO skip a dropped weight as they skip a masked one.
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   for (int64_t row = warp; row < M; row += kSimtWarps) {
     const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
     const scalar_t* src = x < N ? q + x * p.q.sn : nullptr;
-    for (int64_t d = lane; d < D; d += 32) sQ[row * D + d] = src ? (acc_t)src[d] * sl2 : (acc_t)0;
+    for (int64_t d = lane; d < D; d += 32) sQ[row * D + d] = src ? (acc_t)src[d] : (acc_t)0;
   }
 
   Walk<kMaxRowsPerWarp> cur;
@@ -221,7 +221,8 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
       if (cur.jrow[i] < 0) continue;  // same for the whole warp
       const int j = cur.o0 + lane;
       const bool ok = lane < KT && cur.pair_active(cur.jrow[i], j);
-      const acc_t s = ok ? simt_dot(sQ + (warp * rpw + i) * D, sK + lane * ld, D) : -da_inf<acc_t>();
+      const acc_t s =
+          ok ? da_mul_rn(simt_dot(sQ + (warp * rpw + i) * D, sK + lane * ld, D), sl2) : -da_inf<acc_t>();
       const acc_t m_new = da_max(m[i], warp_max(s));
       const acc_t m_use = m_new == -da_inf<acc_t>() ? (acc_t)0 : m_new;
       const acc_t corr = da_exp2(m[i] - m_use);
@@ -328,7 +329,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
     const int64_t x = da_row_position(&p.tiling, base, row / rpw, row % rpw);
     const bool ok = x < N;
     for (int64_t d = lane; d < D; d += 32) {
-      sQ[row * D + d] = ok ? (acc_t)q[x * p.q.sn + d] * sl2 : (acc_t)0;
+      sQ[row * D + d] = ok ? (acc_t)q[x * p.q.sn + d] : (acc_t)0;
       sdO[row * D + d] = ok ? (acc_t)dout[x * p.dout.sn + d] : (acc_t)0;
     }
   }
@@ -381,7 +382,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
       acc_t ds = 0;
       if (ok) {
         const int64_t row = warp * rpw + i;
-        const acc_t s = simt_dot(sQ + row * D, sK + lane * ld, D);
+        const acc_t s = da_mul_rn(simt_dot(sQ + row * D, sK + lane * ld, D), sl2);
         const acc_t dp = simt_dot(sdO + row * D, sV + lane * ld, D) *
                          da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T
         const acc_t pr = da_exp2((s - lse2[i]) - lse2lo[i]);
@@ -496,7 +497,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       acc_t qv = 0, dv_ = 0;
       if (j < cur.o_end) {
         const int64_t x = cur.other_position(j);
-        qv = (acc_t)q[x * p.q.sn + d] * sl2;  // the forward's scaled queries
+        qv = (acc_t)q[x * p.q.sn + d];
         dv_ = (acc_t)dout[x * p.dout.sn + d];
       }
       sQ[jj * ld + d] = qv;
@@ -525,7 +526,8 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       acc_t pr = 0, ds = 0;
       if (ok) {
         const int64_t row = warp * rpw + i;
-        const acc_t s = simt_dot(sQ + lane * ld, sK + row * D, D);  // the forward's score, bit for bit
+        const acc_t s =
+            da_mul_rn(simt_dot(sQ + lane * ld, sK + row * D, D), sl2);  // the forward's, bit for bit
         const acc_t dp = simt_dot(sV + row * D, sdO + lane * ld, D);
         const acc_t f = da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T, and P M for dV
         pr = da_exp2((s - sL[lane]) - sLlo[lane]);
@@ -565,9 +567,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
 
   scalar_t* dkp = static_cast<scalar_t*>(p.dk.data) + b * p.dk.sb + sq.start * p.dk.sn + hk * p.dk.sh;
   scalar_t* dvp = static_cast<scalar_t*>(p.dv.data) + b * p.dv.sb + sq.start * p.dv.sn + hk * p.dv.sh;
-  // dk summed dS times the scaled queries (scale * log2(e) * q): softmax_scale / (scale * log2(e))
-  // = unit turns it into softmax_scale * dS^T q.
-  const acc_t dk_unit = (acc_t)unit;
+  const acc_t scale = (acc_t)p.scale;  // dk = softmax_scale * dS^T q
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
@@ -577,7 +577,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       const int64_t d = lane + 32 * t;
       if (d < D) {
         const bool two = TwoLevel<acc_t>::value;
-        dkp[x * p.dk.sn + d] = (scalar_t)((two ? sDk[my_rows + i * D + d] : dk[i][t]) * dk_unit);
+        dkp[x * p.dk.sn + d] = (scalar_t)((two ? sDk[my_rows + i * D + d] : dk[i][t]) * scale);
         dvp[x * p.dv.sn + d] = (scalar_t)(two ? sDv[my_rows + i * D + d] : dv[i][t]);
       }
     }
