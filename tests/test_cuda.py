@@ -960,6 +960,9 @@ def test_emulated_simt_scores_scaled_after_the_dot_product(
         emu, q, k, v, segs, rates, is_causal, 1, (0, 0, 4, 32), dout.float(), dlse.float(), float64_lse=True
     )
 
+    assert_within_rule("out", out, out64, outl, torch.float32)
+    assert_within_rule("lse", lse, lse64, lsel, torch.float32)
+
     def loss(o, chunk):
         masked = torch.where(torch.isfinite(chunk), chunk.double(), torch.zeros_like(chunk.double()))
         return (o.double() * dout).sum() + (masked * dlse).sum()
