@@ -898,19 +898,12 @@ LARGE_LOGITS = [
 ]
 
 
-@pytest.mark.parametrize("seed,N,Hq,Hkv,D,segs,rates,is_causal", LARGE_LOGITS)
-def test_emulated_simt_float32_large_logits_float64_lse(emu, seed, N, Hq, Hkv, D, segs, rates, is_causal):
-    """The SIMT kernels with the float64 lse the op saves for its backward (float64_lse=True): the
-    backward reads it in base 2 as hi + lo (common.cuh da_lse_base2), and every gradient is within
-    the rule."""
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64) * 10).float()
-    k, v = (torch.randn(1, N, Hkv, D, generator=g, dtype=torch.float64).float() for _ in range(2))
-    gd = torch.Generator().manual_seed(seed + 1)
-    dout = torch.randn(1, N, Hq, D, generator=gd, dtype=torch.float64)
+def _check_simt_float32_float64_lse(emu, q, k, v, dout, dlse, segs, rates, is_causal):
+    """The SIMT kernels in float32 with the float64 lse the op saves for its backward: out, lse and
+    every gradient (lse term included, where lse is finite) within the rule."""
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     out64, lse64 = reference_attention(q64, k64, v64, segs, rates, is_causal)
-    dlse = torch.randn(1, Hq, N, generator=gd, dtype=torch.float64) * torch.isfinite(lse64)
+    dlse = dlse * torch.isfinite(lse64)
     ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
     outl, lsel = reference_attention(ql, kl, vl, segs, rates, is_causal, dtype=torch.float32)
     out, lse, got = emulated(
@@ -928,6 +921,20 @@ def test_emulated_simt_float32_large_logits_float64_lse(emu, seed, N, Hq, Hkv, D
     plain = torch.autograd.grad(loss(outl, lsel), (ql, kl, vl))
     for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
         assert_within_rule(name, a, e, p, torch.float32)
+
+
+@pytest.mark.parametrize("seed,N,Hq,Hkv,D,segs,rates,is_causal", LARGE_LOGITS)
+def test_emulated_simt_float32_large_logits_float64_lse(emu, seed, N, Hq, Hkv, D, segs, rates, is_causal):
+    """The SIMT kernels with the float64 lse the op saves for its backward (float64_lse=True): the
+    backward reads it in base 2 as hi + lo (common.cuh da_lse_base2), and every gradient is within
+    the rule."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64) * 10).float()
+    k, v = (torch.randn(1, N, Hkv, D, generator=g, dtype=torch.float64).float() for _ in range(2))
+    gd = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(1, N, Hq, D, generator=gd, dtype=torch.float64)
+    dlse = torch.randn(1, Hq, N, generator=gd, dtype=torch.float64)
+    _check_simt_float32_float64_lse(emu, q, k, v, dout, dlse, segs, rates, is_causal)
 
 
 # (seed, N, Hq, Hkv, D, segment_lengths, dilation_rates, is_causal, logit std), inputs from one
@@ -951,26 +958,7 @@ def test_emulated_simt_scores_scaled_after_the_dot_product(
     k, v = (torch.randn(1, N, Hkv, D, generator=g, dtype=torch.float64).float() for _ in range(2))
     dout = torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64)
     dlse = torch.randn(1, Hq, N, generator=g, dtype=torch.float64)
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, is_causal)
-    dlse = dlse * torch.isfinite(lse64)
-    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-    outl, lsel = reference_attention(ql, kl, vl, segs, rates, is_causal, dtype=torch.float32)
-    out, lse, got = emulated(
-        emu, q, k, v, segs, rates, is_causal, 1, (0, 0, 4, 32), dout.float(), dlse.float(), float64_lse=True
-    )
-
-    assert_within_rule("out", out, out64, outl, torch.float32)
-    assert_within_rule("lse", lse, lse64, lsel, torch.float32)
-
-    def loss(o, chunk):
-        masked = torch.where(torch.isfinite(chunk), chunk.double(), torch.zeros_like(chunk.double()))
-        return (o.double() * dout).sum() + (masked * dlse).sum()
-
-    ref = torch.autograd.grad(loss(out64, lse64), (q64, k64, v64))
-    plain = torch.autograd.grad(loss(outl, lsel), (ql, kl, vl))
-    for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
-        assert_within_rule(name, a, e, p, torch.float32)
+    _check_simt_float32_float64_lse(emu, q, k, v, dout, dlse, segs, rates, is_causal)
 
 
 def test_emulated_float64_lse_in_every_family(emu):
