@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   DA_EXTERN_SMEM(smem_raw);
   const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
   const int KT = p.other_tile, ld = simt_lds(D);
-  acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
+  acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D]
   acc_t* sK = sQ + M * D;                          // [KT][ld]
   acc_t* sV = sK + KT * ld;                        // [KT][D]
   acc_t* sO = sV + KT * D;                         // [M][D] the rows' totals (float only)
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   DA_EXTERN_SMEM(smem_raw);
   const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
   const int KT = p.other_tile, ld = simt_lds(D);
-  acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D], pre-scaled by scale * log2(e)
+  acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D]
   acc_t* sdO = sQ + M * D;                         // [M][D]
   acc_t* sK = sdO + M * D;                         // [KT][ld]
   acc_t* sV = sK + KT * ld;                        // [KT][ld]
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   const int QT = p.other_tile, ld = simt_lds(D);
   acc_t* sK = reinterpret_cast<acc_t*>(smem_raw);  // [M][D]
   acc_t* sV = sK + M * D;                          // [M][D]
-  acc_t* sQ = sV + M * D;                          // [QT][ld], scaled by scale * log2(e) as the forward's
+  acc_t* sQ = sV + M * D;                          // [QT][ld]
   acc_t* sdO = sQ + QT * ld;                       // [QT][ld]
   acc_t* sL = sdO + QT * ld;                       // [QT] lse, log2 domain (hi)
   acc_t* sLlo = sL + QT;                           // [QT] and its low part (da_lse_base2)
