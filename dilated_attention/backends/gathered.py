@@ -246,10 +246,12 @@ class GatheredBackend(Backend):
         scale: float,
         delta: torch.Tensor | None = None,
         norm: torch.Tensor | None = None,
+        into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Kernel backward with the given ``out`` and ``lse`` (shaped as attn_forward's); where
-        :meth:`row_dots` is implemented, ``delta`` (Bb, m, h) in place of ``rowsum(dout * out)``
-        and the probabilities times ``norm`` (Bb, m, h)."""
+        :meth:`row_dots` is implemented, ``delta`` (Bb, m, h) in place of ``rowsum(dout * out)``,
+        the probabilities times ``norm`` (Bb, m, h), and the gradients added into ``into`` (views
+        of dq, dk, dv in lse's dtype, returned) where given."""
         raise NotImplementedError
 
     def attn_autograd(

@@ -76,13 +76,13 @@ def kernel_backward(
     may be None). ``lse`` is in the layout the backend's ``attn_forward`` returned.
 
     With ``rows``, the ``(delta, norm)`` of the call's rows ((Bb, m, h) each, :func:`_merged_rows`),
-    one call of the backend's backward does both terms (``dS = P (dP - delta + dlse)``) and adds
-    its gradients into the views ``into`` (dq, dk, dv of the call, in lse's dtype), which it
-    returns. Otherwise the ``dlse`` term ``dS += P * dlse`` comes from one more backward call with
-    ``v = 0``, ``out = e_0`` and ``dout = -dlse * e_0`` (``e_0`` the first unit vector of the head
-    dim), for which the kernel's formula gives exactly ``P * dlse``.
+    one call of the backend's backward does both terms (``dS = P (dP - delta + dlse)``), adding its
+    gradients into ``into`` (views of dq, dk, dv, in lse's dtype) where given. Otherwise the
+    ``dlse`` term ``dS += P * dlse`` comes from one more backward call with ``v = 0``,
+    ``out = e_0`` and ``dout = -dlse * e_0`` (``e_0`` the first unit vector of the head dim), for
+    which the kernel's formula gives exactly ``P * dlse``.
     """
-    if rows is not None and into is not None:
+    if rows is not None:
         delta = rows[0] if dlse is None else rows[0] - dlse.transpose(1, 2).to(rows[0].dtype)
         return backend.attn_backward(
             q.new_zeros(q.shape) if dout is None else dout.to(q.dtype),
@@ -111,7 +111,6 @@ def kernel_backward(
                 extra,
                 is_causal=is_causal,
                 scale=scale,
-                **({} if rows is None else {"delta": rows[0], "norm": rows[1]}),
             )
         )
     if dlse is not None:
@@ -129,7 +128,6 @@ def kernel_backward(
             extra,
             is_causal=is_causal,
             scale=scale,
-            **({} if rows is None else {"norm": rows[1]}),
         )
         if grads is None:
             grads = [g[0], g[1], v.new_zeros(v.shape)]

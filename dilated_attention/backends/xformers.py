@@ -85,8 +85,10 @@ class XformersBackend(GatheredBackend):
         )
         return out, lse, None
 
-    def attn_backward(self, dout, q, k, v, out, lse, extra, *, is_causal, scale, delta=None, norm=None):
-        # delta and norm stay None: this backend has no row_dots (its kernel forms delta itself)
+    def attn_backward(
+        self, dout, q, k, v, out, lse, extra, *, is_causal, scale, delta=None, norm=None, into=None
+    ):
+        # delta, norm and into stay None: this backend has no row_dots (its kernel forms delta itself)
         xops = self._ops()
         dq, dk, dv = xops.fmha.memory_efficient_attention_backward(
             dout, out, lse, q, k, v, attn_bias=self._bias(xops, is_causal), p=0.0, scale=scale
