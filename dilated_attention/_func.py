@@ -95,6 +95,20 @@ if _C is not None:
     torch.library.register_vmap("dilated_attention::varlen_bwd", _varlen_bwd_vmap)
 
 
+def _fused_backward(
+    op: Any, ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
+) -> tuple[Any, ...]:
+    """The backward of :class:`NativeAttention` and :class:`NativeVarlenAttention`: the op's
+    backward ``op`` on the saved ``(q, k, v, out, lse, *extra)`` and ``ctx.config``; no gradient
+    for ``extra`` (cu_seqlens) and the configuration."""
+    q, k, v, out, lse, *extra = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = op(dout, q, k, v, out, lse, dlse, *extra, *ctx.config)
+    dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
+    return (dq, dk, dv) + (None,) * (len(extra) + len(ctx.config))
+
+
 class NativeAttention(torch.autograd.Function):
     """``(out, lse)`` of the fused op, lse in float64 (the op's ``float64_lse=True``), so that the
     backward recomputes the probabilities without lse's rounding to float32 (see :mod:`._ops`)."""
@@ -116,12 +130,7 @@ class NativeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.dilated_attention.bwd(dout, q, k, v, out, lse, dlse, *ctx.config)
-        dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
-        return (dq, dk, dv) + (None,) * len(ctx.config)
+        return _fused_backward(torch.ops.dilated_attention.bwd, ctx, dout, dlse)
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -187,14 +196,7 @@ class NativeVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = torch.ops.dilated_attention.varlen_bwd(
-            dout, q, k, v, out, lse, dlse, cu_seqlens, *ctx.config
-        )
-        dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
-        return (dq, dk, dv, None) + (None,) * len(ctx.config)
+        return _fused_backward(torch.ops.dilated_attention.varlen_bwd, ctx, dout, dlse)
 
     @staticmethod
     def jvp(ctx, *tangents):
