@@ -204,6 +204,13 @@ class MergedAttention(torch.autograd.Function):
         return unf, (0, 0, 0, None)
 
 
+def _kernel_calls(plan, aux, B: int, N: int):
+    """The forward's kernel calls in its order: ``(call, batch slice, lse length, kernel aux)``."""
+    calls = ((call, sl) for calls in plan for call in calls for sl in batches(call, B, N))
+    for (call, sl), (lse_len, extra) in zip(calls, aux, strict=True):
+        yield call, sl, lse_len, extra
+
+
 def _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux):
     """``(delta, norm)`` (B, N, Hq, 1) each, for a backend with
     :meth:`~.gathered.GatheredBackend.row_dots` (else None): over the keys of every call,
@@ -221,26 +228,22 @@ def _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux):
     total: torch.Tensor | None = None
     if dout is None:
         dout = q.new_zeros(q.shape)
-    i = 0
-    for call in (c for calls in plan for c in calls):
-        for sl in batches(call, B, N):
-            lse_len, _ = aux[i]
-            i += 1
-            got = backend.row_dots(
-                view(dout[sl], call, call.q),
-                view(q[sl], call, call.q),
-                view(k[sl], call, call.kv),
-                view(v[sl], call, call.kv),
-                _lse_of(lse_bnh[sl], call, lse_len),
-                is_causal=is_causal,
-                scale=scale,
-            )
-            if got is None:
-                return None
-            if dots is None or total is None:
-                dots, total = lse_bnh.new_zeros((*lse_bnh.shape, 1)), lse_bnh.new_zeros((*lse_bnh.shape, 1))
-            view(dots[sl], call, call.q)[..., 0].add_(got[0])
-            view(total[sl], call, call.q)[..., 0].add_(got[1])
+    for call, sl, lse_len, _ in _kernel_calls(plan, aux, B, N):
+        got = backend.row_dots(
+            view(dout[sl], call, call.q),
+            view(q[sl], call, call.q),
+            view(k[sl], call, call.kv),
+            view(v[sl], call, call.kv),
+            _lse_of(lse_bnh[sl], call, lse_len),
+            is_causal=is_causal,
+            scale=scale,
+        )
+        if got is None:
+            return None
+        if dots is None or total is None:
+            dots, total = lse_bnh.new_zeros((*lse_bnh.shape, 1)), lse_bnh.new_zeros((*lse_bnh.shape, 1))
+        view(dots[sl], call, call.q)[..., 0].add_(got[0])
+        view(total[sl], call, call.q)[..., 0].add_(got[1])
     if dots is None or total is None:
         return None
     norm = torch.where(total > 0, total.reciprocal(), torch.ones_like(total))
@@ -262,42 +265,38 @@ class MergedBackward(torch.autograd.Function):
             dout = dout.to(q.dtype)
         dlse_bnh = None if dlse is None else dlse.transpose(1, 2).contiguous().unsqueeze(-1)
         rows = _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux)
-        i = 0
         B, N = q.shape[0], q.shape[1]
-        for call in (c for calls in plan for c in calls):
-            for sl in batches(call, B, N):
-                lse_len, extra = aux[i]
-                i += 1
-                qv, kv, vv = view(q[sl], call, call.q), view(k[sl], call, call.kv), view(v[sl], call, call.kv)
-                dov = None if dout is None else view(dout[sl], call, call.q)
-                dl = None if dlse_bnh is None else view(dlse_bnh[sl], call, call.q)[..., 0].transpose(1, 2)
-                # gradients added in place into the views of dq, dk, dv where the backend can
-                into = (
-                    (view(dq[sl], call, call.q), view(dk[sl], call, call.kv), view(dv[sl], call, call.kv))
-                    if rows is not None and dq.dtype == lse_bnh.dtype and not call.kv.expanded
-                    else None
-                )
-                dqg, dkg, dvg = kernel_backward(
-                    backend,
-                    dov,
-                    dl,
-                    qv,
-                    kv,
-                    vv,
-                    view(out[sl], call, call.q),
-                    _lse_of(lse_bnh[sl], call, lse_len),
-                    extra,
-                    is_causal=is_causal,
-                    scale=scale,
-                    rows=None
-                    if rows is None
-                    else (view(rows[0][sl], call, call.q)[..., 0], view(rows[1][sl], call, call.q)[..., 0]),
-                    into=into,
-                )
-                if into is None:
-                    _add_(dq[sl], call, call.q, dqg)
-                    _add_(dk[sl], call, call.kv, dkg)
-                    _add_(dv[sl], call, call.kv, dvg)
+        for call, sl, lse_len, extra in _kernel_calls(plan, aux, B, N):
+            qv, kv, vv = view(q[sl], call, call.q), view(k[sl], call, call.kv), view(v[sl], call, call.kv)
+            dov = None if dout is None else view(dout[sl], call, call.q)
+            dl = None if dlse_bnh is None else view(dlse_bnh[sl], call, call.q)[..., 0].transpose(1, 2)
+            # gradients added in place into the views of dq, dk, dv where the backend can
+            into = (
+                (view(dq[sl], call, call.q), view(dk[sl], call, call.kv), view(dv[sl], call, call.kv))
+                if rows is not None and dq.dtype == lse_bnh.dtype and not call.kv.expanded
+                else None
+            )
+            dqg, dkg, dvg = kernel_backward(
+                backend,
+                dov,
+                dl,
+                qv,
+                kv,
+                vv,
+                view(out[sl], call, call.q),
+                _lse_of(lse_bnh[sl], call, lse_len),
+                extra,
+                is_causal=is_causal,
+                scale=scale,
+                rows=None
+                if rows is None
+                else (view(rows[0][sl], call, call.q)[..., 0], view(rows[1][sl], call, call.q)[..., 0]),
+                into=into,
+            )
+            if into is None:
+                _add_(dq[sl], call, call.q, dqg)
+                _add_(dk[sl], call, call.kv, dkg)
+                _add_(dv[sl], call, call.kv, dvg)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod
