@@ -23,7 +23,7 @@
 #                   MAX_JOBS = the CPUs, nvcc "-Xptxas -v" (registers and spills per kernel).
 #                   Skipped when the in-place build is up to date (same sources, setup.py and
 #                   architecture; GPU_CHECK_REBUILD=1 forces it)                     -> build.log
-#   tests      220  pytest tests/test_cuda.py tests/test_ring_pieces.py -m cuda (GPU_CHECK_TESTS=all:
+#   tests      220  pytest tests/test_{decode_cuda,backends_views,cuda,ring_pieces}.py -m cuda (GPU_CHECK_TESTS=all:
 #                   the whole files; GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1), in
 #                   GPU_CHECK_WORKERS processes (default 6) where pytest-xdist is installed -> tests.log
 #   smoke       90  scripts/gpu_smoke.py: fwd/bwd against the CPU op in float64, B = 64, inputs of
@@ -34,7 +34,7 @@
 #                                                                                      -> sanitize.log
 #   bench      150  benchmarks/bench_cuda.py (bf16, 256K and 1M tokens, H=16, D=64/128: native,
 #                   sdpa, gather+flash, dense cuDNN, matmul), its own --budget 30 s under the
-#                   step's                                                  -> bench.md/.csv/.png
+#                   step's; GPU_CHECK_BENCH_ARGS adds arguments ("--tokens 262144") -> bench.md/.csv/.png
 #
 # The steps end within GPU_CHECK_DEADLINE seconds (default 470 for a phase, 540 for all): a step
 # gets at most the time left, and one that would start with less than 30 s (or less than its
@@ -165,10 +165,12 @@ jobs=$(nproc 2>/dev/null || echo 4)
 # The command of each step (an array per step; the sanitizer steps run sanitize_cmd under their tool).
 build_cmd=(env -u DILATED_ATTENTION_CPU_ONLY FORCE_CUDA=1 "TORCH_CUDA_ARCH_LIST=$arch"
   "DILATED_ATTENTION_NVCC_FLAGS=-Xptxas -v" "MAX_JOBS=$jobs" "$PYTHON" setup.py build_ext --inplace)
-tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda.py tests/test_ring_pieces.py "${tests_sel[@]}")
+tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -q -rfEs --durations=15 -p no:cacheprovider
+  tests/test_decode_cuda.py tests/test_backends_views.py tests/test_cuda.py tests/test_ring_pieces.py "${tests_sel[@]}")
 smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases small large)
 sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
-bench_cmd=("$PYTHON" benchmarks/bench_cuda.py --out "$out_dir/bench" --budget)  # + seconds, at run time
+read -r -a bench_extra <<<"${GPU_CHECK_BENCH_ARGS:-}"  # e.g. "--tokens 262144": fewer configurations
+bench_cmd=("$PYTHON" benchmarks/bench_cuda.py "${bench_extra[@]}" --out "$out_dir/bench" --budget)  # + seconds, at run time
 
 # The in-place build is up to date when it has CUDA kernels and was built by this script from the
 # same sources, setup.py and architecture (build/gpu_check.stamp).
@@ -304,8 +306,8 @@ for s in "${steps[@]}"; do
   esac
   echo "gpu_check: $s: ${STATUS[$s]} (${SECS[$s]} s)"
 done
-# summary.md: what ran where, each step's status, and the lines that matter from each log.
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git)")
+# summary.md (GPU_CHECK_COMMIT names the commit where the tree has no .git): what ran where, each step's status, and the lines that matter from each log.
+commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git)")}
 dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
 {
   echo "# GPU check of the native CUDA kernels: $phase"
@@ -369,7 +371,7 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
     echo "\`native\` on GPUs of this compute capability:"
     echo
     echo '```python'
-    echo "    (${arch%%.*}, ${arch#*.}): Verification(\"${gpu_name}\", \"$(git rev-parse HEAD 2>/dev/null || echo unknown)\", \"$(date -u +%Y-%m-%d)\", (${families})),"
+    echo "    (${arch%%.*}, ${arch#*.}): Verification(\"${gpu_name}\", \"${GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}\", \"$(date -u +%Y-%m-%d)\", (${families})),"
     echo '```'
   fi
   if [ "$phase" = tests ] && [ -z "$steps_arg" ]; then

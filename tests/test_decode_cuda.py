@@ -100,6 +100,7 @@ def test_emulated_kernels_equal_the_cpu_op(emu, dtype, splits, Hq, Hkv, D):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-5)
 
 
+@pytest.mark.cuda
 @needs_cuda_kernels(has_decode_kernel("cuda"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_steps_equal_the_reference(dtype):

@@ -378,7 +378,10 @@ def pytest_collection_finish(session):
 """
 
 
-@pytest.mark.parametrize("test_file", ["tests/test_cuda.py", "tests/test_ring_pieces.py"])
+@pytest.mark.parametrize(
+    "test_file",
+    ["tests/test_cuda.py", "tests/test_ring_pieces.py", "tests/test_decode_cuda.py", "tests/test_backends_views.py"],
+)
 def test_every_gpu_test_is_marked_cuda(tmp_path, test_file):
     """gpu_check.sh runs ``-m cuda``: a GPU test without the mark would never run on the GPU. A
     test needs the GPU when it carries the skip of ``common.needs_cuda_kernels``."""
