@@ -27,24 +27,46 @@ def _bwd(do, q, k, v, out, lse, is_causal, scale):
     )
 
 
-class FakeCudaOps:
-    """The three fused CUDA operators and their backwards, after their ATen schemas."""
+def _cudnn_stats(lse: torch.Tensor, layout: str) -> torch.Tensor:
+    """cuDNN's softmax statistics as PyTorch returns them: (B, H, M) in older versions, (B, H, M, 1)
+    in newer ones, and (B, M, H, 1) transposed to (B, H, M, 1) for ragged layouts."""
+    if layout == "bhm":
+        return lse
+    if layout == "bhm1":
+        return lse.unsqueeze(-1).contiguous()
+    b, h, m = lse.shape
+    stats = lse.new_empty((b, m, h, 1)).transpose(1, 2)
+    stats.copy_(lse.unsqueeze(-1))
+    return stats
 
-    def __init__(self):
+
+class FakeCudaOps:
+    """The three fused CUDA operators and their backwards, after their ATen schemas; ``stats``: the
+    layout of cuDNN's softmax statistics (see _cudnn_stats)."""
+
+    def __init__(self, stats: str = "bhm1"):
         self.calls: list[str] = []
+        self.stats = stats
+        self.stats_layouts: list[tuple] = []
 
     def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, lse_, p, is_causal, dbg, *, scale):
         assert bias is None and lse_ and p == 0.0
         self.calls.append("cudnn")
         out, lse = _fwd(q, k, v, is_causal, scale)
+        stats = _cudnn_stats(lse, self.stats)
+        self.stats_layouts.append((tuple(stats.shape), stats.stride()))
         e = torch.empty(0)
-        return out, lse, None, None, q.shape[2], k.shape[2], e, e, e
+        return out, stats, None, None, q.shape[2], k.shape[2], e, e, e
 
     def _scaled_dot_product_cudnn_attention_backward(
         self, do, q, k, v, out, lse, seed, offset, bias, cq, ck, mq, mk, p, is_causal, *, scale
     ):
         assert (mq, mk) == (q.shape[2], k.shape[2])
-        return _bwd(do, q, k, v, out, lse, is_causal, scale)
+        # The statistics come back in the layout the forward gave them (cuDNN reads them as such).
+        assert (tuple(lse.shape), lse.stride()) in self.stats_layouts, (lse.shape, lse.stride())
+        if self.stats != "bhm":
+            lse = lse.squeeze(-1)
+        return _bwd(do, q, k, v, out, lse.contiguous(), is_causal, scale)
 
     def _scaled_dot_product_flash_attention(self, q, k, v, p, is_causal, dbg, *, scale):
         self.calls.append("flash")
@@ -74,11 +96,12 @@ class FakeCudaOps:
         return dq, dk, dv, None
 
 
-@pytest.mark.parametrize("kind", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("kind", ["cudnn", "cudnn-bhm", "cudnn-ragged", "flash", "efficient"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", GEOMETRIES)
 def test_cuda_operators_through_the_driver(monkeypatch, kind, B, N, Hq, Hkv, D, segs, rates, is_causal):
-    fake = FakeCudaOps()
+    kind, _, stats = kind.partition("-")
+    fake = FakeCudaOps({"": "bhm1", "bhm": "bhm", "ragged": "bhm1t"}[stats])
     monkeypatch.setattr(sdpa_kernels, "_aten", lambda: fake)
     monkeypatch.setattr(sdpa_kernels, "cuda_kernel", lambda device, dtype, head_dim: kind)
     sdpa = type(get_backend("sdpa"))

@@ -103,7 +103,12 @@ def cuda_forward(q, k, v, *, is_causal: bool, scale: float):
         res = aten._scaled_dot_product_cudnn_attention(
             _t(q), _t(k), _t(v), None, True, 0.0, is_causal, False, scale=scale
         )
-        return _t(res[0]), res[1], (kind, res[2], res[3], res[4], res[5], res[6], res[7])
+        # cuDNN's softmax statistics: (B, H, M, 1) in recent PyTorch (possibly a transposed view),
+        # (B, H, M) in older ones. The merge takes (B, H, M); the backward gets the forward's layout.
+        stats = res[1]
+        lse = stats.squeeze(-1) if stats.dim() == 4 else stats
+        layout = (tuple(stats.shape), stats.stride())
+        return _t(res[0]), lse, (kind, res[2], res[3], res[4], res[5], res[6], res[7], layout)
     if kind == "flash":
         res = aten._scaled_dot_product_flash_attention(
             _t(q), _t(k), _t(v), 0.0, is_causal, False, scale=scale
@@ -115,6 +120,15 @@ def cuda_forward(q, k, v, *, is_causal: bool, scale: float):
     return _t(out), lse, (kind, seed, offset)
 
 
+def _cudnn_stats(lse: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """The merged ``lse`` (B, H, M) in the shape and strides of the cuDNN forward's statistics
+    (``layout``), which cuDNN's backward reads as such."""
+    shape, stride = layout
+    stats = lse.new_empty_strided(shape, stride)
+    (stats.squeeze(-1) if len(shape) == 4 else stats).copy_(lse[..., : shape[2]])
+    return stats
+
+
 def cuda_backward(dout, q, k, v, out, lse, extra, *, is_causal: bool, scale: float):
     """(dq, dk, dv) of one call on the operator its forward ran on, fed ``out`` and ``lse``."""
     hk = k.shape[2]
@@ -122,14 +136,14 @@ def cuda_backward(dout, q, k, v, out, lse, extra, *, is_causal: bool, scale: flo
     aten = _aten()
     kind = extra[0]
     if kind == "cudnn":
-        cq, ck, mq, mk, seed, offset = extra[1:]
+        cq, ck, mq, mk, seed, offset, layout = extra[1:]
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
             _t(dout),
             _t(q),
             _t(ke),
             _t(ve),
             _t(out),
-            lse,
+            _cudnn_stats(lse, layout),
             seed,
             offset,
             None,
