@@ -4,7 +4,7 @@
 device                        recommended dtype   backend order of ``auto``
 ============================  ==================  ===================================================
 CPU                           float32             native, sdpa, manual
-CUDA sm_9x (Hopper)           bfloat16            native, flash_attn_3, flash_attn_2, xformers, sdpa, manual
+CUDA sm_90 (Hopper)           bfloat16            flash_attn_3, flash_attn_2, xformers, sdpa, native, manual
 CUDA sm_80+ (Ampere, Ada...)  bfloat16            native, flash_attn_2, xformers, sdpa, manual
 CUDA sm_7x (Volta, Turing)    float16             native, xformers, sdpa, manual
 CUDA sm_6x (Pascal) or older  float32             native, xformers, sdpa, manual
@@ -16,6 +16,10 @@ Two rules change the CUDA rows:
 * float16/bfloat16 calls that the native CUDA kernels would run on their SIMT kernels (below sm_80,
   or a head dim outside 32..256 or not a multiple of 8; see ``docs/cuda.md``) try ``native`` after
   ``xformers`` and ``sdpa``: without tensor cores it is the slower choice.
+* where :data:`CUDA_SPEED_MEASURED` records ``native`` slower than the gather path on a compute
+  capability (on sm_90: 0.25-0.47x the speed of gathering into PyTorch's flash kernel, measured on an
+  H200, ``benchmarks/results/cuda-h200-bf16-256k.md``), ``native`` goes after ``sdpa`` there too:
+  the fastest correct path first.
 * ``auto`` puts ``native`` on CUDA only on a GPU whose compute capability is in
   :data:`CUDA_KERNELS_VERIFIED` (the kernels passed ``scripts/gpu_check.sh`` on such a GPU) for the
   kernel family the call would run (``"tensor-core"`` or ``"simt"``, see :func:`kernel_family`):
@@ -36,8 +40,10 @@ import torch
 
 __all__ = [
     "CUDA_KERNELS_VERIFIED",
+    "CUDA_SPEED_MEASURED",
     "KERNEL_FAMILIES",
     "HardwareInfo",
+    "SpeedMeasurement",
     "Verification",
     "as_device",
     "compute_capability",
@@ -46,6 +52,7 @@ __all__ = [
     "device_unavailable",
     "hardware_info",
     "kernel_family",
+    "native_measured_slower",
     "recommended_backends",
     "recommended_dtype",
     "uses_simt_kernels",
@@ -75,6 +82,38 @@ class Verification:
 #: ``auto`` picks ``native`` on CUDA only on these capabilities and for the families recorded.
 #: An entry is added by the commit that records a passing check (the check's summary.md prints it).
 CUDA_KERNELS_VERIFIED: dict[tuple[int, int], Verification] = {}
+
+
+@dataclass(frozen=True)
+class SpeedMeasurement:
+    """A run of ``benchmarks/bench_cuda.py`` on one GPU: its name, the commit, the date (UTC,
+    ``YYYY-MM-DD``), the best time ratio of ``native`` over the gather path with PyTorch's flash
+    kernel over the configurations measured (> 1: ``native`` faster) and the committed table."""
+
+    gpu: str
+    commit: str
+    date: str
+    native_over_gather: float
+    table: str
+
+
+#: The compute capabilities on which ``benchmarks/bench_cuda.py`` compared ``native`` with the
+#: gather path, each with its record. Where ``native`` was slower (ratio < 1), ``auto`` tries it
+#: after ``sdpa`` (fastest correct path first).
+CUDA_SPEED_MEASURED: dict[tuple[int, int], SpeedMeasurement] = {
+    (9, 0): SpeedMeasurement(
+        "NVIDIA H200", "7c2b202", "2026-11-26", 0.47, "benchmarks/results/cuda-h200-bf16-256k.md"
+    ),
+}
+
+
+def native_measured_slower(device: DeviceLike = None) -> bool:
+    """Whether a benchmark on this device's compute capability measured ``native`` slower than the
+    gather path (:data:`CUDA_SPEED_MEASURED`). False where nothing was measured."""
+    cap = compute_capability(device)
+    record = CUDA_SPEED_MEASURED.get(cap) if cap is not None else None
+    return record is not None and record.native_over_gather < 1.0
+
 
 _said_unverified: set[tuple[tuple[int, int] | None, str]] = set()
 
@@ -215,7 +254,7 @@ def recommended_backends(
     order += ["xformers", "sdpa"]
     if cuda_kernels_verified(dev, dtype, head_dim):
         simt = dtype is not None and uses_simt_kernels(dev, dtype, head_dim if head_dim is not None else 64)
-        order.insert(len(order) if simt else 0, "native")
+        order.insert(len(order) if simt or native_measured_slower(dev) else 0, "native")
     else:
         _say_unverified(dev, cap, dtype, head_dim)
     return [*order, "manual"]

@@ -3,6 +3,8 @@ queries of torch replaced by a fake GPU where a GPU is needed)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -44,7 +46,8 @@ def verified(monkeypatch, fake_cuda):
         ((7, 5), torch.float16, ["native", "xformers", "sdpa", "manual"]),
         ((8, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
         ((8, 9), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
-        ((9, 0), torch.bfloat16, ["native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual"]),
+        # sm_90: native measured slower than the gather path (CUDA_SPEED_MEASURED) goes after sdpa
+        ((9, 0), torch.bfloat16, ["flash_attn_3", "flash_attn_2", "xformers", "sdpa", "native", "manual"]),
         ((10, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
     ],
 )
@@ -87,7 +90,7 @@ def test_half_precision_on_simt_kernels_goes_after_sdpa(fake_cuda, verified, cap
     assert hardware.uses_simt_kernels("cuda", dtype, head_dim) == simt
     order = hardware.recommended_backends("cuda", dtype, head_dim)
     assert order[-1] == "manual"
-    if simt:
+    if simt or cap == (9, 0):  # sm_90: measured slower than the gather path
         assert order.index("native") == order.index("sdpa") + 1 and order.index("xformers") < order.index(
             "sdpa"
         )
@@ -135,6 +138,7 @@ def test_verification_is_per_capability_and_family(
     from dilated_attention.backends import BackendRequest, get_backend, resolve
 
     verified(True, caps=[(9, 0)], families=["tensor-core"])
+    monkeypatch.setattr(hardware, "CUDA_SPEED_MEASURED", {})  # no speed record: native first
     fake_cuda["cap"] = cap
     assert hardware.cuda_kernels_verified("cuda", dtype, head_dim) == native
     assert ("native" in hardware.recommended_backends("cuda", dtype, head_dim)) == native
@@ -234,3 +238,29 @@ def test_without_cuda():
 def test_bad_devices(bad, exc, match):
     with pytest.raises(exc, match=match):
         hardware.recommended_dtype(bad)
+
+
+def test_a_speed_measurement_orders_native(fake_cuda, verified, monkeypatch):
+    """A benchmark that measured native slower than the gather path on a capability puts native
+    after sdpa there; one that measured it faster, or none, leaves it first."""
+    fake_cuda["cap"] = (8, 6)
+    verified(True)
+    assert hardware.recommended_backends("cuda", torch.bfloat16, 64)[0] == "native"
+    slow = hardware.SpeedMeasurement("FAKE GPU", "0123abc", "2026-11-24", 0.5, "table.md")
+    monkeypatch.setattr(hardware, "CUDA_SPEED_MEASURED", {(8, 6): slow})
+    assert hardware.native_measured_slower("cuda")
+    order = hardware.recommended_backends("cuda", torch.bfloat16, 64)
+    assert order.index("native") == order.index("sdpa") + 1
+    fast = hardware.SpeedMeasurement("FAKE GPU", "0123abc", "2026-11-24", 1.5, "table.md")
+    monkeypatch.setattr(hardware, "CUDA_SPEED_MEASURED", {(8, 6): fast})
+    assert not hardware.native_measured_slower("cuda")
+    assert hardware.recommended_backends("cuda", torch.bfloat16, 64)[0] == "native"
+    assert not hardware.native_measured_slower("cpu")
+
+
+def test_speed_measurements_name_committed_tables():
+    root = Path(__file__).resolve().parents[1]
+    for cap, record in hardware.CUDA_SPEED_MEASURED.items():
+        table = root / record.table
+        assert table.is_file(), (cap, record.table)
+        assert record.gpu in table.read_text()
