@@ -219,3 +219,29 @@ def test_capability_declarations_give_reasons():
     for name in backends.BACKEND_NAMES:
         caps = get_backend(name).capabilities
         assert caps.devices and caps.dtypes and caps.needs and isinstance(caps.dropout, bool)
+
+
+def test_compiled_selection_passes_only_constants(monkeypatch):
+    """Under torch.compile the choice is baked into the graph by a call whose arguments must be
+    constants (PyTorch 2.11 refuses an object there): the selector goes by an int, the key holds
+    only strings, devices, dtypes, ints and bools; and the compiled call matches eager."""
+    from dilated_attention.backends import registry
+
+    seen = []
+    original = registry._select_constant
+
+    @torch._dynamo.assume_constant_result
+    def recording(selector_id, key):
+        seen.append((selector_id, key))
+        return original(selector_id, key)
+
+    monkeypatch.setattr(registry, "_select_constant", recording)
+    torch._dynamo.reset()
+    q, k, v = make_inputs(1, 32, 2, 2, 16, torch.float32, requires_grad=False)
+    f = torch.compile(lambda q, k, v: dattn(q, k, v, [8, 16], [1, 2], backend="auto"), fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), dattn(q, k, v, [8, 16], [1, 2], backend="auto"))
+    torch._dynamo.reset()
+    assert seen
+    for selector_id, key in seen:
+        assert type(selector_id) is int
+        assert all(isinstance(x, (str, torch.device, torch.dtype, int, bool)) for x in key), key

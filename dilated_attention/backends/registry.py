@@ -18,8 +18,10 @@ reasons.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +140,10 @@ def resolve(requested: str, request: BackendRequest) -> Selection:
     )
 
 
+_SELECTOR_IDS = itertools.count()
+_SELECTORS: weakref.WeakValueDictionary[int, BackendSelector] = weakref.WeakValueDictionary()
+
+
 class BackendSelector:
     """Chooses a backend once per (requested name, device, dtype, head dim, dropout) and remembers it.
 
@@ -151,6 +157,10 @@ class BackendSelector:
         self._names: dict[tuple, str] = {}
         self._selections: dict[tuple, Selection] = {}
         self._lock = threading.Lock()
+        # An int names this selector to _select_constant: torch.compile bakes a call's result into
+        # the graph only when its arguments are constants, and older versions refuse an object.
+        self._id = next(_SELECTOR_IDS)
+        _SELECTORS[self._id] = self
 
     def __getstate__(self) -> dict:
         return {"owner": self.owner}
@@ -164,7 +174,7 @@ class BackendSelector:
             # Under dynamic=True the head dim and dropout_p are symbolic: specialise them (a guard each)
             # so that the key is a constant; N never enters the key, so a new N does not recompile.
             key = (requested, q.device, q.dtype, guard_scalar(q.shape[-1]), guard_scalar(dropout_p > 0))
-            return _REGISTRY[_select_constant(self, key)]
+            return _REGISTRY[_select_constant(self._id, key)]
         key = (requested, q.device, q.dtype, int(q.shape[-1]), bool(dropout_p > 0))
         name = self._names.get(key)
         if name is None:
@@ -232,8 +242,9 @@ class BackendSelector:
 
 
 @torch._dynamo.assume_constant_result
-def _select_constant(selector: BackendSelector, key: tuple) -> str:
+def _select_constant(selector_id: int, key: tuple) -> str:
     # Under torch.compile the choice is made at trace time and baked into the graph.
+    selector = _SELECTORS[selector_id]
     name = selector._names.get(key)
     return name if name is not None else selector._choose(key)
 
