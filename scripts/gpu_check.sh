@@ -2,7 +2,7 @@
 # Verifies the native op's CUDA kernels on the GPU at hand and writes every log and table to one
 # folder. Two commands, each under 8 minutes on an H100 (a device command may run 10):
 #
-#   scripts/gpu_check.sh tests    [OUT_DIR]   # build, tests, smoke
+#   scripts/gpu_check.sh tests    [OUT_DIR]   # build, tests, (backtrace,) smoke
 #   scripts/gpu_check.sh sanitize [OUT_DIR]   # (build if needed), memcheck, racecheck, synccheck, bench
 #   scripts/gpu_check.sh all      [OUT_DIR]   # every step (default; what does not fit is "not run")
 #   options: [--steps LIST] [--deadline SECONDS] [--dry-run]
@@ -26,6 +26,19 @@
 #   tests      220  pytest tests/test_{decode_cuda,backends_views,cuda,ring_pieces}.py -m cuda (GPU_CHECK_TESTS=all:
 #                   the whole files; GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1), in
 #                   GPU_CHECK_WORKERS processes (default 6) where pytest-xdist is installed -> tests.log
+#                   pytest -v: one line per test as it ends (PASSED/FAILED/ERROR/SKIPPED; the test
+#                   of a crashed xdist worker FAILED after "node down"), so that a run cut by its
+#                   budget still names every result so far; --tb=short, --durations=25. summary.md
+#                   lists the failed, errored and crashed tests, the counts (counted from the
+#                   per-test lines, with the tests still running, when pytest was cut before its
+#                   own), the test frame of each "Fatal Python error" (faulthandler) and the
+#                   slowest tests (scripts/gpu_testlog.py reads the log)
+#   backtrace   60  only after crashes in tests.log ("not needed" otherwise): each crashed test
+#                   (at most 3: the node id that pytest-xdist names, else file::function from the
+#                   faulthandler dump) alone, pytest -x -p no:xdist under cuda-gdb, else gdb
+#                   (GPU_CHECK_DEBUGGER: another, or none), "-batch -ex run -ex bt -ex quit": the
+#                   native stack at the fatal signal; the first gets up to 40 s. Without a debugger
+#                   it says so ("unavailable")       -> appended to tests.log, frames #0-#30 in summary.md
 #   smoke       90  scripts/gpu_smoke.py: fwd/bwd against the CPU op in float64, B = 64, inputs of
 #                   more than 2^31 elements                                            -> smoke.log
 #   memcheck    90  compute-sanitizer --tool memcheck  \
@@ -42,17 +55,18 @@
 # each step's status and time and the key lines of every log, and, when every step passed, the
 # entry of dilated_attention.hardware.CUDA_KERNELS_VERIFIED that records the pass for this GPU's
 # compute capability (auto picks native only on recorded capabilities); at most 8 files are written.
-# Exit status: 0 when every step passed (or when there is no GPU), 1 when one did not, 2 on a usage
-# error, 3 when the build cannot run here. --dry-run prints the commands without running them.
+# Exit status: 0 when every step passed (or was "not needed"; or when there is no GPU), 1 when one
+# did not, 2 on a usage error, 3 when the build cannot run here. --dry-run prints the commands
+# without running them.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, not an installed copy
 export PYTHONUNBUFFERED=1
-ALL_STEPS=(build tests smoke memcheck racecheck synccheck bench)
+ALL_STEPS=(build tests backtrace smoke memcheck racecheck synccheck bench)
 SANITIZER_TOOLS=(memcheck racecheck synccheck)
-declare -A BUDGET=([build]=200 [tests]=220 [smoke]=90 [memcheck]=90 [racecheck]=120 [synccheck]=60 [bench]=150)
-declare -A PHASE_STEPS=([tests]="build tests smoke" [sanitize]="build memcheck racecheck synccheck bench" [all]="${ALL_STEPS[*]}")
+declare -A BUDGET=([build]=200 [tests]=220 [backtrace]=60 [smoke]=90 [memcheck]=90 [racecheck]=120 [synccheck]=60 [bench]=150)
+declare -A PHASE_STEPS=([tests]="build tests backtrace smoke" [sanitize]="build memcheck racecheck synccheck bench" [all]="${ALL_STEPS[*]}")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
@@ -119,6 +133,18 @@ sanitizer=$(command -v compute-sanitizer 2>/dev/null || true)
 for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
   if [ -z "$sanitizer" ] && [ -x "$d/compute-sanitizer" ]; then sanitizer="$d/compute-sanitizer"; PATH="$PATH:$d"; fi
 done
+# The debugger of the backtrace step: cuda-gdb (it debugs the host code too), else gdb;
+# GPU_CHECK_DEBUGGER names another one, or "none".
+if [ -n "${GPU_CHECK_DEBUGGER:-}" ]; then
+  debugger=""
+  [ "$GPU_CHECK_DEBUGGER" = none ] || debugger=$(command -v "$GPU_CHECK_DEBUGGER" 2>/dev/null || true)
+else
+  debugger=$(command -v cuda-gdb 2>/dev/null || true)
+  for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin; do
+    if [ -z "$debugger" ] && [ -x "$d/cuda-gdb" ]; then debugger="$d/cuda-gdb"; fi
+  done
+  [ -n "$debugger" ] || debugger=$(command -v gdb 2>/dev/null || true)
+fi
 
 # The interpreter's own bin/ (a virtual environment's: its ninja) ahead on PATH, as an activated
 # environment would have it: torch's extension build runs `ninja` from PATH.
@@ -165,12 +191,19 @@ jobs=$(nproc 2>/dev/null || echo 4)
 # The command of each step (an array per step; the sanitizer steps run sanitize_cmd under their tool).
 build_cmd=(env -u DILATED_ATTENTION_CPU_ONLY FORCE_CUDA=1 "TORCH_CUDA_ARCH_LIST=$arch"
   "DILATED_ATTENTION_NVCC_FLAGS=-Xptxas -v" "MAX_JOBS=$jobs" "$PYTHON" setup.py build_ext --inplace)
-tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -q -rfEs --durations=15 -p no:cacheprovider
+# -v: one line per test as it ends ("[gw3] [ 12%] FAILED tests/..."), so that a run cut by its time
+# limit still names every result so far; --tb=short keeps the tracebacks (printed at the end) short.
+tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -v --tb=short -rfEs --durations=25 -p no:cacheprovider
   tests/test_decode_cuda.py tests/test_backends_views.py tests/test_cuda.py tests/test_ring_pieces.py "${tests_sel[@]}")
 smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases small large)
 sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
 read -r -a bench_extra <<<"${GPU_CHECK_BENCH_ARGS:-}"  # e.g. "--tokens 262144": fewer configurations
 bench_cmd=("$PYTHON" benchmarks/bench_cuda.py "${bench_extra[@]}" --out "$out_dir/bench" --budget)  # + seconds, at run time
+# backtrace: each crashed test alone, in one process, under the debugger (+ the python executable
+# and the test, at run time); the debugger stops at the fatal signal and prints the native stack.
+max_backtraces=3
+debugger_cmd=(-batch -ex "set print thread-events off" -ex run -ex bt -ex quit --args)
+pytest_alone=(-m pytest -x -q -p no:cacheprovider -p no:xdist)
 
 # The in-place build is up to date when it has CUDA kernels and was built by this script from the
 # same sources, setup.py and architecture (build/gpu_check.stamp).
@@ -193,6 +226,12 @@ if [ "$dry" = 1 ]; then
     case $s in
       build) echo "build (${BUDGET[build]} s, skipped when up to date): $(show "${build_cmd[@]}")> build.log" ;;
       tests) echo "tests (${BUDGET[tests]} s): $(show "${tests_cmd[@]}")> tests.log" ;;
+      backtrace)
+        if [ -n "$debugger" ]; then
+          echo "backtrace (${BUDGET[backtrace]} s, only after a crash in tests.log): $(show env "DILATED_ATTENTION_SLOW=$slow" "$debugger" "${debugger_cmd[@]}" "$PYTHON" "${pytest_alone[@]}")CRASHED_TEST >> tests.log (each crashed test, at most $max_backtraces)"
+        else
+          echo "backtrace (${BUDGET[backtrace]} s, only after a crash in tests.log): neither cuda-gdb nor gdb here: crashed tests would not be rerun"
+        fi ;;
       smoke) echo "smoke (${BUDGET[smoke]} s): $(show "${smoke_cmd[@]}")> smoke.log" ;;
       memcheck | racecheck | synccheck)
         echo "$s (${BUDGET[$s]} s): ${sanitizer:-compute-sanitizer} --tool $s --error-exitcode 3 --print-limit 30 $(show "${sanitize_cmd[@]}")>> sanitize.log" ;;
@@ -230,6 +269,8 @@ cap_log() {
 }
 
 declare -A STATUS SECS
+# A step that passed, or a backtrace step with no crash to look at ("done" follows crashes: no pass).
+step_ok() { [[ "$1" == pass* || "$1" == "not needed"* ]]; }
 built_ok=1
 for s in "${steps[@]}"; do
   remaining=$(left)
@@ -237,6 +278,16 @@ for s in "${steps[@]}"; do
   floor=30  # a step does not start with less time than this (or than its whole budget)
   [ "$budget" -lt "$floor" ] && floor=$budget
   [ "$remaining" -lt "$budget" ] && budget=$remaining
+  if [ "$s" = backtrace ]; then  # only when tests.log names crashed tests
+    crashed=()
+    [ -f "$out_dir/tests.log" ] &&
+      mapfile -t crashed < <("$PYTHON" scripts/gpu_testlog.py crashed "$out_dir/tests.log" --max "$max_backtraces" 2>/dev/null)
+    if [ ${#crashed[@]} -eq 0 ]; then
+      STATUS[$s]="not needed (no crashed test in tests.log)"
+      SECS[$s]=0
+      continue
+    fi
+  fi
   if [ "$s" = build ] && build_is_current; then
     STATUS[$s]="pass (up to date: not rebuilt)"
     SECS[$s]=0
@@ -273,6 +324,35 @@ for s in "${steps[@]}"; do
       if [ "$s" = tests ]; then rc=$(run_logged "$budget" "$log" "${tests_cmd[@]}")
       else rc=$(run_logged "$budget" "$log" "${smoke_cmd[@]}"); fi
       ;;
+    backtrace)
+      log="$out_dir/tests.log"  # appended after pytest's own output
+      if [ -z "$debugger" ]; then
+        echo "===== gpu_check backtrace: neither cuda-gdb nor gdb found (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin); not rerun: ${crashed[*]}" >>"$log"
+        echo "gpu_check: backtrace: neither cuda-gdb nor gdb found; the crashed tests are not rerun"
+        rc=unavailable
+      else
+        # The interpreter itself, not a wrapper script (a pyenv shim) that the debugger cannot load.
+        py_exe=$("$PYTHON" -c 'import sys; print(sys.executable)' 2>/dev/null | tail -1)
+        [ -x "$py_exe" ] || py_exe=$PYTHON
+        n=0 reran=0
+        for t in "${crashed[@]}"; do
+          n=$((n + 1))
+          # The first crash gets most of the time (up to 40 s): the debugger and torch start slowly.
+          step_left=$((budget - ($(date +%s) - t0)))
+          each=$((step_left < 40 ? step_left : 40))
+          [ $((step_left / (${#crashed[@]} - n + 1))) -gt "$each" ] && each=$((step_left / (${#crashed[@]} - n + 1)))
+          if [ "$each" -lt 10 ]; then
+            echo "===== gpu_check backtrace $n of ${#crashed[@]}: $t: not rerun, the step's ${budget} s are spent" >>"$log"
+            continue
+          fi
+          printf '\n===== gpu_check backtrace %s of %s: %s (%s, limit %s s) =====\n' "$n" "${#crashed[@]}" "$t" "$(basename "$debugger")" "$each" >>"$log"
+          r=$(run_logged "$each" "$log" env DEBUGINFOD_URLS= "DILATED_ATTENTION_SLOW=$slow" "$debugger" "${debugger_cmd[@]}" "$py_exe" "${pytest_alone[@]}" "$t")
+          echo "----- gpu_check backtrace $n: exit status $r$([ "$r" = 124 ] || [ "$r" = 137 ] && echo " (out of time)")" >>"$log"
+          reran=$((reran + 1))
+        done
+        rc=rerun
+      fi
+      ;;
     bench)
       log="$out_dir/bench.log"  # kept in summary.md: the benchmark writes bench.md itself
       : >"$log"
@@ -301,9 +381,15 @@ for s in "${steps[@]}"; do
   case $rc in
     0) STATUS[$s]=pass ;;
     124 | 137) STATUS[$s]="FAIL: out of time (${budget} s)" ;;
-    unavailable) STATUS[$s]="unavailable: compute-sanitizer cannot run here (see sanitize.log)" ;;
+    rerun) STATUS[$s]="done: ${reran} of ${#crashed[@]} crashed tests rerun under $(basename "$debugger") (tests.log)" ;;
+    unavailable)
+      if [ "$s" = backtrace ]; then STATUS[$s]="unavailable: neither cuda-gdb nor gdb here (${#crashed[@]} crashed tests not rerun)"
+      else STATUS[$s]="unavailable: compute-sanitizer cannot run here (see sanitize.log)"; fi ;;
     *) STATUS[$s]="FAIL (exit status $rc)" ;;
   esac
+  if [ "$s" = tests ] && crashes=$(grep -c "Fatal Python error" "$log") && [ "$crashes" -gt 0 ]; then
+    STATUS[$s]="${STATUS[$s]}; ${crashes} crashes (Fatal Python error)"
+  fi
   echo "gpu_check: $s: ${STATUS[$s]} (${SECS[$s]} s)"
 done
 # summary.md (GPU_CHECK_COMMIT names the commit where the tree has no .git): what ran where, each step's status, and the lines that matter from each log.
@@ -332,18 +418,24 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
       sed -e 's/^ptxas info *: //' | head -400
     echo '```'
   fi
-  for f in tests smoke; do
-    [ -f "$out_dir/$f.log" ] || continue
+  if [ -f "$out_dir/tests.log" ]; then
+    # The results (from the per-test lines when pytest was cut before its count), the failed,
+    # errored and crashed tests, the slowest tests, the backtraces (scripts/gpu_testlog.py).
     echo
-    echo "## $f"
-    echo '```'
-    if [ "$f" = tests ]; then
-      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|error" "$out_dir/$f.log" | tail -60
-    else
-      grep -E "^(PASS|FAIL|SKIP|  )|gpu_smoke|dense bf16|GPU:" "$out_dir/$f.log" | tail -60
+    if ! tests_summary=$("$PYTHON" scripts/gpu_testlog.py summary "$out_dir/tests.log" 2>&1); then
+      tests_summary=$(echo "## tests"; echo; echo '```'
+        grep -E "^(FAILED|ERROR|SKIPPED)| (FAILED|ERROR) |passed|failed|Fatal Python error" "$out_dir/tests.log" | tail -60
+        echo '```')
     fi
+    echo "$tests_summary"
+  fi
+  if [ -f "$out_dir/smoke.log" ]; then
+    echo
+    echo "## smoke"
     echo '```'
-  done
+    grep -E "^(PASS|FAIL|SKIP|  )|gpu_smoke|dense bf16|GPU:" "$out_dir/smoke.log" | tail -60
+    echo '```'
+  fi
   if [ -f "$out_dir/sanitize.log" ]; then
     echo
     echo "## compute-sanitizer"
@@ -359,7 +451,7 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
     echo '```'
   fi
   all_passed=1
-  for s in "${steps[@]}"; do [[ "${STATUS[$s]}" == pass* ]] || all_passed=0; done
+  for s in "${steps[@]}"; do step_ok "${STATUS[$s]}" || all_passed=0; done
   if [ "$all_passed" = 1 ]; then
     families='"tensor-core", "simt"'
     [ "${arch%%.*}" -ge 8 ] || families='"simt",'  # below sm_80 every dtype runs on the SIMT kernels
@@ -382,6 +474,6 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
 rm -f "$out_dir/bench.log"  # kept in summary.md: at most 8 files in the folder
 echo "gpu_check: wrote $summary"
 for s in "${steps[@]}"; do
-  [[ "${STATUS[$s]}" == pass* ]] || exit 1
+  step_ok "${STATUS[$s]}" || exit 1
 done
 exit 0

@@ -88,6 +88,7 @@ def test_skips_cleanly_without_a_gpu(tmp_path):
 # A stand-in for python3 (and compute-sanitizer): FAKE_<STEP> says what each step does.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 case "$*" in
+  *gpu_testlog.py*) exec "$REAL_PYTHON" "$@" ;;
   *gpu_env.py*) echo "gpu_env: python           fake"
                 if [ "${FAKE_ENV:-ok}" = missing ] && [[ "$*" == *--need-build* ]]; then
                   echo "gpu_env: cannot build: ninja is not on PATH (pip install ninja)"; exit 3; fi ;;
@@ -98,7 +99,8 @@ case "$*" in
   *gpu_smoke.py*) echo "PASS large-batch-bf16"; [ "${FAKE_SMOKE:-ok}" = ok ] ;;
   *bench_cuda.py*) [ "${FAKE_BENCH:-ok}" = sleep ] && exec sleep 60
                    echo "speedup table $*"; [ "${FAKE_BENCH:-ok}" = ok ] ;;
-  "-m pytest"*) echo "12 passed in 1.0s"; [ "${FAKE_TESTS:-ok}" = ok ] ;;
+  "-m pytest"*) if [ "${FAKE_TESTS:-ok}" = crash ]; then cat "$FAKE_TESTS_LOG"; exec sleep 60; fi
+                echo "12 passed in 1.0s"; [ "${FAKE_TESTS:-ok}" = ok ] ;;
 esac
 """
 FAKE_SANITIZER = r"""#!/usr/bin/env bash
@@ -109,14 +111,63 @@ shift 6  # --tool T --error-exitcode 3 --print-limit 30
 if [ "${FAKE_SANITIZER:-ok}" = race ]; then echo "========= ERROR SUMMARY: 1 error"; exit 3; fi
 echo "========= ERROR SUMMARY: 0 errors"; exit $rc
 """
-STEPS = ("build", "tests", "smoke", "memcheck", "racecheck", "synccheck", "bench")
+# A stand-in for cuda-gdb and gdb: records its arguments, prints a native stack of 41 frames.
+FAKE_DEBUGGER = r"""#!/usr/bin/env bash
+echo "$(basename "$0") $*" >>"$FAKE_DEBUGGER_ARGS"
+echo '[Thread debugging using libthread_db enabled]'
+echo 'Thread 1 "python" received signal SIGSEGV, Segmentation fault.'
+echo '#0  0x00007fffd1234567 in dilated_attention::cuda::launch_fwd (q=...) at csrc/cuda/fwd.cu:120'
+for i in $(seq 1 40); do echo "#$i  0x00007fffd00000$i in frame_$i () from /torch/lib/libtorch_cpu.so"; done
+"""
+STEPS = ("build", "tests", "backtrace", "smoke", "memcheck", "racecheck", "synccheck", "bench")
+
+# What pytest -v -n 8 writes when a test crashes its worker, and the run is then cut by the step's
+# time limit before pytest's own count: per-test lines, the faulthandler dump, the replaced worker.
+CRASH_LOG = """\
+============================= test session starts ==============================
+created: 8/8 workers
+8 workers [1200 items]
+
+scheduling tests via LoadScheduling
+
+tests/test_cuda.py::test_fwd[bf16-64]
+tests/test_cuda.py::test_fwd[bf16-128]
+[gw1] [  0%] PASSED tests/test_cuda.py::test_fwd[bf16-64]
+[gw2] [  0%] FAILED tests/test_cuda.py::test_fwd[bf16-128]
+tests/test_cuda.py::test_bwd[f32]
+[gw3] [  0%] SKIPPED tests/test_cuda.py::test_bwd[f32]
+tests/test_cuda.py::test_empty_inputs_and_errors
+tests/test_cuda.py::test_long[1m] Fatal Python error: Segmentation fault
+
+Thread 0x00007f1d71fff6c0 (most recent call first):
+  File "/opt/venv/lib/python3.12/site-packages/execnet/gateway_base.py", line 534 in read
+
+Current thread 0x00007f1d73401b80 (most recent call first):
+  File "/opt/venv/lib/python3.12/site-packages/torch/_ops.py", line 1243 in __call__
+  File "/work/main/tests/common.py", line 88 in run_fwd
+  File "/work/main/tests/test_cuda.py", line 1732 in test_empty_inputs_and_errors
+  File "/opt/venv/lib/python3.12/site-packages/_pytest/python.py", line 166 in pytest_pyfunc_call
+
+Extension modules: torch._C, numpy.core._multiarray_umath (total: 20)
+[gw7] node down: Not properly terminated
+[gw7] [  0%] FAILED tests/test_cuda.py::test_empty_inputs_and_errors
+
+replacing crashed worker gw7
+[gw0] [  0%] ERROR tests/test_ring_pieces.py::test_pieces[2]
+[gw4] [  0%] PASSED tests/test_cuda.py::test_long[1m]
+tests/test_cuda.py::test_decode_paged[4096]
+"""
 
 
 @pytest.fixture
 def fake_tools(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in [("python", FAKE_PYTHON), ("compute-sanitizer", FAKE_SANITIZER)]:
+    for name, text in [
+        ("python", FAKE_PYTHON),
+        ("compute-sanitizer", FAKE_SANITIZER),
+        ("cuda-gdb", FAKE_DEBUGGER),
+    ]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
 
@@ -126,6 +177,8 @@ def fake_tools(tmp_path):
             "GPU_CHECK_PYTHON": str(bin_dir / "python"),
             "GPU_CHECK_STAMP": str(tmp_path / "stamp"),
             "FAKE_BUILDS": str(tmp_path / "builds"),
+            "FAKE_DEBUGGER_ARGS": str(tmp_path / "debugger_args"),
+            "REAL_PYTHON": sys.executable,
             "PATH": f"{bin_dir}:{os.environ['PATH']}",
         }
         env.update({k: str(v) for k, v in fake.items()})
@@ -141,6 +194,7 @@ def fake_tools(tmp_path):
                 rows[cells[0]] = cells[1]
         return res, rows, summary
 
+    run.bin_dir = bin_dir
     return run
 
 
@@ -163,6 +217,13 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
         "pytest" in lines["tests"]
         and "tests/test_cuda.py tests/test_ring_pieces.py -m cuda" in lines["tests"]
     )
+    # One line per test as it ends (a run cut by its budget still names its failures), short tracebacks.
+    assert "pytest -v --tb=short -rfEs --durations=25 " in lines["tests"]
+    assert lines["backtrace"].startswith("backtrace (60 s, only after a crash in tests.log): ")
+    assert (
+        "cuda-gdb -batch " in lines["backtrace"] and "-ex run -ex bt -ex quit --args " in lines["backtrace"]
+    )
+    assert "-m pytest -x -q -p no:cacheprovider -p no:xdist CRASHED_TEST" in lines["backtrace"]
     assert "gpu_smoke.py --cases small large" in lines["smoke"]
     assert "bench_cuda.py --out" in lines["bench"] and "--budget 120 " in lines["bench"]
     for tool, budget in (("memcheck", 90), ("racecheck", 120), ("synccheck", 60)):
@@ -170,6 +231,8 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
         assert "gpu_smoke.py --cases sanitize" in lines[tool]
     res = fake_tools(tmp_path, "--dry-run", "--steps", "smoke bench")
     assert list(_dry_lines(res))[1:] == ["smoke", "bench"]
+    res = fake_tools(tmp_path, "--dry-run", "--steps", "backtrace", GPU_CHECK_DEBUGGER="none")
+    assert "neither cuda-gdb nor gdb here" in _dry_lines(res)["backtrace"]
     res = fake_tools(tmp_path, "--dry-run", "--steps", "sanitize", GPU_CHECK_BUDGET_RACECHECK=7)
     assert list(_dry_lines(res))[1:] == ["memcheck", "racecheck", "synccheck"]
     assert _dry_lines(res)["racecheck"].startswith("racecheck (7 s)")
@@ -179,9 +242,9 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
 @pytest.mark.parametrize(
     "phase,steps",
     [
-        ("tests", ["build", "tests", "smoke"]),
+        ("tests", ["build", "tests", "backtrace", "smoke"]),
         ("sanitize", ["build", "memcheck", "racecheck", "synccheck", "bench"]),
-        ("all", ["build", "tests", "smoke", "memcheck", "racecheck", "synccheck", "bench"]),
+        ("all", ["build", "tests", "backtrace", "smoke", "memcheck", "racecheck", "synccheck", "bench"]),
     ],
 )
 def test_the_two_commands_each_fit_in_eight_minutes(tmp_path, fake_tools, phase, steps):
@@ -199,7 +262,8 @@ def test_the_two_commands_each_fit_in_eight_minutes(tmp_path, fake_tools, phase,
 def test_every_step_passing(tmp_path, fake_tools):
     res, rows, summary = fake_tools(tmp_path / "out")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert rows == dict.fromkeys(STEPS, "pass")
+    assert rows == {**dict.fromkeys(STEPS, "pass"), "backtrace": "not needed (no crashed test in tests.log)"}
+    assert not (tmp_path / "debugger_args").exists()
     assert res.stdout.startswith("gpu_env: python")  # what the machine has, first
     assert "gpu_env: python           fake" in summary
     assert "Used 128 registers" in summary and "12 passed" in summary and "PASS large-batch-bf16" in summary
@@ -223,7 +287,7 @@ def test_every_step_passing(tmp_path, fake_tools):
 @needs_bash
 def test_second_command_reuses_the_build(tmp_path, fake_tools):
     res, rows, summary = fake_tools("tests", tmp_path / "a")
-    assert res.returncode == 0 and list(rows) == ["build", "tests", "smoke"]
+    assert res.returncode == 0 and list(rows) == ["build", "tests", "backtrace", "smoke"]
     assert "scripts/gpu_check.sh sanitize" in summary
     res, rows, _ = fake_tools("sanitize", tmp_path / "b")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -286,7 +350,169 @@ def test_failures_time_limits_and_the_deadline(tmp_path, fake_tools):
     assert res.returncode == 1 and "has no CUDA kernels" in rows["tests"]
     # Past the deadline a step is not started.
     res, rows, _ = fake_tools(tmp_path / "e", "--deadline", "0", FAKE_KERNELS="no")
+    assert rows.pop("backtrace") == "not needed (no crashed test in tests.log)"
     assert res.returncode == 1 and all(v.startswith("not run: deadline") for v in rows.values()), rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The tests step's log: failed and crashed tests, and their native backtraces
+# ----------------------------------------------------------------------------------------------
+
+
+def _crash_run(tmp_path, fake_tools, name, **fake):
+    (tmp_path / "crash.log").write_text(CRASH_LOG)
+    return fake_tools(
+        tmp_path / name,
+        "--steps",
+        "tests,backtrace",
+        FAKE_TESTS="crash",
+        FAKE_TESTS_LOG=tmp_path / "crash.log",
+        GPU_CHECK_BUDGET_TESTS=2,
+        **fake,
+    )
+
+
+@needs_bash
+def test_a_run_cut_by_its_budget_names_the_failed_and_crashed_tests(tmp_path, fake_tools):
+    res, rows, summary = _crash_run(tmp_path, fake_tools, "out")
+    assert res.returncode == 1
+    assert rows["tests"] == "FAIL: out of time (2 s); 1 crashes (Fatal Python error)"
+    lines = summary.splitlines()
+    # Counted from the per-test lines: pytest never printed its own count.
+    assert (
+        "pytest did not finish (cut by the time limit, or it crashed): 6 results so far for 1200 tests: "
+        in summary
+    )
+    assert "2 passed, 2 failed, 1 skipped, 1 error" in summary
+    assert "FAILED tests/test_cuda.py::test_fwd[bf16-128]" in lines
+    assert "ERROR tests/test_ring_pieces.py::test_pieces[2]" in lines
+    assert "CRASHED tests/test_cuda.py::test_empty_inputs_and_errors (gw7: Not properly terminated)" in lines
+    assert "FAILED tests/test_cuda.py::test_empty_inputs_and_errors" not in lines
+    # The faulthandler dump names the test function, not the test whose line it interrupted.
+    assert (
+        "Fatal Python error: Segmentation fault -- in tests/test_cuda.py line 1732 in test_empty_inputs_and_errors;"
+        " innermost Python frame: torch/_ops.py line 1243 in __call__" in lines
+    )
+    # Started, with no result when the log ends.
+    assert "RUNNING tests/test_cuda.py::test_decode_paged[4096]  (no result when the log ends)" in lines
+    assert not any("RUNNING" in line and ("test_long" in line or "test_empty" in line) for line in lines)
+    # The crashed test alone, under cuda-gdb; its native frames #0-#30 in summary.md.
+    args = (tmp_path / "debugger_args").read_text().splitlines()
+    assert len(args) == 1 and args[0].startswith("cuda-gdb -batch -ex ")
+    assert args[0].endswith(
+        "-ex run -ex bt -ex quit --args "
+        + str(fake_tools.bin_dir / "python")
+        + " -m pytest -x -q -p no:cacheprovider -p no:xdist tests/test_cuda.py::test_empty_inputs_and_errors"
+    )
+    assert rows["backtrace"] == "done: 1 of 1 crashed tests rerun under cuda-gdb (tests.log)"
+    assert "## native backtraces of the crashed tests" in summary
+    assert 'Thread 1 "python" received signal SIGSEGV, Segmentation fault.' in lines
+    assert (
+        "#0  0x00007fffd1234567 in dilated_attention::cuda::launch_fwd (q=...) at csrc/cuda/fwd.cu:120"
+        in lines
+    )
+    assert any(line.startswith("#30 ") for line in lines) and not any(
+        line.startswith("#31 ") for line in lines
+    )
+    log = (tmp_path / "out" / "tests.log").read_text()
+    assert "#40  0x" in log and "----- gpu_check backtrace 1: exit status 0" in log
+
+
+@needs_bash
+def test_backtrace_without_a_debugger_says_so(tmp_path, fake_tools):
+    res, rows, summary = _crash_run(tmp_path, fake_tools, "out", GPU_CHECK_DEBUGGER="none")
+    assert res.returncode == 1 and not (tmp_path / "debugger_args").exists()
+    assert rows["backtrace"] == "unavailable: neither cuda-gdb nor gdb here (1 crashed tests not rerun)"
+    assert "backtrace: neither cuda-gdb nor gdb found; the crashed tests are not rerun" in res.stdout
+    log = (tmp_path / "out" / "tests.log").read_text()
+    assert (
+        "neither cuda-gdb nor gdb found" in log
+        and "not rerun: tests/test_cuda.py::test_empty_inputs_and_errors" in log
+    )
+    assert "CRASHED tests/test_cuda.py::test_empty_inputs_and_errors" in summary  # still named
+
+
+@needs_bash
+@pytest.mark.skipif(
+    shutil.which("cuda-gdb") is not None
+    or any(
+        Path(d, "cuda-gdb").exists()
+        for d in (os.environ.get("CUDA_HOME", "/nonexistent") + "/bin", "/usr/local/cuda/bin")
+    ),
+    reason="cuda-gdb is installed here: it comes before gdb",
+)
+def test_backtrace_falls_back_to_gdb(tmp_path, fake_tools):
+    (fake_tools.bin_dir / "cuda-gdb").rename(fake_tools.bin_dir / "gdb")
+    _, rows, _ = _crash_run(tmp_path, fake_tools, "out")
+    assert rows["backtrace"] == "done: 1 of 1 crashed tests rerun under gdb (tests.log)"
+    assert (tmp_path / "debugger_args").read_text().startswith("gdb -batch ")
+
+
+@pytest.fixture(scope="module")
+def testlog():
+    yield load_script(ROOT / "scripts" / "gpu_testlog.py")
+    del sys.modules["gpu_testlog"]
+
+
+def test_testlog_one_process_crash_and_a_finished_run(testlog, capsys):
+    # Without xdist the crash ends pytest: the test on the open line is the one that crashed.
+    log = testlog.parse(
+        "collecting ... collected 12 items / 3 deselected / 9 selected\n\n"
+        "tests/test_cuda.py::test_a[0] PASSED                                    [ 11%]\n"
+        "tests/test_cuda.py::test_b SKIPPED (needs a CUDA GPU)                   [ 22%]\n"
+        "tests/test_cuda.py::test_c[x-1] Fatal Python error: Aborted\n\n"
+        "Current thread 0x00007fad5c1c1b80 (most recent call first):\n"
+        '  File "/w/tests/test_cuda.py", line 40 in _helper\n'
+        '  File "/w/tests/test_cuda.py", line 44 in test_c\n'
+    )
+    assert log.crashed == [("tests/test_cuda.py::test_c[x-1]", "", "Fatal Python error: Aborted")]
+    assert testlog.rerun_targets(log) == ["tests/test_cuda.py::test_c[x-1]"]
+    text = testlog.summary(log)
+    assert "2 results so far for 9 tests: 1 passed, 1 skipped" in text
+    assert "CRASHED tests/test_cuda.py::test_c[x-1] (Fatal Python error: Aborted)" in text
+    assert "RUNNING" not in text
+    assert "Fatal Python error: Aborted -- in tests/test_cuda.py line 44 in test_c; innermost" in text
+    # A finished run: pytest's count, the failures with their messages, the skip reasons, the slowest tests.
+    log = testlog.parse(
+        "[gw0] [ 50%] FAILED tests/test_cuda.py::test_x[a]\n"
+        "[gw1] [100%] PASSED tests/test_cuda.py::test_y\n"
+        "============================= slowest 25 durations =============================\n"
+        "12.50s call     tests/test_cuda.py::test_y\n"
+        "=========================== short test summary info ============================\n"
+        "FAILED tests/test_cuda.py::test_x[a] - AssertionError: out differs\n"
+        "SKIPPED [3] tests/test_cuda.py:10: needs a CUDA GPU\n"
+        "=================== 1 failed, 1 passed in 200.12s (0:03:20) ====================\n"
+    )
+    text = testlog.summary(log)
+    assert text.splitlines()[3:6] == [
+        "pytest: 1 failed, 1 passed in 200.12s (0:03:20)",
+        "FAILED tests/test_cuda.py::test_x[a] - AssertionError: out differs",
+        "SKIPPED [3] tests/test_cuda.py:10: needs a CUDA GPU",
+    ]
+    assert "## slowest tests (--durations)" in text and "12.50s call     tests/test_cuda.py::test_y" in text
+    assert testlog.rerun_targets(log) == []
+
+
+def test_testlog_rerun_targets_one_per_test_function_at_most_three(testlog):
+    dump = (
+        "Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
+        '  File "/w/tests/test_cuda.py", line {} in {}\n\n'
+    )
+    text = (
+        "[gw1] node down: Not properly terminated\n[gw1] [  1%] FAILED tests/test_cuda.py::test_a[1]\n"
+        "[gw2] node down: Not properly terminated\n[gw2] [  2%] FAILED tests/test_cuda.py::test_a[2]\n"
+        + dump.format(10, "test_a")
+        + dump.format(20, "test_b")  # its worker's report never came: the function, all parameters
+        + dump.format(30, "test_c")
+        + dump.format(40, "test_d")
+    )
+    log = testlog.parse(text)
+    assert testlog.rerun_targets(log) == [
+        "tests/test_cuda.py::test_a[1]",
+        "tests/test_cuda.py::test_b",
+        "tests/test_cuda.py::test_c",
+    ]
+    assert len(testlog.rerun_targets(log, limit=10)) == 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,7 +606,12 @@ def pytest_collection_finish(session):
 
 @pytest.mark.parametrize(
     "test_file",
-    ["tests/test_cuda.py", "tests/test_ring_pieces.py", "tests/test_decode_cuda.py", "tests/test_backends_views.py"],
+    [
+        "tests/test_cuda.py",
+        "tests/test_ring_pieces.py",
+        "tests/test_decode_cuda.py",
+        "tests/test_backends_views.py",
+    ],
 )
 def test_every_gpu_test_is_marked_cuda(tmp_path, test_file):
     """gpu_check.sh runs ``-m cuda``: a GPU test without the mark would never run on the GPU. A
