@@ -48,6 +48,11 @@
 #   bench      150  benchmarks/bench_cuda.py (bf16, 256K and 1M tokens, H=16, D=64/128: native,
 #                   sdpa, gather+flash, dense cuDNN, matmul), its own --budget 30 s under the
 #                   step's; GPU_CHECK_BENCH_ARGS adds arguments ("--tokens 262144") -> bench.md/.csv/.png
+#   profile     90  Nsight Compute (ncu --clock-control none: speed of light, occupancy, launch,
+#                   warp states, memory and compute workload) on the tensor-core forward, dq and
+#                   dk/dv kernels of scripts/gpu_profile.py (bf16, N = 256K, H = 16, D = 128 and 64,
+#                   LongNet branches), one launch each; ncu from PATH, $CUDA_HOME/bin,
+#                   /usr/local/cuda/bin or /opt/nvidia/nsight-compute/*/    -> summary.md (key lines)
 #
 # The steps end within GPU_CHECK_DEADLINE seconds (default 470 for a phase, 540 for all): a step
 # gets at most the time left, and one that would start with less than 30 s (or less than its
@@ -63,10 +68,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, not an installed copy
 export PYTHONUNBUFFERED=1
-ALL_STEPS=(build tests backtrace smoke memcheck racecheck synccheck bench)
+ALL_STEPS=(build tests backtrace smoke memcheck racecheck synccheck bench profile)
 SANITIZER_TOOLS=(memcheck racecheck synccheck)
-declare -A BUDGET=([build]=200 [tests]=220 [backtrace]=60 [smoke]=90 [memcheck]=90 [racecheck]=120 [synccheck]=60 [bench]=150)
-declare -A PHASE_STEPS=([tests]="build tests backtrace smoke" [sanitize]="build memcheck racecheck synccheck bench" [all]="${ALL_STEPS[*]}")
+declare -A BUDGET=([build]=200 [tests]=220 [backtrace]=60 [smoke]=90 [memcheck]=90 [racecheck]=120 [synccheck]=60 [bench]=150 [profile]=90)
+declare -A PHASE_STEPS=([tests]="build tests backtrace smoke" [sanitize]="build memcheck racecheck synccheck bench profile" [all]="${ALL_STEPS[*]}")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
@@ -146,6 +151,11 @@ else
   [ -n "$debugger" ] || debugger=$(command -v gdb 2>/dev/null || true)
 fi
 
+ncu_bin=$(command -v ncu 2>/dev/null || true)
+for d in "${CUDA_HOME:-}/bin" /usr/local/cuda/bin /opt/nvidia/nsight-compute/*; do
+  if [ -z "$ncu_bin" ] && [ -x "$d/ncu" ]; then ncu_bin="$d/ncu"; fi
+done
+
 # The interpreter's own bin/ (a virtual environment's: its ninja) ahead on PATH, as an activated
 # environment would have it: torch's extension build runs `ninja` from PATH.
 pybin=$(dirname "$(command -v "$PYTHON" 2>/dev/null || echo /nonexistent/python)")
@@ -198,6 +208,9 @@ tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -v --tb=short 
 smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases small large)
 sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
 read -r -a bench_extra <<<"${GPU_CHECK_BENCH_ARGS:-}"  # e.g. "--tokens 262144": fewer configurations
+profile_cmd=("${ncu_bin:-ncu}" --clock-control none --kernel-name "regex:tc_(fwd|dq|dkv)_kernel" --launch-count 6
+  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis "$PYTHON" scripts/gpu_profile.py)
 bench_cmd=("$PYTHON" benchmarks/bench_cuda.py "${bench_extra[@]}" --out "$out_dir/bench" --budget)  # + seconds, at run time
 # backtrace: each crashed test alone, in one process, under the debugger (+ the python executable
 # and the test, at run time); the debugger stops at the fatal signal and prints the native stack.
@@ -236,6 +249,7 @@ if [ "$dry" = 1 ]; then
       memcheck | racecheck | synccheck)
         echo "$s (${BUDGET[$s]} s): ${sanitizer:-compute-sanitizer} --tool $s --error-exitcode 3 --print-limit 30 $(show "${sanitize_cmd[@]}")>> sanitize.log" ;;
       bench) echo "bench (${BUDGET[bench]} s): $(show "${bench_cmd[@]}")$((BUDGET[bench] - 30)) > bench.md, bench.csv, bench.png" ;;
+      profile) echo "profile (${BUDGET[profile]} s): $(show "${profile_cmd[@]}")> summary.md (key lines)" ;;
     esac
   done
   exit 0
@@ -358,6 +372,16 @@ for s in "${steps[@]}"; do
       : >"$log"
       rc=$(run_logged "$budget" "$log" "${bench_cmd[@]}" $((budget > 60 ? budget - 30 : budget / 2)))
       ;;
+    profile)
+      log="$out_dir/profile.log"  # its key lines go into summary.md: at most 8 files in the folder
+      : >"$log"
+      if [ -z "$ncu_bin" ]; then
+        echo "gpu_check: ncu (Nsight Compute) not found (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin, /opt/nvidia/nsight-compute)" >>"$log"
+        rc=unavailable
+      else
+        rc=$(run_logged "$budget" "$log" "${profile_cmd[@]}")
+      fi
+      ;;
     memcheck | racecheck | synccheck)
       log="$out_dir/sanitize.log"
       [ -n "${sanitize_started:-}" ] || : >"$log"
@@ -384,6 +408,7 @@ for s in "${steps[@]}"; do
     rerun) STATUS[$s]="done: ${reran} of ${#crashed[@]} crashed tests rerun under $(basename "$debugger") (tests.log)" ;;
     unavailable)
       if [ "$s" = backtrace ]; then STATUS[$s]="unavailable: neither cuda-gdb nor gdb here (${#crashed[@]} crashed tests not rerun)"
+      elif [ "$s" = profile ]; then STATUS[$s]="unavailable: ncu (Nsight Compute) not found"
       else STATUS[$s]="unavailable: compute-sanitizer cannot run here (see sanitize.log)"; fi ;;
     *) STATUS[$s]="FAIL (exit status $rc)" ;;
   esac
@@ -450,6 +475,14 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
     grep -v "configurations:" "$out_dir/bench.log" | tail -80
     echo '```'
   fi
+  if [ -f "$out_dir/profile.log" ]; then
+    echo
+    echo "## Nsight Compute: the tensor-core kernels (key lines; ncu's advice: first line of each)"
+    echo '```'
+    grep -E "tc_(fwd|dq|dkv)_kernel|^==PROF==|==ERROR==|not found|Duration|Compute \(SM\) Throughput|^ *Memory Throughput|DRAM Throughput|L1/TEX Hit Rate|L2 Hit Rate|Registers Per Thread|Shared Memory Configuration Size|Dynamic Shared Memory Per Block|Theoretical Occupancy|Achieved Occupancy|Block Limit|Executed Ipc Active|Issue Slots Busy|Warp Cycles Per Issued Instruction|^ *(OPT|WRN|INF) " "$out_dir/profile.log" |
+      cut -c1-200 | head -300
+    echo '```'
+  fi
   all_passed=1
   for s in "${steps[@]}"; do step_ok "${STATUS[$s]}" || all_passed=0; done
   if [ "$all_passed" = 1 ]; then
@@ -471,7 +504,7 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
     echo "Next: \`scripts/gpu_check.sh sanitize\` (compute-sanitizer and the benchmark; reuses this build)."
   fi
 } >"$summary"
-rm -f "$out_dir/bench.log"  # kept in summary.md: at most 8 files in the folder
+rm -f "$out_dir/bench.log" "$out_dir/profile.log"  # kept in summary.md: at most 8 files in the folder
 echo "gpu_check: wrote $summary"
 for s in "${steps[@]}"; do
   step_ok "${STATUS[$s]}" || exit 1

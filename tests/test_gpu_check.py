@@ -119,7 +119,19 @@ echo 'Thread 1 "python" received signal SIGSEGV, Segmentation fault.'
 echo '#0  0x00007fffd1234567 in dilated_attention::cuda::launch_fwd (q=...) at csrc/cuda/fwd.cu:120'
 for i in $(seq 1 40); do echo "#$i  0x00007fffd00000$i in frame_$i () from /torch/lib/libtorch_cpu.so"; done
 """
-STEPS = ("build", "tests", "backtrace", "smoke", "memcheck", "racecheck", "synccheck", "bench")
+# A stand-in for Nsight Compute: prints a profile of the tensor-core kernels as ncu does.
+FAKE_NCU = r"""#!/usr/bin/env bash
+echo "==PROF== Connected to process 1234"
+echo "  void dilated_attention::cuda::tc_fwd_kernel<__nv_bfloat16, 128, false>(Params) (4096, 16, 1)x(128, 1, 1)"
+echo "    Section: GPU Speed Of Light Throughput"
+echo "    Duration                         msecond        12.34"
+echo "    Compute (SM) Throughput                %        41.20"
+echo "    Achieved Occupancy                     %        11.90"
+echo "    OPT   This kernel's theoretical occupancy is limited by the number of required registers."
+echo "          a second line of the advice"
+[ "${FAKE_NCU:-ok}" = ok ]
+"""
+STEPS = ("build", "tests", "backtrace", "smoke", "memcheck", "racecheck", "synccheck", "bench", "profile")
 
 # What pytest -v -n 8 writes when a test crashes its worker, and the run is then cut by the step's
 # time limit before pytest's own count: per-test lines, the faulthandler dump, the replaced worker.
@@ -167,6 +179,7 @@ def fake_tools(tmp_path):
         ("python", FAKE_PYTHON),
         ("compute-sanitizer", FAKE_SANITIZER),
         ("cuda-gdb", FAKE_DEBUGGER),
+        ("ncu", FAKE_NCU),
     ]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -226,6 +239,8 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
     assert "-m pytest -x -q -p no:cacheprovider -p no:xdist CRASHED_TEST" in lines["backtrace"]
     assert "gpu_smoke.py --cases small large" in lines["smoke"]
     assert "bench_cuda.py --out" in lines["bench"] and "--budget 120 " in lines["bench"]
+    assert lines["profile"].startswith("profile (90 s): ") and "--clock-control none" in lines["profile"]
+    assert "gpu_profile.py" in lines["profile"] and "--launch-count 6" in lines["profile"]
     for tool, budget in (("memcheck", 90), ("racecheck", 120), ("synccheck", 60)):
         assert lines[tool].startswith(f"{tool} ({budget} s): ") and f"--tool {tool} " in lines[tool]
         assert "gpu_smoke.py --cases sanitize" in lines[tool]
@@ -243,8 +258,21 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
     "phase,steps",
     [
         ("tests", ["build", "tests", "backtrace", "smoke"]),
-        ("sanitize", ["build", "memcheck", "racecheck", "synccheck", "bench"]),
-        ("all", ["build", "tests", "backtrace", "smoke", "memcheck", "racecheck", "synccheck", "bench"]),
+        ("sanitize", ["build", "memcheck", "racecheck", "synccheck", "bench", "profile"]),
+        (
+            "all",
+            [
+                "build",
+                "tests",
+                "backtrace",
+                "smoke",
+                "memcheck",
+                "racecheck",
+                "synccheck",
+                "bench",
+                "profile",
+            ],
+        ),
     ],
 )
 def test_the_two_commands_each_fit_in_eight_minutes(tmp_path, fake_tools, phase, steps):
@@ -297,6 +325,7 @@ def test_second_command_reuses_the_build(tmp_path, fake_tools):
         "racecheck",
         "synccheck",
         "bench",
+        "profile",
     ]
     assert (tmp_path / "builds").read_text().count("built") == 1
     # Another architecture, or GPU_CHECK_REBUILD=1, builds again.
@@ -731,3 +760,18 @@ def test_bench_cuda_dry_run_past_its_budget(tmp_path):
         del sys.modules["bench_cuda"]
     md = (tmp_path / "b.md").read_text()
     assert "not run, the run's time budget is spent" in md
+
+
+@needs_bash
+def test_profile_step_keeps_ncu_key_lines_in_the_summary(tmp_path, fake_tools):
+    out = tmp_path / "out"
+    res, rows, summary = fake_tools("--steps", "build profile", out)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert rows["profile"] == "pass"
+    assert "## Nsight Compute" in summary and "tc_fwd_kernel<__nv_bfloat16, 128, false>" in summary
+    assert "Duration                         msecond        12.34" in summary
+    assert "OPT   This kernel's theoretical occupancy" in summary and "a second line" not in summary
+    assert not (out / "profile.log").exists()  # at most 8 files come back: its lines are in summary.md
+    (fake_tools.bin_dir / "ncu").unlink()
+    res, rows, summary = fake_tools("--steps", "build profile", tmp_path / "out2")
+    assert res.returncode == 1 and rows["profile"] == "unavailable: ncu (Nsight Compute) not found"
