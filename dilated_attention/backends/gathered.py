@@ -175,7 +175,11 @@ def _refuse_untraceable(name: str, N: Any) -> None:
             "Use torch.compile or torch.export (with a static sequence length), or backend='native'."
         )
     lengths = N if isinstance(N, tuple) else (N,)
-    if torch.compiler.is_exporting() and not all(is_concrete_int(n) for n in lengths):
+    # torch.export's default (non-strict) tracing runs this code as Python; under torch.compile
+    # (and strict export) it is not checked here: some PyTorch versions (2.11) report
+    # is_exporting() as True there too.
+    exporting = torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
+    if exporting and not all(is_concrete_int(n) for n in lengths):
         raise RuntimeError(
             f"dilated_attention: the {name!r} backend cannot be exported by torch.export with a dynamic "
             f"sequence length (got {N}): its kernel calls depend on the length. Export with a static "

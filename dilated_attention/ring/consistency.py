@@ -89,7 +89,8 @@ class ConsistencyCheck:
     def __call__(self, comm: Comm, fields: dict[str, int], names: dict[str, tuple[str, ...]]) -> None:
         """Raise ``ValueError`` on every rank when the ranks' fingerprints differ; once per fingerprint
         (and group)."""
-        key = (id(comm.group), comm.P, tuple(fields.values()))
+        # The default group is None (torch.compile in PyTorch 2.11 cannot trace id(None)).
+        key = (None if comm.group is None else id(comm.group), comm.P, tuple(fields.values()))
         if key in self._checked:
             return
         mine = torch.tensor(list(fields.values()), dtype=torch.int64)

@@ -293,14 +293,15 @@ class Plan:
     @property
     def any_span(self) -> bool:
         """Whether this rank has spanning pieces or keys that other ranks read."""
-        return bool(self.pieces) or bool(self.send_items)
+        # len(), not bool(): torch.compile in PyTorch 2.11 cannot trace bool() of a list.
+        return len(self.pieces) > 0 or len(self.send_items) > 0
 
     @property
     def joins_exchange(self) -> bool:
         """Whether this rank enters the exchange modes: when it has spanning pieces or sends keys,
         and whenever any two ranks exchange (``steps`` is the same on every rank), since
         ``comm="all_gather"`` is a collective that every rank of the group must join."""
-        return self.any_span or bool(self.steps)
+        return self.any_span or len(self.steps) > 0
 
     def head_sets(self, r: int, o: int, device: torch.device) -> HeadSets:
         key = (r, o, device)
