@@ -151,10 +151,15 @@ def _extension():
             cpp_extension.CUDA_HOME = root  # read by CUDAExtension and BuildExtension at build time
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs
         print(f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} ({why})")
-        # csrc/cuda: the op's CUDA half (host code in .cpp, kernels in .cu; see docs/cuda.md).
+        # csrc/cuda: the op's CUDA half (host code in .cpp, kernels in .cu; see docs/cuda.md), and
+        # csrc/cuda/tc: one file per instantiation of the tensor-core kernels, compiled in parallel.
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
         nvcc += shlex.split(os.environ.get("DILATED_ATTENTION_NVCC_FLAGS", ""))  # e.g. "-Xptxas -v"
-        cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+        cuda_sources = [
+            *sorted(glob.glob("csrc/cuda/*.cpp")),
+            *sorted(glob.glob("csrc/cuda/*.cu")),
+            *sorted(glob.glob("csrc/cuda/tc/*.cu")),
+        ]
         return CUDAExtension(
             "dilated_attention._C",
             sources + cuda_sources,

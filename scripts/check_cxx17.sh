@@ -92,7 +92,7 @@ if "$NVCC" "${nv_flags[@]}" -cuda "$work/planted.cu" -o "$work/planted.ii" >/dev
   exit 1
 fi
 n=0
-for src in csrc/cuda/*.cu; do
+for src in csrc/cuda/*.cu csrc/cuda/tc/*.cu; do
   # A .cu file with host code (torch's headers, which this torch builds as C++20) is compiled by
   # check_cuda_build.sh with the flags of the build itself; here only the kernel-only files.
   if grep -qE '^#include <(ATen|torch|c10/cuda)/' "$src"; then

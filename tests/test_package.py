@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -148,6 +149,33 @@ def test_sdist_carries_every_source_and_header(tmp_path):
     assert not [n for n in names if n.endswith(".so")]
 
 
+def test_tensor_core_instance_files_match_their_generator(tmp_path):
+    """csrc/cuda/tc/ holds what scripts/generate_tc_instances.py writes (one file per instantiation
+    of the tensor-core launchers), and its --check fails on a changed, missing or stray file."""
+    script = os.path.join(ROOT, "scripts", "generate_tc_instances.py")
+    run = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_tc_instances", script)
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    files = gen.instances()
+    assert len(files) == 3 * 2 * 6 and "dkv_bf16_d128.cu" in files
+    assert "template TcConfig tc_dkv_dp<__nv_bfloat16, 128>(" in files["dkv_bf16_d128.cu"]
+    out = tmp_path / "tc"
+    gen.write(str(out))
+    assert gen.differences(str(out)) == []
+    (out / "fwd_f16_d32.cu").write_text("// edited\n")
+    (out / "dq_bf16_d64.cu").unlink()
+    (out / "fwd_f16_d48.cu").write_text("")
+    found = gen.differences(str(out))
+    assert len(found) == 3, found
+    assert [line.split(":")[0] for line in found] == ["differs", "missing", "not generated"], found
+
+
 def test_return_lse_overloads_return_what_they_declare():
     """mypy checks the declared types (tests/typing/check_types.py, run by `make typecheck`); here,
     that at run time the calls return what the overloads say."""
@@ -262,7 +290,13 @@ def test_setup_says_what_it_builds(setup_py, monkeypatch, capsys):
         return
     ext = setup_py["_extension"]()
     assert "for TORCH_CUDA_ARCH_LIST=8.0 (TORCH_CUDA_ARCH_LIST)" in capsys.readouterr().out
-    assert any(s.endswith(".cu") for s in ext.sources)
+    # Every CUDA source is compiled, the tensor-core instances of csrc/cuda/tc/ included.
+    cuda_files = {
+        os.path.relpath(p, ROOT)
+        for p in glob.glob(os.path.join(ROOT, "csrc", "cuda", "**", "*.cu"), recursive=True)
+    }
+    assert any(f.startswith(os.path.join("csrc", "cuda", "tc", "")) for f in cuda_files)
+    assert cuda_files <= set(ext.sources), sorted(cuda_files - set(ext.sources))
 
 
 def _makefile_define(name: str) -> str:

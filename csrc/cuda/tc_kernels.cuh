@@ -705,6 +705,10 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
 /* Launchers                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
 
+// Each instantiation of tc_fwd_dp, tc_dq_dp and tc_dkv_dp below (with its two kernels) is compiled
+// in a file of its own, csrc/cuda/tc/<pass>_<dtype>_d<DP>.cu (scripts/generate_tc_instances.py), so
+// that the build compiles them in parallel; tc_dispatch.cu declares them and picks one per call.
+
 // `opt_in` belongs to the kernel: its launcher's function-local static (launch.h).
 template <typename Kernel>
 inline void tc_launch(Kernel kernel, dim3 grid, int smem, const Params& p, cudaStream_t stream,
@@ -749,17 +753,6 @@ TcConfig tc_dkv_dp(const Params& p, bool launch, cudaStream_t stream) {
   }
   return cfg;
 }
-
-// Calls F<DP>() for the padded head dimension of D.
-#define DA_TC_DISPATCH_DP(D, FN, T, ...)      \
-  switch (tc_padded_dim(D)) {                 \
-    case 32: return FN<T, 32>(__VA_ARGS__);   \
-    case 64: return FN<T, 64>(__VA_ARGS__);   \
-    case 96: return FN<T, 96>(__VA_ARGS__);   \
-    case 128: return FN<T, 128>(__VA_ARGS__); \
-    case 192: return FN<T, 192>(__VA_ARGS__); \
-    default: return FN<T, 256>(__VA_ARGS__);  \
-  }
 
 #endif  // DA_CUDA_EMULATION
 
