@@ -25,7 +25,8 @@
 #                   architecture; GPU_CHECK_REBUILD=1 forces it)                     -> build.log
 #   tests      220  pytest tests/test_{decode_cuda,backends_views,cuda,ring_pieces}.py -m cuda (GPU_CHECK_TESTS=all:
 #                   the whole files; GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1), in
-#                   GPU_CHECK_WORKERS processes (default 6) where pytest-xdist is installed -> tests.log
+#                   GPU_CHECK_WORKERS processes (default: the CPUs but two, at most 14) where
+#                   pytest-xdist is installed                                           -> tests.log
 #                   pytest -v: one line per test as it ends (PASSED/FAILED/ERROR/SKIPPED; the test
 #                   of a crashed xdist worker FAILED after "node down"), so that a run cut by its
 #                   budget still names every result so far; --tb=short, --durations=25. summary.md
@@ -123,7 +124,11 @@ for s in "${ALL_STEPS[@]}"; do
     BUDGET[$s]=${!var}
   fi
 done
-workers=${GPU_CHECK_WORKERS:-6}
+# One test process per CPU but two, at most 14 (torch.compile and opcheck tests are CPU-bound; an
+# H100/H200 machine has 16 CPUs and room on the GPU for every process's context).
+cpus=$(nproc 2>/dev/null || echo 8)
+default_workers=$((cpus > 16 ? 14 : (cpus > 3 ? cpus - 2 : 1)))
+workers=${GPU_CHECK_WORKERS:-$default_workers}
 { is_uint "$workers" && [ "$workers" -ge 1 ]; } || die_usage "GPU_CHECK_WORKERS must be a whole number >= 1, got '$workers'"
 out_dir=${out_dir:-${OUT:-gpu_check_out}}
 mkdir -p "$out_dir" || die_usage "cannot create the output folder '$out_dir'"
