@@ -13,6 +13,10 @@ case's dtype. The CPU op is itself tested against the dense float64 reference (t
   GPU's memory (float64 on an 80 GB GPU), the case runs its forward only and says so.
 * ``--cases sanitize``: tiny forward + backward runs of both kernel families (tensor-core bf16/fp16,
   SIMT fp32/fp64/bf16, a forced SIMT run and a forced tiling), short enough for compute-sanitizer.
+* ``--cases errors``: calls the op must refuse (a softmax_scale the scores cannot hold, head dim
+  257, a decreasing ``cu_seqlens``, dropout_p = 1.5), three rounds on the CPU and then on the device,
+  each device in a process of its own: every call must raise its error, and a process that dies
+  is reported with the call it was making.
 
 ``--device cpu`` runs the "device" op on the CPU too: it checks this script's logic without a GPU.
 Prints one line per case and exits 1 when any case fails.
@@ -298,9 +302,88 @@ def run_cases(cases: list[Case], device: str, seed: int = 0) -> tuple[int, int]:
     return failures, skipped
 
 
+# Calls the op must refuse: (what, error type, a part of the message, the call on ``device``).
+def _error_calls(device: str) -> list[tuple[str, type, str, Callable[[], object]]]:
+    ops = torch.ops.dilated_attention
+    q = torch.randn(1, 8, 2, 32, device=device)
+    big = torch.randn(1, 8, 2, 257, device=device)
+    cu = torch.tensor([0, 6, 3, 8], dtype=torch.int32, device=device)
+    return [
+        ("softmax_scale 1e39", ValueError, "softmax_scale", lambda: ops.fwd(q, q, q, [4], [1], False, 1e39)),
+        ("head dim 257", RuntimeError, "head dim", lambda: ops.fwd(big, big, big, [4], [1], False, 1.0)),
+        (
+            "decreasing cu_seqlens",
+            RuntimeError,
+            "non-decreasing",
+            lambda: ops.varlen_fwd(q[0], q[0], q[0], cu, 8, [4], [1], False, 1.0),
+        ),
+        (
+            "dropout_p 1.5",
+            ValueError,
+            "dropout_p",
+            lambda: ops.fwd(q, q, q, [4], [1], False, 1.0, False, 1.5),
+        ),
+    ]
+
+
+def error_child(device: str, rounds: int = 3) -> int:
+    """Makes every refused call ``rounds`` times on ``device``, printing each before it is made."""
+    bad = 0
+    for r in range(rounds):
+        for what, kind, text, call in _error_calls(device):
+            print(f"call {r + 1}.{what}", flush=True)
+            try:
+                call()
+                print(f"  no error from {what}", flush=True)
+                bad += 1
+            except kind as exc:
+                if text not in str(exc):
+                    print(f"  {what}: {type(exc).__name__} without {text!r}: {exc}", flush=True)
+                    bad += 1
+            except Exception as exc:  # the wrong type
+                print(f"  {what}: {type(exc).__name__} instead of {kind.__name__}: {exc}", flush=True)
+                bad += 1
+    return 1 if bad else 0
+
+
+def run_error_cases(devices: Sequence[str]) -> int:
+    """Each device's refused calls in a child process; returns the number of devices that failed."""
+    import subprocess
+
+    failures = 0
+    for device in devices:
+        start = time.perf_counter()
+        res = subprocess.run(
+            [sys.executable, __file__, "--error-child", device], capture_output=True, text=True, check=False
+        )
+        calls = [line[5:] for line in res.stdout.splitlines() if line.startswith("call ")]
+        problems = [line.strip() for line in res.stdout.splitlines() if line.startswith("  ")]
+        seconds = time.perf_counter() - start
+        if res.returncode == 0:
+            print(f"PASS errors-{device} ({seconds:.1f} s) {len(calls)} refused calls, each raised its error")
+            continue
+        failures += 1
+        if res.returncode < 0:
+            died = f"the process died with signal {-res.returncode} during call {calls[-1] if calls else '?'}"
+            print(f"FAIL errors-{device} ({seconds:.1f} s) {died} ({len(calls) - 1} calls raised before it)")
+        else:
+            print(
+                f"FAIL errors-{device} ({seconds:.1f} s) "
+                + "; ".join(problems or ["exit status " + str(res.returncode)])
+            )
+        tail = (res.stderr or "").strip().splitlines()[-5:]
+        for line in tail:
+            print(f"  {line}")
+        sys.stdout.flush()
+    return failures
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", nargs="+", default=["small", "large"], choices=["small", "large", "sanitize"])
+    p.add_argument(
+        "--cases", nargs="+", default=["small", "large"], choices=["small", "large", "sanitize", "errors"]
+    )
+    p.add_argument("--error-child", metavar="DEVICE", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -308,6 +391,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.error_child:
+        return error_child(args.error_child)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_smoke: no CUDA GPU is available (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
@@ -322,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     sets = {"small": small_cases, "large": large_cases, "sanitize": sanitize_cases}
     failures = skipped = total = 0
     for name in args.cases:
+        if name == "errors":
+            print("-- errors cases")
+            devices = ["cpu"] if args.device == "cpu" else ["cpu", args.device]
+            total += len(devices)
+            failures += run_error_cases(devices)
+            continue
         cases = sets[name]()
         total += len(cases)
         print(f"-- {name} cases")

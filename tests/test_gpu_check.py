@@ -237,7 +237,7 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
         "cuda-gdb -batch " in lines["backtrace"] and "-ex run -ex bt -ex quit --args " in lines["backtrace"]
     )
     assert "-m pytest -x -q -p no:cacheprovider -p no:xdist CRASHED_TEST" in lines["backtrace"]
-    assert "gpu_smoke.py --cases small large" in lines["smoke"]
+    assert "gpu_smoke.py --cases errors small large" in lines["smoke"]
     assert "bench_cuda.py --out" in lines["bench"] and "--budget 120 " in lines["bench"]
     assert lines["profile"].startswith("profile (90 s): ") and "--clock-control none" in lines["profile"]
     assert "gpu_profile.py" in lines["profile"] and "--launch-count 6" in lines["profile"]
@@ -611,6 +611,28 @@ def test_smoke_catches_a_wrong_result(smoke):
     misaligned = smoke.Case("bad", 1, 64, 1, 1, 8, [16], [1], False, torch.float64, [(0, 1, 8, 64)])
     with pytest.raises(ValueError, match=r"slice \[8, 64\) is not aligned"):
         smoke.check_case(misaligned, device="cpu")
+
+
+def test_smoke_error_cases_raise_and_report_a_dead_process(smoke, capsys, monkeypatch):
+    """The refused calls raise their errors on the CPU; a child process that dies is reported with
+    the call it was making, and one that got the wrong error with what it got."""
+    assert smoke.run_error_cases(["cpu"]) == 0
+    assert "PASS errors-cpu" in capsys.readouterr().out
+    assert smoke.error_child("meta", rounds=1) == 1  # the meta kernels check shapes only
+    assert "no error from softmax_scale 1e39" in capsys.readouterr().out
+
+    class Died:
+        returncode = -11
+        stdout = "call 1.softmax_scale 1e39\ncall 1.head dim 257\n"
+        stderr = "Fatal Python error: Segmentation fault\n"
+
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: Died())
+    assert smoke.run_error_cases(["cuda"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "FAIL errors-cuda" in out and "signal 11 during call 1.head dim 257 (1 calls raised before it)" in out
+    )
+    assert "Segmentation fault" in out
 
 
 # ----------------------------------------------------------------------------------------------
