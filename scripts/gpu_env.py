@@ -90,6 +90,10 @@ def report() -> tuple[list[str], list[str]]:
     lines.append(
         f"pytest           {_version('pytest') or 'not installed'}, pytest-xdist {_version('pytest-xdist') or 'no'}"
     )
+    expect = _version("expecttest")
+    lines.append(
+        f"expecttest       {expect or 'not installed: the opcheck tests fail without it (carry a wheel)'}"
+    )
     return lines, missing
 
 
