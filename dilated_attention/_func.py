@@ -152,15 +152,12 @@ def native_attention(
     """``(out, lse)`` of the fused op through :class:`NativeAttention` (lse in float64), with
     attention dropout ``(dropout_p, dropout_seed, dropout_offset)`` (csrc/dropout.h)."""
     dropout = (dropout_p, dropout_seed, dropout_offset) if dropout_p > 0 else ()
+    args = (q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale)
     if torch.compiler.is_compiling():
         # Dynamo traces the op itself (its register_autograd formula saves the same float64 lse):
         # it does not trace autograd.Functions that define jvp or take one tensor twice (q = k = v).
-        return torch.ops.dilated_attention.fwd(
-            q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, True, *dropout
-        )
-    out, lse = NativeAttention.apply(
-        q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout
-    )
+        return torch.ops.dilated_attention.fwd(*args, True, *dropout)
+    out, lse = NativeAttention.apply(*args, *dropout)
     return out, lse
 
 
@@ -173,19 +170,8 @@ class NativeVarlenAttention(torch.autograd.Function):
     def forward(
         q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout
     ):
-        return torch.ops.dilated_attention.varlen_fwd(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            max_seqlen,
-            segment_lengths,
-            dilation_rates,
-            is_causal,
-            softmax_scale,
-            True,
-            *dropout,
-        )
+        args = (q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale)
+        return torch.ops.dilated_attention.varlen_fwd(*args, True, *dropout)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
