@@ -47,9 +47,30 @@ inline void check_branches(at::IntArrayRef segment_lengths, at::IntArrayRef dila
   }
 }
 
+// A dtype as Python names it (torch.float32 -> "float32"), so that the errors name dtypes as the
+// user wrote them (and as the fake kernels' checks, dilated_attention/_op_checks.py, do).
+inline const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return "float64";
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    default: return c10::toString(t);
+  }
+}
+
 inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
   TORCH_CHECK(a.dtype() == b.dtype(), "dilated_attention: ", a_name, " and ", b_name,
-              " must have the same dtype, got ", a.dtype(), " and ", b.dtype());
+              " must have the same dtype, got ", dtype_name(a.scalar_type()), " and ",
+              dtype_name(b.scalar_type()));
   TORCH_CHECK(a.device() == b.device(), "dilated_attention: ", a_name, " and ", b_name,
               " must be on the same device, got ", a.device(), " and ", b.device());
 }
@@ -58,18 +79,7 @@ inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor
 inline void check_dtype(const at::Tensor& q, const char* who) {
   const auto st = q.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, who,
-              ": q, k, v must be float16, bfloat16, float32 or float64, got ", q.dtype());
-}
-
-// A dtype as Python names it (torch.float32 -> "float32").
-inline const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble: return "float64";
-    case at::kFloat: return "float32";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    default: return c10::toString(t);
-  }
+              ": q, k, v must be float16, bfloat16, float32 or float64, got ", dtype_name(st));
 }
 
 // softmax_scale must be finite in the dtype the scores are computed in (float32 for float16,
@@ -182,11 +192,11 @@ inline void check_backward_inputs(const Problem& p, const at::Tensor& q, const a
   check_same(q, "q", out, "out");
   const std::vector<int64_t> lse_shape = {p.B, p.Hq, p.N};
   TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape),
-              "dilated_attention backward: lse must have shape (B, Hq, N) = ", lse_shape, ", got ",
-              lse.sizes());
+              "dilated_attention backward: lse must have shape (B, Hq, N) = ", at::IntArrayRef(lse_shape),
+              ", got ", lse.sizes());
   TORCH_CHECK(lse.scalar_type() == lse_dtype(q.scalar_type()) || lse.scalar_type() == at::kDouble,
-              "dilated_attention backward: lse must be ", c10::toString(lse_dtype(q.scalar_type())),
-              " or float64, got ", lse.dtype());
+              "dilated_attention backward: lse must be ", dtype_name(lse_dtype(q.scalar_type())),
+              " or float64, got ", dtype_name(lse.scalar_type()));
   TORCH_CHECK(lse.device() == q.device(), "dilated_attention backward: lse must be on ", q.device(), ", got ",
               lse.device());
   if (dlse.has_value() && dlse->defined()) {
@@ -221,7 +231,7 @@ inline Problem check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(v.dim() == 3, "dilated_attention varlen: v must be 3-D (T, Hkv, D), got shape ", v.sizes());
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt,
               "dilated_attention varlen: cu_seqlens must be int32, got ",
-              c10::toString(cu_seqlens.scalar_type()));
+              dtype_name(cu_seqlens.scalar_type()));
   TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1,
               "dilated_attention varlen: cu_seqlens must be 1-D of shape (S + 1,), got shape ",
               cu_seqlens.sizes());
@@ -267,8 +277,8 @@ inline void check_varlen_backward_shapes(const at::Tensor& q, const at::Tensor& 
               dout.sizes(), " and ", out.sizes());
   const std::vector<int64_t> lse_shape = {q.size(1), q.size(0)};
   TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape),
-              "dilated_attention varlen backward: lse must have shape (Hq, T) = ", lse_shape, ", got ",
-              lse.sizes());
+              "dilated_attention varlen backward: lse must have shape (Hq, T) = ", at::IntArrayRef(lse_shape),
+              ", got ", lse.sizes());
   if (dlse.has_value() && dlse->defined())
     TORCH_CHECK(dlse->sizes() == lse.sizes(), "dilated_attention varlen backward: dlse must have shape ",
                 lse.sizes(), ", got ", dlse->sizes());

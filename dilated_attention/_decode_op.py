@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _op_checks
 from ._ops import _C
 from .decode._slots import BranchSlots, attend_slots, write_slots
 from .flops import accumulation_dtype
@@ -51,6 +52,9 @@ if _HAS_DECODE_OP:
         slot_lengths: Sequence[int],
         softmax_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        _op_checks.check_decode_step(
+            q, k, v, k_cache, v_cache, pos, segment_lengths, dilation_rates, slot_lengths
+        )
         return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=accumulation_dtype(q.dtype))
 
 

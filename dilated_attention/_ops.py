@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from . import _op_checks
 from ._autograd import no_double_backward
 from ._warnings import ExtensionWarning, warn_once
 from .flops import accumulation_dtype
@@ -164,6 +165,7 @@ def _fwd_fake(
     dropout_seed: int = 0,
     dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _op_checks.check_fwd(q, k, v, segment_lengths, dilation_rates, softmax_scale, dropout_p)
     B, N, Hq, D = q.shape
     out = q.new_empty((B, N, Hq, D))
     lse = q.new_empty((B, Hq, N), dtype=lse_dtype(q.dtype, float64_lse))
@@ -186,6 +188,9 @@ def _bwd_fake(
     dropout_seed: int = 0,
     dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _op_checks.check_bwd(
+        dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, softmax_scale, dropout_p
+    )
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

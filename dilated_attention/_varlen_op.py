@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from . import _op_checks
 from ._autograd import no_double_backward
 from ._func import native_varlen_attention
 from ._ops import _C, _require_extension, dropout_seed_offset, lse_dtype
@@ -38,6 +39,9 @@ def _varlen_fwd_fake(
     dropout_seed=0,
     dropout_offset=0,
 ):
+    _op_checks.check_varlen_fwd(
+        q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale, dropout_p
+    )
     T, Hq, D = q.shape
     out = q.new_empty((T, Hq, D))
     lse = q.new_empty((Hq, T), dtype=lse_dtype(q.dtype, float64_lse))
@@ -62,6 +66,21 @@ def _varlen_bwd_fake(
     dropout_seed=0,
     dropout_offset=0,
 ):
+    _op_checks.check_varlen_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse,
+        cu_seqlens,
+        max_seqlen,
+        segment_lengths,
+        dilation_rates,
+        softmax_scale,
+        dropout_p,
+    )
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -345,7 +345,7 @@ def test_bad_backward_inputs():
     out, lse = torch.ops.dilated_attention.fwd(q, k, v, [4], [1], False, 1.0)
     with pytest.raises(RuntimeError, match="lse must have shape"):
         torch.ops.dilated_attention.bwd(out, q, k, v, out, lse[:, :1], None, [4], [1], False, 1.0)
-    with pytest.raises(RuntimeError, match="lse must be Float or float64, got c10::Half"):
+    with pytest.raises(RuntimeError, match="lse must be float32 or float64, got float16"):
         torch.ops.dilated_attention.bwd(out, q, k, v, out, lse.half(), None, [4], [1], False, 1.0)
     with pytest.raises(RuntimeError, match="dout must have"):
         torch.ops.dilated_attention.bwd(out[:, :4], q, k, v, out, lse, None, [4], [1], False, 1.0)

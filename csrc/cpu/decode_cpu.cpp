@@ -30,6 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../checks.h"
+
 #if defined(__GNUC__) && !defined(__clang__)
 // Vectors stay inside always-inlined helpers; the ABI note about wide vector arguments does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -436,14 +438,16 @@ void check_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "decode_step: shapes must agree (q (B, Hq, D), k, v (B, Hkv, D), caches (B, Hkv, T, D), Hq a "
               "multiple of Hkv, at most 32 query heads per kv head), got q ",
               q.sizes(), ", k ", k.sizes(), ", k_cache ", kc.sizes());
+  check_dtype(q, "decode_step");
   for (const at::Tensor* t : {&k, &v, &kc, &vc})
     TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->device() == q.device(),
-                "decode_step: every tensor must have q's dtype and device (", q.scalar_type(), ", ",
-                q.device(), "), got ", t->scalar_type(), ", ", t->device());
+                "decode_step: every tensor must have q's dtype and device (", dtype_name(q.scalar_type()),
+                ", ", q.device(), "), got ", dtype_name(t->scalar_type()), ", ", t->device());
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(),
               "decode_step: k_cache and v_cache must be contiguous");
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == B && pos.scalar_type() == at::kLong,
-              "decode_step: pos must be an int64 (B,) tensor, got ", pos.scalar_type(), " ", pos.sizes());
+              "decode_step: pos must be an int64 (B,) tensor, got ", dtype_name(pos.scalar_type()), " ",
+              pos.sizes());
   TORCH_CHECK(segs.size() == rates.size() && segs.size() == lengths.size() && !segs.empty(),
               "decode_step: segment_lengths, dilation_rates and slot_lengths must have one entry per branch");
   const int64_t G = Hq / Hkv;
