@@ -9,7 +9,8 @@
 //                         their log-sum-exp into out and lse.
 // Splitting the rows (S > 1) is FlashDecoding's split-K, for when B * Hkv is small. Accumulation in
 // float (double for double). Compiled for the CPU emulation of the tests as well
-// (csrc/cuda/emulation/run_decode.cpp), where the host side below is left out.
+// (csrc/cuda/emulation/run_decode.cpp). The launches are in decode_launch.cu, the host side in
+// decode_cuda.cpp.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -20,27 +21,10 @@
 
 #include "../dilated_attention.h"
 #include "common.cuh"
+#include "decode_params.h"
 
 namespace dilated_attention {
 namespace cuda {
-
-enum { kDecodeMaxD = 256, kDecodeLanes = 32 };
-
-struct DecodeParams {
-  const void* q;  // (B, Hq, D)
-  const void* k;  // (B, Hkv, D)
-  const void* v;
-  void* kc;  // (B, Hkv, T, D)
-  void* vc;
-  const int64_t* pos;  // (B,)
-  void* part;          // (B * Hkv, nbr * G, S, D + 2) of acc_t
-  void* out;           // (B, Hq, D)
-  void* lse;           // (B, Hq) of acc_t
-  int64_t B, Hq, Hkv, D, T, G, nbr, S;
-  int64_t w[DA_MAX_BRANCHES], r[DA_MAX_BRANCHES], rows[DA_MAX_BRANCHES], len[DA_MAX_BRANCHES],
-      off[DA_MAX_BRANCHES];
-  double scale;
-};
 
 template <typename scalar_t>
 __global__ void decode_write_kernel(DecodeParams p) {

@@ -9,6 +9,7 @@
 
 #include "../dilated_attention.h"
 #include "../dropout.h"
+#include "decode_params.h"
 #include "tiling.h"
 
 namespace dilated_attention {
@@ -77,6 +78,10 @@ void simt_fwd(const Params& p, DType t, cudaStream_t stream);
 void simt_dq(const Params& p, DType t, cudaStream_t stream);
 void simt_dkv(const Params& p, DType t, cudaStream_t stream);
 void delta_kernel(const Params& p, DType t, cudaStream_t stream);
+
+// The decode step (decode.cuh, decode_launch.cu): its three launches (write the token, partial
+// results per head, branch and split of the keys, merge) on `stream`, for inputs of dtype t.
+void decode_launch(const DecodeParams& p, DType t, cudaStream_t stream);
 
 #ifndef DA_CUDA_EMULATION
 // Above 48 KiB of dynamic shared memory a kernel must be allowed more first

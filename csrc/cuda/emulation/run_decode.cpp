@@ -1,6 +1,6 @@
 // Runs the CUDA kernels of dilated_attention::decode_step (csrc/cuda/decode.cuh) on the CPU through
 // cuda_emulation.h, for tests without a GPU (tests/test_decode_cuda.py loads it with ctypes). It
-// launches them as csrc/cuda/decode_cuda.cu does, for contiguous tensors, the partial results in a
+// launches them as csrc/cuda/decode_launch.cu does, for contiguous tensors, the partial results in a
 // scratch buffer filled with NaN bytes first (so that a result a kernel does not write shows).
 // Build:
 //   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>

@@ -1,7 +1,8 @@
 // CUDA host side of dilated_attention::decode_step (schema and CPU kernel in csrc/cpu/decode_cpu.cpp,
-// kernels in decode.cuh): the shared checks, then three launches on the current stream (write the
-// token, partial results per head, branch and split of the keys, merge). The positions are checked
-// against the slots on the host (one copy of B int64 values).
+// kernels in decode.cuh, launched by decode_launch.cu): the shared checks, then three launches on
+// the current stream (write the token, partial results per head, branch and split of the keys,
+// merge). The positions are checked against the slots on the host (one copy of B int64 values).
+// Host code only (compiled by the C++ compiler, as dilated_attention_cuda.cpp is).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,7 +12,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "decode.cuh"
+#include "../checks.h"
+#include "launch.h"
 
 namespace dilated_attention {
 
@@ -21,15 +23,14 @@ void check_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 namespace {
 
-template <typename scalar_t, typename acc_t>
-void launch_decode(const cuda::DecodeParams& p, cudaStream_t stream) {
-  cuda::decode_write_kernel<scalar_t><<<(unsigned)p.B, cuda::kDecodeLanes, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const dim3 grid((unsigned)(p.B * p.Hkv), (unsigned)(p.nbr * p.G), (unsigned)p.S);
-  cuda::decode_partial_kernel<scalar_t, acc_t><<<grid, cuda::kDecodeLanes, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  cuda::decode_merge_kernel<scalar_t, acc_t><<<(unsigned)(p.B * p.Hq), cuda::kDecodeLanes, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+cuda::DType decode_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return cuda::DType::kHalf;
+    case at::kBFloat16: return cuda::DType::kBFloat16;
+    case at::kFloat: return cuda::DType::kFloat;
+    case at::kDouble: return cuda::DType::kDouble;
+    default: TORCH_CHECK(false, "decode_step: unsupported dtype ", dtype_name(t));
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_step_cuda(const at::Tensor& q_, const at::Tensor& k_,
@@ -90,13 +91,8 @@ std::tuple<at::Tensor, at::Tensor> decode_step_cuda(const at::Tensor& q_, const 
   p.scale = softmax_scale;
   if (p.B == 0) return {out, lse};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  switch (q.scalar_type()) {
-    case at::kHalf: launch_decode<c10::Half, float>(p, stream); break;
-    case at::kBFloat16: launch_decode<c10::BFloat16, float>(p, stream); break;
-    case at::kFloat: launch_decode<float, float>(p, stream); break;
-    case at::kDouble: launch_decode<double, double>(p, stream); break;
-    default: TORCH_CHECK(false, "decode_step: unsupported dtype ", q.scalar_type());
-  }
+  cuda::decode_launch(p, decode_dtype(q.scalar_type()), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }
 
