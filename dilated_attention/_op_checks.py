@@ -89,17 +89,13 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> Any:
 def _check_same(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
     _require(
         a.dtype == b.dtype,
-        (
-            f"dilated_attention: {a_name} and {b_name} must have the same dtype, got "
-            f"{_dtype(a.dtype)} and {_dtype(b.dtype)}"
-        ),
+        f"dilated_attention: {a_name} and {b_name} must have the same dtype, got "
+        f"{_dtype(a.dtype)} and {_dtype(b.dtype)}",
     )
     _require(
         a.device == b.device,
-        (
-            f"dilated_attention: {a_name} and {b_name} must be on the same device, got "
-            f"{_device(a)} and {_device(b)}"
-        ),
+        f"dilated_attention: {a_name} and {b_name} must be on the same device, got "
+        f"{_device(a)} and {_device(b)}",
     )
 
 
@@ -116,10 +112,8 @@ def _check_scale(softmax_scale: float, dtype: torch.dtype, who: str) -> None:
     finite = softmax_scale == softmax_scale and abs(softmax_scale) <= limit
     _require_value(
         finite,
-        (
-            f"{who}: softmax_scale must be finite in the compute dtype {'float64' if f64 else 'float32'} "
-            f"of {_dtype(dtype)} inputs (|softmax_scale| <= {_num(limit)}), got {_num(softmax_scale)}"
-        ),
+        f"{who}: softmax_scale must be finite in the compute dtype {'float64' if f64 else 'float32'} "
+        f"of {_dtype(dtype)} inputs (|softmax_scale| <= {_num(limit)}), got {_num(softmax_scale)}",
     )
 
 
@@ -128,10 +122,8 @@ def _check_problem(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, who: 
     Hq, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
     _require(
         Hkv >= 1 and Hq >= 1 and Hq % Hkv == 0,
-        (
-            f"{who}: the number of query heads ({Hq}) must be a positive multiple of the number of "
-            f"key/value heads ({Hkv})"
-        ),
+        f"{who}: the number of query heads ({Hq}) must be a positive multiple of the number of "
+        f"key/value heads ({Hkv})",
     )
     _require(
         _all(D >= 1, D <= DA_MAX_HEAD_DIM),
@@ -145,10 +137,8 @@ def _check_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int
     _require(len(segs) >= 1, "dilated_attention: segment_lengths must not be empty")
     _require(
         len(segs) == len(rates),
-        (
-            "dilated_attention: segment_lengths and dilation_rates must have the same length, got "
-            f"{len(segs)} segment lengths {_shape(segs)} and {len(rates)} dilation rates {_shape(rates)}"
-        ),
+        "dilated_attention: segment_lengths and dilation_rates must have the same length, got "
+        f"{len(segs)} segment lengths {_shape(segs)} and {len(rates)} dilation rates {_shape(rates)}",
     )
     _require(
         len(segs) <= DA_MAX_BRANCHES,
@@ -159,14 +149,12 @@ def _check_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int
         _require(r >= 1, f"dilated_attention: dilation_rates[{i}] must be >= 1, got {r}")
         _require(
             r <= w,
-            (f"dilated_attention: dilation_rates[{i}] = {r} must not exceed segment_lengths[{i}] = {w}"),
+            f"dilated_attention: dilation_rates[{i}] = {r} must not exceed segment_lengths[{i}] = {w}",
         )
         _require(
             w <= (1 << 40),
-            (
-                f"dilated_attention: segment_lengths[{i}] = {w} exceeds 2^40; use an equivalent "
-                "w = max(N, r) (the whole sequence is one segment)"
-            ),
+            f"dilated_attention: segment_lengths[{i}] = {w} exceeds 2^40; use an equivalent "
+            "w = max(N, r) (the whole sequence is one segment)",
         )
 
 
@@ -227,10 +215,8 @@ def _check_inputs(
     )
     _require(
         _all(q.shape[0] == k.shape[0], q.shape[1] == k.shape[1], q.shape[3] == k.shape[3]),
-        (
-            "dilated_attention: q (B, N, Hq, D) and k (B, N, Hkv, D) must agree in B, N and D, got q "
-            f"{_shape(q)} and k {_shape(k)}"
-        ),
+        "dilated_attention: q (B, N, Hq, D) and k (B, N, Hkv, D) must agree in B, N and D, got q "
+        f"{_shape(q)} and k {_shape(k)}",
     )
     _check_problem(q, k, softmax_scale, "dilated_attention")
     _check_branches(segment_lengths, dilation_rates)
@@ -253,12 +239,12 @@ def _check_backward_inputs(
     want = (q.shape[0], q.shape[2], q.shape[1])
     _require(
         _shape_is(lse, want),
-        (f"dilated_attention backward: lse must have shape (B, Hq, N) = {_shape(want)}, got {_shape(lse)}"),
+        f"dilated_attention backward: lse must have shape (B, Hq, N) = {_shape(want)}, got {_shape(lse)}",
     )
     accumulate = torch.float64 if q.dtype == torch.float64 else torch.float32
     _require(
         lse.dtype in (accumulate, torch.float64),
-        (f"dilated_attention backward: lse must be {_dtype(accumulate)} or float64, got {_dtype(lse.dtype)}"),
+        f"dilated_attention backward: lse must be {_dtype(accumulate)} or float64, got {_dtype(lse.dtype)}",
     )
     _require(
         lse.device == q.device,
@@ -299,17 +285,11 @@ def _check_varlen_inputs(
     )
     _require(
         cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 1,
-        (
-            "dilated_attention varlen: cu_seqlens must be 1-D of shape (S + 1,), got shape "
-            f"{_shape(cu_seqlens)}"
-        ),
+        f"dilated_attention varlen: cu_seqlens must be 1-D of shape (S + 1,), got shape {_shape(cu_seqlens)}",
     )
     _require(
         cu_seqlens.device == q.device,
-        (
-            f"dilated_attention varlen: cu_seqlens must be on q's device {_device(q)}, got "
-            f"{_device(cu_seqlens)}"
-        ),
+        f"dilated_attention varlen: cu_seqlens must be on q's device {_device(q)}, got {_device(cu_seqlens)}",
     )
     _require(max_seqlen >= 0, f"dilated_attention varlen: max_seqlen must be >= 0, got {max_seqlen}")
     T = q.shape[0]
@@ -326,23 +306,18 @@ def _check_varlen_backward_inputs(
     check_backward_inputs on the (1, ...) views."""
     _require(
         dout.dim() == 3 and out.dim() == 3,
-        (
-            "dilated_attention varlen backward: dout and out must be 3-D (T, Hq, D), got shapes "
-            f"{_shape(dout)} and {_shape(out)}"
-        ),
+        "dilated_attention varlen backward: dout and out must be 3-D (T, Hq, D), got shapes "
+        f"{_shape(dout)} and {_shape(out)}",
     )
     want = (q.shape[1], q.shape[0])
     _require(
         _shape_is(lse, want),
-        (
-            f"dilated_attention varlen backward: lse must have shape (Hq, T) = {_shape(want)}, got "
-            f"{_shape(lse)}"
-        ),
+        f"dilated_attention varlen backward: lse must have shape (Hq, T) = {_shape(want)}, got {_shape(lse)}",
     )
     if dlse is not None:
         _require(
             _same_shape(dlse, lse),
-            (f"dilated_attention varlen backward: dlse must have shape {_shape(lse)}, got {_shape(dlse)}"),
+            f"dilated_attention varlen backward: dlse must have shape {_shape(lse)}, got {_shape(dlse)}",
         )
     _check_backward_inputs(
         q.unsqueeze(0),
@@ -365,10 +340,8 @@ def _check_piece_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softm
     _check_dtype(q, who)
     _require(
         _all(q.shape[0] == k.shape[0], q.shape[3] == k.shape[3]),
-        (
-            f"{who}: q (B, nq, Hq, D) and k (B, nk, Hkv, D) must agree in B and D, got q {_shape(q)} and "
-            f"k {_shape(k)}"
-        ),
+        f"{who}: q (B, nq, Hq, D) and k (B, nk, Hkv, D) must agree in B and D, got q {_shape(q)} and "
+        f"k {_shape(k)}",
     )
     _check_problem(q, k, softmax_scale, who)
     _check_cuda_rows(q, q.shape[1], "the number of queries of a piece", "nq")
@@ -390,17 +363,13 @@ def check_decode_step(
     """check_decode_step of csrc/cpu/decode_cpu.cpp. Not the positions' values (data)."""
     _require(
         q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
-        (
-            f"decode_step: q (B, Hq, D), k and v (B, Hkv, D) must be 3-D, got q {_shape(q)}, k {_shape(k)}, "
-            f"v {_shape(v)}"
-        ),
+        f"decode_step: q (B, Hq, D), k and v (B, Hkv, D) must be 3-D, got q {_shape(q)}, k {_shape(k)}, "
+        f"v {_shape(v)}",
     )
     _require(
         k_cache.dim() == 4 and _same_shape(k_cache, v_cache),
-        (
-            "decode_step: k_cache and v_cache must be (B, Hkv, T, D) of one shape, got "
-            f"{_shape(k_cache)} and {_shape(v_cache)}"
-        ),
+        "decode_step: k_cache and v_cache must be (B, Hkv, T, D) of one shape, got "
+        f"{_shape(k_cache)} and {_shape(v_cache)}",
     )
     B, Hq, D, Hkv = q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1]
     agree = _all(
@@ -413,20 +382,16 @@ def check_decode_step(
     ) and (Hkv > 0 and Hq % Hkv == 0 and Hq // Hkv <= 32)
     _require(
         agree,
-        (
-            "decode_step: shapes must agree (q (B, Hq, D), k, v (B, Hkv, D), caches (B, Hkv, T, D), Hq a "
-            "multiple of Hkv, at most 32 query heads per kv head), got q "
-            f"{_shape(q)}, k {_shape(k)}, k_cache {_shape(k_cache)}"
-        ),
+        "decode_step: shapes must agree (q (B, Hq, D), k, v (B, Hkv, D), caches (B, Hkv, T, D), Hq a "
+        "multiple of Hkv, at most 32 query heads per kv head), got q "
+        f"{_shape(q)}, k {_shape(k)}, k_cache {_shape(k_cache)}",
     )
     _check_dtype(q, "decode_step")
     for t in (k, v, k_cache, v_cache):
         _require(
             t.dtype == q.dtype and t.device == q.device,
-            (
-                f"decode_step: every tensor must have q's dtype and device ({_dtype(q.dtype)}, {_device(q)}), "
-                f"got {_dtype(t.dtype)}, {_device(t)}"
-            ),
+            f"decode_step: every tensor must have q's dtype and device ({_dtype(q.dtype)}, {_device(q)}), "
+            f"got {_dtype(t.dtype)}, {_device(t)}",
         )
     _require(
         k_cache.is_contiguous() and v_cache.is_contiguous(),
@@ -439,17 +404,15 @@ def check_decode_step(
     segs, rates, lengths = list(segment_lengths), list(dilation_rates), list(slot_lengths)
     _require(
         len(segs) == len(rates) == len(lengths) and len(segs) > 0,
-        ("decode_step: segment_lengths, dilation_rates and slot_lengths must have one entry per branch"),
+        "decode_step: segment_lengths, dilation_rates and slot_lengths must have one entry per branch",
     )
     G = Hq // Hkv
     total: Any = 0
     for i, (w, r, n) in enumerate(zip(segs, rates, lengths, strict=True)):
         _require(
             1 <= r <= w and 1 <= n <= (w + r - 1) // r,
-            (
-                f"decode_step: branch {i} must have 1 <= r <= w and 1 <= slots <= ceil(w / r), got w={w} "
-                f"r={r} slots={n}"
-            ),
+            f"decode_step: branch {i} must have 1 <= r <= w and 1 <= slots <= ceil(w / r), got w={w} "
+            f"r={r} slots={n}",
         )
         total = total + min(G, r) * n
     _require(

@@ -246,9 +246,7 @@ CASES: dict[str, Callable[[], tuple[Any, tuple[Any, ...]]]] = {
     "decode-cache-shapes": lambda: decode_case(vc=torch.zeros(2, HKV, 1, D)),
     "decode-heads": lambda: decode_case(q=torch.zeros(2, 5, D)),
     "decode-batch": lambda: decode_case(k=torch.zeros(3, HKV, D)),
-    "decode-int": lambda: decode_case(
-        *(torch.zeros(s, dtype=torch.int32) for s in [(2, HQ, D), (2, HKV, D)] * 1)
-    ),
+    "decode-int": lambda: decode_case(q=torch.zeros(2, HQ, D, dtype=torch.int32)),
     "decode-dtype": lambda: decode_case(v=torch.zeros(2, HKV, D, dtype=torch.float64)),
     "decode-pos-dtype": lambda: decode_case(pos=torch.tensor([3, 9], dtype=torch.int32)),
     "decode-pos-shape": lambda: decode_case(pos=torch.tensor([3])),
