@@ -14,9 +14,10 @@ case's dtype. The CPU op is itself tested against the dense float64 reference (t
 * ``--cases sanitize``: tiny forward + backward runs of both kernel families (tensor-core bf16/fp16,
   SIMT fp32/fp64/bf16, a forced SIMT run and a forced tiling), short enough for compute-sanitizer.
 * ``--cases errors``: calls the op must refuse (a softmax_scale the scores cannot hold, head dim
-  257, a decreasing ``cu_seqlens``, dropout_p = 1.5), three rounds on the CPU and then on the device,
-  each device in a process of its own: every call must raise its error, and a process that dies
-  is reported with the call it was making.
+  257, a decreasing ``cu_seqlens``, dropout_p = 1.5), each round led by one of torch's own refused
+  calls (``torch.mm`` of mismatched shapes) as a control; three rounds on the CPU and then on the
+  device, each device in a process of its own: every call must raise its error, and a process that
+  dies is reported with the call it was making and the end of its Python traceback.
 
 ``--device cpu`` runs the "device" op on the CPU too: it checks this script's logic without a GPU.
 Prints one line per case and exits 1 when any case fails.
@@ -308,7 +309,11 @@ def _error_calls(device: str) -> list[tuple[str, type, str, Callable[[], object]
     q = torch.randn(1, 8, 2, 32, device=device)
     big = torch.randn(1, 8, 2, 257, device=device)
     cu = torch.tensor([0, 6, 3, 8], dtype=torch.int32, device=device)
+    a = torch.ones(2, 3, device=device)
     return [
+        # torch's own refusal first: if it crashes too, C++ exceptions fail in this process whatever
+        # raises them (the environment), not the op's code
+        ("torch.mm of (2, 3) by (2, 3)", RuntimeError, "cannot be multiplied", lambda: torch.mm(a, a)),
         ("softmax_scale 1e39", ValueError, "softmax_scale", lambda: ops.fwd(q, q, q, [4], [1], False, 1e39)),
         ("head dim 257", RuntimeError, "head dim", lambda: ops.fwd(big, big, big, [4], [1], False, 1.0)),
         (
@@ -354,7 +359,10 @@ def run_error_cases(devices: Sequence[str]) -> int:
     for device in devices:
         start = time.perf_counter()
         res = subprocess.run(
-            [sys.executable, __file__, "--error-child", device], capture_output=True, text=True, check=False
+            [sys.executable, "-X", "faulthandler", __file__, "--error-child", device],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         calls = [line[5:] for line in res.stdout.splitlines() if line.startswith("call ")]
         problems = [line.strip() for line in res.stdout.splitlines() if line.startswith("  ")]
@@ -371,7 +379,9 @@ def run_error_cases(devices: Sequence[str]) -> int:
                 f"FAIL errors-{device} ({seconds:.1f} s) "
                 + "; ".join(problems or ["exit status " + str(res.returncode)])
             )
-        tail = (res.stderr or "").strip().splitlines()[-5:]
+        err = (res.stderr or "").strip().splitlines()
+        fatal = [i for i, line in enumerate(err) if line.startswith("Fatal Python error")]
+        tail = err[fatal[0] : fatal[0] + 8] if fatal else err[-5:]  # the innermost frames of a crash
         for line in tail:
             print(f"  {line}")
         sys.stdout.flush()
