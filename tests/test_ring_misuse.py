@@ -27,6 +27,7 @@ from dilated_attention.ring import (
     SequenceSplitWarning,
     StandardizedRingConfig,
     comm_stats,
+    gather_sequence,
     reset_comm_stats,
     shard_sequence,
 )
@@ -87,6 +88,10 @@ def misuse(rank: int, P: int) -> dict[str, str]:
     expect(
         "layout", lambda: RingDilatedAttention([4], [1], layout="zigzag" if rank else "contiguous")(x, x, x)
     )
+    expect("ring_size", lambda: RingDilatedAttention([4], [1], ring_size=2 + rank)(x, x, x))
+    g = x.clone().requires_grad_(rank == 0)  # only rank 0 would run the backward exchange
+    expect("backward", lambda: RingDilatedAttention([4], [1])(g, g, g))
+    expect("gather", lambda: gather_sequence(torch.zeros(1, 4 + rank, 2)))
     # the group still works afterwards
     q, k, v, _, _ = inputs(1, 16, 2, 2, 4)
     out = RingDilatedAttention([16], [2])(*(shard_sequence(t) for t in (q, k, v)))
@@ -108,6 +113,40 @@ def test_mismatched_ranks_raise_everywhere(cluster2):
         assert "N = 5" in messages["shard"] and "P = 2" in messages["shard"]
         assert "softmax_scale: rank 0: 0.5, rank 1: 0.25" in messages["scale"]
         assert "layout: rank 0: contiguous, rank 1: zigzag" in messages["layout"]
+        assert "ring_size: rank 0: 2, rank 1: 3" in messages["ring_size"]
+        assert (
+            "runs backward (grad enabled, inputs require grad): rank 0: True, rank 1: False"
+            in (messages["backward"])
+        )
+        assert "rank 0: (1, 4, 2) torch.float32, rank 1: (1, 5, 2) torch.float32" in messages["gather"]
+
+
+def out_of_step(rank: int, P: int, check: bool | str) -> list[str]:
+    """Both ranks run a causal and a non-causal call together, then fall out of step: rank 0 calls
+    the one, rank 1 the other, each a configuration every rank has used before. Returns what each
+    out-of-step call raised."""
+    module = RingDilatedAttention([4, 16], [1, 2], check_consistency=check)
+    q, k, v, _, _ = inputs(1, 16, 2, 2, 4)
+    mine = [shard_sequence(t) for t in (q, k, v)]
+    for causal in (False, True):
+        out = module(*mine, is_causal=causal)
+        ref, _ = reference_attention(q, k, v, [4, 16], [1, 2], causal)
+        torch.testing.assert_close(out, shard_sequence(ref), rtol=0, atol=1e-12)
+    errors = []
+    for _ in range(2):
+        try:
+            module(*mine, is_causal=rank == 1)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_ranks_out_of_step_between_known_configurations_raise(cluster2):
+    """The check runs on every call: configurations that every rank has checked before are still
+    compared (a check once per configuration let them exchange messages of different sizes,
+    giving uninitialised values on one rank and an abort on the other)."""
+    for errors in cluster2.run(out_of_step, True):
+        assert len(errors) == 2 and all("is_causal: rank 0: False, rank 1: True" in e for e in errors)
 
 
 def subgroup_mismatch(rank: int, P: int) -> str | None:
@@ -149,7 +188,7 @@ def test_rank_outside_group_is_told(cluster2):
     assert "not a member of the process_group" in msg and "global rank 1" in msg
 
 
-def check_once(rank: int, P: int, check: bool) -> list[int]:
+def check_once(rank: int, P: int, check: bool | str) -> list[int]:
     """Calls of the consistency check over four forward calls: two shapes, each called twice."""
     module = RingDilatedAttention([16], [2], check_consistency=check)
     reset_comm_stats()
@@ -163,8 +202,10 @@ def check_once(rank: int, P: int, check: bool) -> list[int]:
     return calls
 
 
-def test_consistency_check_runs_once_per_shape(cluster2):
+def test_consistency_check_runs_every_call_or_once_per_shape(cluster2):
     for calls in cluster2.run(check_once, True):
+        assert calls == [1, 2, 3, 4]
+    for calls in cluster2.run(check_once, "once"):
         assert calls == [1, 1, 2, 2]
     for calls in cluster2.run(check_once, False):  # unsafe, but nothing moves for the check
         assert calls == [0, 0, 0, 0]
@@ -225,20 +266,26 @@ def test_double_backward_through_spanning_pieces_says_how_to_get_it(cluster2):
         assert "ring (" in msg and "no second-order gradients" in msg and "backend='manual'" in msg, msg
 
 
-def group_of_one(rank: int, P: int) -> float | None:
-    """Rank 0 runs the module on a group of one (rank 1 only takes part in creating the group)."""
+def group_of_one(rank: int, P: int) -> tuple[float, list[str]] | None:
+    """Rank 0 runs the module on a group of one (rank 1 only takes part in creating the group),
+    without and with ring_size=2."""
     group = dist.new_group(ranks=[0])
     if rank != 0:
         return None
     q, k, v, _, _ = inputs(2, 20, 4, 2, 8)
     out = RingDilatedAttention([4, 8], [1, 2], process_group=group)(q, k, v, is_causal=True)
     ref, _ = reference_attention(q, k, v, [4, 8], [1, 2], True)
-    return (out - ref).abs().max().item()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        RingDilatedAttention([4, 8], [1, 2], process_group=group, ring_size=2)(q, k, v)
+    said = [str(w.message) for w in caught if issubclass(w.category, SequenceSplitWarning)]
+    return (out - ref).abs().max().item(), said
 
 
 def test_group_of_one_runs_the_local_op(cluster2):
-    err, _ = cluster2.run(group_of_one)
+    (err, said), _ = cluster2.run(group_of_one)
     assert err < 1e-12
+    assert any("ring_size=2 but the process group has 1 rank" in m for m in said), said
 
 
 def test_without_process_group_equals_local_op():
@@ -289,6 +336,8 @@ def test_spec_configurations_construct_and_run():
         ({"segment_lengths": [4], "dilation_rates": [8]}, ValueError, "dilation_rates"),
         ({"memory_pool_threshold_mb": -1}, ValueError, "memory_pool_threshold_mb"),
         ({"attention_backend": "fastest"}, ValueError, "fastest"),
+        ({"check_consistency": "always"}, ValueError, "check_consistency must be True, False or 'once'"),
+        ({"check_consistency": 1}, ValueError, "check_consistency"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):

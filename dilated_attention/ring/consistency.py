@@ -1,17 +1,21 @@
 """The check that every rank of the group was called with the same configuration and shapes.
 
 Ranks that disagree (different branches, chunk lengths, dtypes, ...) would otherwise exchange
-messages of different sizes, which hangs or aborts inside the communication library. Before the
-first exchange of a configuration, the ranks all-gather a fingerprint of a few int64 and, when
-they differ, all raise the same ``ValueError`` naming the values per rank (global rank numbers).
+messages of different sizes, which hangs, aborts inside the communication library, or returns
+wrong values without an error. Before the exchange, the ranks all-gather a fingerprint of a few
+int64 and, when they differ, all raise the same ``ValueError`` naming the values per rank (global
+rank numbers).
 
-The check runs once per configuration and shape on each rank (:class:`ConsistencyCheck`), so it
-costs one small all-gather and one host synchronisation the first time, and nothing after. A
-rank that meets a shape for the first time while the others already checked it cannot be caught
-this way: its all-gather meets their data exchange, which fails with the library's error or
-after the group's timeout. ``check_consistency=False`` skips the check altogether and is unsafe:
-ranks called with different configurations may then abort inside the library (gloo raises
-SIGABRT) or return wrong results.
+By default the check runs on every call: one small all-gather and one host synchronisation per
+forward. Ranks that fall out of step between two configurations they have all used before (one
+rank in training mode, another in evaluation; one at a new length) are caught as the first time.
+``check_consistency="once"`` checks each configuration and shape once per rank and nothing after
+(:class:`ConsistencyCheck` remembers them); it cannot catch ranks that meet configurations they
+all checked before in a different order, nor a rank that meets a shape for the first time while
+the others call with one they already checked: their exchange meets its check and fails with the
+library's error, after the group's timeout, or with wrong values. ``check_consistency=False``
+skips the check altogether and is unsafe: ranks called with different configurations may then
+abort inside the library (gloo raises SIGABRT) or return wrong results.
 """
 
 from __future__ import annotations
@@ -46,11 +50,17 @@ def fingerprint(
     scale: float,
     comm_mode: int,
     layout: int,
+    ring_size: int | None = None,
+    runs_backward: bool = False,
 ) -> dict[str, int]:
-    """The fields the ranks must agree on, as int64."""
+    """The fields the ranks must agree on, as int64. ``runs_backward``: whether this call's
+    outputs will have a backward (grad enabled and an input that requires grad), which exchanges
+    again; ``ring_size``: the module's, 0 for None."""
     B, chunk, Hq, D = q.shape
     fields = {
         "magic": _MAGIC,
+        "ring_size": 0 if ring_size is None else ring_size,
+        "runs backward (grad enabled, inputs require grad)": int(runs_backward),
         "batch size B": B,
         "chunk length N/P": chunk,
         "query heads": Hq,
@@ -75,28 +85,32 @@ def _describe(name: str, value: int, names: dict[str, tuple[str, ...]]) -> str:
         return inv.get(value, str(value))
     if name == "softmax_scale":
         return repr(_bits_float(value))
+    if name == "ring_size" and value == 0:
+        return "None"
     if name in names and 0 <= value < len(names[name]):
         return names[name][value]
     return str(value)
 
 
 class ConsistencyCheck:
-    """Remembers the fingerprints this rank has checked with its group."""
+    """Compares this rank's fingerprint with its group's: on every call, or (``once``) once per
+    fingerprint and group, remembering those it has checked."""
 
-    def __init__(self) -> None:
+    def __init__(self, once: bool = False) -> None:
+        self.once = once
         self._checked: set[tuple] = set()
 
     def __call__(self, comm: Comm, fields: dict[str, int], names: dict[str, tuple[str, ...]]) -> None:
-        """Raise ``ValueError`` on every rank when the ranks' fingerprints differ; once per fingerprint
-        (and group)."""
+        """Raise ``ValueError`` on every rank when the ranks' fingerprints differ."""
         # The default group is None (torch.compile in PyTorch 2.11 cannot trace id(None)).
         key = (None if comm.group is None else id(comm.group), comm.P, tuple(fields.values()))
-        if key in self._checked:
+        if self.once and key in self._checked:
             return
         mine = torch.tensor(list(fields.values()), dtype=torch.int64)
         table = torch.stack(comm.all_gather(mine, "check")).cpu().tolist()
         if all(row == table[0] for row in table):
-            self._checked.add(key)
+            if self.once:
+                self._checked.add(key)
             return
         if any(row[0] != _MAGIC for row in table):
             raise ValueError(

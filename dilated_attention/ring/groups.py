@@ -84,8 +84,8 @@ def resolve_group(
 
     Without a process group: under a launcher (``WORLD_SIZE`` above 1) raises RuntimeError saying
     what to call, unless ``ring_size == 1`` (a local run asked for explicitly) or ``strict`` is
-    False (then it warns); a ``ring_size`` above 1 warns. A process that is not a member of
-    ``process_group`` raises.
+    False (then it warns); a ``ring_size`` above 1 warns, as it does with a group of one rank. A
+    process that is not a member of ``process_group`` raises.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
@@ -112,8 +112,24 @@ def resolve_group(
                 SequenceSplitWarning,
             )
         return None, 1, 0
+    group: dist.ProcessGroup | None
     if process_group is None:
-        return None, dist.get_world_size(), dist.get_rank()
+        group, size, rank = None, dist.get_world_size(), dist.get_rank()
+    else:
+        group, size, rank = _member(process_group, who)
+    if size == 1 and ring_size is not None and ring_size > 1:
+        warn_once(
+            ("ring-one-rank", who, ring_size),
+            f"{who}: ring_size={ring_size} but the process group has 1 rank: the sequence is not split, "
+            "each process computes the tensor it was given as the whole sequence",
+            SequenceSplitWarning,
+        )
+    return group, size, rank
+
+
+def _member(process_group: dist.ProcessGroup | int, who: str) -> tuple[dist.ProcessGroup, int, int]:
+    """``(group, size, rank)`` of a process group this process is a member of; RuntimeError
+    otherwise."""
     if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
         raise RuntimeError(
             f"{who}: this process (global rank {dist.get_rank()}) is not a member of the process_group "

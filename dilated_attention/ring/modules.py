@@ -36,6 +36,13 @@ logger = logging.getLogger(__name__)
 
 COMM_MODES = ("all_gather", "ring")
 _MODES = {"all_gather": mode_all_gather, "ring": mode_ring}
+# How the consistency check names the values of its coded fields.
+_FIELD_NAMES: dict[str, tuple[str, ...]] = {
+    "comm": COMM_MODES,
+    "layout": LAYOUTS,
+    "is_causal": ("False", "True"),
+    "runs backward (grad enabled, inputs require grad)": ("False", "True"),
+}
 
 
 class RingDilatedAttention(nn.Module):
@@ -63,11 +70,14 @@ class RingDilatedAttention(nn.Module):
         attention_backend: backend of the local runs and of the spanning pieces (see
             :mod:`dilated_attention.backends`; pieces run on ``native`` where it has a piece kernel,
             otherwise on this backend when it has a kernel backward, otherwise on ``sdpa``).
-        check_consistency: compare a fingerprint of the configuration and shapes across ranks the
-            first time each configuration and shape is seen (one small all-gather), so that a
-            mismatch raises on every rank instead of hanging. ``False`` is unsafe: ranks called
-            with different configurations may then abort inside the communication library (gloo:
-            SIGABRT) or return wrong results.
+        check_consistency: compare a fingerprint of the configuration and shapes across ranks
+            before every exchange (one small all-gather and one host synchronisation per
+            forward), so that a mismatch raises the same ``ValueError`` on every rank instead of
+            hanging or returning wrong values. ``"once"`` compares each configuration and shape
+            the first time this rank sees it and nothing after: cheaper, but ranks that fall out
+            of step between configurations they all checked before are not caught. ``False`` is
+            unsafe: ranks called with different configurations may then abort inside the
+            communication library (gloo: SIGABRT) or return wrong results.
         ring_size: the number of ranks expected; a group of another size (larger than one) is an
             error, and a ``ring_size`` above one without a process group warns. None accepts any.
             Under a launcher (``WORLD_SIZE`` above 1) without a process group, forward raises
@@ -81,7 +91,7 @@ class RingDilatedAttention(nn.Module):
     """
 
     attention_backend: str
-    check_consistency: bool
+    check_consistency: bool | str
     ring_size: int | None
     layout: str
     _selector: BackendSelector
@@ -101,7 +111,7 @@ class RingDilatedAttention(nn.Module):
         enable_memory_pool: bool = False,
         memory_pool_threshold_mb: float = 16.0,
         attention_backend: str = "auto",
-        check_consistency: bool = True,
+        check_consistency: bool | str = True,
         ring_size: int | None = None,
         layout: str = "contiguous",
         *,
@@ -142,7 +152,9 @@ class RingDilatedAttention(nn.Module):
             raise ValueError(f"attention_backend must be a string, got {attention_backend!r}")
         check_backend_name(attention_backend)
         self.attention_backend = attention_backend
-        self.check_consistency = V.check_bool(check_consistency, "check_consistency")
+        if not (isinstance(check_consistency, bool) or check_consistency == "once"):
+            raise ValueError(f"check_consistency must be True, False or 'once', got {check_consistency!r}")
+        self.check_consistency = check_consistency
         if ring_size is not None and (
             isinstance(ring_size, bool) or not isinstance(ring_size, numbers.Integral) or ring_size < 1
         ):
@@ -154,7 +166,7 @@ class RingDilatedAttention(nn.Module):
         self._plans: dict[tuple, Plan] = {}
         self._selector = BackendSelector(type(self).__name__)
         self._pieces: dict[tuple, PieceAttention] = {}
-        self._check = ConsistencyCheck()
+        self._check = ConsistencyCheck(once=check_consistency == "once")
 
     def extra_repr(self) -> str:
         return (
@@ -231,8 +243,6 @@ class RingDilatedAttention(nn.Module):
         return_lse = V.check_bool(return_lse, "return_lse")
         scale = V.check_scale_for_dtype(V.resolve_scale(self.softmax_scale, q.shape[-1]), q.dtype)
         group, P, rank = resolve_group(self.process_group, self.ring_size)
-        if self.ring_size is not None and P > 1 and P != self.ring_size:
-            raise ValueError(f"ring_size={self.ring_size} but the process group has {P} ranks")
         B, local_len, Hq, _ = q.shape
         if P == 1:
             out, lse = self._local(q, k, v, self.segment_lengths, self.dilation_rates, is_causal, scale)
@@ -248,8 +258,12 @@ class RingDilatedAttention(nn.Module):
                 scale,
                 COMM_MODES.index(self.comm),
                 LAYOUTS.index(self.layout),
+                self.ring_size,
+                torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
             )
-            self._check(comm, fields, {"comm": COMM_MODES, "layout": LAYOUTS})
+            self._check(comm, fields, _FIELD_NAMES)
+        if self.ring_size is not None and P != self.ring_size:  # after the check: every rank raises
+            raise ValueError(f"ring_size={self.ring_size} but the process group has {P} ranks")
         if B == 0 or local_len == 0:
             out, lse = self._local(q, k, v, self.segment_lengths, self.dilation_rates, is_causal, scale)
             return (out, lse) if return_lse else out

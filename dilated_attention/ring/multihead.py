@@ -136,7 +136,7 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
         use_pattern_cache: bool = True,
         enable_memory_pool: bool = False,
         memory_pool_threshold_mb: float = 16.0,
-        check_consistency: bool = True,
+        check_consistency: bool | str = True,
         layout: str = "contiguous",
     ) -> None:
         if V.check_dropout(dropout) != 0.0:

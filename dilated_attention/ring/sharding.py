@@ -51,11 +51,14 @@ def gather_sequence(
     mesh_dim: str | int | None = None,
 ) -> torch.Tensor:
     """Every rank's positions of ``x`` along ``dim`` in sequence order (the inverse of
-    :func:`shard_sequence`). Not differentiable; for checks and inference."""
+    :func:`shard_sequence`). Not differentiable; for checks and inference. Every rank must pass a
+    tensor of one shape and dtype: the ranks first compare them (one small all-gather) and all
+    raise the same ValueError naming each rank's when they differ."""
     group = as_process_group(process_group, mesh_dim, who="gather_sequence")
     pg, P, _ = resolve_group(group, who="gather_sequence", strict=False)
     if P == 1:
         return x
+    _check_same_shapes(x, pg, P)
     parts = [torch.empty_like(x) for _ in range(P)]
     dist.all_gather(parts, x.contiguous(), group=pg)
     L = make_layout(layout, P, x.shape[dim])
@@ -64,3 +67,29 @@ def gather_sequence(
         for i, c in enumerate(L.chunks_of(rank)):
             chunks[c] = part.narrow(dim, i * L.chunk, L.chunk)
     return torch.cat([chunks[c] for c in range(L.num_chunks)], dim=dim)
+
+
+_MAX_DIMS = 16
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
+
+
+def _check_same_shapes(x: torch.Tensor, group: dist.ProcessGroup | None, P: int) -> None:
+    """Raise ValueError on every rank when the ranks' tensors differ in shape or dtype (gathering
+    them would abort inside the communication library or return uninitialised memory)."""
+    if x.dim() > _MAX_DIMS:
+        raise ValueError(f"gather_sequence: x may have at most {_MAX_DIMS} dimensions, got {x.dim()}")
+    code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+    mine = torch.tensor([x.dim(), code, *x.shape] + [0] * (_MAX_DIMS - x.dim()), dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(P)]
+    if x.device.type == "cuda":  # NCCL gathers device tensors
+        mine, rows = mine.to(x.device), [r.to(x.device) for r in rows]
+    dist.all_gather(rows, mine, group=group)
+    table = [r.tolist() for r in rows]
+    if all(row == table[0] for row in table):
+        return
+    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(P)]
+    shown = ", ".join(
+        f"rank {g}: {tuple(row[2 : 2 + row[0]])} {_DTYPES[row[1]] if row[1] < len(_DTYPES) else 'other dtype'}"
+        for g, row in zip(ranks, table, strict=True)
+    )
+    raise ValueError(f"gather_sequence: every rank must pass a tensor of one shape and dtype, got {shown}")
