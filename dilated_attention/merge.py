@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["merge", "merge_into_", "merge_view_"]
+__all__ = ["merge", "merge_into_", "merge_view_", "merged_values"]
 
 
 def _weights(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -59,6 +59,17 @@ def merge_view_(
     out_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1))
     out_acc.add_(out_b * torch.exp(lse_b - safe).unsqueeze(-1))
     lse_acc.copy_(new)
+
+
+def merged_values(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`merge_view_` (not ``first``) leaves in the accumulators, out of place:
+    ``(out, lse)`` in the accumulators' dtypes. Not differentiable."""
+    new = torch.logaddexp(lse_acc, lse_b)
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    out = out_acc * torch.exp(lse_acc - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)
+    return out.to(out_acc.dtype), new
 
 
 def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ from .._autograd import first_order_only
 from ..merge import merge as merge_branches
 from .base import Backend, lse_dtype
 from .merged import MergedAttention, kernel_backward
-from .views import Call, batches, plan_branches, view
+from .views import Call, batches, plan_branches, view, write
 
 __all__ = ["GatheredBackend", "kernel_backward", "lse_with_grad", "merge_branches"]
 
@@ -158,8 +158,8 @@ def _autograd_attention(
                     qv, kv, vv, is_causal=is_causal, scale=scale, dropout_p=dropout_p
                 )
                 og, lg = nonfinite.apply(call, og, lg[..., : call.m], sl)
-                view(out_b[sl], call, call.q).copy_(og)
-                view(lse_b[sl], call, call.q).copy_(lg.transpose(1, 2).unsqueeze(-1))
+                out_b = write(out_b, sl, call, call.q, og)
+                lse_b = write(lse_b, sl, call, call.q, lg.transpose(1, 2).unsqueeze(-1))
         outs.append(out_b)
         lses.append(lse_b[..., 0].transpose(1, 2))
     out, lse = merge_branches(outs, lses)

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from .._autograd import _message, forward_mode_message
-from ..merge import merge_view_
+from ..merge import merge_view_, merged_values
 from .base import lse_dtype
-from .views import Call, batches, view
+from .views import Call, batches, view, write
 
 __all__ = ["MergedAttention", "kernel_backward"]
 
@@ -47,12 +47,13 @@ def _lse_of(lse_bnh: torch.Tensor, call: Call, lse_len: int) -> torch.Tensor:
     return padded
 
 
-def _add_(dst: torch.Tensor, call: Call, s: Any, val: torch.Tensor) -> None:
-    """dst's view of ``call`` at heads ``s`` += val; a stride-0 (shared) head takes the sum."""
+def _add(dst: torch.Tensor, sl: slice, call: Call, s: Any, val: torch.Tensor) -> torch.Tensor:
+    """dst with its view of ``call`` at heads ``s`` (batch slice ``sl``) increased by val (a
+    stride-0, shared, head takes the sum); in place but under torch.compile (views.write)."""
     if s.expanded:
         s = type(s)(s.p0, s.dp, s.c0, 1, 1)
         val = val.sum(2, keepdim=True)
-    view(dst, call, s).add_(val)
+    return write(dst, sl, call, s, val, add=True)
 
 
 def kernel_backward(
@@ -160,9 +161,19 @@ class MergedAttention(torch.autograd.Function):
                     og, lg, extra = backend.attn_forward(qv, kv, vv, is_causal=is_causal, scale=scale)
                     aux.append((lg.shape[-1], extra))
                     og, lg = nf.apply(call, og, lg[..., : call.m], sl)
+                    lg = lg.transpose(1, 2)
+                    if torch.compiler.is_compiling():  # out of place (views.write)
+                        if b > 0:
+                            og, lg = merged_values(
+                                view(out_acc[sl], call, call.q), view(lse4[sl], call, call.q)[..., 0], og, lg
+                            )
+                        out_acc = write(out_acc, sl, call, call.q, og)
+                        lse4 = write(lse4, sl, call, call.q, lg.unsqueeze(-1))
+                        continue
                     o_view = view(out_acc[sl], call, call.q)
                     l_view = view(lse4[sl], call, call.q)[..., 0]
-                    merge_view_(o_view, l_view, og, lg.transpose(1, 2), first=b == 0)
+                    merge_view_(o_view, l_view, og, lg, first=b == 0)
+        lse_acc = lse4[..., 0]
         out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)
         return out, lse_acc.transpose(1, 2).contiguous(), lse_acc, aux
 
@@ -242,8 +253,8 @@ def _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux):
             return None
         if dots is None or total is None:
             dots, total = lse_bnh.new_zeros((*lse_bnh.shape, 1)), lse_bnh.new_zeros((*lse_bnh.shape, 1))
-        view(dots[sl], call, call.q)[..., 0].add_(got[0])
-        view(total[sl], call, call.q)[..., 0].add_(got[1])
+        dots = write(dots, sl, call, call.q, got[0].unsqueeze(-1), add=True)
+        total = write(total, sl, call, call.q, got[1].unsqueeze(-1), add=True)
     if dots is None or total is None:
         return None
     norm = torch.where(total > 0, total.reciprocal(), torch.ones_like(total))
@@ -273,7 +284,10 @@ class MergedBackward(torch.autograd.Function):
             # gradients added in place into the views of dq, dk, dv where the backend can
             into = (
                 (view(dq[sl], call, call.q), view(dk[sl], call, call.kv), view(dv[sl], call, call.kv))
-                if rows is not None and dq.dtype == lse_bnh.dtype and not call.kv.expanded
+                if rows is not None
+                and dq.dtype == lse_bnh.dtype
+                and not call.kv.expanded
+                and not torch.compiler.is_compiling()  # out of place there (views.write)
                 else None
             )
             dqg, dkg, dvg = kernel_backward(
@@ -294,9 +308,9 @@ class MergedBackward(torch.autograd.Function):
                 into=into,
             )
             if into is None:
-                _add_(dq[sl], call, call.q, dqg)
-                _add_(dk[sl], call, call.kv, dkg)
-                _add_(dv[sl], call, call.kv, dvg)
+                dq = _add(dq, sl, call, call.q, dqg)
+                dk = _add(dk, sl, call, call.kv, dkg)
+                dv = _add(dv, sl, call, call.kv, dvg)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     @staticmethod

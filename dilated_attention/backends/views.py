@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Call", "Part", "Strided", "batches", "plan_branches", "view"]
+__all__ = ["Call", "Part", "Strided", "batches", "plan_branches", "view", "write"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,33 @@ def view(x: torch.Tensor, call: Call, s: Strided) -> torch.Tensor:
     else:
         y = u[:, :, s.c0 : s.c0 + (s.n - 1) * s.dc + 1 : s.dc].diagonal(0, 2, 4)  # (Bb, m, E, n)
     return y.movedim(-1, 2)
+
+
+def write(
+    dst: torch.Tensor, sl: slice, call: Call, s: Strided, val: torch.Tensor, *, add: bool = False
+) -> torch.Tensor:
+    """dst (B, N, H, E) with the elements of ``view(dst[sl], call, s)`` set to ``val`` (``add``:
+    increased by it); returns the result.
+
+    In place (returning dst), except while torch.compile or torch.export traces: there it is
+    computed out of place by ``index_copy``/``index_add`` over dst's rows and a new tensor is
+    returned. PyTorch's functionalization writes a mutated ``unfold`` view back as if its windows
+    covered the whole dimension, so the positions between or after the windows came back zero
+    (wrong outputs of the gather backends under torch.compile, for a branch with r >= Hq beside
+    another), and it refuses mutations through an ``as_strided`` view."""
+    if not torch.compiler.is_compiling():
+        target = view(dst[sl], call, s)
+        if add:
+            target.add_(val)
+        else:
+            target.copy_(val)
+        return dst
+    B, N, H, E = dst.shape
+    rows = torch.arange(B * N * H, device=dst.device).view(B, N, H, 1)
+    index = view(rows[sl], call, s).reshape(-1)
+    flat, src = dst.reshape(B * N * H, E), val.reshape(-1, E).to(dst.dtype)
+    flat = flat.index_add(0, index, src) if add else flat.index_copy(0, index, src)
+    return flat.view(B, N, H, E)
 
 
 def batches(call: Call, B: int, N: int) -> list[slice]:
