@@ -53,7 +53,7 @@ if _HAS_DECODE_OP:
         softmax_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _op_checks.check_decode_step(
-            q, k, v, k_cache, v_cache, pos, segment_lengths, dilation_rates, slot_lengths
+            q, k, v, k_cache, v_cache, pos, segment_lengths, dilation_rates, slot_lengths, softmax_scale
         )
         return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=accumulation_dtype(q.dtype))
 

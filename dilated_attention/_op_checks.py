@@ -359,6 +359,7 @@ def check_decode_step(
     segment_lengths: Sequence[int],
     dilation_rates: Sequence[int],
     slot_lengths: Sequence[int],
+    softmax_scale: float,
 ) -> None:
     """check_decode_step of csrc/cpu/decode_cpu.cpp. Not the positions' values (data)."""
     _require(
@@ -387,6 +388,11 @@ def check_decode_step(
         f"{_shape(q)}, k {_shape(k)}, k_cache {_shape(k_cache)}",
     )
     _check_dtype(q, "decode_step")
+    _require(
+        _all(D >= 1, D <= DA_MAX_HEAD_DIM),
+        f"decode_step: head dim must be in [1, {DA_MAX_HEAD_DIM}], got {D}",
+    )
+    _check_scale(softmax_scale, q.dtype, "decode_step")
     for t in (k, v, k_cache, v_cache):
         _require(
             t.dtype == q.dtype and t.device == q.device,
@@ -400,6 +406,9 @@ def check_decode_step(
     _require(
         pos.dim() == 1 and pos.shape[0] == B and pos.dtype == torch.int64,
         f"decode_step: pos must be an int64 (B,) tensor, got {_dtype(pos.dtype)} {_shape(pos)}",
+    )
+    _require(
+        pos.device == q.device, f"decode_step: pos must be on q's device {_device(q)}, got {_device(pos)}"
     )
     segs, rates, lengths = list(segment_lengths), list(dilation_rates), list(slot_lengths)
     _require(

@@ -136,7 +136,9 @@ def piece_bwd_case(dout=None, lse=None, dlse=None, **kwargs):
     )
 
 
-def decode_case(q=None, k=None, v=None, kc=None, vc=None, pos=None, segs=(8, 32), rates=(1, 4), slots=None):
+def decode_case(
+    q=None, k=None, v=None, kc=None, vc=None, pos=None, segs=(8, 32), rates=(1, 4), slots=None, scale=0.25
+):
     g = torch.Generator().manual_seed(0)
     layout = branch_slots((8, 32), (1, 4), HQ // HKV, None)
     T = sum(br.rows * br.length for br in layout)
@@ -156,7 +158,7 @@ def decode_case(q=None, k=None, v=None, kc=None, vc=None, pos=None, segs=(8, 32)
         list(segs),
         list(rates),
         [br.length for br in layout] if slots is None else list(slots),
-        0.25,
+        scale,
     )
 
 
@@ -254,6 +256,22 @@ CASES: dict[str, Callable[[], tuple[Any, tuple[Any, ...]]]] = {
     "decode-branch": lambda: decode_case(rates=(1, 64)),
     "decode-slots": lambda: decode_case(slots=(8, 9)),
     "decode-cache-size": lambda: decode_case(slots=(7, 8)),
+    "decode-scale-nan": lambda: decode_case(scale=float("nan")),
+    "decode-scale-1e39": lambda: decode_case(scale=1e39),
+    "decode-head-dim-300": lambda: decode_case(
+        q=torch.zeros(2, HQ, 300),
+        k=torch.zeros(2, HKV, 300),
+        v=torch.zeros(2, HKV, 300),
+        kc=torch.zeros(2, HKV, 40, 300),
+        vc=torch.zeros(2, HKV, 40, 300),
+    ),
+    "decode-head-dim-0": lambda: decode_case(
+        q=torch.zeros(2, HQ, 0),
+        k=torch.zeros(2, HKV, 0),
+        v=torch.zeros(2, HKV, 0),
+        kc=torch.zeros(2, HKV, 40, 0),
+        vc=torch.zeros(2, HKV, 40, 0),
+    ),
 }
 
 

@@ -425,7 +425,7 @@ static void write_kernel(const at::Tensor& k, const at::Tensor& v, at::Tensor& k
 /* Checks shared by every device (see the schema in the TORCH_LIBRARY_FRAGMENT below). */
 void check_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                        const at::Tensor& vc, const at::Tensor& pos, at::IntArrayRef segs,
-                       at::IntArrayRef rates, at::IntArrayRef lengths) {
+                       at::IntArrayRef rates, at::IntArrayRef lengths, double softmax_scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
               "decode_step: q (B, Hq, D), k and v (B, Hkv, D) must be 3-D, got q ", q.sizes(), ", k ",
               k.sizes(), ", v ", v.sizes());
@@ -439,6 +439,9 @@ void check_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               "multiple of Hkv, at most 32 query heads per kv head), got q ",
               q.sizes(), ", k ", k.sizes(), ", k_cache ", kc.sizes());
   check_dtype(q, "decode_step");
+  TORCH_CHECK(D >= 1 && D <= DA_MAX_HEAD_DIM, "decode_step: head dim must be in [1, ", DA_MAX_HEAD_DIM,
+              "], got ", D);
+  check_scale(softmax_scale, q.scalar_type(), "decode_step");
   for (const at::Tensor* t : {&k, &v, &kc, &vc})
     TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->device() == q.device(),
                 "decode_step: every tensor must have q's dtype and device (", dtype_name(q.scalar_type()),
@@ -448,6 +451,8 @@ void check_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == B && pos.scalar_type() == at::kLong,
               "decode_step: pos must be an int64 (B,) tensor, got ", dtype_name(pos.scalar_type()), " ",
               pos.sizes());
+  TORCH_CHECK(pos.device() == q.device(), "decode_step: pos must be on q's device ", q.device(), ", got ",
+              pos.device());
   TORCH_CHECK(segs.size() == rates.size() && segs.size() == lengths.size() && !segs.empty(),
               "decode_step: segment_lengths, dilation_rates and slot_lengths must have one entry per branch");
   const int64_t G = Hq / Hkv;
@@ -470,7 +475,8 @@ std::tuple<at::Tensor, at::Tensor> decode_step_cpu(const at::Tensor& q_, const a
                                                    at::IntArrayRef segment_lengths,
                                                    at::IntArrayRef dilation_rates,
                                                    at::IntArrayRef slot_lengths, double softmax_scale) {
-  check_decode_step(q_, k_, v_, k_cache, v_cache, pos_, segment_lengths, dilation_rates, slot_lengths);
+  check_decode_step(q_, k_, v_, k_cache, v_cache, pos_, segment_lengths, dilation_rates, slot_lengths,
+                    softmax_scale);
   const at::Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), pos = pos_.contiguous();
   const std::vector<int64_t> segs(segment_lengths.begin(), segment_lengths.end());
   const std::vector<int64_t> rates(dilation_rates.begin(), dilation_rates.end());

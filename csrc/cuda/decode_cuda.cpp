@@ -19,7 +19,7 @@ namespace dilated_attention {
 
 void check_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                        const at::Tensor& vc, const at::Tensor& pos, at::IntArrayRef segs,
-                       at::IntArrayRef rates, at::IntArrayRef lengths);
+                       at::IntArrayRef rates, at::IntArrayRef lengths, double softmax_scale);
 
 namespace {
 
@@ -39,7 +39,8 @@ std::tuple<at::Tensor, at::Tensor> decode_step_cuda(const at::Tensor& q_, const 
                                                     at::IntArrayRef segment_lengths,
                                                     at::IntArrayRef dilation_rates,
                                                     at::IntArrayRef slot_lengths, double softmax_scale) {
-  check_decode_step(q_, k_, v_, k_cache, v_cache, pos_, segment_lengths, dilation_rates, slot_lengths);
+  check_decode_step(q_, k_, v_, k_cache, v_cache, pos_, segment_lengths, dilation_rates, slot_lengths,
+                    softmax_scale);
   const int64_t nbr = (int64_t)segment_lengths.size(), D = q_.size(2);
   TORCH_CHECK(nbr <= DA_MAX_BRANCHES, "decode_step: at most ", DA_MAX_BRANCHES, " branches on CUDA, got ",
               nbr);
