@@ -40,7 +40,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from .._autograd import first_order_only
 from ..merge import merge as merge_branches
 from .base import Backend, lse_dtype
-from .merged import MergedAttention, kernel_backward
+from .merged import MergedAttention, TracedMergedAttention, kernel_backward
 from .views import Call, batches, plan_branches, view, write
 
 __all__ = ["GatheredBackend", "kernel_backward", "lse_with_grad", "merge_branches"]
@@ -322,7 +322,14 @@ class GatheredBackend(Backend):
             nonfinite = functools.partial(
                 _NonFinite, is_causal=bool(is_causal), poison_scores=self.hides_nonfinite_scores
             )
-            out, lse, _, _ = MergedAttention.apply(
+            merged = MergedAttention
+            if torch.compiler.is_compiling():
+                # Dynamo does not trace an autograd.Function that defines jvp (forward mode's
+                # refusal), nor one given a tensor twice (self-attention's q = k = v)
+                merged = TracedMergedAttention
+                k = k.view_as(k) if k is q else k
+                v = v.view_as(v) if v is q or v is k else v
+            out, lse, _, _ = merged.apply(
                 q, k, v, self, plan, bool(is_causal), float(softmax_scale), nonfinite
             )
             return out, lse

@@ -26,7 +26,7 @@ from ..merge import merge_view_, merged_values
 from .base import lse_dtype
 from .views import Call, batches, view, write
 
-__all__ = ["MergedAttention", "kernel_backward"]
+__all__ = ["MergedAttention", "TracedMergedAttention", "kernel_backward"]
 
 
 def _fold(x: torch.Tensor | None, d: int | None, V: int) -> torch.Tensor | None:
@@ -140,8 +140,10 @@ def kernel_backward(
     return grads[0], grads[1], grads[2]
 
 
-class MergedAttention(torch.autograd.Function):
-    """(q, k, v) -> (out (B, N, Hq, D), lse (B, Hq, N), lse (B, N, Hq), kernel aux)."""
+class TracedMergedAttention(torch.autograd.Function):
+    """(q, k, v) -> (out (B, N, Hq, D), lse (B, Hq, N), lse (B, N, Hq), kernel aux); what
+    torch.compile traces (Dynamo does not trace an autograd.Function that defines ``jvp``).
+    :class:`MergedAttention` adds the refusal of forward mode."""
 
     @staticmethod
     def forward(q, k, v, backend, plan, is_causal, scale, nonfinite):
@@ -195,10 +197,6 @@ class MergedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(forward_mode_message(ctx.backend.name))
-
-    @staticmethod
     def vmap(info, in_dims, q, k, v, backend, plan, is_causal, scale, nonfinite):
         V = info.batch_size
         out, lse, lse_bnh, aux = MergedAttention.apply(
@@ -213,6 +211,14 @@ class MergedAttention(torch.autograd.Function):
         )
         unf = (out.unflatten(0, (V, -1)), lse.unflatten(0, (V, -1)), lse_bnh.unflatten(0, (V, -1)), aux)
         return unf, (0, 0, 0, None)
+
+
+class MergedAttention(TracedMergedAttention):
+    """:class:`TracedMergedAttention` that refuses forward-mode AD by name."""
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(forward_mode_message(ctx.backend.name))
 
 
 def _kernel_calls(plan, aux, B: int, N: int):
