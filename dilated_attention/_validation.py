@@ -138,11 +138,11 @@ def effective_branches(
     segment (``h % r == h`` and ``t % r == t``), as ``r' = max(N, num_heads)`` does. Other branches
     are returned as they are.
     """
-    cap = max(N, num_heads, 1)
     segs, rates = [], []
     for w, r in zip(segment_lengths, dilation_rates, strict=True):
         if w > _HUGE_SEGMENT:
-            r = min(r, cap)
+            # only here: max() of a symbolic N (torch.export, dynamic shapes) guards on N
+            r = min(r, max(N, num_heads, 1))
             w = max(N, r)
         segs.append(w)
         rates.append(r)

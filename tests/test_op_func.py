@@ -219,12 +219,13 @@ class _RawOp(torch.nn.Module):
 
 @pytest.mark.parametrize("module", [_Attention, _RawOp], ids=["functional", "raw-op"])
 def test_export_with_dynamic_sequence_length(module):
-    """torch.export with a symbolic sequence length: one graph, run at other lengths."""
-    q, k, v = make_inputs(1, 16, 2, 2, 8, torch.float32, requires_grad=False)
+    """torch.export with a symbolic sequence length: one graph, run at other lengths, also below
+    the number of heads (a max(N, heads) guarded N >= heads)."""
+    q, k, v = make_inputs(1, 16, 4, 2, 8, torch.float32, requires_grad=False)
     N = torch.export.Dim("N", min=2, max=4096)
     ep = torch.export.export(module(), (q, k, v), dynamic_shapes=({1: N}, {1: N}, {1: N}))
-    for n in (5, 16, 37):
-        q, k, v = make_inputs(1, n, 2, 2, 8, torch.float32, seed=n, requires_grad=False)
+    for n in (2, 3, 5, 16, 37):
+        q, k, v = make_inputs(1, n, 4, 2, 8, torch.float32, seed=n, requires_grad=False)
         got, want = ep.module()(q, k, v), module()(q, k, v)
         got, want = (x if isinstance(x, tuple) else (x,) for x in (got, want))
         for a, e in zip(got, want, strict=True):
