@@ -37,6 +37,8 @@ def check_padding_mask(mask: Any, B: int, N: int, device: torch.device) -> torch
         raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != (B, N):
         raise ValueError(f"key_padding_mask must have shape (B, N) = {(B, N)}, got {tuple(mask.shape)}")
+    if mask.device.type == "meta" and device.type != "meta":
+        raise ValueError(f"key_padding_mask is a meta tensor (it holds no values) but q is on {device}")
     if mask.dtype != torch.bool:
         if mask.is_complex() or (not has_no_data(mask) and not ((mask == 0) | (mask == 1)).all()):
             raise ValueError(

@@ -73,6 +73,12 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested or t.layout != torch.strided:
+            kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+            raise TypeError(
+                f"{name} must be a dense (strided) tensor, got {kind}; for sequences of different "
+                "lengths use dilated_attention_varlen or key_padding_mask"
+            )
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, N, H, D), got shape {tuple(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:

@@ -13,6 +13,7 @@ from reference import reference_attention
 
 import dilated_attention
 from dilated_attention import DilatedAttention, MultiheadDilatedAttention, hardware
+from dilated_attention import dilated_attention as dattn
 from dilated_attention.hilbert import hilbert_permutation
 
 LOGGER = "dilated_attention.backends.registry"
@@ -262,6 +263,27 @@ def test_mhda_bad_inputs():
         m(x, x[:, :4], x[:, :4])
     with pytest.raises(TypeError, match=r"query must be a torch\.Tensor"):
         m(x.tolist())
+    with pytest.raises(
+        ValueError, match=r"query is torch\.float64 but the module's weights are torch\.float32"
+    ):
+        m(x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts at each projection
+        assert m(x)[0].dtype == torch.bfloat16
+
+
+def test_functional_refuses_nested_sparse_and_meta_mask():
+    """Tensors the kernels cannot read are refused by the package, not by PyTorch's internals."""
+    x = torch.randn(1, 8, 2, 4)
+    nested = torch.nested.nested_tensor([torch.randn(8, 2, 4), torch.randn(6, 2, 4)])
+    with pytest.raises(TypeError, match=r"q must be a dense \(strided\) tensor, got a nested tensor"):
+        dattn(nested, nested, nested, [4], [1])
+    with pytest.raises(
+        TypeError, match=r"k must be a dense \(strided\) tensor, got layout torch\.sparse_coo"
+    ):
+        dattn(x, x.to_sparse(), x, [4], [1])
+    mask = torch.ones(1, 8, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=r"key_padding_mask is a meta tensor .* q is on cpu"):
+        DilatedAttention([4], [1])(x, x, x, key_padding_mask=mask)
 
 
 def test_dtype_auto_and_names(monkeypatch):

@@ -249,6 +249,12 @@ class MultiheadDilatedAttention(nn.Module):
                     f"{name} must be (B, N, {self.embed_dim}) or (N, {self.embed_dim}), "
                     f"got shape {tuple(t.shape)}"
                 )
+            weight = self.q_proj.weight
+            if t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type):
+                raise ValueError(
+                    f"{name} is {t.dtype} but the module's weights are {weight.dtype}; convert one of "
+                    f"them (module.to({t.dtype}) or {name}.to({weight.dtype}))"
+                )
         if not query.shape == key.shape == value.shape:
             raise ValueError(
                 f"query, key and value must have the same shape (dilated attention needs one "
