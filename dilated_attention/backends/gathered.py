@@ -322,7 +322,7 @@ class GatheredBackend(Backend):
             nonfinite = functools.partial(
                 _NonFinite, is_causal=bool(is_causal), poison_scores=self.hides_nonfinite_scores
             )
-            merged = MergedAttention
+            merged: type[TracedMergedAttention] = MergedAttention
             if torch.compiler.is_compiling():
                 # Dynamo does not trace an autograd.Function that defines jvp (forward mode's
                 # refusal), nor one given a tensor twice (self-attention's q = k = v)
