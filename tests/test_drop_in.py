@@ -111,8 +111,8 @@ def _layers(kind: str, norm_first: bool, batch_first: bool) -> tuple[nn.Module, 
 @pytest.mark.parametrize("batch_first,norm_first", [(True, False), (False, True)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_inside_torch_transformer_layers(kind, train, batch_first, norm_first, causal):
-    """As self_attn (and the decoder's multihead_attn over a memory of the same length) in train and
-    eval mode: torch's fast path is skipped cleanly, the result is torch's at the real positions,
+    """As self_attn (and the decoder's multihead_attn over a memory of the same length, unmasked) in
+    train and eval mode: torch's fast path is skipped cleanly, the result is torch's at the real positions,
     and so are the gradients of every parameter."""
     ref, ours = _layers(kind, norm_first, batch_first)
     ref.train(train)
@@ -129,8 +129,8 @@ def test_inside_torch_transformer_layers(kind, train, batch_first, norm_first, c
         if kind == "encoder":
             outs.append(layer(x, src_mask=mask, src_key_padding_mask=kpm, is_causal=causal))
         else:
-            outs.append(layer(x, mem, tgt_mask=mask, tgt_key_padding_mask=kpm, tgt_is_causal=causal,
-                              memory_key_padding_mask=kpm))  # fmt: skip
+            # no memory_key_padding_mask: a mask on the cross-attention is refused (test below)
+            outs.append(layer(x, mem, tgt_mask=mask, tgt_key_padding_mask=kpm, tgt_is_causal=causal))
     want, got = outs
     torch.testing.assert_close(got[real], want[real], **TOL)
     g_want = dict(
@@ -324,12 +324,39 @@ def test_state_dict_of_torch_loads_and_from_torch_keeps_everything():
         (lambda m, x: m(x, x, x, key_padding_mask=torch.zeros(N, 2, dtype=torch.bool)), ValueError, r"\(B, S\) = \(2, 12\)"),
         (lambda m, x: m(x, x, x, key_padding_mask=torch.tensor([[0, 1] * 6] * 2).bool()), ValueError, "row 0: its real keys"),
         (lambda m, x: m(x, x, x, need_weights=1), ValueError, "need_weights must be a bool"),
+        (lambda m, x: m(x, x + 1, x + 1, key_padding_mask=torch.zeros(2, N, dtype=torch.bool)), ValueError, "key_padding_mask with cross-attention"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_honoured_is_refused_by_name(call, error, match):
     m = DropInMultiheadAttention(E, H, segment_lengths=[4, 8], dilation_rates=[1, 2])
     with pytest.raises(error, match=match):
         call(m, torch.randn(N, 2, E))
+
+
+def test_decoder_memory_mask_is_refused_not_misapplied():
+    """A decoder layer's memory_key_padding_mask reaches the cross-attention as key_padding_mask:
+    the padded memory positions were taken out of the target's queries too (their outputs were
+    out_proj's bias where torch attends to the real memory keys). Refused; the self-attention's
+    mask, in the sequence-first layout, still equals torch."""
+    layer = nn.TransformerDecoderLayer(E, H, dim_feedforward=32, dropout=0.0, dtype=F64).eval()
+    layer.multihead_attn = DropInMultiheadAttention.from_torch(layer.multihead_attn, [N], [1])
+    tgt, mem = torch.randn(N, 2, E, dtype=F64), torch.randn(N, 2, E, dtype=F64)
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    pad[0, 9:] = True
+    with pytest.raises(ValueError, match="key_padding_mask with cross-attention"):
+        layer(tgt, mem, memory_key_padding_mask=pad)
+    mha = torch_mha()
+    ours = DropInMultiheadAttention.from_torch(mha, [N], [1])
+    x = torch.randn(N, 2, E, dtype=F64)
+    got, want = ours(x, x, x, key_padding_mask=pad)[0], mha(x, x, x, key_padding_mask=pad)[0]
+    torch.testing.assert_close(got[:9], want[:9], **TOL)  # the real rows; padded rows are out_proj(0)
+
+
+def test_empty_sequence_with_weights_is_empty_as_in_torch():
+    m = DropInMultiheadAttention(E, H, batch_first=True, segment_lengths=[4], dilation_rates=[1])
+    x = torch.randn(2, 0, E)
+    out, weights = m(x, x, x, average_attn_weights=False)
+    assert out.shape == (2, 0, E) and weights.shape == (2, H, 0, 0)
 
 
 def test_constructor_follows_torch_and_refuses_appended_keys():

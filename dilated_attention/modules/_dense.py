@@ -61,6 +61,8 @@ def dense_dilated_attention(
     after dropout (as ``nn.MultiheadAttention`` returns them). Rows that read no key, padded ones
     included, have weight 0 and output 0."""
     B, N, H, D = q.shape
+    if N == 0:  # no rows, no keys: empty results, as torch gives
+        return q.new_zeros(q.shape), q.new_zeros((B, H, 0, 0))
     if real is None:
         real = torch.ones(B, N, dtype=torch.bool, device=q.device)
     segs, rates = V.effective_branches(segment_lengths, dilation_rates, N, H)

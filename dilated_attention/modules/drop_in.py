@@ -53,7 +53,9 @@ class DropInMultiheadAttention(nn.Module):
       (S, B, vdim). Dilated attention pairs the positions of one sequence, so ``S`` must equal ``L``
       (cross-attention over a memory of another length is a ValueError naming both).
     * ``key_padding_mask`` (B, S) or (S,): bool, True = padding, or float, -inf = padding and 0 = a
-      real key (other values are a per-key bias: a ValueError). Each row's real keys must be one
+      real key (other values are a per-key bias: a ValueError); self-attention only (query, key
+      and value one tensor): with cross-attention it is a ValueError, since the padded positions
+      are packed out of the queries and the keys together. Each row's real keys must be one
       contiguous run (right or left padding; a gap is a ValueError naming the row) and are attended
       as a sequence of their own from position 0 (SPEC section 7). Outputs at padded query positions
       are ``out_proj`` of zero (its bias), as ``nn.TransformerEncoder``'s nested-tensor path gives
@@ -71,7 +73,8 @@ class DropInMultiheadAttention(nn.Module):
       fused kernels.
 
     Inside ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer`` (as ``self_attn``; or as the
-    decoder's ``multihead_attn`` when the memory has the target's length), train and eval: the
+    decoder's ``multihead_attn`` when the memory has the target's length and no
+    ``memory_key_padding_mask``), train and eval: the
     q, k and v projections are kept as separate weights (``q_proj_weight``, ``k_proj_weight``,
     ``v_proj_weight``, ``in_proj_bias``), torch's layout for ``kdim``/``vdim`` other than
     ``embed_dim``, so ``_qkv_same_embed_dim`` is False, and that tells torch's layers to skip their
@@ -215,6 +218,7 @@ class DropInMultiheadAttention(nn.Module):
                     f"{name} must be {layout} or unbatched (L, E) like query, with E = {width}, "
                     f"got shape {tuple(t.shape)} (query {tuple(query.shape)})"
                 )
+        self_attention = key is query  # before the transposes below make new tensors
         batched = query.dim() == 3
         if not batched:
             query, key, value = query[None], key[None], value[None]
@@ -230,6 +234,14 @@ class DropInMultiheadAttention(nn.Module):
             raise ValueError(
                 f"key length S = {key.shape[1]} differs from query length L = {L}: dilated attention pairs "
                 "the positions of one sequence, so cross-attention needs keys of the query's length"
+            )
+        if key_padding_mask is not None and not self_attention:
+            raise ValueError(
+                "key_padding_mask with cross-attention (key is another tensor than query): dilated "
+                "attention packs the real tokens of one sequence, its queries and keys together (SPEC "
+                "section 7), so a mask of the memory alone cannot be applied to the target's queries. "
+                "Pass the mask to self-attention (query, key and value the same tensor), or run this "
+                "cross-attention with nn.MultiheadAttention"
             )
         real = real_tokens_from_torch_mask(key_padding_mask, B, L, batched)
         causal = causal_from_attn_mask(attn_mask, is_causal, B * self.num_heads, L, L)
