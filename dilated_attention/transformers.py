@@ -117,6 +117,7 @@ def settings(config: Any) -> tuple[list[int], list[int], str]:
         )
     merged = {**DEFAULT_CONFIG, **raw}
     segs, rates = V.normalize_branches(merged["segment_lengths"], merged["dilation_rates"])
+    cross_attention_mode(config)  # checked with the rest, not first when a cross-attention layer runs
     return segs, rates, check_backend_name(merged["backend"])
 
 
@@ -316,12 +317,33 @@ def dilated_attention_mask(
 
 def register(name: str = NAME) -> str:
     """Register the attention function and the mask function under ``name`` (done for
-    ``"dilated_attention"`` on import); returns ``name`` for ``attn_implementation=``."""
+    ``"dilated_attention"`` on import); returns ``name`` for ``attn_implementation=``.
+
+    ``name`` must be a non-empty string that does not name one of transformers' own
+    implementations (``"eager"``, ``"sdpa"``, ``"flash_attention_2"``, ...): registering over one
+    would make every model that asks for it run dilated attention. ValueError otherwise."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"register: name must be a non-empty string, got {name!r}")
+    builtin = _builtin_implementations()
+    if name in builtin:
+        raise ValueError(
+            f"register: {name!r} is one of transformers' own attention implementations "
+            f"({', '.join(sorted(builtin))}); registering over it would make every model that asks for "
+            "it run dilated attention. Choose another name"
+        )
     AttentionInterface.register(name, dilated_attention_forward)
     AttentionMaskInterface.register(name, dilated_attention_mask)
     _dispatch.NAMES.add(name)
     _dispatch.install(settings)
     return name
+
+
+def _builtin_implementations() -> set[str]:
+    """The attention implementations transformers itself defines (before any registration)."""
+    names = {"eager", *getattr(AttentionMaskInterface, "_global_mapping", {})}
+    names |= set(getattr(AttentionInterface, "_global_mapping", {}))
+    names = {part for n in names for part in n.split("|")}  # "paged|eager"
+    return names - _dispatch.NAMES
 
 
 def _check_version() -> None:

@@ -101,7 +101,15 @@ class BoundedDilatedLayer(CacheLayerMixin):
                     f"the bounded cache takes new tokens left-padded (real tokens last); row {bad} of the "
                     f"attention mask has {new[bad].int().tolist()}"
                 )
-        out = self.cache.attend(0, q, k, v, num_new=counts, softmax_scale=scaling, backend=self.backend)
+        try:
+            out = self.cache.attend(0, q, k, v, num_new=counts, softmax_scale=scaling, backend=self.backend)
+        except ValueError as err:  # in the words of this cache's argument
+            if "beyond max_seqlen" not in str(err):
+                raise
+            raise ValueError(
+                f"BoundedDilatedCache: this generation would hold more tokens than max_cache_len="
+                f"{self.max_cache_len} ({err}); pass a larger max_cache_len, or None"
+            ) from None
         assert isinstance(out, torch.Tensor)  # return_lse is False
         self.cache.advance(m if counts is None else counts)
         self.seen += m
@@ -149,6 +157,12 @@ class BoundedDilatedCache(Cache):
     branches whose segments are longer than the generation."""
 
     def __init__(self, config: Any, max_cache_len: int | None = None) -> None:
+        if max_cache_len is not None and (
+            isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1
+        ):
+            raise ValueError(
+                f"BoundedDilatedCache: max_cache_len must be an int >= 1 or None, got {max_cache_len!r}"
+            )
         impl = getattr(config, "_attn_implementation", None)
         if impl != _hf.NAME:
             raise ValueError(

@@ -94,3 +94,11 @@ def test_refusals_name_what_cannot_run():
             model(
                 x, attention_mask=mask, past_key_values=dtc.BoundedDilatedCache(model.config), use_cache=True
             )
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=rf"max_cache_len must be an int >= 1 or None, got {bad!r}"):
+            dtc.BoundedDilatedCache(model.config, max_cache_len=bad)
+    with pytest.raises(ValueError, match=r"more tokens than max_cache_len=8 .*pass a larger max_cache_len"):
+        with torch.no_grad():
+            model.generate(
+                x, past_key_values=dtc.BoundedDilatedCache(model.config, max_cache_len=8), max_new_tokens=5
+            )

@@ -306,6 +306,16 @@ def test_settings_default_and_config():
     assert dt.settings(cfg) == ([8], [2], "sdpa")
     with pytest.raises(TypeError, match="must be a dict"):
         dt.settings(type("C", (), {"dilated_attention": [8]})())
+    with pytest.raises(ValueError, match="'cross_attention'\\] must be 'refuse' or 'dense', got 'maybe'"):
+        dt.settings(type("C", (), {"dilated_attention": {"cross_attention": "maybe"}})())
+
+
+@pytest.mark.parametrize("name", ["sdpa", "eager", "flash_attention_2", "", None, 3])
+def test_register_refuses_transformers_own_names_and_non_names(name):
+    """Registering over "sdpa" made every model that asks for sdpa run dilated attention."""
+    with pytest.raises(ValueError, match="register: "):
+        dt.register(name)
+    assert dt.register("dilated_attention_again") == "dilated_attention_again"
 
 
 def test_the_package_imports_without_transformers():
