@@ -286,11 +286,10 @@ def dilated_attention_mask(
         device = cache_position.device if device is None else device
     device = "cpu" if device is None else device
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
-        name = getattr(mask_function, "__name__", repr(mask_function))
         raise ValueError(
             f"dilated attention runs causal or bidirectional self-attention with a padding mask; this "
-            f"model asks for another pattern ({name}: a sliding window, chunks, packed sequences or a "
-            f"custom overlay), which it cannot honour"
+            f"model asks for another pattern, {_describe_mask(mask_function)} (a sliding window, chunks, "
+            f"packed sequences or a custom overlay), which it cannot honour"
         )
     if int(kv_offset) != 0:
         raise ValueError(
@@ -336,6 +335,29 @@ def register(name: str = NAME) -> str:
     _dispatch.NAMES.add(name)
     _dispatch.install(settings)
     return name
+
+
+def _describe_mask(fn: Any, depth: int = 0) -> str:
+    """A mask function as transformers composes it, with the values it closes over:
+    ``and_mask(sliding_window_overlay(sliding_window=8), causal_mask_function)``."""
+    qualname = getattr(fn, "__qualname__", None) or repr(fn)
+    name = qualname.split(".<locals>.")[0] if ".<locals>." in qualname else qualname
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None or not cells or depth > 4:
+        return name
+    parts = []
+    for var, cell in zip(code.co_freevars, cells, strict=False):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(value):
+            parts.append(_describe_mask(value, depth + 1))
+        elif isinstance(value, (tuple, list)) and all(callable(v) for v in value):
+            parts.extend(_describe_mask(v, depth + 1) for v in value)
+        elif isinstance(value, (int, float, str, bool)):
+            parts.append(f"{var}={value!r}")
+    return f"{name}({', '.join(parts)})" if parts else name
 
 
 def _builtin_implementations() -> set[str]:

@@ -343,3 +343,13 @@ def test_readme_snippet_runs():
         readme.index("```python\n", start) + 10 : readme.index("```\n", readme.index("```python\n", start))
     ]
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_a_sliding_window_model_is_refused_naming_its_window():
+    """The refusal names the mask transformers composes, with its values (a Mistral or Gemma 2
+    layer's sliding_window), not only the closure's name."""
+    from transformers import masking_utils
+
+    fn = masking_utils.sliding_window_causal_mask_function(8)
+    with pytest.raises(ValueError, match=r"sliding_window_overlay\(sliding_window=8\), causal_mask_function"):
+        dt.dilated_attention_mask(batch_size=1, q_length=4, kv_length=4, mask_function=fn)
