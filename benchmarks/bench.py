@@ -57,6 +57,9 @@ import torch
 
 from dilated_attention.flops import attention_flops, attention_pairs, matmul_flops
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_args as ba
+
 log = logging.getLogger("bench")
 
 BACKENDS = ("native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual")
@@ -501,16 +504,8 @@ def runnable_backends(device: torch.device, dtype: torch.dtype, cfg: dict) -> tu
 
 
 def _ints(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        mult = 1
-        if part.endswith("k"):
-            mult, part = K, part[:-1]
-        elif part.endswith("m"):
-            mult, part = K * K, part[:-1]
-        out.append(int(float(part) * mult))
-    return out
+    """Comma-separated ints with k/m suffixes (``4k,16k,1m``); a bad one is an argparse error."""
+    return ba.int_list(text)
 
 
 def _fmt_n(n: int) -> str:
@@ -919,19 +914,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", type=ba.device, default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument(
         "--n",
-        type=_ints,
+        type=ba.positive_int_list,
         default=None,
         help="sequence lengths, e.g. 8k,16k (default 1K..256K on CPU, 1K..4M on CUDA)",
     )
-    p.add_argument("--batch", "-B", type=int, default=1)
-    p.add_argument("--heads", "-H", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
-    p.add_argument("--dim", "-D", type=int, default=64, help="head dim")
-    p.add_argument("--segments", type=_ints, default=[2048, 4096, 8192])
-    p.add_argument("--rates", type=_ints, default=[1, 2, 4])
+    p.add_argument("--batch", "-B", type=ba.positive_int, default=1)
+    p.add_argument("--heads", "-H", type=ba.positive_int, default=8)
+    p.add_argument(
+        "--kv-heads", type=ba.positive_int, default=None, help="key/value heads (default: --heads)"
+    )
+    p.add_argument("--dim", "-D", type=ba.positive_int, default=64, help="head dim")
+    p.add_argument("--segments", type=ba.positive_int_list, default=[2048, 4096, 8192])
+    p.add_argument("--rates", type=ba.positive_int_list, default=[1, 2, 4])
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="default float32 (CPU), bfloat16 (CUDA)"
     )
@@ -941,35 +938,51 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"comma-separated subset of {', '.join(BACKENDS + ALTERNATIVES)} (default: all that run)",
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per case and round")
-    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds per case (median of rounds)")
+    p.add_argument("--repeats", type=ba.positive_int, default=3, help="timed calls per case and round")
     p.add_argument(
-        "--target-rounds", type=int, default=3, help="rounds for N in 8K..64K, where the targets are checked"
+        "--rounds", type=ba.positive_int, default=1, help="interleaved rounds per case (median of rounds)"
     )
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument(
-        "--max-seconds", type=float, default=60.0, help="skip a case predicted to take longer per call"
+        "--target-rounds",
+        type=ba.positive_int,
+        default=3,
+        help="rounds for N in 8K..64K, where the targets are checked",
+    )
+    p.add_argument("--warmup", type=ba.nonnegative_int, default=1)
+    p.add_argument(
+        "--threads", type=ba.positive_int, default=None, help="torch threads (default: torch's default)"
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=ba.positive_float,
+        default=60.0,
+        help="skip a case predicted to take longer per call",
     )
     p.add_argument(
         "--slow-seconds",
-        type=float,
+        type=ba.nonnegative_float,
         default=15.0,
         help="a case predicted to take longer per call runs once, without warm-up",
     )
     p.add_argument(
-        "--case-timeout", type=float, default=1800.0, help="kill a case's subprocess after this long"
+        "--case-timeout",
+        type=ba.positive_float,
+        default=1800.0,
+        help="kill a case's subprocess after this long",
     )
     p.add_argument(
-        "--mem-fraction", type=float, default=0.75, help="of the available memory, the most a case may use"
+        "--mem-fraction",
+        type=ba.fraction,
+        default=0.75,
+        help="of the available memory, the most a case may use",
     )
     p.add_argument(
         "--scale-n",
-        type=_ints,
+        type=ba.nonnegative_int_list,
         default=None,
         help="N of the native-only scale run (default 1M on CPU, 1M,4M on CUDA; 0 to skip)",
     )
-    p.add_argument("--scale-heads", type=int, default=4)
+    p.add_argument("--scale-heads", type=ba.positive_int, default=4)
     p.add_argument(
         "--from-json",
         metavar="PATH",
@@ -985,7 +998,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="replace existing results of the same name (default: write new ones beside them)",
     )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.worker is not None or args.from_json:
+        return args
+    ba.check_branches(p, args.segments, args.rates)
+    ba.check_heads(p, args.heads, args.kv_heads)
+    ba.check_head_dim(p, args.dim, "--dim")
+    if args.methods is not None:
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in wanted if m not in BACKENDS + ALTERNATIVES]
+        if unknown or not wanted:
+            p.error(
+                f"--methods {args.methods!r}: expected some of {', '.join(BACKENDS + ALTERNATIVES)}"
+                + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            )
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -998,11 +1025,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_saved(args.from_json, args.out, args.tag, args.overwrite)
     from tqdm import tqdm
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for, but CUDA is not available")
-    if len(args.segments) != len(args.rates):
-        raise SystemExit(f"--segments {args.segments} and --rates {args.rates} must have the same length")
+    device = torch.device(args.device)  # checked by parse_args
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     cfg = {
         "device": str(device),
@@ -1034,12 +1057,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("backend %s cannot run here: %s", name, "; ".join(reasons))
     methods = backends + list(ALTERNATIVES)
     if args.methods:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = [m for m in wanted if m not in BACKENDS + ALTERNATIVES]
-        if unknown:
-            raise SystemExit(
-                f"unknown methods {unknown}; expected some of {', '.join(BACKENDS + ALTERNATIVES)}"
-            )
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]  # checked by parse_args
         for m in wanted:
             if m in BACKENDS and m not in backends:
                 log.warning("backend %s cannot run here (%s): left out", m, "; ".join(why_not.get(m, [])))

@@ -291,8 +291,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, metavar="STEM",
                    help="write STEM.md, STEM.csv and STEM.png (default: benchmarks/results/cuda_<gpu>_<time>)")  # fmt: skip
     args = p.parse_args(argv)
-    for name in ("tokens", "heads", "head_dims"):
-        bad = [x for x in getattr(args, name) if x < 1]
+    for name in ("tokens", "seq_lens", "heads", "head_dims"):
+        bad = [x for x in getattr(args, name) or [] if x < 1]
         if bad:
             p.error(f"--{name.replace('_', '-')} must be positive, got {bad}")
     for name in ("w0", "dense_len", "iters", "matmul_size"):
@@ -300,6 +300,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not args.budget > 0:
         p.error(f"--budget must be positive, got {args.budget}")
+    for tokens in args.tokens if args.seq_lens and not (args.quick or args.dry_run) else []:
+        for N in args.seq_lens:
+            if tokens % N:
+                p.error(f"--tokens {tokens} is not a multiple of --seq-lens {N}")
     if args.quick:
         args.tokens, args.seq_lens, args.heads, args.head_dims, args.causal = [16384], None, [8], [64], [1]
         args.iters, args.matmul_size, args.budget = 3, 4096, min(args.budget, 120.0)

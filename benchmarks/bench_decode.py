@@ -45,7 +45,8 @@ from dilated_attention.decode import BoundedDilatedKVCache, decode_key_positions
 from dilated_attention.decode._slots import branch_slots
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import DTYPES, _ints, machine_info, machine_tag
+import bench_args as ba
+from bench import DTYPES, machine_info, machine_tag
 
 log = logging.getLogger("bench_decode")
 
@@ -251,32 +252,38 @@ def print_table(rows: list[dict], memory: list[dict]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=_ints, default=_ints("4k,16k,64k,256k,1m"), help="cache lengths")
+    p.add_argument(
+        "--lengths",
+        type=ba.positive_int_list,
+        default=ba.int_list("4k,16k,64k,256k,1m"),
+        help="cache lengths",
+    )
     p.add_argument(
         "--memory-lengths",
-        type=_ints,
-        default=_ints("4k,16k,64k,256k,1m,4m,16m"),
+        type=ba.positive_int_list,
+        default=ba.int_list("4k,16k,64k,256k,1m,4m,16m"),
         help="cache lengths of the memory table (computed, not allocated)",
     )
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
-    p.add_argument("--dim", type=int, default=64, help="head dim")
-    p.add_argument("--segments", type=_ints, default=[2048, 8192, 32768, 131072, 524288])
-    p.add_argument("--rates", type=_ints, default=[1, 4, 16, 64, 256])
+    p.add_argument("--batch", type=ba.positive_int, default=1)
+    p.add_argument("--heads", type=ba.positive_int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=ba.positive_int, default=2, help="key/value heads")
+    p.add_argument("--dim", type=ba.positive_int, default=64, help="head dim")
+    p.add_argument("--segments", type=ba.positive_int_list, default=[2048, 8192, 32768, 131072, 524288])
+    p.add_argument("--rates", type=ba.positive_int_list, default=[1, 4, 16, 64, 256])
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--device", type=ba.device, default="cpu")
+    p.add_argument(
+        "--threads", type=ba.nonnegative_int, default=0, help="torch threads on the CPU (0: torch's default)"
+    )
+    p.add_argument("--warmup", type=ba.nonnegative_int, default=2)
+    p.add_argument("--repeats", type=ba.positive_int, default=10)
     p.add_argument("--note", default="", help="a label for the run, e.g. that the machine was shared")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default=None, help="output file stem (default: decode-<machine>)")
     args = p.parse_args(argv)
-    if len(args.segments) != len(args.rates):
-        p.error(f"--segments and --rates must have the same length, got {args.segments} and {args.rates}")
-    if args.heads % args.kv_heads:
-        p.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    ba.check_branches(p, args.segments, args.rates)
+    ba.check_heads(p, args.heads, args.kv_heads)
+    ba.check_head_dim(p, args.dim, "--dim")
     return args
 
 

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import _ints, machine_info
+import bench_args as ba
+from bench import machine_info
 
 
 def _status(key: str) -> int:
@@ -38,18 +39,26 @@ def _status(key: str) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=32768, help="new tokens to generate")
-    p.add_argument("--every", type=int, default=2048, help="record every this many tokens")
-    p.add_argument("--segments", type=_ints, default=[512, 2048, 8192])
-    p.add_argument("--rates", type=_ints, default=[1, 4, 16])
+    p.add_argument("--tokens", type=ba.positive_int, default=32768, help="new tokens to generate")
+    p.add_argument("--every", type=ba.positive_int, default=2048, help="record every this many tokens")
+    p.add_argument("--segments", type=ba.positive_int_list, default=[512, 2048, 8192])
+    p.add_argument("--rates", type=ba.positive_int_list, default=[1, 4, 16])
     p.add_argument("--cache", choices=["bounded", "dynamic"], default="bounded")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=ba.nonnegative_int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--note", default="")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
+    ba.check_branches(p, args.segments, args.rates)
+    if args.every > args.tokens:
+        p.error(f"--every {args.every} records nothing in --tokens {args.tokens}: give at most --tokens")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria

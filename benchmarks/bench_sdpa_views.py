@@ -22,6 +22,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_args as ba  # noqa: E402  (benchmarks/ is not a package; imports neither torch nor the package)
+
+VARIANTS = ("before", "after", "after-op-bwd")
+DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
 def _measure(n: int, dtype_name: str) -> dict:
@@ -49,21 +54,39 @@ def _measure(n: int, dtype_name: str) -> dict:
     return {"fwd_s": t1 - t0, "bwd_s": t2 - t1, "peak_mib": (peak - base) / 1024}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline", type=Path, help="checkout of the commit before (the 'before' rows)")
-    p.add_argument("--n", type=int, nargs="+", default=[16384])
-    p.add_argument("--dtype", nargs="+", default=["float32"])
+    p.add_argument(
+        "--baseline", type=ba.existing_dir, help="checkout of the commit before (the 'before' rows)"
+    )
+    p.add_argument("--n", type=ba.positive_int, nargs="+", default=[16384])
+    p.add_argument("--dtype", nargs="+", choices=DTYPE_NAMES, default=["float32"])
     p.add_argument("--out", type=Path)
     p.add_argument(
         "--variants",
         nargs="+",
-        default=["before", "after", "after-op-bwd"],
+        choices=VARIANTS,
+        default=list(VARIANTS),
         help="before: the baseline checkout; after: this tree; after-op-bwd: this tree with the fused "
         "CPU backward operator (SdpaBackend.cpu_kernel_backward = True)",
     )
     p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if a.one:
+        return a
+    if a.baseline is not None:
+        if not (Path(a.baseline) / "dilated_attention").is_dir():
+            p.error(f"--baseline {a.baseline}: not a checkout of the project (no dilated_attention/ in it)")
+        a.baseline = Path(a.baseline)
+    elif "before" in a.variants and a.variants != p.get_default("variants"):
+        p.error("--variants before needs --baseline DIR (a checkout of the commit before)")
+    if a.out is not None and not a.out.parent.is_dir():
+        p.error(f"--out {a.out}: the directory {a.out.parent} does not exist")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     if a.one:
         print(json.dumps(_measure(int(a.one[0]), a.one[1])))
         return

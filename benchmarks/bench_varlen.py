@@ -32,7 +32,11 @@ from collections.abc import Callable
 import torch
 
 from dilated_attention import dilated_attention, dilated_attention_varlen
+from dilated_attention.backends import BACKEND_NAMES
 from dilated_attention.flops import attention_flops, attention_pairs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_args as ba
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -74,28 +78,37 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--docs", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=64 * 1024)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--segments", default="2048,4096,8192")
-    ap.add_argument("--rates", default="1,2,4")
-    ap.add_argument("--causal", type=int, default=1, help="1: causal (language modelling), 0: not")
-    ap.add_argument("--backend", default="native")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--docs", type=ba.positive_int, default=64)
+    ap.add_argument("--tokens", type=ba.positive_int, default=64 * 1024)
+    ap.add_argument("--heads", type=ba.positive_int, default=8)
+    ap.add_argument("--head-dim", type=ba.positive_int, default=64)
+    ap.add_argument("--segments", type=ba.positive_int_list, default=[2048, 4096, 8192])
+    ap.add_argument("--rates", type=ba.positive_int_list, default=[1, 2, 4])
+    ap.add_argument(
+        "--causal", type=int, default=1, choices=[0, 1], help="1: causal (language modelling), 0: not"
+    )
+    ap.add_argument("--backend", default="native", choices=["auto", *BACKEND_NAMES])
+    ap.add_argument("--device", type=ba.device, default="cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
+    ap.add_argument("--rounds", type=ba.positive_int, default=3, help="timed rounds after one warm-up round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default="", help="a label for the run, e.g. that the machine was shared")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default="varlen")
     args = ap.parse_args(argv)
+    ba.check_branches(ap, args.segments, args.rates)
+    ba.check_head_dim(ap, args.head_dim, "--head-dim")
+    if args.tokens < args.docs:
+        ap.error(f"--tokens {args.tokens} must be at least --docs {args.docs} (every document has a token)")
+    return args
 
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    segs = [int(x) for x in args.segments.split(",")]
-    rates = [int(x) for x in args.rates.split(",")]
+    segs, rates = args.segments, args.rates
     H, D, causal = args.heads, args.head_dim, bool(args.causal)
     lengths = document_lengths(args.docs, args.tokens, args.seed)
     T, L = sum(lengths), max(lengths)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from common import make_inputs
+from common import load_script, make_inputs
 from reference import multiplicity, reference_attention
 
 from dilated_attention.flops import attention_flops, attention_pairs
@@ -174,3 +175,103 @@ def test_decode_benchmark_runs_and_writes_its_results(tmp_path):
     assert data["meta"]["check_max_abs_diff"] < 1e-4
     assert data["meta"]["check_bounded_max_abs_diff"] < 1e-4
     assert rows[("bounded", 256)]["cache_bytes"] < rows[("dense_sdpa", 256)]["cache_bytes"]
+
+
+def _script(name: str):
+    """A benchmark script as a module, loaded once per test session."""
+    if getattr(sys.modules.get(name), "__file__", None) == str(ROOT / "benchmarks" / f"{name}.py"):
+        return sys.modules[name]
+    return load_script(ROOT / "benchmarks" / f"{name}.py")
+
+
+BAD_ARGUMENTS = [
+    # (script, arguments, the option the error names, the value it shows)
+    ("bench", "--n 0", "--n", "0"),
+    ("bench", "--n -5", "--n", "-5"),
+    ("bench", "--n 4k,abc", "--n", "abc"),
+    ("bench", "--batch 0", "--batch", "0"),
+    ("bench", "--segments 0 --rates 1", "--segments", "0"),
+    ("bench", "--segments 4 --rates 8", "--rates", "8"),
+    ("bench", "--segments 4,8 --rates 1", "--rates", "1"),
+    ("bench", "--heads 0", "--heads", "0"),
+    ("bench", "--heads 4 --kv-heads 3", "--kv-heads", "3"),
+    ("bench", "--dim 0", "--dim", "0"),
+    ("bench", "--dim 512", "--dim", "512"),
+    ("bench", "--device banana", "--device", "banana"),
+    ("bench", "--methods native,nope", "--methods", "nope"),
+    ("bench", "--repeats 0", "--repeats", "0"),
+    ("bench", "--warmup -1", "--warmup", "-1"),
+    ("bench", "--mem-fraction 1.5", "--mem-fraction", "1.5"),
+    ("bench", "--max-seconds nan", "--max-seconds", "nan"),
+    ("bench_decode", "--lengths 0", "--lengths", "0"),
+    ("bench_decode", "--repeats 0", "--repeats", "0"),
+    ("bench_decode", "--device banana", "--device", "banana"),
+    ("bench_decode", "--dim 0", "--dim", "0"),
+    ("bench_decode", "--heads 8 --kv-heads 3", "--kv-heads", "3"),
+    ("bench_decode_generate", "--every 0", "--every", "0"),
+    ("bench_decode_generate", "--tokens 0", "--tokens", "0"),
+    ("bench_decode_generate", "--tokens -3", "--tokens", "-3"),
+    ("bench_decode_generate", "--segments 8 --rates 16", "--rates", "16"),
+    ("bench_decode_generate", "--tokens 100 --every 200", "--every", "200"),
+    ("bench_varlen", "--docs 0", "--docs", "0"),
+    ("bench_varlen", "--rounds 0", "--rounds", "0"),
+    ("bench_varlen", "--backend nope", "--backend", "nope"),
+    ("bench_varlen", "--tokens 2 --docs 3", "--docs", "3"),
+    ("bench_varlen", "--causal 2", "--causal", "2"),
+    ("bench_varlen", "--segments 8 --rates 1,2", "--rates", "1,2"),
+    ("bench_ring", "--procs 0", "--procs", "0"),
+    ("bench_ring", "--n 1024 --segments 512", "--rates", "512"),
+    ("bench_ring", "--n 1000 --procs 3", "--procs", "1000"),
+    ("bench_ring", "--layouts diagonal", "--layouts", "diagonal"),
+    ("bench_sdpa_views", "--n 0", "--n", "0"),
+    ("bench_sdpa_views", "--baseline /nonexistent", "--baseline", "/nonexistent"),
+    ("bench_sdpa_views", "--variants before", "--baseline", "before"),
+    ("bench_cuda", "--seq-lens 0", "--seq-lens", "0"),
+]
+
+
+@pytest.mark.parametrize(
+    "script,args,option,value", BAD_ARGUMENTS, ids=[f"{s}:{a}" for s, a, _, _ in BAD_ARGUMENTS]
+)
+def test_bad_arguments_are_usage_errors(bench, script, args, option, value, capsys):
+    """Each bad value is argparse's usage error (exit status 2) naming the option and the value,
+    found while parsing: nothing is measured."""
+    parse = _script(script).parse_args
+    with pytest.raises(SystemExit) as exc:
+        parse(args.split())
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ": error: " in err and "Traceback" not in err, err
+    assert option in err and value in err, err
+
+
+@pytest.mark.parametrize(
+    "script,args",
+    [
+        ("bench", "--n 4k,8k --segments 512,1k --rates 1,2 --heads 4 --kv-heads 2 --device cpu"),
+        ("bench_decode", "--lengths 64,256 --segments 16,64 --rates 1,4"),
+        ("bench_decode_generate", "--tokens 8 --every 4 --segments 4 --rates 2"),
+        ("bench_varlen", "--docs 3 --tokens 3 --segments 8 --rates 1 --causal 0"),
+        ("bench_ring", "--n 1024 --segments 512 --rates 1 --procs 4 --layouts zigzag"),
+        ("bench_sdpa_views", "--n 1024 --variants after after-op-bwd"),
+    ],
+)
+def test_good_arguments_parse(bench, script, args):
+    parsed = _script(script).parse_args(args.split())
+    assert parsed is not None
+
+
+def test_a_bad_argument_on_the_command_line_is_one_error_line():
+    """As a command: exit status 2, the usage and one error line, no traceback, no result file."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--n", "0", "--out", "/nonexistent/out"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert (
+        r.stderr.strip().splitlines()[-1]
+        == "bench.py: error: argument --n: every value must be >= 1, got '0'"
+    )

@@ -3,7 +3,11 @@ the MFU peak measured once, and progress lines averaged over a window."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +97,68 @@ def test_progress_lines_average_over_the_window(data_dir, tmp_path, monkeypatch)
     tokens_per_iter = 4 * 64
     assert f"{tokens_per_iter / 3.0:,.0f} tok/s" in progress[1]
     assert "1000 ms/iter" in progress[2], progress[2]  # iterations 5..8
+
+
+def test_resume_keeps_the_checkpoints_block_size(data_dir, tmp_path):  # noqa: F811
+    """A block_size other than the checkpoint's is one of the shape keys resume takes from the
+    checkpoint: a note says so, and the run trains at the checkpoint's length."""
+    _run(tiny_train_args(data_dir, tmp_path, max_iters=2, eval_interval=2, always_save_checkpoint=True))
+    out, lines = _run(tiny_train_args(data_dir, tmp_path, init_from="resume", block_size=128, max_iters=3))
+    assert "resume: block_size = 64 from the checkpoint (config said 128)" in lines, lines
+    (model_line,) = [line for line in lines if line.startswith("model ")]
+    assert "block 64" in model_line, model_line
+    assert out["iter_num"] == 3 and out["evals"][-1]["seq_len"] == 64
+    assert out["config"].block_size == 64
+
+
+@pytest.mark.parametrize(
+    "arg,message",
+    [
+        ("--beta1=-1", r"beta1 must be in \[0, 1\), got -1"),
+        ("--beta2=1.5", r"beta2 must be in \[0, 1\), got 1.5"),
+        ("--learning_rate=nan", r"--learning_rate=nan: learning_rate must be a finite float, got 'nan'"),
+        ("--max_minutes=inf", r"--max_minutes=inf: max_minutes must be a finite float, got 'inf'"),
+        ("--weight_decay=1e999", r"weight_decay must be a finite float, got '1e999'"),
+        ("--dropout=1.5", r"dropout must be in \[0, 1\), got 1.5"),
+        ("--n_layer=0", r"n_layer must be a positive int, got 0"),
+        ("--n_head=3", r"n_embd \(128\) must be a multiple of n_head \(3\)"),
+        ("--device=banana", r"device must be .* got 'banana'"),
+        ("-x", r"unknown option '-x'"),
+    ],
+)
+def test_bad_values_are_config_errors_that_name_the_key(arg, message):
+    with pytest.raises(train.configurator.ConfigError, match=message):
+        train.parse_config([arg])
+
+
+def test_a_float_key_from_a_config_file_must_be_finite(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("beta1 = float('nan')\n")
+    with pytest.raises(train.configurator.ConfigError, match=r"beta1 must be a finite number, got nan"):
+        train.parse_config([str(f)])
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_help_lists_every_key_with_its_default(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.parse_config(["--batch_size=3", flag])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: train.py")
+    defaults = train.TrainConfig()
+    for f in dataclasses.fields(defaults):
+        value = getattr(defaults, f.name)
+        shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        assert f"--{f.name}={shown} " in text, f.name
+    assert "--beta1=0.9 " in text and "--segment_lengths=64,128,256 " in text
+
+
+def test_command_line_exit_status():
+    """As a command: --help exits 0, a bad value exits 2 with one error line and no traceback."""
+    script = str(Path(train.__file__))
+    ok = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "--learning_rate=0.002" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, script, "--beta2=1.5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2, bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == "train.py: error: beta2 must be in [0, 1), got 1.5"

@@ -16,16 +16,22 @@ Sequence parallelism: each sequence split over ``--context_parallel`` processes 
     torchrun --standalone --nproc_per_node=4 train.py config/train_stdlib.py --context_parallel=2
 
 Every key of ``TrainConfig`` can be set by a config file or ``--key=value`` (see
-``configurator.py``); an unknown key or a value of the wrong type is an error.
+``configurator.py``); an unknown key or a bad value is an error that names the key (exit status 2).
+``python train.py --help`` lists the keys and their defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
+import math
 import os
+import re
 import sys
 import time
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -58,18 +64,164 @@ from train_utils import (
     resolve_device,
 )
 
-__all__ = ["DTYPES", "Batches", "TrainConfig", "auto_dtype", "main", "resolve_device"]
+__all__ = [
+    "DTYPES",
+    "Batches",
+    "TrainConfig",
+    "auto_dtype",
+    "main",
+    "parse_config",
+    "resolve_device",
+    "usage",
+]
 
 logger = logging.getLogger("train")
+
+USAGE = "usage: train.py [-h] [CONFIG_FILE ...] [--key=value ...]"
+
+
+def _field_notes() -> tuple[dict[str, str], dict[str, str]]:
+    """From the source of ``TrainConfig``: each key's trailing comment, and the section comment
+    (``# model``, ...) above the first key of each section. Empty where the source is not there."""
+    try:
+        source = inspect.getsource(TrainConfig)
+    except (OSError, TypeError):
+        return {}, {}
+    notes: dict[str, str] = {}
+    sections: dict[str, str] = {}
+    key, section = None, None
+    for line in source.splitlines()[1:]:
+        if re.match(r"\s*def ", line):
+            break
+        heading = re.match(r"    # (.*)", line)
+        if heading:
+            section, key = heading.group(1).strip(), None
+            continue
+        field_match = re.match(r"    (\w+)\s*:", line)
+        if field_match:
+            key = field_match.group(1)
+            if section:
+                sections[key], section = section, None
+        comment = re.search(r"\s#\s*(.*)$", line)
+        if key and comment and key not in notes:
+            notes[key] = comment.group(1).strip()
+    return notes, sections
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def usage() -> str:
+    """The help text: every key of ``TrainConfig`` with its type and default."""
+    defaults = TrainConfig()
+    hints = typing.get_type_hints(TrainConfig)
+    notes, sections = _field_notes()
+    lines = [
+        USAGE,
+        "",
+        __doc__.split("\n\n")[0],
+        "",
+        "A CONFIG_FILE is a Python file whose top-level assignments set keys; --key=value sets one key",
+        "(applied in order). Ints, floats, bools (True/False), strings, and tuples of ints (64,128).",
+        "",
+        "keys (--key=default  type  note):",
+    ]
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in sections:
+            lines.append(f"  {sections[f.name]}")
+        tp = hints[f.name]
+        kind = "ints" if typing.get_origin(tp) in (tuple, list) else getattr(tp, "__name__", str(tp))
+        entry = f"    --{f.name}={_shown(getattr(defaults, f.name))}"
+        note = notes.get(f.name, "")
+        lines.append(f"{entry:<40} {kind:<5} {note}".rstrip())
+    return "\n".join(lines)
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Checks of the values beyond ``TrainConfig.validate``: a ValueError that names the key."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
+    if cfg.device != "auto":
+        try:
+            kind = torch.device(cfg.device).type
+        except RuntimeError:
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
+    try:  # the model's keys, as the model checks them
+        GPTConfig(
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_kv_head=cfg.n_kv_head,
+            n_embd=cfg.n_embd,
+            block_size=cfg.block_size,
+            dropout=cfg.dropout,
+            bias=cfg.bias,
+            attention_backend=cfg.attention_backend,
+            segment_lengths=cfg.segment_lengths,
+            dilation_rates=cfg.dilation_rates,
+        )
+    except ValueError as e:
+        raise ValueError(str(e).replace("GPTConfig.", "")) from None
+
+
+def parse_config(argv: Sequence[str]) -> TrainConfig:
+    """The config the arguments give, checked; a ``configurator.ConfigError`` names the bad key or
+    argument. ``-h``/``--help`` prints :func:`usage` and exits with status 0."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage())
+        raise SystemExit(0)
+    hints = typing.get_type_hints(TrainConfig)
+    for arg in argv:
+        if arg.startswith("-") and not arg.startswith("--"):
+            raise configurator.ConfigError(
+                f"unknown option {arg!r}: keys are set as --key=value (--help lists them)"
+            )
+        key, eq, raw = arg[2:].partition("=")
+        if arg.startswith("--") and eq and hints.get(key) is float:
+            try:  # the configurator reads Python literals: nan and inf are not numbers to it
+                value = float(raw)
+            except ValueError:
+                continue
+            if not math.isfinite(value):
+                raise configurator.ConfigError(f"{arg}: {key} must be a finite float, got {raw!r}")
+    cfg = configurator.load_config(TrainConfig, argv, base_dir=HERE)
+    try:
+        cfg.validate()
+        check_config(cfg)
+    except configurator.ConfigError:
+        raise
+    except ValueError as e:
+        raise configurator.ConfigError(str(e)) from None
+    return cfg
 
 
 def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train as the arguments say; returns a summary (losses, evaluations, backend, paths)."""
     argv = sys.argv[1:] if argv is None else argv
-    cfg = configurator.load_config(TrainConfig, argv, base_dir=HERE)
-    cfg.validate()
+    cfg = parse_config(argv)
     out_dir = (HERE / cfg.out_dir).resolve()
     data_root = (HERE / cfg.data_dir).resolve()
+    ckpt_path = out_dir / "ckpt.pt"
+
+    # Resuming keeps the checkpoint's model shape; its block_size is also the length trained at.
+    checkpoint, config_block_size = None, cfg.block_size
+    if cfg.init_from == "resume":
+        if not ckpt_path.exists():
+            raise FileNotFoundError(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
+        # On the CPU: the model is built there and moved after loading; the optimizer moves its state.
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        if checkpoint["model_args"]["block_size"] != cfg.block_size:
+            cfg = dataclasses.replace(cfg, block_size=checkpoint["model_args"]["block_size"])
+            cfg.validate()
 
     # Processes: DDP under torchrun, else one.
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -145,26 +297,18 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> d
         "dilation_rates": cfg.dilation_rates,
         "gradient_checkpointing": cfg.gradient_checkpointing,
     }
-    iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    iter_num, best_val_loss = 0, 1e9
     checkpoint_peak: tuple[float, str] | None = None
     resumed_len = 0  # the recall curriculum's training length in the checkpoint
-    ckpt_path = out_dir / "ckpt.pt"
-    if cfg.init_from == "resume":
-        if not ckpt_path.exists():
-            raise FileNotFoundError(f"init_from='resume' but there is no checkpoint at {ckpt_path}")
-        checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
+    if checkpoint is not None:
         check_same_attention(model_args, checkpoint["model_args"])
+        model_args["block_size"] = config_block_size  # what the config said, for the note
         for k in ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "bias", "vocab_size"):
             if model_args[k] != checkpoint["model_args"][k] and not (k == "n_kv_head" and model_args[k] == 0):
                 log(
                     f"resume: {k} = {checkpoint['model_args'][k]} from the checkpoint (config said {model_args[k]})"
                 )
             model_args[k] = checkpoint["model_args"][k]
-        if cfg.block_size != model_args["block_size"]:
-            raise ValueError(
-                f"resume: block_size {cfg.block_size} differs from the checkpoint's "
-                f"{model_args['block_size']}"
-            )
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
         resumed_len = int(checkpoint.get("recall_seq_len", 0))
         if "peak_flops" in checkpoint:  # the MFU keeps the peak the run started with
@@ -388,5 +532,8 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         main()
-    except (configurator.ConfigError, ValueError, FileNotFoundError) as e:
+    except configurator.ConfigError as e:  # a bad argument or key: a usage error, as argparse's
+        print(f"{USAGE}\ntrain.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
