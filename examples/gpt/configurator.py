@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import math
 import numbers
 import types
 import typing
@@ -72,6 +73,8 @@ def coerce(key: str, value: Any, tp: Any, source: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise fail()
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -103,6 +106,13 @@ def parse_value(key: str, raw: str, tp: Any) -> Any:
             return raw
         return lit if isinstance(lit, str) else raw
     text = raw.strip()
+    if tp is float:  # nan, inf and 1e999 are floats to float() but not finite
+        try:
+            number = float(text)
+        except ValueError:
+            number = 0.0
+        if not math.isfinite(number):
+            raise ConfigError(f"{source}: {key} must be a finite float, got {raw!r}")
     if _is_int_tuple(tp) and text and text[0] not in "[(":
         text = f"({text},)"
     try:

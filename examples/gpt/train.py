@@ -23,11 +23,8 @@ Every key of ``TrainConfig`` can be set by a config file or ``--key=value`` (see
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
-import math
 import os
-import re
 import sys
 import time
 import typing
@@ -80,34 +77,6 @@ logger = logging.getLogger("train")
 USAGE = "usage: train.py [-h] [CONFIG_FILE ...] [--key=value ...]"
 
 
-def _field_notes() -> tuple[dict[str, str], dict[str, str]]:
-    """From the source of ``TrainConfig``: each key's trailing comment, and the section comment
-    (``# model``, ...) above the first key of each section. Empty where the source is not there."""
-    try:
-        source = inspect.getsource(TrainConfig)
-    except (OSError, TypeError):
-        return {}, {}
-    notes: dict[str, str] = {}
-    sections: dict[str, str] = {}
-    key, section = None, None
-    for line in source.splitlines()[1:]:
-        if re.match(r"\s*def ", line):
-            break
-        heading = re.match(r"    # (.*)", line)
-        if heading:
-            section, key = heading.group(1).strip(), None
-            continue
-        field_match = re.match(r"    (\w+)\s*:", line)
-        if field_match:
-            key = field_match.group(1)
-            if section:
-                sections[key], section = section, None
-        comment = re.search(r"\s#\s*(.*)$", line)
-        if key and comment and key not in notes:
-            notes[key] = comment.group(1).strip()
-    return notes, sections
-
-
 def _shown(value: Any) -> str:
     if isinstance(value, tuple):
         return ",".join(map(str, value))
@@ -115,10 +84,9 @@ def _shown(value: Any) -> str:
 
 
 def usage() -> str:
-    """The help text: every key of ``TrainConfig`` with its type and default."""
+    """The help text: every key of ``TrainConfig`` with its default and type."""
     defaults = TrainConfig()
     hints = typing.get_type_hints(TrainConfig)
-    notes, sections = _field_notes()
     lines = [
         USAGE,
         "",
@@ -126,51 +94,15 @@ def usage() -> str:
         "",
         "A CONFIG_FILE is a Python file whose top-level assignments set keys; --key=value sets one key",
         "(applied in order). Ints, floats, bools (True/False), strings, and tuples of ints (64,128).",
+        "train_config.py says what each key does.",
         "",
-        "keys (--key=default  type  note):",
+        "keys (--key=default  type):",
     ]
     for f in dataclasses.fields(TrainConfig):
-        if f.name in sections:
-            lines.append(f"  {sections[f.name]}")
         tp = hints[f.name]
         kind = "ints" if typing.get_origin(tp) in (tuple, list) else getattr(tp, "__name__", str(tp))
-        entry = f"    --{f.name}={_shown(getattr(defaults, f.name))}"
-        note = notes.get(f.name, "")
-        lines.append(f"{entry:<40} {kind:<5} {note}".rstrip())
+        lines.append(f"{f'  --{f.name}={_shown(getattr(defaults, f.name))}':<42} {kind}")
     return "\n".join(lines)
-
-
-def check_config(cfg: TrainConfig) -> None:
-    """Checks of the values beyond ``TrainConfig.validate``: a ValueError that names the key."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{f.name} must be a finite number, got {value}")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
-    if cfg.device != "auto":
-        try:
-            kind = torch.device(cfg.device).type
-        except RuntimeError:
-            kind = None
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {cfg.device!r}")
-    try:  # the model's keys, as the model checks them
-        GPTConfig(
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_kv_head=cfg.n_kv_head,
-            n_embd=cfg.n_embd,
-            block_size=cfg.block_size,
-            dropout=cfg.dropout,
-            bias=cfg.bias,
-            attention_backend=cfg.attention_backend,
-            segment_lengths=cfg.segment_lengths,
-            dilation_rates=cfg.dilation_rates,
-        )
-    except ValueError as e:
-        raise ValueError(str(e).replace("GPTConfig.", "")) from None
 
 
 def parse_config(argv: Sequence[str]) -> TrainConfig:
@@ -179,26 +111,14 @@ def parse_config(argv: Sequence[str]) -> TrainConfig:
     if any(arg in ("-h", "--help") for arg in argv):
         print(usage())
         raise SystemExit(0)
-    hints = typing.get_type_hints(TrainConfig)
     for arg in argv:
         if arg.startswith("-") and not arg.startswith("--"):
             raise configurator.ConfigError(
                 f"unknown option {arg!r}: keys are set as --key=value (--help lists them)"
             )
-        key, eq, raw = arg[2:].partition("=")
-        if arg.startswith("--") and eq and hints.get(key) is float:
-            try:  # the configurator reads Python literals: nan and inf are not numbers to it
-                value = float(raw)
-            except ValueError:
-                continue
-            if not math.isfinite(value):
-                raise configurator.ConfigError(f"{arg}: {key} must be a finite float, got {raw!r}")
     cfg = configurator.load_config(TrainConfig, argv, base_dir=HERE)
     try:
         cfg.validate()
-        check_config(cfg)
-    except configurator.ConfigError:
-        raise
     except ValueError as e:
         raise configurator.ConfigError(str(e)) from None
     return cfg

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import passkey
 import recall
 import torch
-from model import ATTENTION_BACKENDS
+from model import ATTENTION_BACKENDS, GPTConfig
 
 __all__ = ["DTYPES", "TrainConfig"]
 
@@ -109,6 +109,31 @@ class TrainConfig:
         for n in ("learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops", "max_minutes"):
             if not math.isfinite(getattr(self, n)) or getattr(self, n) < 0:
                 raise ValueError(f"{n} must be a finite number >= 0, got {getattr(self, n)}")
+        for n in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, n) < 1.0:
+                raise ValueError(f"{n} must be in [0, 1), got {getattr(self, n)}")
+        if self.device != "auto":
+            try:
+                kind = torch.device(self.device).type
+            except RuntimeError:
+                kind = None
+            if kind not in ("cpu", "cuda"):
+                raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        try:  # the model's keys, as the model checks them, before any data is prepared
+            GPTConfig(
+                n_layer=self.n_layer,
+                n_head=self.n_head,
+                n_kv_head=self.n_kv_head,
+                n_embd=self.n_embd,
+                block_size=self.block_size,
+                dropout=self.dropout,
+                bias=self.bias,
+                attention_backend=self.attention_backend,
+                segment_lengths=self.segment_lengths,
+                dilation_rates=self.dilation_rates,
+            )
+        except ValueError as e:
+            raise ValueError(str(e).replace("GPTConfig.", "")) from None
         if self.init_from not in ("scratch", "resume"):
             raise ValueError(f"init_from must be 'scratch' or 'resume', got {self.init_from!r}")
         if self.dtype not in ("auto", *DTYPES):
