@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 K = 1024
 MAX_HEAD_DIM = 256  # dilated_attention's limits (dilated_attention/_validation.py)
@@ -43,34 +44,24 @@ def int_list(text: str) -> list[int]:
     return [_int(p) for p in parts]
 
 
-def positive_int_list(text: str) -> list[int]:
-    """Comma-separated ints >= 1 (k/m suffixes allowed)."""
-    values = int_list(text)
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
-    return values
+def _at_least(parse: Callable[[str], Any], low: float, strict: bool = False) -> Callable[[str], Any]:
+    """``parse`` (a number or a list of numbers), then every value ``>= low`` (``> low`` if strict)."""
+    bound = f"> {low}" if strict else f">= {low}"
+
+    def check(text: str) -> Any:
+        value = parse(text)
+        values = value if isinstance(value, list) else [value]
+        if any(v <= low if strict else v < low for v in values):
+            raise argparse.ArgumentTypeError(f"every value must be {bound}, got {text!r}")
+        return value
+
+    return check
 
 
-def nonnegative_int_list(text: str) -> list[int]:
-    """Comma-separated ints >= 0 (k/m suffixes allowed)."""
-    values = int_list(text)
-    if min(values) < 0:
-        raise argparse.ArgumentTypeError(f"every value must be >= 0, got {text!r}")
-    return values
-
-
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
+positive_int_list = _at_least(int_list, 1)  # comma-separated ints >= 1 (k/m suffixes allowed)
+nonnegative_int_list = _at_least(int_list, 0)
+positive_int = _at_least(_int, 1)
+nonnegative_int = _at_least(_int, 0)
 
 
 def _float(text: str) -> float:
@@ -83,18 +74,8 @@ def _float(text: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+positive_float = _at_least(_float, 0, strict=True)
+nonnegative_float = _at_least(_float, 0)
 
 
 def fraction(text: str) -> float:
