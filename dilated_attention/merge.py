@@ -54,10 +54,9 @@ def merge_view_(
         out_acc.copy_(out_b)
         lse_acc.copy_(lse_b)
         return
-    new = torch.logaddexp(lse_acc, lse_b)  # -inf only where both are -inf
-    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    out_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1))
-    out_acc.add_(out_b * torch.exp(lse_b - safe).unsqueeze(-1))
+    new, w_acc, w_b = _merge_weights(lse_acc, lse_b)
+    out_acc.mul_(w_acc)
+    out_acc.add_(out_b * w_b)
     lse_acc.copy_(new)
 
 
@@ -66,10 +65,15 @@ def merged_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What :func:`merge_view_` (not ``first``) leaves in the accumulators, out of place:
     ``(out, lse)`` in the accumulators' dtypes. Not differentiable."""
-    new = torch.logaddexp(lse_acc, lse_b)
+    new, w_acc, w_b = _merge_weights(lse_acc, lse_b)
+    return (out_acc * w_acc + out_b * w_b).to(out_acc.dtype), new
+
+
+def _merge_weights(lse_acc: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The merged lse and the two parts' weights ``exp(lse_part - lse)`` (..., n, H, 1)."""
+    new = torch.logaddexp(lse_acc, lse_b)  # -inf only where both are -inf
     safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    out = out_acc * torch.exp(lse_acc - safe).unsqueeze(-1) + out_b * torch.exp(lse_b - safe).unsqueeze(-1)
-    return out.to(out_acc.dtype), new
+    return new, torch.exp(lse_acc - safe).unsqueeze(-1), torch.exp(lse_b - safe).unsqueeze(-1)
 
 
 def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
