@@ -19,15 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "check_bwd",
-    "check_decode_step",
-    "check_fwd",
-    "check_piece_bwd",
-    "check_piece_fwd",
-    "check_varlen_bwd",
-    "check_varlen_fwd",
-]
+__all__ = ["Grads", "check_decode_step", "check_fixed", "check_piece", "check_varlen"]
 
 DA_MAX_BRANCHES = 16  # csrc/dilated_attention.h
 DA_MAX_HEAD_DIM = 256
@@ -430,7 +422,11 @@ def check_decode_step(
     )
 
 
-def check_fwd(
+# What a backward call adds to its forward's arguments: dout, out, lse, dlse (or None).
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def check_fixed(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -438,34 +434,17 @@ def check_fwd(
     dilation_rates: Sequence[int],
     softmax_scale: float,
     dropout_p: float,
+    grads: Grads | None = None,
 ) -> None:
-    """The checks of ``fwd`` (csrc/cpu and csrc/cuda fwd entries), in their order."""
+    """The checks of ``fwd``, or with ``grads`` of ``bwd``, in the order of their C++ entries."""
     _check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
+    if grads is not None:
+        _check_backward_inputs(q, *grads)
     _check_dropout_p(dropout_p)
     _check_cuda_sizes(q)
 
 
-def check_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    softmax_scale: float,
-    dropout_p: float,
-) -> None:
-    """The checks of ``bwd``, in the order of its C++ entries."""
-    _check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
-    _check_backward_inputs(q, dout, out, lse, dlse)
-    _check_dropout_p(dropout_p)
-    _check_cuda_sizes(q)
-
-
-def check_varlen_fwd(
+def check_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -475,50 +454,21 @@ def check_varlen_fwd(
     dilation_rates: Sequence[int],
     softmax_scale: float,
     dropout_p: float,
+    grads: Grads | None = None,
 ) -> None:
-    """The checks of ``varlen_fwd``, in the order of its C++ entries (not cu_seqlens' values)."""
+    """The checks of ``varlen_fwd``, or with ``grads`` of ``varlen_bwd``, in the order of their C++
+    entries (not cu_seqlens' values)."""
     _check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale)
+    if grads is not None:
+        _check_varlen_backward_inputs(q, *grads)
     _check_dropout_p(dropout_p)
     _check_cuda_sizes(q.unsqueeze(0))
 
 
-def check_varlen_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    softmax_scale: float,
-    dropout_p: float,
+def check_piece(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, grads: Grads | None = None
 ) -> None:
-    """The checks of ``varlen_bwd``, in the order of its C++ entries (not cu_seqlens' values)."""
-    _check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale)
-    _check_varlen_backward_inputs(q, dout, out, lse, dlse)
-    _check_dropout_p(dropout_p)
-    _check_cuda_sizes(q.unsqueeze(0))
-
-
-def check_piece_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> None:
-    """The checks of ``piece_fwd``."""
+    """The checks of ``piece_fwd``, or with ``grads`` of ``piece_bwd``."""
     _check_piece_inputs(q, k, v, softmax_scale)
-
-
-def check_piece_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    softmax_scale: float,
-) -> None:
-    """The checks of ``piece_bwd``."""
-    _check_piece_inputs(q, k, v, softmax_scale)
-    _check_backward_inputs(q, dout, out, lse, dlse)
+    if grads is not None:
+        _check_backward_inputs(q, *grads)

@@ -165,7 +165,7 @@ def _fwd_fake(
     dropout_seed: int = 0,
     dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _op_checks.check_fwd(q, k, v, segment_lengths, dilation_rates, softmax_scale, dropout_p)
+    _op_checks.check_fixed(q, k, v, segment_lengths, dilation_rates, softmax_scale, dropout_p)
     B, N, Hq, D = q.shape
     out = q.new_empty((B, N, Hq, D))
     lse = q.new_empty((B, Hq, N), dtype=lse_dtype(q.dtype, float64_lse))
@@ -188,9 +188,8 @@ def _bwd_fake(
     dropout_seed: int = 0,
     dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _op_checks.check_bwd(
-        dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, softmax_scale, dropout_p
-    )
+    grads = (dout, out, lse, dlse)
+    _op_checks.check_fixed(q, k, v, segment_lengths, dilation_rates, softmax_scale, dropout_p, grads)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -48,7 +48,7 @@ def _piece_fwd_fake(
     softmax_scale: float,
     float64_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _op_checks.check_piece_fwd(q, k, v, softmax_scale)
+    _op_checks.check_piece(q, k, v, softmax_scale)
     B, nq, Hq, D = q.shape
     return q.new_empty((B, nq, Hq, D)), q.new_empty((B, Hq, nq), dtype=lse_dtype(q.dtype, float64_lse))
 
@@ -56,7 +56,7 @@ def _piece_fwd_fake(
 def _piece_bwd_fake(
     dout, q, k, v, out, lse, dlse, is_causal, causal_offset, softmax_scale
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _op_checks.check_piece_bwd(dout, q, k, v, out, lse, dlse, softmax_scale)
+    _op_checks.check_piece(q, k, v, softmax_scale, (dout, out, lse, dlse))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

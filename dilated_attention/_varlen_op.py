@@ -39,7 +39,7 @@ def _varlen_fwd_fake(
     dropout_seed=0,
     dropout_offset=0,
 ):
-    _op_checks.check_varlen_fwd(
+    _op_checks.check_varlen(
         q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale, dropout_p
     )
     T, Hq, D = q.shape
@@ -66,21 +66,8 @@ def _varlen_bwd_fake(
     dropout_seed=0,
     dropout_offset=0,
 ):
-    _op_checks.check_varlen_bwd(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dlse,
-        cu_seqlens,
-        max_seqlen,
-        segment_lengths,
-        dilation_rates,
-        softmax_scale,
-        dropout_p,
-    )
+    args = (q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale, dropout_p)
+    _op_checks.check_varlen(*args, (dout, out, lse, dlse))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
