@@ -28,6 +28,8 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+import check_libstdcxx  # noqa: E402  (scripts/: the libstdc++ link rule, shared with check_cuda_build.sh)
 
 
 def _flag(name: str) -> bool:
@@ -166,11 +168,16 @@ def _extension():
             include_dirs=include,
             define_macros=[("DILATED_ATTENTION_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=check_libstdcxx.link_args(),
             py_limited_api=False,
         )
     print(f"dilated_attention: {cpu_only_message(why)}")
     return CppExtension(
-        "dilated_attention._C", sources, include_dirs=include, extra_compile_args={"cxx": cxx}
+        "dilated_attention._C",
+        sources,
+        include_dirs=include,
+        extra_compile_args={"cxx": cxx},
+        extra_link_args=check_libstdcxx.link_args(),
     )
 
 
@@ -182,7 +189,14 @@ class _BuildExtension(BuildExtension):
     def build_extensions(self) -> None:
         super().build_extensions()
         for ext in self.extensions:
-            folder = os.path.dirname(self.get_ext_fullpath(ext.name))
+            built = self.get_ext_fullpath(ext.name)
+            # One libstdc++ per process: a copy linked into the extension breaks its error messages
+            # (scripts/check_libstdcxx.py says how); refuse to leave such a build behind.
+            found = check_libstdcxx.problems(built)
+            if found:
+                os.remove(built)
+                raise RuntimeError(check_libstdcxx.message(built, found))
+            folder = os.path.dirname(built)
             archs, why = _cuda_plan()
             info = {
                 "torch": torch.__version__,

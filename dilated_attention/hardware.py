@@ -27,6 +27,12 @@ Two rules change the CUDA rows:
   ``native`` runs on CUDA only when asked for by name (``backend="native"``); this is said once
   per capability and family at INFO.
 
+* float32 on CUDA leaves ``sdpa`` out: the kernel PyTorch runs there for float32 (the
+  memory-efficient one) misses the float32 accuracy rule of SPEC section 4 (dk at 3.35x plain
+  float32 PyTorch's error on a causal LongNet configuration with grouped-query attention, measured
+  on an H200), where ``native`` (verified GPUs) and ``manual`` (plain float32 matmuls) meet it.
+  ``backend="sdpa"`` by name still runs it.
+
 Each backend still checks what it can run (package installed, dtype, head dim, dropout); ``auto``
 takes the first in this order that can.
 """
@@ -115,7 +121,7 @@ def native_measured_slower(device: DeviceLike = None) -> bool:
     return record is not None and record.native_over_gather < 1.0
 
 
-_said_unverified: set[tuple[tuple[int, int] | None, str]] = set()
+_said_unverified: set[tuple] = set()
 
 DeviceLike = str | int | torch.device | None
 
@@ -252,12 +258,28 @@ def recommended_backends(
     if cap is None or cap >= (8, 0):
         order.append("flash_attn_2")
     order += ["xformers", "sdpa"]
+    if dtype == torch.float32:
+        order.remove("sdpa")
+        _say_once(
+            ("sdpa-float32",),
+            "dilated_attention: backend='auto' does not choose sdpa for float32 on CUDA: PyTorch's "
+            "float32 kernel there misses the float32 accuracy rule (docs/backends.md); pass "
+            "backend='sdpa' to run it anyway",
+        )
     if cuda_kernels_verified(dev, dtype, head_dim):
         simt = dtype is not None and uses_simt_kernels(dev, dtype, head_dim if head_dim is not None else 64)
         order.insert(len(order) if simt or native_measured_slower(dev) else 0, "native")
     else:
         _say_unverified(dev, cap, dtype, head_dim)
     return [*order, "manual"]
+
+
+def _say_once(key: tuple, message: str) -> None:
+    """Log ``message`` at INFO the first time ``key`` is seen."""
+    if key in _said_unverified:
+        return
+    _said_unverified.add(key)
+    logger.info("%s", message)
 
 
 def _say_unverified(

@@ -55,6 +55,10 @@ if [ "${DILATED_ATTENTION_CHECK_PTXAS:-0}" = "1" ]; then
 fi
 echo "check_cuda_build: built in $(( $(date +%s) - start )) s"
 
+# One libstdc++ per process (scripts/check_libstdcxx.py): setup.py refuses a build that carries
+# its own copy; this says so again for the CUDA-linked library.
+"$PYTHON" scripts/check_libstdcxx.py "$work"/lib/dilated_attention/_C*.so
+
 "$PYTHON" - "$work/lib" <<'EOF'
 import glob
 import sys

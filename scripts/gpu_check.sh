@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Verifies the native op's CUDA kernels on the GPU at hand and writes every log and table to one
-# folder. Two commands, each under 8 minutes on an H100 (a device command may run 10):
+# folder. Two commands, each under 8 minutes on an H100 (a device command may run 10), and a third
+# for the profile, which fits after a build but not after the sanitizers:
 #
 #   scripts/gpu_check.sh tests    [OUT_DIR]   # build, tests, (backtrace,) smoke
 #   scripts/gpu_check.sh sanitize [OUT_DIR]   # (build if needed), memcheck, racecheck, synccheck, bench
+#   scripts/gpu_check.sh profile  [OUT_DIR]   # (build if needed), Nsight Compute profile
 #   scripts/gpu_check.sh all      [OUT_DIR]   # every step (default; what does not fit is "not run")
 #   options: [--steps LIST] [--deadline SECONDS] [--dry-run]
 #
@@ -74,14 +76,14 @@ export PYTHONUNBUFFERED=1
 ALL_STEPS=(build tests backtrace smoke memcheck racecheck synccheck bench profile)
 SANITIZER_TOOLS=(memcheck racecheck synccheck)
 declare -A BUDGET=([build]=200 [tests]=220 [backtrace]=60 [smoke]=90 [memcheck]=90 [racecheck]=120 [synccheck]=60 [bench]=150 [profile]=90)
-declare -A PHASE_STEPS=([tests]="build tests backtrace smoke" [sanitize]="build memcheck racecheck synccheck bench profile" [all]="${ALL_STEPS[*]}")
+declare -A PHASE_STEPS=([tests]="build tests backtrace smoke" [sanitize]="build memcheck racecheck synccheck bench" [profile]="build profile" [all]="${ALL_STEPS[*]}")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
 }
 die_usage() {
   echo "gpu_check: $1" >&2
-  echo "usage: scripts/gpu_check.sh [tests|sanitize|all] [OUT_DIR] [--steps LIST] [--deadline SECONDS] [--dry-run] (--help for more)" >&2
+  echo "usage: scripts/gpu_check.sh [tests|sanitize|profile|all] [OUT_DIR] [--steps LIST] [--deadline SECONDS] [--dry-run] (--help for more)" >&2
   exit 2
 }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
@@ -96,7 +98,7 @@ while [ $# -gt 0 ]; do
     --deadline) [ $# -ge 2 ] || die_usage "--deadline needs a number of seconds"; deadline=$2; shift ;;
     --deadline=*) deadline=${1#--deadline=} ;;
     -*) die_usage "unknown option '$1'" ;;
-    tests | sanitize | all)
+    tests | sanitize | profile | all)
       if [ -z "$phase" ] && [ -z "$out_dir" ]; then phase=$1
       else die_usage "the phase comes first, once: got '$1' after '${phase:-$out_dir}' (a folder of that name: ./$1)"; fi ;;
     *) [ -z "$out_dir" ] || die_usage "one output folder only, got '$out_dir' and '$1'"; out_dir=$1 ;;
@@ -425,8 +427,16 @@ for s in "${steps[@]}"; do
   echo "gpu_check: $s: ${STATUS[$s]} (${SECS[$s]} s)"
 done
 # summary.md (GPU_CHECK_COMMIT names the commit where the tree has no .git): what ran where, each step's status, and the lines that matter from each log.
-commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no git)")}
-dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
+# The project's own commit only: a copy of the project without its .git inside another repository
+# would otherwise report that repository's HEAD.
+own_git() { [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$PWD" ]; }
+if own_git; then
+  commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD)}
+  dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
+else
+  commit=${GPU_CHECK_COMMIT:-"unknown (no git history in this copy; set GPU_CHECK_COMMIT)"}
+  dirty=""
+fi
 {
   echo "# GPU check of the native CUDA kernels: $phase"
   echo
@@ -503,7 +513,7 @@ dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | head -1)
     echo "\`native\` on GPUs of this compute capability:"
     echo
     echo '```python'
-    echo "    (${arch%%.*}, ${arch#*.}): Verification(\"${gpu_name}\", \"${GPU_CHECK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}\", \"$(date -u +%Y-%m-%d)\", (${families})),"
+    echo "    (${arch%%.*}, ${arch#*.}): Verification(\"${gpu_name}\", \"${GPU_CHECK_COMMIT:-$(own_git && git rev-parse HEAD || echo unknown)}\", \"$(date -u +%Y-%m-%d)\", (${families})),"
     echo '```'
   fi
   if [ "$phase" = tests ] && [ -z "$steps_arg" ]; then

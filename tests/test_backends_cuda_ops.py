@@ -15,10 +15,20 @@ from dilated_attention.backends import get_backend, sdpa_kernels
 _aten = torch.ops.aten
 
 
+def _rows_contiguous(**tensors: torch.Tensor) -> None:
+    """Every fused CUDA operator reads the last dimension of its tensors as contiguous."""
+    for name, x in tensors.items():
+        assert x.stride(-1) == 1 or x.shape[-1] == 1, f"{name} has last-dim stride {x.stride(-1)}"
+
+
 def _fwd(q, k, v, is_causal, scale):
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    _rows_contiguous(q=q, k=k, v=v)
     assert q.shape[1] == k.shape[1], "the CUDA operators get as many key/value heads as query heads"
     return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+
+
+def _layout(x: torch.Tensor) -> tuple:
+    return tuple(x.shape), x.stride()
 
 
 def _bwd(do, q, k, v, out, lse, is_causal, scale):
@@ -41,16 +51,26 @@ def _cudnn_stats(lse: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 class FakeCudaOps:
-    """The three fused CUDA operators and their backwards, after their ATen schemas; ``stats``: the
-    layout of cuDNN's softmax statistics (see _cudnn_stats)."""
+    """The three fused CUDA operators and their backwards, after their ATen schemas and the rules
+    the real kernels hold their inputs to; ``stats``: the layout of cuDNN's softmax statistics (see
+    _cudnn_stats).
+
+    cuDNN, as PyTorch runs it: a call of one query row and one key is refused (``s_q = s_kv = 1 is
+    not supported``), and the backward keeps one graph per shapes and strides of q, k, v (and the
+    causal flag), built with the strides of ``out``, ``dout`` and the statistics of the first call
+    with that key: a later call with the same key must hand them in the same layouts, or the real
+    graph reads them with the first call's strides."""
 
     def __init__(self, stats: str = "bhm1"):
         self.calls: list[str] = []
         self.stats = stats
         self.stats_layouts: list[tuple] = []
+        self.cudnn_graphs: dict[tuple, tuple] = {}
 
     def _scaled_dot_product_cudnn_attention(self, q, k, v, bias, lse_, p, is_causal, dbg, *, scale):
         assert bias is None and lse_ and p == 0.0
+        if q.shape[2] == 1 and k.shape[2] == 1:
+            raise RuntimeError("cuDNN Frontend error: s_q = s_kv = 1 is not supported.")
         self.calls.append("cudnn")
         out, lse = _fwd(q, k, v, is_causal, scale)
         stats = _cudnn_stats(lse, self.stats)
@@ -62,8 +82,18 @@ class FakeCudaOps:
         self, do, q, k, v, out, lse, seed, offset, bias, cq, ck, mq, mk, p, is_causal, *, scale
     ):
         assert (mq, mk) == (q.shape[2], k.shape[2])
+        if mq == 1 and mk == 1:
+            raise RuntimeError("cuDNN Frontend error: s_q = s_kv = 1 is not supported.")
+        _rows_contiguous(q=q, k=k, v=v, out=out, dout=do)
         # The statistics come back in the layout the forward gave them (cuDNN reads them as such).
         assert (tuple(lse.shape), lse.stride()) in self.stats_layouts, (lse.shape, lse.stride())
+        key = (_layout(q), _layout(k), _layout(v), bool(is_causal))
+        baked = (_layout(out), _layout(do), _layout(lse))
+        first = self.cudnn_graphs.setdefault(key, baked)
+        assert first == baked, (
+            f"cuDNN's cached backward graph for q, k, v {key} was built for out, dout, stats "
+            f"{first} and would read this call's {baked} with those strides"
+        )
         if self.stats != "bhm":
             lse = lse.squeeze(-1)
         return _bwd(do, q, k, v, out, lse.contiguous(), is_causal, scale)
@@ -77,6 +107,8 @@ class FakeCudaOps:
     def _scaled_dot_product_flash_attention_backward(
         self, do, q, k, v, out, lse, cq, ck, mq, mk, p, is_causal, seed, offset, *, scale
     ):
+        _rows_contiguous(q=q, k=k, v=v, out=out, dout=do)
+        assert lse.dtype == torch.float32 and lse.is_contiguous(), "flash reads lse (B, H, M) contiguous"
         return _bwd(do, q, k, v, out, lse, is_causal, scale)
 
     def _scaled_dot_product_efficient_attention(self, q, k, v, bias, lse_, p, is_causal, *, scale):
@@ -90,6 +122,7 @@ class FakeCudaOps:
     def _scaled_dot_product_efficient_attention_backward(
         self, do, q, k, v, bias, out, lse, seed, offset, p, mask, is_causal, *, scale
     ):
+        _rows_contiguous(q=q, k=k, v=v, out=out, dout=do)
         m = q.shape[2]
         assert lse.shape[-1] == (m + 31) // 32 * 32
         dq, dk, dv = _bwd(do, q, k, v, out, lse[..., :m].contiguous(), is_causal, scale)

@@ -403,6 +403,21 @@ def test_cuda_kernels_under_the_driver(B, N, Hq, Hkv, D, segs, rates, is_causal,
     _check(run, B, N, Hq, Hkv, D * 8, segs, rates, is_causal, dtype, q, k, v)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Hq,Hkv", [(8, 2), (6, 3)], ids=["gqa-4", "gqa-2"])
+def test_cuda_float32_auto_within_the_rule(Hq, Hkv, is_causal):
+    """Whatever auto runs for float32 on CUDA meets SPEC section 4 on LongNet branches with GQA."""
+    B, N, D, segs, rates = 2, 512, 64, [64, 128, 256, 512], [1, 2, 4, 8]
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, torch.float32, device="cuda")
+
+    def run(q, k, v):
+        return dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="auto")
+
+    _check(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float32, q, k, v)
+
+
 def test_environment_report_shows_the_sdpa_cuda_kernel():
     from dilated_attention.__main__ import environment_report, format_report
 

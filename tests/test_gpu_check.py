@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -258,7 +259,8 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
     "phase,steps",
     [
         ("tests", ["build", "tests", "backtrace", "smoke"]),
-        ("sanitize", ["build", "memcheck", "racecheck", "synccheck", "bench", "profile"]),
+        ("sanitize", ["build", "memcheck", "racecheck", "synccheck", "bench"]),
+        ("profile", ["build", "profile"]),
         (
             "all",
             [
@@ -284,6 +286,58 @@ def test_the_two_commands_each_fit_in_eight_minutes(tmp_path, fake_tools, phase,
     assert list(lines)[1:] == steps
     if phase != "all":
         assert "deadline 470 s" in lines["gpu_check"]
+
+
+def test_each_phase_fits_its_deadline_with_a_full_build():
+    """The profile phase's step budgets add up to less than its deadline, a full build included (the
+    profile step never ran to the end while it came after the sanitizers)."""
+    text = SCRIPT.read_text()
+    budgets = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A BUDGET=\((.*)\)", text).group(1)))
+    phases = dict(
+        re.findall(r'\[(\w+)\]="([\w ]+)"', re.search(r"declare -A PHASE_STEPS=\((.*)\)", text).group(1))
+    )
+    assert set(phases) >= {"tests", "sanitize", "profile"}
+    assert "profile" not in phases["sanitize"].split()
+    assert sum(int(budgets[s]) for s in phases["profile"].split()) <= 470
+
+
+@needs_bash
+def test_a_copy_without_git_history_names_no_other_commit(tmp_path, fake_tools):
+    """Run from a copy of the project that has no .git of its own, inside another repository, the
+    summary says the commit is unknown instead of that repository's HEAD."""
+    outer = tmp_path / "outer"
+    shutil.copytree(ROOT / "scripts", outer / "proj" / "scripts")
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    env = {
+        "GIT_AUTHOR_NAME": "a",
+        "GIT_AUTHOR_EMAIL": "a@b",
+        "GIT_COMMITTER_NAME": "a",
+        "GIT_COMMITTER_EMAIL": "a@b",
+    }
+    subprocess.run(["git", "-C", str(outer), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(outer), "commit", "-qm", "x"], check=True, env={**os.environ, **env})
+    head = subprocess.run(
+        ["git", "-C", str(outer), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    out = tmp_path / "out"
+    fake_env = {
+        "GPU_CHECK_ASSUME_GPU": "1",
+        "GPU_CHECK_PYTHON": str(fake_tools.bin_dir / "python"),
+        "GPU_CHECK_STAMP": str(tmp_path / "stamp"),
+        "FAKE_BUILDS": str(tmp_path / "builds"),
+        "REAL_PYTHON": sys.executable,
+        "PATH": f"{fake_tools.bin_dir}:{os.environ['PATH']}",
+    }
+    subprocess.run(
+        ["bash", str(outer / "proj" / "scripts" / "gpu_check.sh"), str(out), "--steps", "build"],
+        env={**os.environ, **fake_env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    summary = (out / "summary.md").read_text()
+    assert "- commit: unknown (no git history" in summary
+    assert head not in summary
 
 
 @needs_bash
@@ -325,8 +379,10 @@ def test_second_command_reuses_the_build(tmp_path, fake_tools):
         "racecheck",
         "synccheck",
         "bench",
-        "profile",
     ]
+    res, rows, _ = fake_tools("profile", tmp_path / "c")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert list(rows) == ["build", "profile"] and rows["profile"] == "pass"
     assert (tmp_path / "builds").read_text().count("built") == 1
     # Another architecture, or GPU_CHECK_REBUILD=1, builds again.
     fake_tools("sanitize", tmp_path / "c", "--steps", "build", GPU_CHECK_ARCH="8.0")

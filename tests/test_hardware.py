@@ -264,3 +264,16 @@ def test_speed_measurements_name_committed_tables():
         table = root / record.table
         assert table.is_file(), (cap, record.table)
         assert record.gpu in table.read_text()
+
+
+@pytest.mark.parametrize("cap", [(6, 1), (7, 5), (8, 0), (9, 0), (10, 0)])
+@pytest.mark.parametrize("is_verified", [False, True])
+def test_auto_leaves_sdpa_out_for_float32_on_cuda(fake_cuda, verified, cap, is_verified):
+    """PyTorch's float32 CUDA kernel misses the float32 accuracy rule: auto never takes sdpa for
+    float32 there (it still does for float16/bfloat16, and sdpa by name still runs)."""
+    fake_cuda["cap"] = cap
+    verified(is_verified)
+    order = hardware.recommended_backends("cuda", torch.float32, 64)
+    assert "sdpa" not in order and order[-1] == "manual"
+    assert ("native" in order) == is_verified
+    assert "sdpa" in hardware.recommended_backends("cuda", torch.float16, 64)

@@ -11,8 +11,20 @@ CUDA, best first (:func:`cuda_kernel`; which one runs is logged once and shown b
 * ``efficient``: ``aten._scaled_dot_product_efficient_attention`` (float32, older GPUs).
 
 All three take batch, sequence and head strides as they come (last dimension contiguous), so the
-driver hands them strided views. Key/value heads are repeated (stride 0) for grouped-query
-attention.
+driver hands them strided views; a view whose last dimension is not contiguous is copied first.
+Key/value heads are repeated for grouped-query attention.
+
+cuDNN's backward needs more than that. PyTorch caches one cuDNN graph per shape and strides of q,
+k and v, and the graph bakes in the strides of ``out``, ``dout`` and the statistics it was first
+built with: a later call with the same q, k, v layout but another layout of ``out`` or ``dout``
+runs the cached graph, which reads them with the first call's strides (wrong gradients, or reads
+outside the tensors). So the backward always hands cuDNN ``out`` and ``dout`` contiguous in the
+(B, H, M, D) layout and the statistics in the layout the forward returned, all three a function
+of the shapes alone (:func:`cudnn_backward_layouts`).
+
+A call of one row and one key (a branch's tail segment of one position) runs no kernel: cuDNN
+refuses it (``s_q = s_kv = 1 is not supported``) and its result is exact in closed form, ``out =
+v`` and ``lse = scale (q . k)`` (:func:`one_key_forward`, :func:`one_key_backward`).
 
 CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` forward. Its backward computes the
 probabilities with an approximate exponential, which misses the float32 accuracy rule (SPEC
@@ -27,7 +39,15 @@ import logging
 
 import torch
 
-__all__ = ["cpu_exact_backward", "cuda_backward", "cuda_forward", "cuda_kernel"]
+__all__ = [
+    "cpu_exact_backward",
+    "cuda_backward",
+    "cuda_forward",
+    "cuda_kernel",
+    "cudnn_backward_layouts",
+    "one_key_backward",
+    "one_key_forward",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +113,51 @@ def _heads(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x.contiguous() if h > 1 and x.stride(2) == 0 else x
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with its last dimension contiguous, as every fused operator reads it (a copy otherwise)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _is_one_key(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return q.shape[1] == 1 and k.shape[1] == 1
+
+
+def one_key_forward(q, k, v, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (Bb, 1, h, D) in q's dtype, lse (Bb, h, 1) float32) of a call of one row and one key:
+    the one weight is 1, so ``out = v`` and ``lse = scale (q . k)``, in float32."""
+    kh = _heads(q, k).float()
+    s = (q.float() * kh).sum(-1) * scale  # (Bb, 1, h)
+    return _heads(q, v).to(q.dtype), s.transpose(1, 2).contiguous()
+
+
+def one_key_backward(dout, q, k, v, out, lse, *, scale: float):
+    """(dq, dk, dv) (h heads each, float32) of a call of one row and one key fed the merged
+    ``out`` and ``lse`` (Bb, h, >= 1): ``P = exp(scale (q . k) - lse)``, ``dv = P dout``,
+    ``dS = P (dout . v - dout . out)``, ``dq = scale dS k``, ``dk = scale dS q``."""
+    qf, kf, vf = q.float(), _heads(q, k).float(), _heads(q, v).float()
+    dof = dout.float()
+    s = (qf * kf).sum(-1, keepdim=True) * scale  # (Bb, 1, h, 1)
+    p = torch.exp(s - lse[..., :1].transpose(1, 2).unsqueeze(-1).float())
+    ds = p * ((dof * vf).sum(-1, keepdim=True) - (dof * out.float()).sum(-1, keepdim=True))
+    return ds * kf * scale, ds * qf * scale, p * dof
+
+
+def cudnn_backward_layouts(out: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` and ``dout`` (B, H, M, D) as cuDNN's backward gets them: contiguous, so that their
+    strides follow from the shapes alone. PyTorch keys its cache of cuDNN backward graphs on the
+    shapes and strides of q, k and v only, while a graph bakes in the strides of ``out`` and
+    ``dout``; two calls whose q, k, v agree but whose ``out`` or ``dout`` are laid out differently
+    would otherwise share a graph that reads the second call's tensors with the first call's
+    strides."""
+    return out.contiguous(), dout.contiguous()
+
+
 def cuda_forward(q, k, v, *, is_causal: bool, scale: float):
     """(out (Bb, m, h, D), lse (Bb, h, >= m) float32, extra) on the chosen CUDA operator."""
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    if _is_one_key(q, k):
+        out, lse = one_key_forward(q, k, v, scale=scale)
+        return out, lse, ("one-key",)
     kind = cuda_kernel(q.device, q.dtype, int(q.shape[-1]))
     _log(kind, q)
     k, v = _heads(q, k), _heads(q, v)
@@ -132,17 +195,25 @@ def _cudnn_stats(lse: torch.Tensor, layout: tuple) -> torch.Tensor:
 def cuda_backward(dout, q, k, v, out, lse, extra, *, is_causal: bool, scale: float):
     """(dq, dk, dv) of one call on the operator its forward ran on, fed ``out`` and ``lse``."""
     hk = k.shape[2]
+    dout, q, k, v, out = _rows(dout), _rows(q), _rows(k), _rows(v), _rows(out)
+    kind = extra[0]
+    if kind == "one-key":
+        dq, dk, dv = one_key_backward(dout, q, k, v, out, lse, scale=scale)
+        if hk != q.shape[2]:
+            dk = dk.unflatten(2, (hk, -1)).sum(3)
+            dv = dv.unflatten(2, (hk, -1)).sum(3)
+        return dq, dk, dv
     ke, ve = _heads(q, k), _heads(q, v)
     aten = _aten()
-    kind = extra[0]
     if kind == "cudnn":
         cq, ck, mq, mk, seed, offset, layout = extra[1:]
+        o_bhmd, do_bhmd = cudnn_backward_layouts(_t(out), _t(dout))
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-            _t(dout),
+            do_bhmd,
             _t(q),
             _t(ke),
             _t(ve),
-            _t(out),
+            o_bhmd,
             _cudnn_stats(lse, layout),
             seed,
             offset,

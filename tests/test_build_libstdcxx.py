@@ -1,0 +1,87 @@
+"""The extension uses the process's one libstdc++ (scripts/check_libstdcxx.py): a copy of libstdc++
+linked into it breaks the numbers in its error messages, and crashed the process on a refused call
+on a GPU machine. No GPU needed: the check reads the built library, and the link rule is tried on a
+small library built here with the same flags."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import check_libstdcxx  # noqa: E402
+
+needs_binutils = pytest.mark.skipif(
+    shutil.which("readelf") is None or shutil.which("nm") is None, reason="needs binutils (readelf, nm)"
+)
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+
+_SOURCE = """
+#include <sstream>
+#include <string>
+std::string message(long x) { std::ostringstream s; s << "got " << x; return s.str(); }
+"""
+
+
+def _library(tmp_path, *flags: str) -> str:
+    src = tmp_path / "m.cpp"
+    src.write_text(_SOURCE)
+    out = str(tmp_path / f"m{abs(hash(flags))}.so")
+    subprocess.run(["g++", "-shared", "-fPIC", str(src), *flags, "-o", out], check=True, capture_output=True)
+    return out
+
+
+@needs_binutils
+def test_the_built_extension_uses_the_shared_libstdcxx():
+    import dilated_attention._ops as ops
+
+    libs = glob.glob(os.path.join(os.path.dirname(ops.__file__), "_C*.so"))
+    assert libs, "no built extension next to dilated_attention/_ops.py"
+    for lib in libs:
+        assert check_libstdcxx.problems(lib) == [], lib
+
+
+@needs_binutils
+@needs_gxx
+def test_a_static_libstdcxx_is_found(tmp_path):
+    found = check_libstdcxx.problems(_library(tmp_path, "-static-libstdc++"))
+    assert found and any("not among its needed libraries" in f for f in found)
+    assert any("locale/stream symbols" in f for f in found)
+    assert check_libstdcxx.problems(_library(tmp_path)) == []
+
+
+@needs_binutils
+@needs_gxx
+def test_the_link_rule_keeps_libstdcxx_shared_under_a_static_flag(tmp_path):
+    """What setup.py links with keeps libstdc++ shared even where -static-libstdc++ comes from
+    LDFLAGS or the toolchain."""
+    args = check_libstdcxx.link_args()
+    assert args, "Linux builds get the link rule"
+    assert check_libstdcxx.problems(_library(tmp_path, *args, "-static-libstdc++")) == []
+
+
+def test_refused_calls_keep_their_numbers_call_after_call():
+    """A refused call raises with the values it names, every time (the second refused call is the
+    one that crashed with a copy of libstdc++ inside the extension)."""
+    code = (
+        "import torch, dilated_attention\n"
+        "q = torch.randn(1, 8, 2, 257)\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        torch.ops.dilated_attention.fwd(q, q, q, [8], [1], False, 0.1, False, 0.0, 0, 0)\n"
+        "    except RuntimeError as e:\n"
+        "        print(str(e).splitlines()[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3 and all(
+        line.endswith("head dim must be in [1, 256], got 257") for line in lines
+    ), lines
+
