@@ -15,6 +15,7 @@ import torch.nn as nn
 from .. import _validation as V
 from .._warnings import LayoutWarning, warn_once
 from ._options import check_embed_heads, pick, resolve_dtype
+from ._script import NotScriptable
 from .dilated import DilatedAttention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
@@ -46,7 +47,7 @@ def _check_causal_mask(mask: Any, batch_heads: int, N: int) -> None:
         )
 
 
-class MultiheadDilatedAttention(nn.Module):
+class MultiheadDilatedAttention(NotScriptable, nn.Module):
     """Multi-head dilated attention with ``nn.MultiheadAttention(batch_first=True)``'s argument names.
 
     **Not a drop-in for nn.MultiheadAttention**: its ``key_padding_mask`` reads **True as a real

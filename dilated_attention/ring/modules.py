@@ -22,6 +22,7 @@ from ..backends import BackendSelector, check_backend_name
 from ..flops import accumulation_dtype
 from ..functional import _attention
 from ..merge import merge
+from ..modules._script import NotScriptable
 from . import mode_all_gather, mode_ring
 from .consistency import ConsistencyCheck, fingerprint
 from .geometry import LAYOUTS, Plan, make_layout
@@ -45,7 +46,7 @@ _FIELD_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-class RingDilatedAttention(nn.Module):
+class RingDilatedAttention(NotScriptable, nn.Module):
     """Dilated attention with the sequence split across the ranks of a process group.
 
     Each rank calls ``forward`` with its positions ``(B, N/P, H, D)`` of q, k and v (use
