@@ -301,6 +301,15 @@ def test_mhda_bad_inputs():
         assert m(x)[0].dtype == torch.bfloat16
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_mhda_refuses_nested_inputs_by_name():
+    """A nested tensor gets the TypeError of the package, not PyTorch's internal error about sizes."""
+    m = MultiheadDilatedAttention(8, 2, segment_lengths=[8], dilation_rates=[1])
+    x = torch.nested.nested_tensor([torch.randn(8, 8), torch.randn(6, 8)])
+    with pytest.raises(TypeError, match=r"query must be a dense .* nested tensor; .* key_padding_mask"):
+        m(x, x, x)
+
+
 def test_functional_refuses_nested_sparse_and_meta_mask():
     """Tensors the kernels cannot read are refused by the package, not by PyTorch's internals."""
     x = torch.randn(1, 8, 2, 4)
