@@ -8,12 +8,12 @@ TRANSFORMERS_SPEC ?= transformers>=5.0,<5.25
 .PHONY: help deps install lint typecheck format test test-slow train longcontext bench cuda-check gpu-check dist dist-check clean
 
 help:
-	@echo "make install     build and install the package (editable) into the current Python"
+	@echo "make install     install $(TORCH_SPEC), transformers, matplotlib and pytest, then build and install the package (editable) into the current Python"
 	@echo "make lint        check formatting, lint and types (ruff, clang-format, mypy), changing nothing"
 	@echo "make typecheck   type-check the package (mypy)"
 	@echo "make format      format the Python and C/C++/CUDA sources in place"
-	@echo "make test        run the test suite"
-	@echo "make train       train the example GPT on the bundled corpus, then sample from it"
+	@echo "make test        run the test suite (the long sweeps and slow compile cases: make test-slow)"
+	@echo "make train       train the example GPT on a corpus made from this machine's Python standard library sources, then sample from it"
 	@echo "make longcontext  train the recall task with dilated, local and dense attention; table and plot"
 	@echo "make bench       CPU benchmark of every backend against the alternatives"
 	@echo "make cuda-check  compile the CUDA kernels, and check they assemble for sm_60/61 (no GPU needed)"
@@ -21,9 +21,12 @@ help:
 	@echo "make dist        build the source distribution and a wheel into dist/"
 	@echo "make dist-check  build the sdist, build a wheel from it in a fresh venv, install it there and import it"
 
-# One pip call (one resolution: each call costs seconds even when everything is installed).
+# One pip call (one resolution: each call costs seconds even when everything is installed). Not
+# quiet: in a fresh environment it downloads gigabytes, and pip's progress is the only sign of life.
 deps:
-	$(PYTHON) -m pip install -q "$(TORCH_SPEC)" "setuptools>=77" wheel ninja build tqdm numpy pytest expecttest \
+	@echo "make install: installing $(TORCH_SPEC) (the CUDA build: about 5.7 GB installed in a fresh" \
+		"environment, minutes to download), $(TRANSFORMERS_SPEC), matplotlib, pytest and the build tools"
+	$(PYTHON) -m pip install "$(TORCH_SPEC)" "setuptools>=77" wheel ninja build tqdm numpy pytest expecttest \
 		matplotlib "$(TRANSFORMERS_SPEC)"
 
 # The formatters' versions are pinned: another version may format the same code differently.
@@ -35,6 +38,7 @@ C_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh
 # Without a GPU (and without TORCH_CUDA_ARCH_LIST or FORCE_CUDA=1) this builds the CPU kernels only
 # (setup.py); the last line says what was built and how to get the rest.
 install: deps
+	@echo "make install: compiling the kernels (a minute or two for the CPU kernels; longer with the CUDA kernels)"
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 	@$(PYTHON) -c "$$BUILT_REPORT"
 

@@ -68,17 +68,20 @@ def normalize_branches(segment_lengths: Any, dilation_rates: Any) -> tuple[list[
     return segs, rates
 
 
-def check_qkv(q: Any, k: Any, v: Any) -> None:
-    """Check that q (B, N, Hq, D), k and v (B, N, Hkv, D) agree in type, dtype, device and shape."""
+_RAGGED_HINT = "for sequences of different lengths use dilated_attention_varlen or key_padding_mask"
+
+
+def check_qkv(q: Any, k: Any, v: Any, ragged_hint: str = _RAGGED_HINT) -> None:
+    """Check that q (B, N, Hq, D), k and v (B, N, Hkv, D) agree in type, dtype, device and shape.
+
+    ``ragged_hint`` ends the error for a nested (or otherwise non-strided) tensor: what the caller
+    takes for sequences of different lengths."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.is_nested or t.layout != torch.strided:
             kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-            raise TypeError(
-                f"{name} must be a dense (strided) tensor, got {kind}; for sequences of different "
-                "lengths use dilated_attention_varlen or key_padding_mask"
-            )
+            raise TypeError(f"{name} must be a dense (strided) tensor, got {kind}; {ragged_hint}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, N, H, D), got shape {tuple(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:

@@ -8,7 +8,12 @@ segment at the phases of the heads that read it. Pass it to ``generate()`` of a 
 
     import dilated_attention.transformers_cache as dtc
 
-    out = model.generate(ids, attention_mask=mask, past_key_values=dtc.BoundedDilatedCache(model.config))
+    out = model.generate(ids, attention_mask=mask, cache=dtc.BoundedDilatedCache(model.config))
+
+``cache=`` is the name transformers 5.24 gives ``generate()``'s cache argument; earlier versions call
+it ``past_key_values=`` (which 5.24 still takes, with a ``FutureWarning``).
+:data:`GENERATE_CACHE_KWARG` is the name the installed version takes:
+``model.generate(ids, **{dtc.GENERATE_CACHE_KWARG: cache})``.
 
 The model's attention layer calls the cache's ``update`` with the new keys and values; the layer
 does not return the whole sequence (it does not keep it) but marks the new keys, and the attention
@@ -24,6 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -31,7 +38,17 @@ from . import transformers as _hf
 from ._hf.layers import describe
 from .decode.bounded import BoundedDilatedKVCache
 
-__all__ = ["BoundedDilatedCache", "BoundedDilatedLayer"]
+__all__ = ["GENERATE_CACHE_KWARG", "BoundedDilatedCache", "BoundedDilatedLayer"]
+
+
+def _generate_cache_kwarg(version: str) -> str:
+    """The name of ``generate()``'s cache argument in transformers ``version``: ``"cache"`` from
+    5.24 on (``past_key_values`` is deprecated there), ``"past_key_values"`` before."""
+    return "cache" if Version(version).release >= (5, 24) else "past_key_values"
+
+
+#: The keyword under which the installed transformers' ``generate()`` takes a cache.
+GENERATE_CACHE_KWARG: str = _generate_cache_kwarg(transformers.__version__)
 
 _MARK = "_dilated_attention_bounded_layer"
 

@@ -67,11 +67,37 @@ def load_script(path: Path):
     return mod
 
 
+# What to do about each reason setup.py records for building no CUDA kernels (_build_info.json).
+_CUDA_BUILD_HINTS = {
+    "no GPU visible": "the build saw no GPU; reinstall with TORCH_CUDA_ARCH_LIST (e.g. "
+    '"9.0" for H100) or FORCE_CUDA=1 for every architecture',
+    "DILATED_ATTENTION_CPU_ONLY=1": "reinstall without DILATED_ATTENTION_CPU_ONLY",
+    "no nvcc with a CUDA-enabled torch": "reinstall with nvcc on PATH and a CUDA build of torch",
+}
+
+
+def cuda_build_reason() -> str:
+    """Why the installed extension has no CUDA kernels, from what setup.py recorded beside it
+    (``_build_info.json``'s ``cuda_arch_reason``), and how to build them."""
+    from dilated_attention import _ops
+
+    info = _ops._build_info(_ops._C) if _ops._C is not None else None
+    if info is None:
+        return "the extension is not loaded or has no _build_info.json: reinstall it (make install)"
+    archs, why = info.get("cuda_arch_list"), info.get("cuda_arch_reason", "unknown")
+    if archs:
+        return f"built for {archs} ({why}) without this op's CUDA kernels: a stale build? reinstall it"
+    hint = _CUDA_BUILD_HINTS.get(why, "see docs/environment.md")
+    return f"built with the CPU kernels only ({why}): {hint}"
+
+
 def needs_cuda_kernels(built: bool) -> pytest.MarkDecorator:
     """Skips a test without a CUDA GPU or without the extension's CUDA kernels (``built``: whether
-    the op the test calls has them), saying which is missing."""
-    return pytest.mark.skipif(
-        not (torch.cuda.is_available() and built),
-        reason="needs a CUDA GPU and the extension built with its CUDA kernels"
-        + ("" if built else " (this build has none: reinstall with nvcc present or FORCE_CUDA=1)"),
-    )
+    the op the test calls has them), saying which is missing and, for the kernels, why the build
+    has none."""
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append("a CUDA GPU (none is visible)")
+    if not built:
+        missing.append(f"the extension's CUDA kernels ({cuda_build_reason()})")
+    return pytest.mark.skipif(bool(missing), reason="needs " + " and ".join(missing))

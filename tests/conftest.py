@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dilated_attention import hardware
@@ -25,3 +27,17 @@ def fake_gpu(monkeypatch):
     )
     monkeypatch.setattr(hardware, "device_unavailable", lambda device=None: None)
     return state
+
+
+SLOW = os.environ.get("DILATED_ATTENTION_SLOW") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (long sweeps, slow compile cases) are skipped unless
+    DILATED_ATTENTION_SLOW=1 (``make test-slow``); a fast case of each capability stays."""
+    if SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow: set DILATED_ATTENTION_SLOW=1 (make test-slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

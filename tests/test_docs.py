@@ -59,6 +59,9 @@ def test_python_block_runs_on_its_own(name: str, code: str, skip: str | None):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the blocks show warnings on purpose (fallbacks)
+            # but not a deprecated argument of a library (transformers' generate(past_key_values=)):
+            # a pasted block should not warn that it is out of date
+            warnings.filterwarnings("error", message=r".*\bdeprecated\b", category=FutureWarning)
             exec(compiled, {"__name__": "__docs__"})
     finally:
         torch.set_num_threads(threads)

@@ -141,6 +141,36 @@ def test_compiles_fullgraph():
     assert torch.isfinite(q.grad).all()
 
 
+def _scriptable_candidates() -> dict[str, torch.nn.Module]:
+    from dilated_attention import DropInMultiheadAttention, RingDilatedAttention
+
+    layer = torch.nn.TransformerEncoderLayer(32, 4, batch_first=True)
+    layer.self_attn = DropInMultiheadAttention.from_torch(layer.self_attn, [8], [1])
+    return {
+        "DilatedAttention": DilatedAttention([8], [1]),
+        "MultiheadDilatedAttention": MultiheadDilatedAttention(
+            32, 4, segment_lengths=[8], dilation_rates=[1]
+        ),
+        "DropInMultiheadAttention": DropInMultiheadAttention(32, 4, segment_lengths=[8], dilation_rates=[1]),
+        "RingDilatedAttention": RingDilatedAttention([8], [1]),
+        "in nn.Sequential": torch.nn.Sequential(DilatedAttention([8], [1])),
+        "in nn.TransformerEncoderLayer": layer,
+    }
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script's own deprecation
+@pytest.mark.parametrize("case", list(_scriptable_candidates()))
+def test_torch_jit_script_is_refused_by_name(case):
+    """torch.jit.script of a module, or of a model holding one, names torch.jit.script and the
+    alternatives instead of failing inside TorchScript ("Unknown type annotation")."""
+    module = _scriptable_candidates()[case]
+    name = case if not case.startswith("in ") else "DilatedAttention|DropInMultiheadAttention"
+    with pytest.raises(
+        RuntimeError, match=rf"({name}) cannot be compiled by torch.jit.script.*torch.compile"
+    ):
+        torch.jit.script(module)
+
+
 # ----------------------------------------------------------------------------------------------
 # MultiheadDilatedAttention
 # ----------------------------------------------------------------------------------------------
@@ -269,6 +299,15 @@ def test_mhda_bad_inputs():
         m(x.double())
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts at each projection
         assert m(x)[0].dtype == torch.bfloat16
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_mhda_refuses_nested_inputs_by_name():
+    """A nested tensor gets the TypeError of the package, not PyTorch's internal error about sizes."""
+    m = MultiheadDilatedAttention(8, 2, segment_lengths=[8], dilation_rates=[1])
+    x = torch.nested.nested_tensor([torch.randn(8, 8), torch.randn(6, 8)])
+    with pytest.raises(TypeError, match=r"query must be a dense .* nested tensor; .* key_padding_mask"):
+        m(x, x, x)
 
 
 def test_functional_refuses_nested_sparse_and_meta_mask():

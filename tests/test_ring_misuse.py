@@ -299,6 +299,22 @@ def test_without_process_group_equals_local_op():
         assert_within_rule("single", a, e, e, torch.float64)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_inputs_are_refused_naming_what_the_ring_takes():
+    """The ring modules take no padding mask: a nested tensor's error says so, and does not send
+    the user to a key_padding_mask (or packed sequences) that they do not take."""
+    nt = torch.nested.nested_tensor([torch.randn(8, 2, 4), torch.randn(6, 2, 4)])
+    with pytest.raises(
+        TypeError, match=r"q must be a dense .* nested tensor; RingDilatedAttention takes no"
+    ) as e:
+        RingDilatedAttention([8], [1])(nt, nt, nt)
+    assert "use dilated_attention_varlen or key_padding_mask" not in str(e.value)
+    x = torch.nested.nested_tensor([torch.randn(8, 8), torch.randn(6, 8)])
+    mha = RingMultiheadDilatedAttention(8, 2, [8], [1])
+    with pytest.raises(TypeError, match=r"query must be a dense .* RingMultiheadDilatedAttention takes no"):
+        mha(x, x, x)
+
+
 def test_spec_configurations_construct_and_run():
     device = torch.device("cpu")
     module = RingDilatedAttentionV2Collective(

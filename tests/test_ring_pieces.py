@@ -235,6 +235,46 @@ def test_piece_op_gradcheck_and_opcheck(device):
     torch.library.opcheck(torch.ops.dilated_attention.piece_fwd.default, (q, k, v, True, 4, 0.5))
 
 
+def _on_meta(x: torch.Tensor) -> torch.Tensor:
+    return x.to("meta")
+
+
+@needs_piece_op
+@pytest.mark.parametrize("mode", ["meta", "fake"])
+@pytest.mark.parametrize("dtype", DTYPES[:3], ids=str)
+@pytest.mark.parametrize("causal,offset", [(False, 0), (True, 5), (True, -(2**63))])
+@pytest.mark.parametrize("float64_lse", [False, True])
+def test_piece_op_on_meta_and_fake_tensors(mode, dtype, causal, offset, float64_lse):
+    """The raw ops on meta tensors and under FakeTensorMode read no values: out, lse and the
+    gradients have the shapes, dtypes and devices of the CPU kernels', also through autograd."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, nq, nk, Hq, Hkv, D = 2, 6, 9, 4, 2, 8
+    q, k, v, dout, dlse = _piece_inputs(B, nq, nk, Hq, Hkv, D)
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    ops = torch.ops.dilated_attention
+    real = ops.piece_fwd(q, k, v, causal, offset, 0.5, float64_lse)
+    dlse = dlse.to(real[1].dtype)
+    real_grads = ops.piece_bwd(dout, q, k, v, *real, dlse, causal, offset, 0.5)
+    if mode == "meta":
+        convert, device, context = _on_meta, "meta", None
+    else:
+        context = FakeTensorMode()
+        convert, device = context.from_tensor, "cpu"
+    with context if context is not None else torch.no_grad():
+        q, k, v, dout, dlse = (convert(t) for t in (q, k, v, dout, dlse))
+        out, lse = ops.piece_fwd(q, k, v, causal, offset, 0.5, float64_lse)
+        grads = ops.piece_bwd(dout, q, k, v, out, lse, dlse, causal, offset, 0.5)
+        for a, e in zip((out, lse, *grads), (*real, *real_grads), strict=True):
+            assert (a.shape, a.dtype, a.device.type) == (e.shape, e.dtype, device)
+    with context if context is not None else torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = _ops.piece_forward(*leaves, causal, offset, 0.5, float64_lse)
+        grads = torch.autograd.grad((out * dout).sum() + lse.sum(), leaves)
+        for a, e in zip(grads, leaves, strict=True):
+            assert (a.shape, a.dtype, a.device.type) == (e.shape, e.dtype, device)
+
+
 @needs_piece_op
 def test_piece_op_bad_inputs_raise():
     q, k, v, _, _ = _piece_inputs(1, 4, 5, 2, 2, 8)

@@ -101,7 +101,8 @@ def test_compile_matches_eager_without_host_timers(cluster4):
     for got in cluster4.run(compiled, "all_gather"):
         assert got["diff"] < 1e-12, got
         assert not any("perf_counter" in r for r in got["reasons"]), got["reasons"]
-        assert got["breaks"] <= 1, got  # the spanning pieces' node runs eagerly (docs)
+        # inputs without gradients: the one break is the consistency check's host read (docs)
+        assert got["breaks"] <= 1, got
 
 
 def _tiny_model(E: int, H: int, group_args: dict) -> torch.nn.Module:

@@ -98,13 +98,15 @@ def write(
     """dst (B, N, H, E) with the elements of ``view(dst[sl], call, s)`` set to ``val`` (``add``:
     increased by it); returns the result.
 
-    In place (returning dst), except while torch.compile or torch.export traces: there it is
-    computed out of place by ``index_copy``/``index_add`` over dst's rows and a new tensor is
-    returned. PyTorch's functionalization writes a mutated ``unfold`` view back as if its windows
-    covered the whole dimension, so the positions between or after the windows came back zero
-    (wrong outputs of the gather backends under torch.compile, for a branch with r >= Hq beside
-    another), and it refuses mutations through an ``as_strided`` view."""
-    if not torch.compiler.is_compiling():
+    In place (returning dst), except while torch.compile or torch.export traces, or under
+    ``torch.func.vmap``: there it is computed out of place by ``index_copy``/``index_add`` over
+    dst's rows and a new tensor is returned. PyTorch's functionalization writes a mutated
+    ``unfold`` view back as if its windows covered the whole dimension, so the positions between
+    or after the windows came back zero (wrong outputs of the gather backends under torch.compile,
+    for a branch with r >= Hq beside another), and it refuses mutations through an ``as_strided``
+    view. Under vmap, ``val`` may be batched where ``dst`` is not (dst built from an unbatched q,
+    val computed from a batched k or v), which an in-place write cannot store."""
+    if not torch.compiler.is_compiling() and not _under_vmap():
         target = view(dst[sl], call, s)
         if add:
             target.add_(val)
@@ -117,6 +119,14 @@ def write(
     flat, src = dst.reshape(B * N * H, E), val.reshape(-1, E).to(dst.dtype)
     flat = flat.index_add(0, index, src) if add else flat.index_copy(0, index, src)
     return flat.view(B, N, H, E)
+
+
+def _under_vmap() -> bool:
+    """Whether ``torch.func.vmap`` (at any level, also around ``grad`` or ``vjp``) is running."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
 def batches(call: Call, B: int, N: int) -> list[slice]:

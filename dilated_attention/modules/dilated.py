@@ -19,11 +19,12 @@ from .._core import _attention, _attention_varlen
 from .._padding import PackedRows, StaticRows, check_padding_mask, has_no_data, pack_padding_mask
 from ..backends import BackendSelector, check_backend_name
 from ._options import check_ordering, hilbert_permutation
+from ._script import NotScriptable
 
 __all__ = ["DilatedAttention"]
 
 
-class DilatedAttention(nn.Module):
+class DilatedAttention(NotScriptable, nn.Module):
     """LongNet dilated attention on already projected heads (no parameters).
 
     Args:

@@ -16,6 +16,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from .. import _validation as V
 from ._dense import dense_dilated_attention
 from ._options import check_embed_heads, pick, resolve_dtype
+from ._script import NotScriptable
 from ._torch_masks import causal_from_attn_mask, real_tokens_from_torch_mask
 from .dilated import DilatedAttention
 
@@ -30,7 +31,7 @@ def _width(value: Any, name: str, default: int) -> int:
     return int(value)
 
 
-class DropInMultiheadAttention(nn.Module):
+class DropInMultiheadAttention(NotScriptable, nn.Module):
     """A drop-in for ``nn.MultiheadAttention`` that attends with LongNet's dilated pattern.
 
     **Masks follow torch, not this library's other modules**: in ``key_padding_mask``, bool

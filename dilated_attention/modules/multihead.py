@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -15,6 +15,7 @@ import torch.nn as nn
 from .. import _validation as V
 from .._warnings import LayoutWarning, warn_once
 from ._options import check_embed_heads, pick, resolve_dtype
+from ._script import NotScriptable
 from .dilated import DilatedAttention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
@@ -46,7 +47,7 @@ def _check_causal_mask(mask: Any, batch_heads: int, N: int) -> None:
         )
 
 
-class MultiheadDilatedAttention(nn.Module):
+class MultiheadDilatedAttention(NotScriptable, nn.Module):
     """Multi-head dilated attention with ``nn.MultiheadAttention(batch_first=True)``'s argument names.
 
     **Not a drop-in for nn.MultiheadAttention**: its ``key_padding_mask`` reads **True as a real
@@ -99,6 +100,11 @@ class MultiheadDilatedAttention(nn.Module):
     # Separate q/k/v projections: torch's transformer layers skip their fused dense fast path and
     # call forward, whose checks then apply in train and eval mode alike.
     _qkv_same_embed_dim = False
+    # The end of the error for a nested query, key or value: what takes sequences of different lengths.
+    _ragged_hint: ClassVar[str] = (
+        "for sequences of different lengths pad them to one length and pass key_padding_mask "
+        "(True = a real token)"
+    )
     embed_dim: int
     num_heads: int
     head_dim: int
@@ -244,6 +250,9 @@ class MultiheadDilatedAttention(nn.Module):
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.is_nested or t.layout != torch.strided:
+                kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+                raise TypeError(f"{name} must be a dense (strided) tensor, got {kind}; {self._ragged_hint}")
             if t.dim() not in (2, 3) or t.shape[-1] != self.embed_dim:
                 raise ValueError(
                     f"{name} must be (B, N, {self.embed_dim}) or (N, {self.embed_dim}), "

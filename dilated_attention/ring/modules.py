@@ -22,6 +22,7 @@ from ..backends import BackendSelector, check_backend_name
 from ..flops import accumulation_dtype
 from ..functional import _attention
 from ..merge import merge
+from ..modules._script import NotScriptable
 from . import mode_all_gather, mode_ring
 from .consistency import ConsistencyCheck, fingerprint
 from .geometry import LAYOUTS, Plan, make_layout
@@ -45,7 +46,14 @@ _FIELD_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-class RingDilatedAttention(nn.Module):
+# The end of the error for a nested q, k or v: the ring takes neither a padding mask nor packed rows.
+_RAGGED_HINT = (
+    "RingDilatedAttention takes no padding mask and no packed sequences: give every rank its "
+    "(B, N/P, H, D) shard of sequences of one length N"
+)
+
+
+class RingDilatedAttention(NotScriptable, nn.Module):
     """Dilated attention with the sequence split across the ranks of a process group.
 
     Each rank calls ``forward`` with its positions ``(B, N/P, H, D)`` of q, k and v (use
@@ -238,7 +246,7 @@ class RingDilatedAttention(nn.Module):
         Returns:
             out (B, N/P, Hq, D) in q's dtype, or ``(out, lse)``.
         """
-        V.check_qkv(q, k, v)
+        V.check_qkv(q, k, v, ragged_hint=_RAGGED_HINT)
         is_causal = V.check_bool(is_causal, "is_causal")
         return_lse = V.check_bool(return_lse, "return_lse")
         scale = V.check_scale_for_dtype(V.resolve_scale(self.softmax_scale, q.shape[-1]), q.dtype)

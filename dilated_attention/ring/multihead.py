@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -111,6 +111,10 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     # The ring module takes the place of the base class's DilatedAttention (same attributes and
     # forward(q, k, v, is_causal); no key_padding_mask, which the base's forward checks for).
     attention: RingDilatedAttention  # type: ignore[assignment]
+    _ragged_hint: ClassVar[str] = (
+        "RingMultiheadDilatedAttention takes no key_padding_mask and no packed sequences: give every "
+        "rank its (B, N/P, E) shard of sequences of one length N"
+    )
 
     def __init__(
         self,
