@@ -266,3 +266,53 @@ def test_dense_cross_attention_when_opted_in_equals_sdpa(padded):
     torch.testing.assert_close(torch.stack(ga.scores), torch.stack(gb.scores), rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="'refuse' or 'dense', got 'sparse'"):
         dt.cross_attention_mode(type("C", (), {"dilated_attention": {"cross_attention": "sparse"}})())
+
+
+def _attention_free_config(arch: str):
+    if arch == "mamba":
+        return transformers.MambaConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=4, expand=2
+        )
+    return transformers.RwkvConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        attention_hidden_size=32,
+        intermediate_size=64,
+        context_length=32,
+    )
+
+
+@pytest.mark.parametrize("arch,cls", [("mamba", "MambaModel"), ("rwkv", "RwkvModel")])
+def test_models_without_attention_layers_are_refused_by_name(arch, cls, monkeypatch):
+    """Mamba and RWKV compute no attention: an attention implementation changes nothing in them
+    (no layer ever calls it, as a function registered under another name shows). Built with or
+    switched to dilated attention, they are refused naming the class, as models whose layers
+    bypass the interface are."""
+    cfg = _attention_free_config(arch)
+    match = rf"{cls} \(model type '{arch}'\) cannot run attn_implementation='dilated_attention': it has no attention layer"
+    with pytest.raises(ValueError, match=match):
+        transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=dt.NAME)
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    with pytest.raises(
+        ValueError, match=r"ForCausalLM \(model type '" + arch + r"'\) cannot run.*no attention layer"
+    ):
+        model.set_attn_implementation(dt.NAME)
+    assert model.config._attn_implementation != dt.NAME
+    calls: list = []
+    sdpa = transformers.AttentionInterface._global_mapping["sdpa"]
+    probe = "dilated_attention_test_attention_free"
+    monkeypatch.setitem(
+        transformers.AttentionInterface._global_mapping,
+        probe,
+        lambda *a, **k: calls.append(1) or sdpa(*a, **k),
+    )
+    monkeypatch.setitem(
+        transformers.masking_utils.AttentionMaskInterface._global_mapping,
+        probe,
+        transformers.masking_utils.AttentionMaskInterface._global_mapping["sdpa"],
+    )
+    other = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=probe)
+    with torch.no_grad():
+        other(torch.randint(0, V, (1, 8)))
+    assert not calls  # what the refusal is about: no layer would call the registered function

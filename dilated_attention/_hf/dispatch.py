@@ -7,7 +7,8 @@ would then run its own dense attention while its config reports dilated attentio
 inside with a ``KeyError``. :func:`install` wraps ``PreTrainedModel.get_correct_attn_implementation``
 (called before a model's layers are built), ``post_init`` (which every model's constructor calls
 last) and ``set_attn_implementation`` so that a model with an attention layer
-that computes attention itself instead of dispatching through ``ALL_ATTENTION_FUNCTIONS`` is
+that computes attention itself instead of dispatching through ``ALL_ATTENTION_FUNCTIONS``, or a
+model with no attention layer at all (Mamba, RWKV: the implementation would change nothing), is
 refused by name. Models given another implementation pass through untouched.
 """
 
@@ -84,10 +85,49 @@ def class_problem(cls: type) -> str | None:
     return None
 
 
+@functools.cache
+def _module_dispatches(module_name: str) -> bool:
+    """Whether the source of the module ``module_name`` reads :data:`_INTERFACE` (True where the
+    source cannot be read: the check then lets the model through rather than refuse it blind)."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return True
+    try:
+        return _INTERFACE in inspect.getsource(module)
+    except (OSError, TypeError):
+        return True
+
+
+def _model_code(module_name: str) -> bool:
+    """Whether ``module_name`` holds a model's own code: a module of ``transformers.models`` or one
+    outside transformers and torch (remote code), not the shared machinery (``modeling_utils``
+    defines the interface itself)."""
+    if module_name.startswith("transformers."):
+        return module_name.startswith("transformers.models.")
+    return module_name.split(".")[0] not in ("torch", "builtins")
+
+
+def _no_attention_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model`` has no attention layer for a registered function to run, or None: no module
+    that defines one of its classes (the model's and its submodules') reads :data:`_INTERFACE`.
+    Recurrent and state-space models (Mamba, Mamba2, FalconMamba, RWKV, xLSTM) have none, so an
+    attention implementation changes nothing in them."""
+    classes = [*type(model).__mro__, *(type(m) for m in model.modules())]
+    names = dict.fromkeys(k.__module__ for k in classes if _model_code(k.__module__))
+    if any(_module_dispatches(name) for name in names):
+        return None
+    return (
+        "it has no attention layer that calls transformers' attention interface (a recurrent or "
+        "state-space model computes no attention for an attention implementation to replace)"
+    )
+
+
 def dispatch_problem(model: torch.nn.Module) -> str | None:
     """Why ``model`` would not run a registered attention function in all its attention layers, or
     None. Every submodule whose class name contains "Attention" is checked by the source of the
-    class that defines its ``forward`` (:func:`_class_problem`)."""
+    class that defines its ``forward`` (:func:`_class_problem`); a model none of whose modules
+    reaches the attention interface at all (a recurrent or state-space model) is refused too
+    (:func:`_no_attention_problem`)."""
     for cls in dict.fromkeys(type(m) for m in model.modules()):
         if "attention" in cls.__name__.lower():
             if cls not in _CLASS_PROBLEMS:
@@ -95,7 +135,7 @@ def dispatch_problem(model: torch.nn.Module) -> str | None:
             problem = _CLASS_PROBLEMS[cls]
             if problem is not None:
                 return problem
-    return None
+    return _no_attention_problem(model)
 
 
 def check_dispatch(model: Any, name: str, problem: str | None = None) -> None:
@@ -105,8 +145,8 @@ def check_dispatch(model: Any, name: str, problem: str | None = None) -> None:
     if problem is not None:
         raise ValueError(
             f"{type(model).__name__} (model type {getattr(model.config, 'model_type', '?')!r}) cannot run "
-            f"attn_implementation={name!r}: {problem}, so the model "
-            f"would silently keep its own attention (or fail) while its config reports {name!r}. "
+            f"attn_implementation={name!r}: {problem}, so the model would silently keep computing "
+            f"what it computes without it (or fail) while its config reports {name!r}. "
             f"Dilated attention runs in the models whose attention layers call transformers' attention "
             f"interface (GPT-2, Llama, Mistral, Qwen, BERT, ...; see docs/transformers.md)"
         )
