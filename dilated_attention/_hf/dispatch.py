@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from .. import _warnings
 from .._warnings import DenseWeightsWarning, warn_once
+from .layers import watch_key_sources
 
 # The names this package registered its attention function under (dilated_attention.transformers.register).
 NAMES: set[str] = set()
@@ -110,7 +111,7 @@ def _model_code(module_name: str) -> bool:
 def _no_attention_problem(model: torch.nn.Module) -> str | None:
     """Why ``model`` has no attention layer for a registered function to run, or None: no module
     that defines one of its classes (the model's and its submodules') reads :data:`_INTERFACE`.
-    Recurrent and state-space models (Mamba, Mamba2, FalconMamba, RWKV, xLSTM) have none, so an
+    Recurrent and state-space models (Mamba, Mamba2, FalconMamba, RWKV) have none, so an
     attention implementation changes nothing in them."""
     classes = [*type(model).__mro__, *(type(m) for m in model.modules())]
     names = dict.fromkeys(k.__module__ for k in classes if _model_code(k.__module__))
@@ -217,6 +218,7 @@ def install(settings: Callable[[Any], Any]) -> None:
         chosen = getattr(self.config, "_attn_implementation", None)
         if isinstance(chosen, str) and chosen in NAMES:
             check_dispatch(self, chosen)
+            watch_key_sources(self)
             if _loading_weights() and getattr(self.config, "dilated_attention", None) is None:
                 warn_dense_weights(self, chosen, None, settings)  # a checkpoint saved without branches
         return out
@@ -230,6 +232,8 @@ def install(settings: Callable[[Any], Any]) -> None:
         if requested in NAMES:  # refused here too: transformers only logs for a class it cannot switch
             check_dispatch(self, requested)
         out = set_impl(self, attn_implementation, *args, **kwargs)
+        if requested in NAMES:
+            watch_key_sources(self)
         if requested in NAMES and previous not in NAMES:
             warn_dense_weights(self, requested, previous, settings)
         return out
