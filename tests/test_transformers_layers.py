@@ -284,7 +284,7 @@ def _attention_free_config(arch: str):
     )
 
 
-@pytest.mark.parametrize("arch,cls", [("mamba", "MambaModel"), ("rwkv", "RwkvModel")])
+@pytest.mark.parametrize("arch,cls", [("mamba", "MambaForCausalLM"), ("rwkv", "RwkvForCausalLM")])
 def test_models_without_attention_layers_are_refused_by_name(arch, cls, monkeypatch):
     """Mamba and RWKV compute no attention: an attention implementation changes nothing in them
     (no layer ever calls it, as a function registered under another name shows). Built with or
@@ -495,3 +495,37 @@ def test_the_dense_fallback_keeps_a_causal_mask():
         dense_cross_attention(
             torch.randn(2, 4, 7, 8, dtype=torch.float64), k, v, None, None, 0.0, is_causal=True
         )
+
+
+def test_an_attention_free_part_of_a_composite_model_is_not_refused(monkeypatch):
+    """A composite model with an attention-free part (here a Mamba model next to a GPT-2 decoder,
+    as a vision-language model may hold a convolutional vision tower) is checked as a whole: the
+    part, built inside the composite's constructor, is not refused on its own, while the same part
+    built alone is."""
+    from dilated_attention._hf import dispatch
+
+    mamba = _attention_free_config("mamba")
+
+    class Composite(transformers.PreTrainedModel):
+        config_class = transformers.GPT2Config
+        _supports_attention_backend = True
+
+        def __init__(self, config: transformers.GPT2Config) -> None:
+            super().__init__(config)
+            impl = config._attn_implementation
+            self.recurrent = transformers.MambaModel._from_config(
+                copy.deepcopy(mamba), attn_implementation=impl
+            )
+            self.decoder = transformers.GPT2Model._from_config(
+                copy.deepcopy(config), attn_implementation=impl
+            )
+            self.post_init()
+
+    cfg = gpt2_config(DENSE)
+    model = Composite._from_config(copy.deepcopy(cfg), attn_implementation=dt.NAME)
+    assert model.recurrent.config._attn_implementation == dt.NAME
+    with pytest.raises(ValueError, match=r"MambaModel .*it has no attention layer"):
+        transformers.MambaModel._from_config(copy.deepcopy(mamba), attn_implementation=dt.NAME)
+    monkeypatch.setattr(dispatch, "_inside_another_model", lambda model: False)
+    with pytest.raises(ValueError, match=r"MambaModel .*it has no attention layer"):
+        Composite._from_config(copy.deepcopy(cfg), attn_implementation=dt.NAME)

@@ -123,12 +123,27 @@ def _no_attention_problem(model: torch.nn.Module) -> str | None:
     )
 
 
-def dispatch_problem(model: torch.nn.Module) -> str | None:
+def _inside_another_model(model: Any) -> bool:
+    """Whether ``model`` is being built inside the constructor of another model (a vision tower or
+    a backbone of a composite model): a frame up the stack is the ``__init__`` of another
+    ``PreTrainedModel``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if owner is not model and isinstance(owner, PreTrainedModel):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def dispatch_problem(model: torch.nn.Module, attention_free: bool = True) -> str | None:
     """Why ``model`` would not run a registered attention function in all its attention layers, or
     None. Every submodule whose class name contains "Attention" is checked by the source of the
     class that defines its ``forward`` (:func:`_class_problem`); a model none of whose modules
     reaches the attention interface at all (a recurrent or state-space model) is refused too
-    (:func:`_no_attention_problem`)."""
+    (:func:`_no_attention_problem`), unless ``attention_free`` is False (a part of a composite
+    model, such as a convolutional vision tower, which the whole model's check covers)."""
     for cls in dict.fromkeys(type(m) for m in model.modules()):
         if "attention" in cls.__name__.lower():
             if cls not in _CLASS_PROBLEMS:
@@ -136,13 +151,14 @@ def dispatch_problem(model: torch.nn.Module) -> str | None:
             problem = _CLASS_PROBLEMS[cls]
             if problem is not None:
                 return problem
-    return _no_attention_problem(model)
+    return _no_attention_problem(model) if attention_free else None
 
 
-def check_dispatch(model: Any, name: str, problem: str | None = None) -> None:
+def check_dispatch(model: Any, name: str, problem: str | None = None, part: bool = False) -> None:
     """Raises a ValueError naming the model's class if its attention layers would not run ``name``
-    (``problem``: found already, else :func:`dispatch_problem`)."""
-    problem = problem or dispatch_problem(model)
+    (``problem``: found already, else :func:`dispatch_problem`; ``part``: ``model`` is built inside
+    another model, whose own check decides whether the whole has an attention layer)."""
+    problem = problem or dispatch_problem(model, attention_free=not part)
     if problem is not None:
         raise ValueError(
             f"{type(model).__name__} (model type {getattr(model.config, 'model_type', '?')!r}) cannot run "
@@ -217,7 +233,7 @@ def install(settings: Callable[[Any], Any]) -> None:
         out = post_init(self, *args, **kwargs)
         chosen = getattr(self.config, "_attn_implementation", None)
         if isinstance(chosen, str) and chosen in NAMES:
-            check_dispatch(self, chosen)
+            check_dispatch(self, chosen, part=_inside_another_model(self))
             watch_key_sources(self)
             if _loading_weights() and getattr(self.config, "dilated_attention", None) is None:
                 warn_dense_weights(self, chosen, None, settings)  # a checkpoint saved without branches
