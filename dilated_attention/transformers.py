@@ -24,10 +24,14 @@ never dropped:
   a position bias) is a ``ValueError``;
 * cross-attention (an encoder-decoder's decoder attending to the encoder, ``add_cross_attention``)
   is a ``ValueError`` naming the layer: dilated attention is defined over one sequence. With
-  ``config.dilated_attention["cross_attention"] = "dense"`` those layers run dense (SDPA) instead;
+  ``config.dilated_attention["cross_attention"] = "dense"`` those layers run dense (SDPA) instead.
+  A call is cross-attention by what it attends to (a layer marked so, or a call given the states of
+  its keys, ``key_value_states``), not by the layer's flags: a decoder's self-attention built
+  ``is_decoder=True, is_causal=False`` (BigBirdPegasus, NLLB-MoE) runs dilated and causal, as the
+  causal mask transformers makes for it says;
 * a model whose attention layers do not call transformers' attention interface (BLOOM, CodeGen,
-  Falcon, ...) is a ``ValueError`` naming its class when built with or switched to it
-  (:mod:`dilated_attention._hf.dispatch`);
+  Falcon, ...), or that has no attention layer (Mamba, RWKV), is a ``ValueError`` naming its
+  class when built with or switched to it (:mod:`dilated_attention._hf.dispatch`);
 * switching a model with trained (dense) weights warns once (:class:`DenseWeightsWarning`): unlike
   eager/SDPA/FlashAttention, dilated attention computes another function.
 """
@@ -65,7 +69,15 @@ except ImportError as exc:  # the package imports without transformers; this mod
 from . import _validation as V
 from ._hf import dispatch as _dispatch
 from ._hf.dispatch import dispatch_problem
-from ._hf.layers import cross_attention_reason, dense_cross_attention, describe, refuse_cross_attention
+from ._hf.layers import (
+    cross_attention_reason,
+    dense_cross_attention,
+    describe,
+    refuse_cross_attention,
+    refuse_unknown_key_source,
+    self_attention_is_causal,
+    unknown_key_source,
+)
 from ._padding import pack_padding_mask
 from ._warnings import DenseWeightsWarning, VersionWarning, warn_once
 from .backends import check_backend_name
@@ -217,14 +229,18 @@ def dilated_attention_forward(
             raise ValueError(f"dilated attention cannot honour the model's {name}={describe(kwargs[name])}")
     if kwargs.get("output_attentions"):
         logger.warning("dilated attention returns no attention weights (output_attentions=True)")
-    segs, rates, backend = settings(getattr(module, "config", None))
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    config = getattr(module, "config", None)
+    segs, rates, backend = settings(config)
+    if unknown_key_source(module):
+        raise refuse_unknown_key_source(module)
+    causal = bool(is_causal) if is_causal is not None else self_attention_is_causal(module, config)
     q_len, kv_len = query.shape[2], key.shape[2]
-    cross = cross_attention_reason(module, bool(causal), q_len, kv_len)
+    cross = cross_attention_reason(module, causal, q_len, kv_len)
     if cross is not None:
-        if cross_attention_mode(getattr(module, "config", None)) != "dense":
+        if cross_attention_mode(config) != "dense":
             raise refuse_cross_attention(module, cross)
-        return dense_cross_attention(query, key, value, attention_mask, scaling, dropout), None
+        out = dense_cross_attention(query, key, value, attention_mask, scaling, dropout, is_causal=causal)
+        return out, None
     mask = attention_mask
     if mask is not None and (
         not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.dtype != torch.bool

@@ -4,6 +4,7 @@ sequence-first warning. The drop-in with torch's conventions is tests/test_drop_
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -105,10 +106,9 @@ def test_causal_attn_mask_in_every_form_means_is_causal():
 @pytest.mark.parametrize(
     "mask,match",
     [
-        (torch.zeros(10, 10, dtype=torch.bool), "is not the causal mask"),
         (torch.ones(10, 10, dtype=torch.bool).tril(-1), "is not the causal mask"),
         (torch.ones(10, 10, dtype=torch.bool).triu(2), "is not the causal mask"),
-        (torch.zeros(10, 10), "is not the causal mask"),
+        (torch.full((10, 10), -1.0), "only 0 and -inf"),
         (torch.ones(10, 10, dtype=torch.bool).triu(1)[:9, :9], r"got shape \(9, 9\)"),
         (torch.ones(3, 10, 10, dtype=torch.bool).triu(1), r"\(8, 10, 10\), got shape \(3, 10, 10\)"),
         (torch.ones(10, 10, dtype=torch.int64).triu(1), "bool or floating tensor, got torch.int64"),
@@ -119,6 +119,21 @@ def test_other_attn_masks_are_errors(mask, match):
     x = torch.randn(2, 10, E, dtype=torch.float64)
     with pytest.raises(ValueError, match=match):
         m(x, x, x, attn_mask=mask)
+
+
+def test_an_attn_mask_that_masks_nothing_is_no_mask():
+    """All False, or all 0 (what nn.TransformerEncoderLayer makes of an all-False src_mask), masks
+    nothing, as in nn.MultiheadAttention; with is_causal=True it contradicts the hint."""
+    m = _mhda()
+    x = torch.randn(2, 10, E, dtype=torch.float64)
+    want, _ = m(x)
+    for mask in (torch.zeros(10, 10, dtype=torch.bool), torch.zeros(2 * H, 10, 10, dtype=torch.float64)):
+        torch.testing.assert_close(m(x, x, x, attn_mask=mask)[0], want, rtol=1e-12, atol=1e-12)
+        with pytest.raises(
+            ValueError,
+            match=r"not the causal mask \(True, or -inf, exactly above the diagonal\) although is_causal=True",
+        ):
+            m(x, x, x, attn_mask=mask, is_causal=True)
 
 
 def test_need_weights_and_average_attn_weights():
@@ -159,18 +174,71 @@ def test_sequence_first_input_warns_once_with_the_fix():
         m(torch.randn(300, 128, E, dtype=torch.float64))  # a large batch of full-length rows: fine
 
 
-def test_in_a_torch_encoder_layer_eval_is_train_and_torch_masks_are_refused_by_name():
-    """As the self_attn of nn.TransformerEncoderLayer in eval mode it raised AttributeError
-    (in_proj_bias, read by torch's fast-path check); now the layer calls forward in both modes, and
-    torch's padding mask (-inf = padding) is refused, pointing at DropInMultiheadAttention."""
-    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
-    layer.self_attn = _mhda()
+def _encoder_layers(train: bool) -> tuple[nn.TransformerEncoderLayer, nn.TransformerEncoderLayer]:
+    """An nn.TransformerEncoderLayer (batch-first) and a copy whose self_attn is
+    MultiheadDilatedAttention.from_torch of it with one branch covering the sequence (w >= N,
+    r = 1): dense attention, so both compute the same function."""
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():  # torch's in_proj biases start at zero; make them count
+        ref.self_attn.in_proj_bias.normal_(0.0, 0.1)
+    ours = copy.deepcopy(ref)
+    ours.self_attn = MultiheadDilatedAttention.from_torch(ref.self_attn, [16], [1])
+    return ref.train(train), ours.train(train)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_in_a_torch_encoder_layer_torch_masks_mean_what_they_mean_to_torch(train):
+    """As the self_attn of nn.TransformerEncoderLayer: the layer turns src_key_padding_mask (bool,
+    True = padding) into a float mask (0 = keep, -inf = padding) before calling self_attn. An
+    all-False mask ("no padding") was read as all padding, every output out_proj's bias. Now, with
+    one dense branch, the layer equals the same layer with nn.MultiheadAttention: no mask, the
+    all-False mask, right and left padding (at the real positions), float masks given directly,
+    and the causal src_mask. (The module is batch-first only: the layer is built batch_first=True.)"""
+    ref, ours = _encoder_layers(train)
     x = torch.randn(2, 10, E, dtype=torch.float64)
-    train = layer.train()(x)
-    with torch.no_grad():
-        torch.testing.assert_close(layer.eval()(x), train, rtol=1e-12, atol=1e-12)
-    padding = torch.zeros(2, 10, dtype=torch.bool)
-    padding[1, 7:] = True
-    with pytest.raises(ValueError, match="DropInMultiheadAttention"):
-        layer(x, src_key_padding_mask=padding)
-    assert layer.self_attn.in_proj_bias.shape == (3 * E,)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-10, atol=1e-10)
+    none = torch.zeros(2, 10, dtype=torch.bool)  # torch's "no padding"
+    torch.testing.assert_close(
+        ours(x, src_key_padding_mask=none), ref(x, src_key_padding_mask=none), rtol=1e-10, atol=1e-10
+    )
+    padding = none.clone()
+    padding[0, :3] = True  # left
+    padding[1, 7:] = True  # right
+    as_float = torch.zeros(2, 10, dtype=torch.float64).masked_fill(padding, float("-inf"))
+    real = ~padding
+    for mask in (padding, as_float):
+        got, want = ours(x, src_key_padding_mask=mask), ref(x, src_key_padding_mask=mask)
+        torch.testing.assert_close(got[real], want[real], rtol=1e-10, atol=1e-10)
+    causal = nn.Transformer.generate_square_subsequent_mask(10, dtype=torch.float64)
+    no_padding = torch.zeros(2, 10, dtype=torch.float64)  # the same type as src_mask
+    got = ours(x, src_mask=causal, is_causal=True, src_key_padding_mask=no_padding)
+    want = ref(x, src_mask=causal, is_causal=True, src_key_padding_mask=no_padding)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    got, want = ours(x, src_mask=none[0].expand(10, 10)), ref(x, src_mask=none[0].expand(10, 10))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)  # a src_mask that masks nothing
+    assert ours.self_attn.in_proj_bias.shape == (3 * E,)
+
+
+def test_float_padding_masks_other_than_torchs_are_refused_by_value():
+    """A float key_padding_mask is torch's additive one (0 = keep, -inf = padding): a 0/1 float
+    mask (this library's convention given as floats) or a bias is a ValueError naming the value
+    and the bool mask to pass instead; a gap between real keys names the row. The bool mask keeps
+    this module's convention, True = a real token."""
+    m = _mhda()
+    x = torch.randn(2, 10, E, dtype=torch.float64)
+    ones = torch.ones(2, 10, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"holds 1\.0: .*pass a bool mask \(e\.g\. mask\.bool\(\)"):
+        m(x, key_padding_mask=ones)
+    with pytest.raises(ValueError, match=r"holds -5\.0"):
+        m(x, key_padding_mask=torch.full((2, 10), -5.0, dtype=torch.float64))
+    gap = torch.zeros(2, 10, dtype=torch.float64)
+    gap[1, 4] = float("-inf")
+    with pytest.raises(ValueError, match="row 1: its real keys"):
+        m(x, key_padding_mask=gap)
+    real = torch.ones(2, 10, dtype=torch.bool)
+    real[1, 7:] = False
+    as_float = torch.zeros(2, 10, dtype=torch.float64).masked_fill(~real, float("-inf"))
+    got, want = m(x, key_padding_mask=as_float)[0], m(x, key_padding_mask=real)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(m(x, key_padding_mask=torch.zeros_like(ones))[0], m(x)[0], rtol=0, atol=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -266,3 +267,265 @@ def test_dense_cross_attention_when_opted_in_equals_sdpa(padded):
     torch.testing.assert_close(torch.stack(ga.scores), torch.stack(gb.scores), rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="'refuse' or 'dense', got 'sparse'"):
         dt.cross_attention_mode(type("C", (), {"dilated_attention": {"cross_attention": "sparse"}})())
+
+
+def _attention_free_config(arch: str):
+    if arch == "mamba":
+        return transformers.MambaConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, state_size=4, expand=2
+        )
+    return transformers.RwkvConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        attention_hidden_size=32,
+        intermediate_size=64,
+        context_length=32,
+    )
+
+
+@pytest.mark.parametrize("arch,cls", [("mamba", "MambaForCausalLM"), ("rwkv", "RwkvForCausalLM")])
+def test_models_without_attention_layers_are_refused_by_name(arch, cls, monkeypatch):
+    """Mamba and RWKV compute no attention: an attention implementation changes nothing in them
+    (no layer ever calls it, as a function registered under another name shows). Built with or
+    switched to dilated attention, they are refused naming the class, as models whose layers
+    bypass the interface are."""
+    cfg = _attention_free_config(arch)
+    match = rf"{cls} \(model type '{arch}'\) cannot run attn_implementation='dilated_attention': it has no attention layer"
+    with pytest.raises(ValueError, match=match):
+        transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=dt.NAME)
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg))
+    with pytest.raises(
+        ValueError, match=r"ForCausalLM \(model type '" + arch + r"'\) cannot run.*no attention layer"
+    ):
+        model.set_attn_implementation(dt.NAME)
+    assert model.config._attn_implementation != dt.NAME
+    calls: list = []
+    sdpa = transformers.AttentionInterface._global_mapping["sdpa"]
+    probe = "dilated_attention_test_attention_free"
+    monkeypatch.setitem(
+        transformers.AttentionInterface._global_mapping,
+        probe,
+        lambda *a, **k: calls.append(1) or sdpa(*a, **k),
+    )
+    monkeypatch.setitem(
+        transformers.masking_utils.AttentionMaskInterface._global_mapping,
+        probe,
+        transformers.masking_utils.AttentionMaskInterface._global_mapping["sdpa"],
+    )
+    other = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=probe)
+    with torch.no_grad():
+        other(torch.randint(0, V, (1, 8)))
+    assert not calls  # what the refusal is about: no layer would call the registered function
+
+
+DILATED = {"segment_lengths": [4, 8], "dilation_rates": [1, 2]}
+
+
+def bigbird_pegasus_decoder_config(branches: dict) -> Any:
+    """BigBirdPegasus as a decoder alone: its self-attention layers are built ``is_decoder=True,
+    is_causal=False`` and take their causality from the mask."""
+    return transformers.BigBirdPegasusConfig(
+        vocab_size=V,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        attention_type="original_full",
+        is_decoder=True,
+        is_encoder_decoder=False,
+        dilated_attention=branches,
+    )
+
+
+def nllb_moe_config(branches: dict) -> Any:
+    """NLLB-MoE: its decoder's self-attention and cross-attention layers are both built
+    ``is_decoder=True, is_causal=False``; only the call's arguments tell them apart."""
+    return transformers.NllbMoeConfig(
+        vocab_size=V,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        num_experts=4,
+        expert_capacity=8,
+        dilated_attention=branches,
+    )
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """Records which path each attention call took: ("dilated", is_causal) for a whole-sequence
+    call, ("decode",) for a cached step, ("dense", is_causal) for the dense fallback."""
+    seen: list = []
+    dilated, decode, dense = dt.dilated_attention, dt.dilated_attention_decode, dt.dense_cross_attention
+
+    def spy_dilated(*args, **kwargs):
+        seen.append(("dilated", kwargs["is_causal"]))
+        return dilated(*args, **kwargs)
+
+    def spy_decode(*args, **kwargs):
+        seen.append(("decode",))
+        return decode(*args, **kwargs)
+
+    def spy_dense(*args, **kwargs):
+        seen.append(("dense", kwargs.get("is_causal", False)))
+        return dense(*args, **kwargs)
+
+    monkeypatch.setattr(dt, "dilated_attention", spy_dilated)
+    monkeypatch.setattr(dt, "dilated_attention_decode", spy_decode)
+    monkeypatch.setattr(dt, "dense_cross_attention", spy_dense)
+    return seen
+
+
+def _last_token_changed(y: torch.Tensor) -> torch.Tensor:
+    other = y.clone()
+    other[:, -1] = (y[:, -1] + 1 - 3) % (V - 3) + 3
+    return other
+
+
+def test_bigbird_pegasus_decoder_self_attention_is_causal_and_dilated(paths):
+    """BigBirdPegasus' decoder self-attention (is_decoder=True, is_causal=False, causal by its
+    mask) was refused as cross-attention. It runs dilated and causal: changing the last token
+    leaves every earlier position's logits as they were, and one dense branch equals eager."""
+    model = built(transformers.BigBirdPegasusForCausalLM, bigbird_pegasus_decoder_config(DILATED), dt.NAME)
+    y = torch.randint(3, V, (2, 12))
+    with torch.no_grad():  # use_cache=False: this release's BigBirdPegasusForCausalLM fails with a cache
+        a = model(y, use_cache=False).logits
+        b = model(_last_token_changed(y), use_cache=False).logits
+    torch.testing.assert_close(a[:, :-1], b[:, :-1], rtol=0, atol=0)
+    assert (a[:, -1] - b[:, -1]).abs().max() > 1e-3
+    assert paths and set(paths) == {("dilated", True)}
+    cfg = bigbird_pegasus_decoder_config(DENSE)
+    ours, eager = (
+        built(transformers.BigBirdPegasusForCausalLM, cfg, dt.NAME),
+        built(transformers.BigBirdPegasusForCausalLM, cfg, "eager"),
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(y, use_cache=False).logits, eager(y, use_cache=False).logits, rtol=1e-9, atol=1e-9
+        )
+
+
+def test_nllb_moe_self_attention_is_dilated_and_cross_attention_refused(paths):
+    """NLLB-MoE's decoder layers build their self- and cross-attention alike (is_decoder=True,
+    is_causal=False). By default the cross-attention is refused by name (the call that was given
+    key_value_states), after the self-attention of the same layer ran dilated and causal."""
+    model = built(transformers.NllbMoeForConditionalGeneration, nllb_moe_config(DILATED), dt.NAME)
+    x, y = torch.randint(3, V, (2, 10)), torch.randint(3, V, (2, 12))
+    match = r"cross-attention of NllbMoeAttention \(layer_idx=0\) \(the call was given key_value_states"
+    with pytest.raises(ValueError, match=match):
+        model(input_ids=x, decoder_input_ids=y)
+    assert ("dilated", True) in paths and not any(p[0] == "dense" for p in paths)
+
+
+def test_nllb_moe_dense_cross_attention_keeps_the_self_attention_causal_and_dilated(paths):
+    """With cross_attention='dense', NLLB-MoE's decoder self-attention ran dense and without its
+    causal mask (positions 0-10 changed when only the last token did). Now it runs dilated and
+    causal, the cross-attention dense: earlier logits stay put, and with one dense branch forward
+    and greedy generate() (the cached decode steps) equal eager on the same weights."""
+    cfg = nllb_moe_config({**DILATED, "cross_attention": "dense"})
+    model = built(transformers.NllbMoeForConditionalGeneration, cfg, dt.NAME)
+    x, y = torch.randint(3, V, (2, 10)), torch.randint(3, V, (2, 12))
+    with torch.no_grad():
+        a = model(input_ids=x, decoder_input_ids=y).logits
+        b = model(input_ids=x, decoder_input_ids=_last_token_changed(y)).logits
+    torch.testing.assert_close(a[:, :-1], b[:, :-1], rtol=0, atol=0)
+    # Two forwards: the encoder's layer (bidirectional), the decoder's two self-attention layers
+    # (dilated, causal) and its two cross-attention layers (dense).
+    assert paths.count(("dilated", False)) == 2
+    assert paths.count(("dilated", True)) == paths.count(("dense", False)) == 4
+    assert len(paths) == 10
+    cfg = nllb_moe_config({**DENSE, "cross_attention": "dense"})
+    ours, eager = (
+        built(transformers.NllbMoeForConditionalGeneration, cfg, impl) for impl in (dt.NAME, "eager")
+    )
+    kw = {"max_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
+    with torch.no_grad():
+        out, ref = (
+            ours(input_ids=x, decoder_input_ids=y).logits,
+            eager(input_ids=x, decoder_input_ids=y).logits,
+        )
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+        paths.clear()
+        ga, gb = ours.generate(x, **kw), eager.generate(x, **kw)
+    assert ("decode",) in paths
+    assert torch.equal(ga.sequences, gb.sequences)
+    torch.testing.assert_close(torch.stack(ga.scores), torch.stack(gb.scores), rtol=1e-9, atol=1e-9)
+
+
+def test_a_decoder_layer_called_unseen_is_refused_whatever_the_mode():
+    """A decoder's layer built is_decoder=True, is_causal=False whose call the integration did not
+    see (the implementation set on the config by hand, bypassing the hooks that note where a call's
+    keys come from) could be either kind of attention: it is refused, also with
+    cross_attention='dense', saying how to build or switch the model instead."""
+    cfg = nllb_moe_config({**DENSE, "cross_attention": "dense"})
+    model = built(transformers.NllbMoeForConditionalGeneration, cfg, "eager")
+    model.config._attn_implementation = dt.NAME
+    x, y = torch.randint(3, V, (2, 10)), torch.randint(3, V, (2, 12))
+    with pytest.raises(
+        ValueError, match=r"cannot tell whether NllbMoeAttention \(layer_idx=0\).*set_attn_implementation"
+    ):
+        model(input_ids=x, decoder_input_ids=y)
+    model.set_attn_implementation(dt.NAME)  # the same model switched through transformers runs
+    with torch.no_grad():
+        model(input_ids=x, decoder_input_ids=y)
+
+
+def test_the_dense_fallback_keeps_a_causal_mask():
+    """dense_cross_attention of a causal call reads, for query i of nq, the keys up to position
+    nk - nq + i (queries after a cache), as SDPA's causal mask does for nq == nk."""
+    from dilated_attention._hf.layers import dense_cross_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64) for n in (6, 6, 6))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(dense_cross_attention(q, k, v, None, None, 0.0, is_causal=True), want)
+    got = dense_cross_attention(q[:, :, 4:], k, v, None, None, 0.0, is_causal=True)
+    torch.testing.assert_close(got, want[:, 4:])
+    with pytest.raises(ValueError, match="7 queries over 6 keys"):
+        dense_cross_attention(
+            torch.randn(2, 4, 7, 8, dtype=torch.float64), k, v, None, None, 0.0, is_causal=True
+        )
+
+
+def test_an_attention_free_part_of_a_composite_model_is_not_refused(monkeypatch):
+    """A composite model with an attention-free part (here a Mamba model next to a GPT-2 decoder,
+    as a vision-language model may hold a convolutional vision tower) is checked as a whole: the
+    part, built inside the composite's constructor, is not refused on its own, while the same part
+    built alone is."""
+    from dilated_attention._hf import dispatch
+
+    mamba = _attention_free_config("mamba")
+
+    class Composite(transformers.PreTrainedModel):
+        config_class = transformers.GPT2Config
+        _supports_attention_backend = True
+
+        def __init__(self, config: transformers.GPT2Config) -> None:
+            super().__init__(config)
+            impl = config._attn_implementation
+            self.recurrent = transformers.MambaModel._from_config(
+                copy.deepcopy(mamba), attn_implementation=impl
+            )
+            self.decoder = transformers.GPT2Model._from_config(
+                copy.deepcopy(config), attn_implementation=impl
+            )
+            self.post_init()
+
+    cfg = gpt2_config(DENSE)
+    model = Composite._from_config(copy.deepcopy(cfg), attn_implementation=dt.NAME)
+    assert model.recurrent.config._attn_implementation == dt.NAME
+    with pytest.raises(ValueError, match=r"MambaModel .*it has no attention layer"):
+        transformers.MambaModel._from_config(copy.deepcopy(mamba), attn_implementation=dt.NAME)
+    monkeypatch.setattr(dispatch, "_inside_another_model", lambda model: False)
+    with pytest.raises(ValueError, match=r"MambaModel .*it has no attention layer"):
+        Composite._from_config(copy.deepcopy(cfg), attn_implementation=dt.NAME)

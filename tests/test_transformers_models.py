@@ -5,6 +5,7 @@ weights, no downloads), is either honoured or refused by name under dilated atte
   attention function registered under another name confirms, by running the model, that this
   layer computes attention without calling the attention interface (or that the model cannot run
   a registered implementation at all);
+* refused as attention-free (Mamba, RWKV, ...): under the probe no layer calls the interface;
 * or run: with one dense branch (w >= N, r = 1) its logits equal the same weights under
   transformers' SDPA (eager where the model has no SDPA), with the registered function called; or
   the forward raises the integration's ValueError for a pattern it cannot honour (a sliding
@@ -276,6 +277,12 @@ def test_causal_lm_architecture_is_honoured_or_refused(model_type, probe, monkey
         if "cannot run attn_implementation" not in message:
             raise
         assert "model type" in message
+        if "it has no attention layer" in message:  # a recurrent or state-space model
+            other = build(model_type, PROBE)
+            with torch.no_grad():
+                other(tokens())
+            assert not probe, f"{model_type} refused as attention-free, but a layer called the interface"
+            return
         layer = None  # a table of layer classes by name: building under the probe fails
         if "its attention layer " in message:
             layer = message.split("its attention layer ")[1].split()[0].split(".")[-1]

@@ -7,7 +7,8 @@ would then run its own dense attention while its config reports dilated attentio
 inside with a ``KeyError``. :func:`install` wraps ``PreTrainedModel.get_correct_attn_implementation``
 (called before a model's layers are built), ``post_init`` (which every model's constructor calls
 last) and ``set_attn_implementation`` so that a model with an attention layer
-that computes attention itself instead of dispatching through ``ALL_ATTENTION_FUNCTIONS`` is
+that computes attention itself instead of dispatching through ``ALL_ATTENTION_FUNCTIONS``, or a
+model with no attention layer at all (Mamba, RWKV: the implementation would change nothing), is
 refused by name. Models given another implementation pass through untouched.
 """
 
@@ -26,6 +27,7 @@ from transformers import PreTrainedModel
 
 from .. import _warnings
 from .._warnings import DenseWeightsWarning, warn_once
+from .layers import watch_key_sources
 
 # The names this package registered its attention function under (dilated_attention.transformers.register).
 NAMES: set[str] = set()
@@ -84,10 +86,64 @@ def class_problem(cls: type) -> str | None:
     return None
 
 
-def dispatch_problem(model: torch.nn.Module) -> str | None:
+@functools.cache
+def _module_dispatches(module_name: str) -> bool:
+    """Whether the source of the module ``module_name`` reads :data:`_INTERFACE` (True where the
+    source cannot be read: the check then lets the model through rather than refuse it blind)."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return True
+    try:
+        return _INTERFACE in inspect.getsource(module)
+    except (OSError, TypeError):
+        return True
+
+
+def _model_code(module_name: str) -> bool:
+    """Whether ``module_name`` holds a model's own code: a module of ``transformers.models`` or one
+    outside transformers and torch (remote code), not the shared machinery (``modeling_utils``
+    defines the interface itself)."""
+    if module_name.startswith("transformers."):
+        return module_name.startswith("transformers.models.")
+    return module_name.split(".")[0] not in ("torch", "builtins")
+
+
+def _no_attention_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model`` has no attention layer for a registered function to run, or None: no module
+    that defines one of its classes (the model's and its submodules') reads :data:`_INTERFACE`.
+    Recurrent and state-space models (Mamba, Mamba2, FalconMamba, RWKV) have none, so an
+    attention implementation changes nothing in them."""
+    classes = [*type(model).__mro__, *(type(m) for m in model.modules())]
+    names = dict.fromkeys(k.__module__ for k in classes if _model_code(k.__module__))
+    if any(_module_dispatches(name) for name in names):
+        return None
+    return (
+        "it has no attention layer that calls transformers' attention interface (a recurrent or "
+        "state-space model computes no attention for an attention implementation to replace)"
+    )
+
+
+def _inside_another_model(model: Any) -> bool:
+    """Whether ``model`` is being built inside the constructor of another model (a vision tower or
+    a backbone of a composite model): a frame up the stack is the ``__init__`` of another
+    ``PreTrainedModel``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if owner is not model and isinstance(owner, PreTrainedModel):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def dispatch_problem(model: torch.nn.Module, attention_free: bool = True) -> str | None:
     """Why ``model`` would not run a registered attention function in all its attention layers, or
     None. Every submodule whose class name contains "Attention" is checked by the source of the
-    class that defines its ``forward`` (:func:`_class_problem`)."""
+    class that defines its ``forward`` (:func:`_class_problem`); a model none of whose modules
+    reaches the attention interface at all (a recurrent or state-space model) is refused too
+    (:func:`_no_attention_problem`), unless ``attention_free`` is False (a part of a composite
+    model, such as a convolutional vision tower, which the whole model's check covers)."""
     for cls in dict.fromkeys(type(m) for m in model.modules()):
         if "attention" in cls.__name__.lower():
             if cls not in _CLASS_PROBLEMS:
@@ -95,18 +151,19 @@ def dispatch_problem(model: torch.nn.Module) -> str | None:
             problem = _CLASS_PROBLEMS[cls]
             if problem is not None:
                 return problem
-    return None
+    return _no_attention_problem(model) if attention_free else None
 
 
-def check_dispatch(model: Any, name: str, problem: str | None = None) -> None:
+def check_dispatch(model: Any, name: str, problem: str | None = None, part: bool = False) -> None:
     """Raises a ValueError naming the model's class if its attention layers would not run ``name``
-    (``problem``: found already, else :func:`dispatch_problem`)."""
-    problem = problem or dispatch_problem(model)
+    (``problem``: found already, else :func:`dispatch_problem`; ``part``: ``model`` is built inside
+    another model, whose own check decides whether the whole has an attention layer)."""
+    problem = problem or dispatch_problem(model, attention_free=not part)
     if problem is not None:
         raise ValueError(
             f"{type(model).__name__} (model type {getattr(model.config, 'model_type', '?')!r}) cannot run "
-            f"attn_implementation={name!r}: {problem}, so the model "
-            f"would silently keep its own attention (or fail) while its config reports {name!r}. "
+            f"attn_implementation={name!r}: {problem}, so the model would silently keep computing "
+            f"what it computes without it (or fail) while its config reports {name!r}. "
             f"Dilated attention runs in the models whose attention layers call transformers' attention "
             f"interface (GPT-2, Llama, Mistral, Qwen, BERT, ...; see docs/transformers.md)"
         )
@@ -176,7 +233,8 @@ def install(settings: Callable[[Any], Any]) -> None:
         out = post_init(self, *args, **kwargs)
         chosen = getattr(self.config, "_attn_implementation", None)
         if isinstance(chosen, str) and chosen in NAMES:
-            check_dispatch(self, chosen)
+            check_dispatch(self, chosen, part=_inside_another_model(self))
+            watch_key_sources(self)
             if _loading_weights() and getattr(self.config, "dilated_attention", None) is None:
                 warn_dense_weights(self, chosen, None, settings)  # a checkpoint saved without branches
         return out
@@ -190,6 +248,8 @@ def install(settings: Callable[[Any], Any]) -> None:
         if requested in NAMES:  # refused here too: transformers only logs for a class it cannot switch
             check_dispatch(self, requested)
         out = set_impl(self, attn_implementation, *args, **kwargs)
+        if requested in NAMES:
+            watch_key_sources(self)
         if requested in NAMES and previous not in NAMES:
             warn_dense_weights(self, requested, previous, settings)
         return out

@@ -1,4 +1,5 @@
-"""``nn.MultiheadAttention``'s masks, read for :class:`DropInMultiheadAttention`.
+"""``nn.MultiheadAttention``'s masks, read for :class:`DropInMultiheadAttention` (and the float
+``key_padding_mask`` and the ``attn_mask`` of :class:`MultiheadDilatedAttention`).
 
 torch's conventions: ``key_padding_mask`` (B, S) bool, **True = padding** (a key to ignore), or
 float, added to the scores (``-inf`` = padding, 0 = a real key: what ``nn.TransformerEncoderLayer``
@@ -114,6 +115,6 @@ def causal_from_attn_mask(mask: Any, is_causal: bool, batch_heads: int, L: int, 
         "attn_mask is not the causal mask (True, or -inf, exactly above the diagonal)"
         + (" although is_causal=True" if is_causal else "")
         + ": a dilated pattern decides which keys a query sees, so an arbitrary dense mask has no "
-        "meaning here; the drop-in accepts the causal mask (is_causal=True alone is enough) and a mask "
-        "that masks nothing. For padding, give key_padding_mask."
+        "meaning here; the causal mask (is_causal=True alone is enough) and a mask "
+        "that masks nothing are accepted. For padding, give key_padding_mask."
     )

@@ -1,6 +1,7 @@
 """``MultiheadDilatedAttention``: the LongNet/torchscale multi-head layer, batch-first, with this
-library's padding mask (True = a real token). For ``nn.MultiheadAttention``'s exact conventions
-(True = padding, float masks, sequence-first by default), see :mod:`.drop_in`."""
+library's bool padding mask (True = a real token) and ``nn.MultiheadAttention``'s float masks
+(0 = keep, -inf = ignore). For ``nn.MultiheadAttention``'s exact conventions (a bool mask's True =
+padding, sequence-first by default), see :mod:`.drop_in`."""
 
 from __future__ import annotations
 
@@ -13,38 +14,38 @@ import torch
 import torch.nn as nn
 
 from .. import _validation as V
+from .._padding import has_no_data
 from .._warnings import LayoutWarning, warn_once
 from ._options import check_embed_heads, pick, resolve_dtype
 from ._script import NotScriptable
+from ._torch_masks import causal_from_attn_mask, real_tokens_from_torch_mask
 from .dilated import DilatedAttention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
 
-def _check_causal_mask(mask: Any, batch_heads: int, N: int) -> None:
-    """A ValueError unless ``mask`` is the causal mask in one of ``nn.MultiheadAttention``'s forms."""
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.shape not in ((N, N), (batch_heads, N, N)):
-        raise ValueError(
-            f"attn_mask must be the causal mask, (N, N) or (B * num_heads, N, N) = ({N}, {N}) or "
-            f"({batch_heads}, {N}, {N}), got shape {tuple(mask.shape)}"
-        )
-    future = torch.ones(N, N, dtype=torch.bool, device=mask.device).triu_(1)
-    if mask.dtype == torch.bool:
-        causal = bool(torch.equal(mask, future.expand_as(mask)))
-    elif mask.is_floating_point():
-        expected = torch.zeros(N, N, dtype=mask.dtype, device=mask.device).masked_fill_(future, float("-inf"))
-        causal = bool(torch.equal(mask, expected.expand_as(mask)))
-    else:
-        raise ValueError(f"attn_mask must be a bool or floating tensor, got {mask.dtype}")
-    if not causal:
-        raise ValueError(
-            "attn_mask is not the causal mask; MultiheadDilatedAttention accepts only the causal mask "
-            "(True, or -inf, exactly above the diagonal), which is is_causal=True: a dilated pattern "
-            "decides which keys a query sees, so an arbitrary dense mask has no meaning here. For "
-            "padding, give key_padding_mask; for causal attention, is_causal=True alone is enough."
-        )
+def _real_tokens(mask: Any, B: int, N: int) -> Any:
+    """``key_padding_mask`` as :class:`DilatedAttention` takes it (True = a real token).
+
+    A bool or integer mask is this library's (True, or 1, = a real token) and passes through. A
+    floating mask is read as ``nn.MultiheadAttention`` reads it, added to the scores: 0 = a real
+    key, -inf = padding. That is what ``nn.TransformerEncoderLayer`` passes after converting its
+    ``src_key_padding_mask`` (bool, True = padding) to the input's dtype, so a layer's "no padding"
+    arrives as all zeros. Any other float value (a per-key bias, or a 0/1 mask meant as this
+    library's) is a ValueError naming it."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+        return mask
+    if not has_no_data(mask):
+        bad = mask[(mask != 0) & (mask != float("-inf"))]
+        if bad.numel():
+            raise ValueError(
+                f"key_padding_mask is a float mask, which MultiheadDilatedAttention reads as "
+                f"nn.MultiheadAttention does (added to the scores: 0 = a real key, -inf = padding), and "
+                f"it holds {bad[0].item()!r}: other values are a bias per key, which dilated attention "
+                f"does not add. For this module's own convention (True = a real token) pass a bool "
+                f"mask (e.g. mask.bool() for a 0/1 mask)"
+            )
+    return real_tokens_from_torch_mask(mask, B, N, batched=True)
 
 
 class MultiheadDilatedAttention(NotScriptable, nn.Module):
@@ -83,17 +84,28 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
     attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)``: the arguments
     of ``nn.MultiheadAttention.forward``, in its order. query, key and value are (B, N, E) (or
     (N, E) unbatched), all of the same length N; ``forward(x)`` is self-attention.
-    ``key_padding_mask`` (B, N) (or (N,) unbatched), bool or 0/1: **True (1) = a real token**,
-    False (0) = padding (**the opposite of** ``nn.MultiheadAttention``); each row's real tokens must be
+    ``key_padding_mask`` (B, N) (or (N,) unbatched), bool or integer 0/1: **True (1) = a real
+    token**, False (0) = padding (**the opposite of** ``nn.MultiheadAttention``'s bool mask). A
+    floating mask is read as ``nn.MultiheadAttention`` reads it, added to the scores: **0 = a real
+    key, -inf = padding** (any other value, a per-key bias or a 0/1 mask given as floats, is a
+    ValueError naming it). That is the form ``nn.TransformerEncoderLayer`` passes its
+    ``src_key_padding_mask`` on in (it converts torch's bool mask, True = padding, to the input's
+    dtype), so inside that layer give ``src_key_padding_mask`` in torch's convention.
+    ``nn.TransformerDecoderLayer`` passes its masks on as given: a bool ``tgt_key_padding_mask``
+    reaches this module in torch's convention and is read in this one's, so use
+    :class:`~dilated_attention.DropInMultiheadAttention` there. Each row's real tokens must be
     one contiguous run and are attended as a sequence of their own (see :class:`DilatedAttention`);
     padded positions get attention output 0 (the output projection's bias still applies) and pass
     no gradient to the real tokens. The second
     result stands where ``nn.MultiheadAttention`` returns its attention weights, which dilated
     attention never forms: ``need_weights=True`` is an error, and ``average_attn_weights`` is
-    accepted and changes nothing. ``attn_mask`` may only be the causal mask (boolean, True above
-    the diagonal, or float, -inf above the diagonal and 0 elsewhere, (N, N) or (B * H, N, N)),
-    which means ``is_causal=True``; any other mask is an error, since a dilated pattern is not a
-    dense mask. :meth:`from_torch` converts an ``nn.MultiheadAttention`` with its weights.
+    accepted and changes nothing. ``attn_mask`` (N, N) or (B * H, N, N) may be the causal mask
+    (boolean, True above the diagonal, or float, -inf above the diagonal and 0 elsewhere), which
+    means ``is_causal=True``, or a mask that masks nothing (all False, or all 0), which means no
+    mask; any other mask is an error, since a dilated pattern is not a dense mask, and so is
+    ``is_causal=True`` with a mask that is not causal. The module is batch-first only: inside
+    ``nn.TransformerEncoderLayer`` build the layer with ``batch_first=True``.
+    :meth:`from_torch` converts an ``nn.MultiheadAttention`` with its weights.
     """
 
     batch_first = True
@@ -275,9 +287,8 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
             if isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dim() == 1:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         B, N, _ = query.shape
-        if attn_mask is not None:
-            _check_causal_mask(attn_mask, B * self.num_heads, N)
-            is_causal = True
+        is_causal = causal_from_attn_mask(attn_mask, is_causal, B * self.num_heads, N, N)
+        key_padding_mask = _real_tokens(key_padding_mask, B, N)
         if not torch.compiler.is_compiling():
             self._check_layout(query)
         q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)  # (B, N, H, D)
