@@ -1,19 +1,22 @@
 """The modules of sequence parallelism: :class:`RingDilatedAttention` and its multi-head wrapper.
 
-``RingDilatedAttention.forward`` reads top to bottom: validate, resolve the group, check once
-that the ranks agree (:mod:`.consistency`), take the plan of this rank (:mod:`.geometry`), run the
-local runs on the module's backend, run the spanning pieces (:mod:`.node` with
+``RingDilatedAttention.forward`` reads top to bottom: validate, resolve the group, check that the
+ranks agree and are in step (:mod:`.consistency`), take the plan of this rank (:mod:`.geometry`),
+run the local runs on the module's backend, run the spanning pieces (:mod:`.node` with
 :mod:`.mode_all_gather` or :mod:`.mode_ring`), and merge everything by log-sum-exp
 (:mod:`dilated_attention.merge`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,7 +26,7 @@ from ..flops import accumulation_dtype
 from ..functional import _attention
 from ..merge import merge
 from . import mode_all_gather, mode_ring
-from .consistency import ConsistencyCheck, fingerprint
+from .consistency import CallCheck, ConsistencyCheck, fingerprint
 from .geometry import LAYOUTS, Plan, make_layout
 from .groups import GroupLike, as_process_group, resolve_group
 from .node import SpanAttention, SpanJob
@@ -43,6 +46,27 @@ _FIELD_NAMES: dict[str, tuple[str, ...]] = {
     "is_causal": ("False", "True"),
     "runs backward (grad enabled, inputs require grad)": ("False", "True"),
 }
+# Per process group, the numbers of the ring modules this process built for it, in order. Ranks
+# that build their modules in the same order give the same module the same number, which the
+# consistency check compares to tell a call of one module from a call of another.
+_NUMBERS: dict[Any, itertools.count] = {}
+
+
+def _group_key(group: Any) -> Any:
+    """What numbers modules apart: None for the default group, the global ranks of a process group."""
+    if group is None:
+        return None
+    if isinstance(group, int):  # GroupMember.NON_GROUP_MEMBER: never exchanges
+        return ("not a member",)
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):
+        return ("group", id(group))
+
+
+def _next_number(group: Any) -> int:
+    """The number of the next ring module this process builds (or copies, or loads) for ``group``."""
+    return next(_NUMBERS.setdefault(_group_key(group), itertools.count()))
 
 
 class RingDilatedAttention(nn.Module):
@@ -70,14 +94,17 @@ class RingDilatedAttention(nn.Module):
         attention_backend: backend of the local runs and of the spanning pieces (see
             :mod:`dilated_attention.backends`; pieces run on ``native`` where it has a piece kernel,
             otherwise on this backend when it has a kernel backward, otherwise on ``sdpa``).
-        check_consistency: compare a fingerprint of the configuration and shapes across ranks
-            before every exchange (one small all-gather and one host synchronisation per
-            forward), so that a mismatch raises the same ``ValueError`` on every rank instead of
-            hanging or returning wrong values. ``"once"`` compares each configuration and shape
-            the first time this rank sees it and nothing after: cheaper, but ranks that fall out
-            of step between configurations they all checked before are not caught. ``False`` is
-            unsafe: ranks called with different configurations may then abort inside the
-            communication library (gloo: SIGABRT) or return wrong results.
+        check_consistency: compare a fingerprint of the configuration, the shapes and the call
+            (the module's number and its calls so far) across ranks before every exchange (one
+            small all-gather and one host synchronisation per forward, and per backward that
+            exchanges), so that a mismatch, or ranks out of step (a layer skipped on one rank
+            only, backwards run in different orders), raises the same ``ValueError`` on every
+            rank instead of hanging or returning wrong values. ``"once"`` compares each
+            configuration and shape the first time this rank sees it and nothing after: cheaper,
+            but ranks that fall out of step are not caught. ``False`` compares only on the first
+            call and is unsafe: ranks called with different configurations may then abort inside
+            the communication library (gloo: SIGABRT) or return wrong results. Every rank must
+            use the same mode; different modes raise on the first call.
         ring_size: the number of ranks expected; a group of another size (larger than one) is an
             error, and a ``ring_size`` above one without a process group warns. None accepts any.
             Under a launcher (``WORLD_SIZE`` above 1) without a process group, forward raises
@@ -88,10 +115,12 @@ class RingDilatedAttention(nn.Module):
             balances causal work; shard with ``shard_sequence(x, layout="zigzag")``).
         mesh_dim: with a ``DeviceMesh`` of several dimensions as ``process_group``, the name (or
             index) of the dimension that splits the sequence, e.g. ``"cp"``.
+
+    Every rank must build its ring modules in the same order for a process group: the consistency
+    check numbers them in that order.
     """
 
     attention_backend: str
-    check_consistency: bool | str
     ring_size: int | None
     layout: str
     _selector: BackendSelector
@@ -152,8 +181,6 @@ class RingDilatedAttention(nn.Module):
             raise ValueError(f"attention_backend must be a string, got {attention_backend!r}")
         check_backend_name(attention_backend)
         self.attention_backend = attention_backend
-        if not (isinstance(check_consistency, bool) or check_consistency == "once"):
-            raise ValueError(f"check_consistency must be True, False or 'once', got {check_consistency!r}")
         self.check_consistency = check_consistency
         if ring_size is not None and (
             isinstance(ring_size, bool) or not isinstance(ring_size, numbers.Integral) or ring_size < 1
@@ -166,7 +193,26 @@ class RingDilatedAttention(nn.Module):
         self._plans: dict[tuple, Plan] = {}
         self._selector = BackendSelector(type(self).__name__)
         self._pieces: dict[tuple, PieceAttention] = {}
-        self._check = ConsistencyCheck(once=check_consistency == "once")
+        self._check = ConsistencyCheck()
+        self._number = _next_number(self.process_group)
+        self._calls = 0  # forward calls on a group of several ranks
+
+    @property
+    def check_consistency(self) -> bool | str:
+        """``True``, ``"once"`` or ``False``: see the class docstring. Every rank must use the same."""
+        return self._check_consistency
+
+    @check_consistency.setter
+    def check_consistency(self, value: bool | str) -> None:
+        if not (isinstance(value, bool) or (isinstance(value, str) and value == "once")):
+            raise ValueError(f"check_consistency must be True, False or 'once', got {value!r}")
+        self._check_consistency = value
+
+    def _reset_per_group_state(self) -> None:
+        """A new number, no calls, nothing checked: what a module built now has."""
+        self._check = ConsistencyCheck()
+        self._number = _next_number(self.process_group)
+        self._calls = 0
 
     def extra_repr(self) -> str:
         return (
@@ -218,6 +264,34 @@ class RingDilatedAttention(nn.Module):
             selector=self._selector,
         )
 
+    @torch.compiler.disable
+    def _check_call(
+        self, comm: Comm, q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float, runs_backward: bool
+    ) -> CallCheck | None:
+        """Count this call and compare its fingerprint across the ranks (as ``check_consistency``
+        says); returns what the backward compares again (with ``check_consistency=True``). Runs
+        eagerly under ``torch.compile``: the call counter changes on every call, and the check reads
+        its all-gather on the host."""
+        call, self._calls = self._calls, self._calls + 1
+        mode = self.check_consistency
+        fields = fingerprint(
+            q,
+            k,
+            self.segment_lengths,
+            self.dilation_rates,
+            is_causal,
+            scale,
+            COMM_MODES.index(self.comm),
+            LAYOUTS.index(self.layout),
+            self.ring_size,
+            runs_backward,
+            mode,
+            self._number,
+            call,
+        )
+        self._check(comm, fields, _FIELD_NAMES, mode)
+        return CallCheck(fields, _FIELD_NAMES) if mode is True else None
+
     # -- forward -------------------------------------------------------------------------
     def forward(
         self,
@@ -248,20 +322,8 @@ class RingDilatedAttention(nn.Module):
             out, lse = self._local(q, k, v, self.segment_lengths, self.dilation_rates, is_causal, scale)
             return (out, lse) if return_lse else out
         comm = Comm(group, rank, P, q.device)
-        if self.check_consistency:
-            fields = fingerprint(
-                q,
-                k,
-                self.segment_lengths,
-                self.dilation_rates,
-                is_causal,
-                scale,
-                COMM_MODES.index(self.comm),
-                LAYOUTS.index(self.layout),
-                self.ring_size,
-                torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-            )
-            self._check(comm, fields, _FIELD_NAMES)
+        runs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        call_check = self._check_call(comm, q, k, is_causal, scale, runs_backward)
         if self.ring_size is not None and P != self.ring_size:  # after the check: every rank raises
             raise ValueError(f"ring_size={self.ring_size} but the process group has {P} ranks")
         if B == 0 or local_len == 0:
@@ -284,7 +346,9 @@ class RingDilatedAttention(nn.Module):
         # position any head reads its out 0 and lse -inf.
         if fused or plan.joins_exchange or not outs:
             local_runs = plan.local_runs if fused else []
-            job = SpanJob(plan, comm, self._piece_attention(q, k), self.comm, scale, is_causal, local_runs)
+            job = SpanJob(
+                plan, comm, self._piece_attention(q, k), self.comm, scale, is_causal, local_runs, call_check
+            )
             o, lse = SpanAttention.apply(q, k, v, job, _MODES[self.comm])
             outs.append(o)
             lses.append(lse)
