@@ -1,4 +1,5 @@
-"""Ranks out of step between calls of one configuration, and ranks with different check modes.
+"""Ranks out of step between calls of one configuration, ranks with different check modes, and
+copies of the module (``copy.deepcopy``, ``torch.save`` / ``torch.load``).
 
 Multi-process parts run on ``ring_cluster.Cluster`` (gloo). Every scenario that could hang runs on
 a new group with a short timeout, so that a missed check fails the test within seconds.
@@ -6,7 +7,10 @@ a new group with a short timeout, so that a missed check fails the test within s
 
 from __future__ import annotations
 
+import copy
 import datetime
+import io
+import os
 import re
 import time
 
@@ -16,7 +20,7 @@ import torch.distributed as dist
 from reference import reference_attention
 from ring_cluster import Cluster, inputs
 
-from dilated_attention.ring import RingDilatedAttention, shard_sequence
+from dilated_attention.ring import RingDilatedAttention, RingMultiheadDilatedAttention, shard_sequence
 
 TIMEOUT_S = 5.0  # the groups of the out-of-step scenarios: a missed check fails after this
 
@@ -211,3 +215,105 @@ def test_check_consistency_is_validated_when_set():
         module.check_consistency = "always"
     module.check_consistency = "once"
     assert module.check_consistency == "once"
+
+
+# ---------------------------------------------------------------------------------------------
+# deepcopy, torch.save and torch.load
+# ---------------------------------------------------------------------------------------------
+
+
+def copies(rank: int, P: int, store: str) -> dict:
+    """deepcopy keeps the group; torch.save writes the configuration, and a module loaded in
+    another process (each rank loads the other's file) takes the default group, or, saved with
+    an explicit group, says that it needs one until given one."""
+    group = _group()
+    q, k, v = _layer_inputs(0)
+    ref, _ = reference_attention(q, k, v, [16], [1])
+    got: dict = {}
+
+    def error(module: torch.nn.Module, g: dist.ProcessGroup | None) -> float:
+        x = [shard_sequence(t, g) for t in (q, k, v)]
+        out = module(*x)
+        if isinstance(out, tuple):
+            out = out[0]
+        return (out - shard_sequence(ref, g)).abs().max().item()
+
+    explicit = RingDilatedAttention([16], [1], comm="ring", process_group=group)
+    explicit(*(shard_sequence(t, group) for t in (q, k, v)))  # caches filled, calls counted
+    twin = copy.deepcopy(explicit)
+    got["deepcopy keeps the group"] = twin.process_group is group
+    got["deepcopy error"] = error(twin, group)
+    got["original after copy error"] = error(explicit, group)
+    mha = RingMultiheadDilatedAttention(8, 2, [16], [1], process_group=group, dtype=torch.float64)
+    got["multihead deepcopy group"] = copy.deepcopy(mha).attention.process_group is group
+
+    default = RingDilatedAttention([16], [1], layout="zigzag")
+    for name, module in (("default", default), ("explicit", explicit), ("multihead", mha)):
+        with open(os.path.join(store, f"{name}-{rank}.pt"), "wb") as f:
+            torch.save(module, f)
+    buf = io.BytesIO()
+    torch.save(default, buf)
+    buf.seek(0)
+    got["same process load error"] = error(torch.load(buf, weights_only=False), None)
+    dist.barrier(group)
+    other = 1 - rank
+
+    def load(name: str) -> torch.nn.Module:
+        with open(os.path.join(store, f"{name}-{other}.pt"), "rb") as f:
+            return torch.load(f, weights_only=False)
+
+    loaded = load("default")
+    got["loaded layout"] = loaded.layout
+    got["loaded default error"] = error(loaded, None)
+    loaded = load("explicit")
+    try:
+        error(loaded, group)
+        got["loaded explicit"] = "no error"
+    except RuntimeError as err:
+        got["loaded explicit"] = str(err)
+    loaded.set_process_group(group)
+    got["loaded explicit after set error"] = error(loaded, group)
+    loaded_mha = load("multihead")
+    x = torch.randn(1, 8, 8, dtype=torch.float64)
+    try:
+        loaded_mha(x)
+        got["loaded multihead"] = "no error"
+    except RuntimeError as err:
+        got["loaded multihead"] = str(err)
+    loaded_mha.set_process_group(group)
+    y, _ = loaded_mha(x)
+    got["loaded multihead runs"] = tuple(y.shape)
+    return got
+
+
+def test_deepcopy_and_save_load(cluster2, tmp_path):
+    for got in cluster2.run(copies, str(tmp_path), deadline=60.0):
+        assert got["deepcopy keeps the group"] and got["multihead deepcopy group"], got
+        for key in (
+            "deepcopy error",
+            "original after copy error",
+            "same process load error",
+            "loaded default error",
+            "loaded explicit after set error",
+        ):
+            assert got[key] < 1e-12, (key, got)
+        assert got["loaded layout"] == "zigzag"
+        for key in ("loaded explicit", "loaded multihead"):
+            msg = got[key]
+            assert "was saved with an explicit process_group (global ranks [0, 1])" in msg, msg
+            assert "set_process_group(" in msg, msg
+        assert got["loaded multihead runs"] == (1, 8, 8)
+
+
+def test_pickle_without_a_process_group():
+    """Without torch.distributed: deepcopy and save/load of a module built for the default group,
+    and the multi-head module, run as the original."""
+    q, k, v, _, _ = inputs(1, 16, 2, 2, 4)
+    module = RingDilatedAttention([8, 16], [1, 2])
+    expected = module(q, k, v, is_causal=True)
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(module), torch.load(buf, weights_only=False)):
+        assert other.process_group is None
+        torch.testing.assert_close(other(q, k, v, is_causal=True), expected, rtol=0, atol=0)

@@ -9,6 +9,7 @@ run the local runs on the module's backend, run the spanning pieces (:mod:`.node
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import numbers
@@ -56,6 +57,8 @@ def _group_key(group: Any) -> Any:
     """What numbers modules apart: None for the default group, the global ranks of a process group."""
     if group is None:
         return None
+    if isinstance(group, NeedsGroup):
+        return ("unset", group.ranks)
     if isinstance(group, int):  # GroupMember.NON_GROUP_MEMBER: never exchanges
         return ("not a member",)
     try:
@@ -67,6 +70,37 @@ def _group_key(group: Any) -> Any:
 def _next_number(group: Any) -> int:
     """The number of the next ring module this process builds (or copies, or loads) for ``group``."""
     return next(_NUMBERS.setdefault(_group_key(group), itertools.count()))
+
+
+class NeedsGroup:
+    """In place of the process group of a module loaded with ``torch.load`` (or unpickled) that was
+    saved with an explicit process group, which cannot be saved: its forward raises until
+    ``set_process_group`` gives it one. ``ranks``: the global ranks of the saved group (None where
+    they could not be read)."""
+
+    def __init__(self, ranks: tuple[int, ...] | None) -> None:
+        self.ranks = ranks
+
+    def __repr__(self) -> str:
+        return f"NeedsGroup(ranks={self.ranks})"
+
+    def error(self, who: str) -> RuntimeError:
+        ranks = "ranks unknown" if self.ranks is None else f"global ranks {list(self.ranks)}"
+        return RuntimeError(
+            f"{who} was saved with an explicit process_group ({ranks}), which cannot be saved with it: "
+            "call module.set_process_group(group) with the process group (or DeviceMesh, with mesh_dim=) "
+            "that splits the sequence in this process, or module.set_process_group(None) for the default "
+            "group (a local run where torch.distributed is not initialised)"
+        )
+
+
+def _saved_group(group: Any) -> NeedsGroup | None:
+    """What ``torch.save`` keeps of a module's process group: None for the default group."""
+    if group is None or isinstance(group, NeedsGroup):
+        return group
+    key = _group_key(group)
+    ranks = key if key and isinstance(key[0], int) else None
+    return NeedsGroup(ranks)
 
 
 class RingDilatedAttention(nn.Module):
@@ -117,7 +151,8 @@ class RingDilatedAttention(nn.Module):
             index) of the dimension that splits the sequence, e.g. ``"cp"``.
 
     Every rank must build its ring modules in the same order for a process group: the consistency
-    check numbers them in that order.
+    check numbers them in that order. ``copy.deepcopy`` shares the process group with the copy;
+    ``torch.save`` keeps the configuration, not the group (see :meth:`set_process_group`).
     """
 
     attention_backend: str
@@ -208,11 +243,52 @@ class RingDilatedAttention(nn.Module):
             raise ValueError(f"check_consistency must be True, False or 'once', got {value!r}")
         self._check_consistency = value
 
+    def set_process_group(self, process_group: GroupLike, mesh_dim: str | int | None = None) -> None:
+        """Use ``process_group`` (a ``ProcessGroup``, a ``DeviceMesh`` with ``mesh_dim`` where it has
+        several dimensions, or None for the default group) from the next call on. A module loaded
+        with ``torch.load`` that was saved with an explicit process group needs this before its
+        first forward. Every rank of the group must give it the same group, and the module a new
+        number for the consistency check (that of a module built now)."""
+        self.process_group = as_process_group(process_group, mesh_dim, who=type(self).__name__)
+        self.mesh_dim = mesh_dim
+        self._reset_per_group_state()
+
     def _reset_per_group_state(self) -> None:
         """A new number, no calls, nothing checked: what a module built now has."""
         self._check = ConsistencyCheck()
         self._number = _next_number(self.process_group)
         self._calls = 0
+
+    # -- copies: the configuration, not the group --------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``torch.save`` and ``pickle`` keep: the configuration. A process group cannot be
+        saved: the default group is kept as None (the loaded module takes the default group of
+        the process that loads it); an explicit one as :class:`NeedsGroup`, whose forward asks for
+        ``set_process_group``. The caches (plans, piece kernels) are rebuilt on use."""
+        state = super().__getstate__()
+        state["process_group"] = _saved_group(self.process_group)
+        state["_plans"], state["_pieces"] = {}, {}
+        for name in ("_check", "_number", "_calls"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._reset_per_group_state()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RingDilatedAttention:
+        """A copy with the same process group (shared, not copied), numbered as a module built now."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name == "process_group":
+                new.__dict__[name] = value
+            elif name in ("_plans", "_pieces"):
+                new.__dict__[name] = {}
+            elif name not in ("_check", "_number", "_calls"):
+                new.__dict__[name] = copy.deepcopy(value, memo)
+        new._reset_per_group_state()
+        return new
 
     def extra_repr(self) -> str:
         return (
@@ -316,6 +392,8 @@ class RingDilatedAttention(nn.Module):
         is_causal = V.check_bool(is_causal, "is_causal")
         return_lse = V.check_bool(return_lse, "return_lse")
         scale = V.check_scale_for_dtype(V.resolve_scale(self.softmax_scale, q.shape[-1]), q.dtype)
+        if isinstance(self.process_group, NeedsGroup):
+            raise self.process_group.error(type(self).__name__)
         group, P, rank = resolve_group(self.process_group, self.ring_size)
         B, local_len, Hq, _ = q.shape
         if P == 1:
