@@ -20,7 +20,13 @@ import torch.distributed as dist
 from reference import reference_attention
 from ring_cluster import Cluster, inputs
 
-from dilated_attention.ring import RingDilatedAttention, RingMultiheadDilatedAttention, shard_sequence
+from dilated_attention.ring import (
+    RingDilatedAttention,
+    RingMultiheadDilatedAttention,
+    comm_stats,
+    reset_comm_stats,
+    shard_sequence,
+)
 
 TIMEOUT_S = 5.0  # the groups of the out-of-step scenarios: a missed check fails after this
 
@@ -137,6 +143,28 @@ def test_backwards_in_different_orders_raise_on_every_rank(cluster2, comm):
 def test_backwards_in_the_same_order_run(cluster2):
     for got in cluster2.run(backward_order, "ring", True, deadline=60.0):
         assert got["A"] < 1e-10 and got["B"] < 1e-10, got
+
+
+def check_calls(rank: int, P: int, mode: bool | str) -> list[int]:
+    """The consistency check's all-gathers over three steps of forward and backward."""
+    group = _group()
+    module = RingDilatedAttention([16], [1], process_group=group, check_consistency=mode)
+    q, k, v = _layer_inputs(0)
+    calls = []
+    for _ in range(3):
+        reset_comm_stats()
+        mine = [shard_sequence(t, group).requires_grad_() for t in (q, k, v)]
+        module(*mine).sum().backward()
+        calls.append(int(comm_stats().get("check", {}).get("calls", 0)))
+    return calls
+
+
+def test_the_backward_check_costs_one_all_gather(cluster2):
+    """The documented cost: with check_consistency=True, one all-gather in the forward and one in
+    the backward; "once" and False only on the first call, and never in the backward."""
+    for mode, expected in ((True, [2, 2, 2]), ("once", [1, 0, 0]), (False, [1, 0, 0])):
+        for calls in cluster2.run(check_calls, mode, deadline=60.0):
+            assert calls == expected, (mode, calls)
 
 
 def checkpointed(rank: int, P: int) -> float:

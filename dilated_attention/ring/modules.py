@@ -228,9 +228,7 @@ class RingDilatedAttention(nn.Module):
         self._plans: dict[tuple, Plan] = {}
         self._selector = BackendSelector(type(self).__name__)
         self._pieces: dict[tuple, PieceAttention] = {}
-        self._check = ConsistencyCheck()
-        self._number = _next_number(self.process_group)
-        self._calls = 0  # forward calls on a group of several ranks
+        self._reset_per_group_state()
 
     @property
     def check_consistency(self) -> bool | str:
@@ -247,8 +245,8 @@ class RingDilatedAttention(nn.Module):
         """Use ``process_group`` (a ``ProcessGroup``, a ``DeviceMesh`` with ``mesh_dim`` where it has
         several dimensions, or None for the default group) from the next call on. A module loaded
         with ``torch.load`` that was saved with an explicit process group needs this before its
-        first forward. Every rank of the group must give it the same group, and the module a new
-        number for the consistency check (that of a module built now)."""
+        first forward. Every rank of the group must call it alike: the module is then numbered for
+        the consistency check as a module built at that moment."""
         self.process_group = as_process_group(process_group, mesh_dim, who=type(self).__name__)
         self.mesh_dim = mesh_dim
         self._reset_per_group_state()
@@ -257,7 +255,7 @@ class RingDilatedAttention(nn.Module):
         """A new number, no calls, nothing checked: what a module built now has."""
         self._check = ConsistencyCheck()
         self._number = _next_number(self.process_group)
-        self._calls = 0
+        self._calls = 0  # forward calls on a group of several ranks
 
     # -- copies: the configuration, not the group --------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -273,6 +271,9 @@ class RingDilatedAttention(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if "check_consistency" in state:  # saved before the setting became a validated property
+            state["_check_consistency"] = state.pop("check_consistency")
         super().__setstate__(state)
         self._reset_per_group_state()
 
