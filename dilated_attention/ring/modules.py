@@ -1,19 +1,23 @@
 """The modules of sequence parallelism: :class:`RingDilatedAttention` and its multi-head wrapper.
 
-``RingDilatedAttention.forward`` reads top to bottom: validate, resolve the group, check once
-that the ranks agree (:mod:`.consistency`), take the plan of this rank (:mod:`.geometry`), run the
-local runs on the module's backend, run the spanning pieces (:mod:`.node` with
+``RingDilatedAttention.forward`` reads top to bottom: validate, resolve the group, check that the
+ranks agree and are in step (:mod:`.consistency`), take the plan of this rank (:mod:`.geometry`),
+run the local runs on the module's backend, run the spanning pieces (:mod:`.node` with
 :mod:`.mode_all_gather` or :mod:`.mode_ring`), and merge everything by log-sum-exp
 (:mod:`dilated_attention.merge`).
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,7 +28,7 @@ from ..functional import _attention
 from ..merge import merge
 from ..modules._script import NotScriptable
 from . import mode_all_gather, mode_ring
-from .consistency import ConsistencyCheck, fingerprint
+from .consistency import CallCheck, ConsistencyCheck, fingerprint
 from .geometry import LAYOUTS, Plan, make_layout
 from .groups import GroupLike, as_process_group, resolve_group
 from .node import SpanAttention, SpanJob
@@ -44,6 +48,60 @@ _FIELD_NAMES: dict[str, tuple[str, ...]] = {
     "is_causal": ("False", "True"),
     "runs backward (grad enabled, inputs require grad)": ("False", "True"),
 }
+# Per process group, the numbers of the ring modules this process built for it, in order. Ranks
+# that build their modules in the same order give the same module the same number, which the
+# consistency check compares to tell a call of one module from a call of another.
+_NUMBERS: dict[Any, itertools.count] = {}
+
+
+def _group_key(group: Any) -> Any:
+    """What numbers modules apart: None for the default group, the global ranks of a process group."""
+    if group is None:
+        return None
+    if isinstance(group, NeedsGroup):
+        return ("unset", group.ranks)
+    if isinstance(group, int):  # GroupMember.NON_GROUP_MEMBER: never exchanges
+        return ("not a member",)
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):
+        return ("group", id(group))
+
+
+def _next_number(group: Any) -> int:
+    """The number of the next ring module this process builds (or copies, or loads) for ``group``."""
+    return next(_NUMBERS.setdefault(_group_key(group), itertools.count()))
+
+
+class NeedsGroup:
+    """In place of the process group of a module loaded with ``torch.load`` (or unpickled) that was
+    saved with an explicit process group, which cannot be saved: its forward raises until
+    ``set_process_group`` gives it one. ``ranks``: the global ranks of the saved group (None where
+    they could not be read)."""
+
+    def __init__(self, ranks: tuple[int, ...] | None) -> None:
+        self.ranks = ranks
+
+    def __repr__(self) -> str:
+        return f"NeedsGroup(ranks={self.ranks})"
+
+    def error(self, who: str) -> RuntimeError:
+        ranks = "ranks unknown" if self.ranks is None else f"global ranks {list(self.ranks)}"
+        return RuntimeError(
+            f"{who} was saved with an explicit process_group ({ranks}), which cannot be saved with it: "
+            "call module.set_process_group(group) with the process group (or DeviceMesh, with mesh_dim=) "
+            "that splits the sequence in this process, or module.set_process_group(None) for the default "
+            "group (a local run where torch.distributed is not initialised)"
+        )
+
+
+def _saved_group(group: Any) -> NeedsGroup | None:
+    """What ``torch.save`` keeps of a module's process group: None for the default group."""
+    if group is None or isinstance(group, NeedsGroup):
+        return group
+    key = _group_key(group)
+    ranks = key if key and isinstance(key[0], int) else None
+    return NeedsGroup(ranks)
 
 
 # The end of the error for a nested q, k or v: the ring takes neither a padding mask nor packed rows.
@@ -78,14 +136,17 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         attention_backend: backend of the local runs and of the spanning pieces (see
             :mod:`dilated_attention.backends`; pieces run on ``native`` where it has a piece kernel,
             otherwise on this backend when it has a kernel backward, otherwise on ``sdpa``).
-        check_consistency: compare a fingerprint of the configuration and shapes across ranks
-            before every exchange (one small all-gather and one host synchronisation per
-            forward), so that a mismatch raises the same ``ValueError`` on every rank instead of
-            hanging or returning wrong values. ``"once"`` compares each configuration and shape
-            the first time this rank sees it and nothing after: cheaper, but ranks that fall out
-            of step between configurations they all checked before are not caught. ``False`` is
-            unsafe: ranks called with different configurations may then abort inside the
-            communication library (gloo: SIGABRT) or return wrong results.
+        check_consistency: compare a fingerprint of the configuration, the shapes and the call
+            (the module's number and its calls so far) across ranks before every exchange (one
+            small all-gather and one host synchronisation per forward, and per backward that
+            exchanges), so that a mismatch, or ranks out of step (a layer skipped on one rank
+            only, backwards run in different orders), raises the same ``ValueError`` on every
+            rank instead of hanging or returning wrong values. ``"once"`` compares each
+            configuration and shape the first time this rank sees it and nothing after: cheaper,
+            but ranks that fall out of step are not caught. ``False`` compares only on the first
+            call and is unsafe: ranks called with different configurations may then abort inside
+            the communication library (gloo: SIGABRT) or return wrong results. Every rank must
+            use the same mode; different modes raise on the first call.
         ring_size: the number of ranks expected; a group of another size (larger than one) is an
             error, and a ``ring_size`` above one without a process group warns. None accepts any.
             Under a launcher (``WORLD_SIZE`` above 1) without a process group, forward raises
@@ -96,10 +157,13 @@ class RingDilatedAttention(NotScriptable, nn.Module):
             balances causal work; shard with ``shard_sequence(x, layout="zigzag")``).
         mesh_dim: with a ``DeviceMesh`` of several dimensions as ``process_group``, the name (or
             index) of the dimension that splits the sequence, e.g. ``"cp"``.
+
+    Every rank must build its ring modules in the same order for a process group: the consistency
+    check numbers them in that order. ``copy.deepcopy`` shares the process group with the copy;
+    ``torch.save`` keeps the configuration, not the group (see :meth:`set_process_group`).
     """
 
     attention_backend: str
-    check_consistency: bool | str
     ring_size: int | None
     layout: str
     _selector: BackendSelector
@@ -160,8 +224,6 @@ class RingDilatedAttention(NotScriptable, nn.Module):
             raise ValueError(f"attention_backend must be a string, got {attention_backend!r}")
         check_backend_name(attention_backend)
         self.attention_backend = attention_backend
-        if not (isinstance(check_consistency, bool) or check_consistency == "once"):
-            raise ValueError(f"check_consistency must be True, False or 'once', got {check_consistency!r}")
         self.check_consistency = check_consistency
         if ring_size is not None and (
             isinstance(ring_size, bool) or not isinstance(ring_size, numbers.Integral) or ring_size < 1
@@ -174,7 +236,68 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         self._plans: dict[tuple, Plan] = {}
         self._selector = BackendSelector(type(self).__name__)
         self._pieces: dict[tuple, PieceAttention] = {}
-        self._check = ConsistencyCheck(once=check_consistency == "once")
+        self._reset_per_group_state()
+
+    @property
+    def check_consistency(self) -> bool | str:
+        """``True``, ``"once"`` or ``False``: see the class docstring. Every rank must use the same."""
+        return self._check_consistency
+
+    @check_consistency.setter
+    def check_consistency(self, value: bool | str) -> None:
+        if not (isinstance(value, bool) or (isinstance(value, str) and value == "once")):
+            raise ValueError(f"check_consistency must be True, False or 'once', got {value!r}")
+        self._check_consistency = value
+
+    def set_process_group(self, process_group: GroupLike, mesh_dim: str | int | None = None) -> None:
+        """Use ``process_group`` (a ``ProcessGroup``, a ``DeviceMesh`` with ``mesh_dim`` where it has
+        several dimensions, or None for the default group) from the next call on. A module loaded
+        with ``torch.load`` that was saved with an explicit process group needs this before its
+        first forward. Every rank of the group must call it alike: the module is then numbered for
+        the consistency check as a module built at that moment."""
+        self.process_group = as_process_group(process_group, mesh_dim, who=type(self).__name__)
+        self.mesh_dim = mesh_dim
+        self._reset_per_group_state()
+
+    def _reset_per_group_state(self) -> None:
+        """A new number, no calls, nothing checked: what a module built now has."""
+        self._check = ConsistencyCheck()
+        self._number = _next_number(self.process_group)
+        self._calls = 0  # forward calls on a group of several ranks
+
+    # -- copies: the configuration, not the group --------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``torch.save`` and ``pickle`` keep: the configuration. A process group cannot be
+        saved: the default group is kept as None (the loaded module takes the default group of
+        the process that loads it); an explicit one as :class:`NeedsGroup`, whose forward asks for
+        ``set_process_group``. The caches (plans, piece kernels) are rebuilt on use."""
+        state = super().__getstate__()
+        state["process_group"] = _saved_group(self.process_group)
+        state["_plans"], state["_pieces"] = {}, {}
+        for name in ("_check", "_number", "_calls"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if "check_consistency" in state:  # saved before the setting became a validated property
+            state["_check_consistency"] = state.pop("check_consistency")
+        super().__setstate__(state)
+        self._reset_per_group_state()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RingDilatedAttention:
+        """A copy with the same process group (shared, not copied), numbered as a module built now."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name == "process_group":
+                new.__dict__[name] = value
+            elif name in ("_plans", "_pieces"):
+                new.__dict__[name] = {}
+            elif name not in ("_check", "_number", "_calls"):
+                new.__dict__[name] = copy.deepcopy(value, memo)
+        new._reset_per_group_state()
+        return new
 
     def extra_repr(self) -> str:
         return (
@@ -226,6 +349,34 @@ class RingDilatedAttention(NotScriptable, nn.Module):
             selector=self._selector,
         )
 
+    @torch.compiler.disable
+    def _check_call(
+        self, comm: Comm, q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float, runs_backward: bool
+    ) -> CallCheck | None:
+        """Count this call and compare its fingerprint across the ranks (as ``check_consistency``
+        says); returns what the backward compares again (with ``check_consistency=True``). Runs
+        eagerly under ``torch.compile``: the call counter changes on every call, and the check reads
+        its all-gather on the host."""
+        call, self._calls = self._calls, self._calls + 1
+        mode = self.check_consistency
+        fields = fingerprint(
+            q,
+            k,
+            self.segment_lengths,
+            self.dilation_rates,
+            is_causal,
+            scale,
+            COMM_MODES.index(self.comm),
+            LAYOUTS.index(self.layout),
+            self.ring_size,
+            runs_backward,
+            mode,
+            self._number,
+            call,
+        )
+        self._check(comm, fields, _FIELD_NAMES, mode)
+        return CallCheck(fields, _FIELD_NAMES) if mode is True else None
+
     # -- forward -------------------------------------------------------------------------
     def forward(
         self,
@@ -250,26 +401,16 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         is_causal = V.check_bool(is_causal, "is_causal")
         return_lse = V.check_bool(return_lse, "return_lse")
         scale = V.check_scale_for_dtype(V.resolve_scale(self.softmax_scale, q.shape[-1]), q.dtype)
+        if isinstance(self.process_group, NeedsGroup):
+            raise self.process_group.error(type(self).__name__)
         group, P, rank = resolve_group(self.process_group, self.ring_size)
         B, local_len, Hq, _ = q.shape
         if P == 1:
             out, lse = self._local(q, k, v, self.segment_lengths, self.dilation_rates, is_causal, scale)
             return (out, lse) if return_lse else out
         comm = Comm(group, rank, P, q.device)
-        if self.check_consistency:
-            fields = fingerprint(
-                q,
-                k,
-                self.segment_lengths,
-                self.dilation_rates,
-                is_causal,
-                scale,
-                COMM_MODES.index(self.comm),
-                LAYOUTS.index(self.layout),
-                self.ring_size,
-                torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-            )
-            self._check(comm, fields, _FIELD_NAMES)
+        runs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        call_check = self._check_call(comm, q, k, is_causal, scale, runs_backward)
         if self.ring_size is not None and P != self.ring_size:  # after the check: every rank raises
             raise ValueError(f"ring_size={self.ring_size} but the process group has {P} ranks")
         if B == 0 or local_len == 0:
@@ -292,7 +433,9 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         # position any head reads its out 0 and lse -inf.
         if fused or plan.joins_exchange or not outs:
             local_runs = plan.local_runs if fused else []
-            job = SpanJob(plan, comm, self._piece_attention(q, k), self.comm, scale, is_causal, local_runs)
+            job = SpanJob(
+                plan, comm, self._piece_attention(q, k), self.comm, scale, is_causal, local_runs, call_check
+            )
             o, lse = SpanAttention.apply(q, k, v, job, _MODES[self.comm])
             outs.append(o)
             lses.append(lse)

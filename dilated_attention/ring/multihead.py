@@ -208,6 +208,12 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
     def comm(self) -> str:
         return self.attention.comm
 
+    def set_process_group(self, process_group: GroupLike, mesh_dim: str | int | None = None) -> None:
+        """Split the sequence over ``process_group`` from the next call on (see
+        :meth:`RingDilatedAttention.set_process_group`): needed by a module loaded with ``torch.load``
+        that was saved with an explicit process group."""
+        self.attention.set_process_group(process_group, mesh_dim)
+
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, comm={self.attention.comm!r}, "

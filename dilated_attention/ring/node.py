@@ -27,6 +27,7 @@ from .. import _ops
 from .._autograd import no_double_backward
 from ..flops import accumulation_dtype
 from ..merge import merge_into_
+from .consistency import CallCheck
 from .geometry import Block, Piece, Plan, block_key
 from .pieces import PieceAttention
 from .transport import Comm, from_bytes
@@ -38,7 +39,8 @@ Run = tuple[int, int, list[int], list[int]]  # (lo, hi, segment lengths, rates):
 
 
 class SpanJob:
-    """One forward call's spanning pieces: plan, transport, piece attention, scale, mode."""
+    """One forward call's spanning pieces: plan, transport, piece attention, scale, mode, and the
+    call's fingerprint that the backward compares across the ranks before it exchanges."""
 
     def __init__(
         self,
@@ -49,8 +51,10 @@ class SpanJob:
         scale: float,
         is_causal: bool,
         local_runs: Sequence[Run] = (),
+        check: CallCheck | None = None,
     ) -> None:
         self.plan, self.comm, self.pieces, self.mode = plan, comm, pieces, mode
+        self.check = check  # compared again before the backward's exchange (check_consistency=True)
         self.scale, self.is_causal = scale, is_causal
         self.local_runs = list(local_runs)  # the local runs computed in this node, on the fused op
         self.aux: dict[tuple, Any] = {}  # per kernel call, what its backward needs
@@ -335,6 +339,10 @@ class SpanAttention(torch.autograd.Function):
                 dout = torch.zeros_like(out)
             g = job.local_backward(q, k, v, out, lse, dout, dlse)
             if job.plan.joins_exchange:
+                # The ranks are in the backward of the same call, whenever anything moves (steps is
+                # the same on every rank; without steps a rank may have no backward to run).
+                if job.check is not None and job.plan.steps:
+                    job.check.backward(job.comm)
                 job.start_backward(out, lse, dout, dlse, g)
                 ctx.mode.backward(job, q, k, v, saved)
                 job.finish_backward()
