@@ -227,6 +227,26 @@ BAD_ARGUMENTS = [
     ("bench_sdpa_views", "--baseline /nonexistent", "--baseline", "/nonexistent"),
     ("bench_sdpa_views", "--variants before", "--baseline", "before"),
     ("bench_cuda", "--seq-lens 0", "--seq-lens", "0"),
+    ("bench_gpt", "--blocks 16k,0", "--blocks", "0"),
+    ("bench_gpt", "--steps 0", "--steps", "0"),
+    ("bench_gpt", "--warmup -1", "--warmup", "-1"),
+    ("bench_gpt", "--backends dense,nope", "--backends", "nope"),
+    ("bench_gpt", "--compile maybe", "--compile", "maybe"),
+    ("bench_gpt", "--embd 100", "--embd", "100"),
+    ("bench_gpt", "--embd 6144 --heads 12", "--embd", "6144"),
+    ("bench_gpt", "--dtype float8", "--dtype", "float8"),
+    ("bench_gpt", "--device banana", "--device", "banana"),
+    ("bench_gpt", "--peak-flops nan", "--peak-flops", "nan"),
+    ("bench_gpt", "--profile native", "--profile", "native"),
+    ("bench_gpt", "--profile nope:16k", "--profile", "nope:16k"),
+    ("bench_gpt", "--profile native:0", "--profile", "native:0"),
+    ("bench_gpt", "--profile native:16k:fast", "--profile", "native:16k:fast"),
+    ("bench_dispatch", "--n 0", "--n", "0"),
+    ("bench_dispatch", "--backends native,nope", "--backends", "nope"),
+    ("bench_dispatch", "--segments 8 --rates 16", "--rates", "16"),
+    ("bench_dispatch", "--heads 12 --kv-heads 5", "--kv-heads", "5"),
+    ("bench_dispatch", "--dim 512", "--dim", "512"),
+    ("bench_dispatch", "--out /nonexistent/d.md", "--out", "/nonexistent/d.md"),
 ]
 
 
@@ -254,6 +274,8 @@ def test_bad_arguments_are_usage_errors(bench, script, args, option, value, caps
         ("bench_varlen", "--docs 3 --tokens 3 --segments 8 --rates 1 --causal 0"),
         ("bench_ring", "--n 1024 --segments 512 --rates 1 --procs 4 --layouts zigzag"),
         ("bench_sdpa_views", "--n 1024 --variants after after-op-bwd"),
+        ("bench_gpt", "--blocks 16k,64k --backends dense,native --compile both --profile sdpa:64k:compile"),
+        ("bench_dispatch", "--n 16k --backends native,sdpa,manual --device cpu"),
     ],
 )
 def test_good_arguments_parse(bench, script, args):
