@@ -796,3 +796,15 @@ def test_packed_training_runs(data_dir, tmp_path):
     assert out["evals"][-1]["val"] < out["evals"][0]["val"] - 1.0, out["evals"]
     with pytest.raises(ValueError, match="packed=True needs a corpus"):
         train.main(tiny_train_args(data_dir, tmp_path, packed=True, dataset="passkey"), log=lambda *_: None)
+
+
+def test_training_forward_reads_nothing_back_from_the_device():
+    """The training forward (no cache) needs no value of a device tensor on the host: on a GPU such a
+    read is a synchronisation every step, and under torch.compile a graph break."""
+    import torch._dynamo
+
+    model = GPT(tiny_config(backend="native"))
+    idx = torch.randint(0, 64, (2, 48))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(idx, idx)
+    assert explained.graph_break_count == 0, explained.break_reasons

@@ -228,10 +228,13 @@ class GPT(nn.Module):
         device = idx.device
         B, T = idx.shape
         # Sequence parallelism (context_parallel.enable): idx is chunk ``cp_rank`` of the sequence.
-        start = torch.full((B, 1), self.cp_rank * T, dtype=torch.long, device=device)
+        # Without a cache every row starts at the same position, known here: no read of a device
+        # tensor (a host synchronisation every step on a GPU, and a graph break under compile).
+        start: int | torch.Tensor = self.cp_rank * T
+        end = self.cp_rank * T + T
         if kv_cache is not None:
             start = kv_cache.seqlens[:, None].to(device)
-        end = int(start.max()) + T
+            end = int(start.max()) + T
         if end > self.config.block_size:
             raise ValueError(
                 f"cannot forward a sequence of length {end}: block size is only {self.config.block_size}"
@@ -247,7 +250,7 @@ class GPT(nn.Module):
             docs = PackedDocuments.from_starts(doc_starts)
             pos = docs.positions  # (B, T): positions restart in every document
         else:
-            pos = start + torch.arange(T, dtype=torch.long, device=device)  # (B, T)
+            pos = (start + torch.arange(T, dtype=torch.long, device=device)).expand(B, T)  # (B, T)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         use_ckpt = self.config.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
