@@ -18,6 +18,7 @@ import functools
 import inspect
 import re
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -127,7 +128,7 @@ def _inside_another_model(model: Any) -> bool:
     """Whether ``model`` is being built inside the constructor of another model (a vision tower or
     a backbone of a composite model): a frame up the stack is the ``__init__`` of another
     ``PreTrainedModel``."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "__init__":
             owner = frame.f_locals.get("self")

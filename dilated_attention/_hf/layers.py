@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +41,7 @@ _WATCHED = "_dilated_attention_watched"
 
 
 @functools.cache
-def _source_parameter(cls: type) -> tuple[str, int | None] | None:
+def _source_parameter(cls: Any) -> tuple[str, int | None] | None:
     """``(name, positional index)`` of the argument of ``cls.forward`` named in
     :data:`KEY_SOURCES` (index None where it is keyword-only), or None where it has none."""
     try:
@@ -83,7 +83,7 @@ def watch_key_sources(model: torch.nn.Module) -> None:
             continue
         if "attention" not in type(module).__name__.lower():
             continue
-        found = _source_parameter(type(module))
+        found = _source_parameter(cast(Any, type(module)))
         if found is None:
             continue
         module.register_forward_pre_hook(functools.partial(_note_key_source, *found), with_kwargs=True)
@@ -158,7 +158,7 @@ def self_attention_is_causal(module: Any, config: Any) -> bool:
 
 def refuse_unknown_key_source(module: Any) -> ValueError:
     """The error for a call of a layer that :func:`unknown_key_source` cannot place."""
-    if _source_parameter(type(module)) is None:
+    if _source_parameter(cast(Any, type(module))) is None:
         why = (
             f"its forward takes no {' or '.join(KEY_SOURCES)} argument that would tell. Use another "
             f"attn_implementation for this model"
