@@ -84,4 +84,3 @@ def test_refused_calls_keep_their_numbers_call_after_call():
     assert len(lines) == 3 and all(
         line.endswith("head dim must be in [1, 256], got 257") for line in lines
     ), lines
-
