@@ -372,11 +372,11 @@ def check_decode_step(
         k.shape[2] == D,
         k_cache.shape[0] == B,
         k_cache.shape[3] == D,
-    ) and (Hkv > 0 and Hq % Hkv == 0 and Hq // Hkv <= 32)
+    ) and (Hkv > 0 and Hq % Hkv == 0)
     _require(
         agree,
         "decode_step: shapes must agree (q (B, Hq, D), k, v (B, Hkv, D), caches (B, Hkv, T, D), Hq a "
-        "multiple of Hkv, at most 32 query heads per kv head), got q "
+        "multiple of Hkv), got q "
         f"{_shape(q)}, k {_shape(k)}, k_cache {_shape(k_cache)}",
     )
     _check_dtype(q, "decode_step")

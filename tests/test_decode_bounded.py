@@ -20,6 +20,9 @@ SHAPES = [
     pytest.param(8, 2, 37, (4, 8, 16), (1, 4, 8), id="gqa-r-above-group"),
     pytest.param(2, 1, 24, (8,), (4,), id="uncovered-rows"),  # r > Hq: some (p, h) read nothing
     pytest.param(2, 2, 20, (32, 4), (2, 1), id="w-greater-than-N"),
+    # multi-query models (StarCoder: 48 heads, 1 kv head): more than 32 query heads per kv head
+    pytest.param(48, 1, 21, (4, 8), (1, 2), id="multi-query-48"),
+    pytest.param(64, 1, 19, (8, 16), (1, 4), id="multi-query-64"),
 ]
 
 

@@ -77,7 +77,7 @@ def emulate(so, q, k, v, kc, vc, pos, layout, scale, splits):
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 16), (4, 4, 40)])
+@pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 16), (4, 4, 40), (48, 1, 16), (64, 1, 8)])
 def test_emulated_kernels_equal_the_cpu_op(emu, dtype, splits, Hq, Hkv, D):
     """The kernels write the same slots and give the same out and lse as the CPU op, on slots of
     arbitrary values, with rows split into S pieces, a sequence without a token and D not a

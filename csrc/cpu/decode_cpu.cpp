@@ -44,7 +44,8 @@ enum { TILE = 64 };  // keys per online-softmax tile
 
 struct Item {
   int64_t b, j, row_offset, start, len;  // the keys [start, start + len) of the row at row_offset
-  uint32_t heads;                        // bit g: query head j * G + g reads them
+  int64_t r, phase;                      // query head j * G + g reads them when (j * G + g) % r == phase
+  bool reads(int64_t G, int64_t g) const { return (j * G + g) % r == phase; }
 };
 
 // Online-softmax state of one head: base-2 max m, sum l, unnormalised output acc[D].
@@ -294,12 +295,9 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& kc, const at::T
         const int64_t w = segs[i], r = rates[i], t = P[b] % w;
         const int64_t row = (((t % r) - j * G) % r + r) % r;
         if (row >= rows[i]) continue;  // no head of this group reads this phase
-        uint32_t heads = 0;
-        for (int64_t g = 0; g < G; ++g)
-          if ((j * G + g) % r == t % r) heads |= 1u << g;
         const int64_t n = t / r + 1;
         for (int64_t s0 = 0; s0 < n; s0 += chunk)
-          items.push_back({b, j, offsets[i] + row * lengths[i], s0, std::min(chunk, n - s0), heads});
+          items.push_back({b, j, offsets[i] + row * lengths[i], s0, std::min(chunk, n - s0), r, t % r});
       }
     }
   first[B * Hkv] = (int64_t)items.size();
@@ -325,7 +323,7 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& kc, const at::T
       int nh = 0;
       hs.clear();
       for (int64_t g = 0; g < G; ++g)
-        if (I.heads >> g & 1u) {
+        if (I.reads(G, g)) {
           const scalar_t* qh = Qp + (I.b * Hq + I.j * G + g) * D;
           for (int64_t d = 0; d < D; ++d) qbuf[nh * D + d] = (T)qh[d] * qscale;
           qs[nh] = qbuf.data() + nh * D;
@@ -356,7 +354,7 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& kc, const at::T
         base[1] = st[h].l;
       }
       for (int64_t g = 0; g < G; ++g)
-        if (!(I.heads >> g & 1u)) part[(it * G + g) * (D + 2)] = -INFINITY;
+        if (!I.reads(G, g)) part[(it * G + g) * (D + 2)] = -INFINITY;
     }
   });
   // Merge the items of every (b, j) per head.
@@ -434,9 +432,9 @@ void check_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               " and ", vc.sizes());
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = kc.size(1);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == Hkv && k.size(2) == D &&
-                  kc.size(0) == B && kc.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 32,
+                  kc.size(0) == B && kc.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
               "decode_step: shapes must agree (q (B, Hq, D), k, v (B, Hkv, D), caches (B, Hkv, T, D), Hq a "
-              "multiple of Hkv, at most 32 query heads per kv head), got q ",
+              "multiple of Hkv), got q ",
               q.sizes(), ", k ", k.sizes(), ", k_cache ", kc.sizes());
   check_dtype(q, "decode_step");
   TORCH_CHECK(D >= 1 && D <= DA_MAX_HEAD_DIM, "decode_step: head dim must be in [1, ", DA_MAX_HEAD_DIM,

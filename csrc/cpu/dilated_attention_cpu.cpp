@@ -30,7 +30,8 @@
 // the same layout and converts them back to (B, N, H, D) at the end.
 //
 // Cost: forward 2 * D multiply-adds per (query, key) pair with multiplicity, backward 5 * D (S, dP,
-// dV, dK, dQ; no recomputation) and D subtractions (dP as dout . (v - out), see Backward below).
+// dV, dK, dQ) and D subtractions (dP as dout . (v - out), see Backward below); float16 and bfloat16
+// inputs 2 * D more (the forward once more, for a float32 out: out_for_backward).
 // Memory: the outputs, the head-major copies (forward 3, backward 8
 // tensors of B * H * N * Dp values), the (B, Hq, N) delta of the backward, and
 // O(threads * (QB + QT + KB) * Dp) scratch.
@@ -814,7 +815,10 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
     F.scale2 = (T)(P.scale * 1.44269504088896340736);
     F.drop = drop;
     F.start = 0;
-    scalar_t* out_p = out.data_ptr<scalar_t>();
+    // out is in the inputs' dtype, or in T (the backward's float32 recomputation for float16 and
+    // bfloat16 inputs: the same values before their rounding).
+    scalar_t* out_p = out.scalar_type() == q_in.scalar_type() ? out.data_ptr<scalar_t>() : nullptr;
+    T* out_t = out_p ? nullptr : out.data_ptr<T>();
     // lse is float32, or float64 (float64 inputs, or a float64 lse asked for): written as such.
     T* lse_t = lse.scalar_type() == st ? lse.data_ptr<T>() : nullptr;
     double* lse_d = lse_t ? nullptr : lse.data_ptr<double>();
@@ -833,13 +837,17 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
           S.N = sq.len;
           S.start = sq.start;
           fwd_block(isa, S, sq.b, h, a0, a1, &s);
-          scalar_t* o = out_p + sq.b * out.stride(0) + sq.start * out.stride(1) + h * out.stride(2);
+          const int64_t ot = sq.b * out.stride(0) + sq.start * out.stride(1) + h * out.stride(2);
           const int64_t at = sq.b * lse.stride(0) + h * lse.stride(1) + sq.start;
           const double unit = score_unit(P.scale, F.scale2);
-          if (lse_t)
-            fwd_write<scalar_t, T>(s, o, out.stride(1), lse_t + at, a0, a1, P.D, Dp, unit);
+          if (out_t && lse_t)
+            fwd_write<T, T>(s, out_t + ot, out.stride(1), lse_t + at, a0, a1, P.D, Dp, unit);
+          else if (out_t)
+            fwd_write<T, T>(s, out_t + ot, out.stride(1), lse_d + at, a0, a1, P.D, Dp, unit);
+          else if (lse_t)
+            fwd_write<scalar_t, T>(s, out_p + ot, out.stride(1), lse_t + at, a0, a1, P.D, Dp, unit);
           else
-            fwd_write<scalar_t, T>(s, o, out.stride(1), lse_d + at, a0, a1, P.D, Dp, unit);
+            fwd_write<scalar_t, T>(s, out_p + ot, out.stride(1), lse_d + at, a0, a1, P.D, Dp, unit);
         });
   });
 }
@@ -895,19 +903,44 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q_in, const 
 /*   softmax backward subtracts rowsum(P * dP) from the same rounded dP.                          */
 /* ------------------------------------------------------------------------------------------ */
 
-/* delta[b, h, p] = sum_d dout * out - dlse (with_out) or -dlse, one value per query row. Cost:
- * B * Hq * N * D. */
+/*
+ * The out that the backward reads (out_for_backward, below): for float16 and bfloat16 inputs, out in
+ * float32. Rounded to float16 or bfloat16, out would leave its rounding in dout . (v - out) (delta,
+ * with dropout), times P ~ 1 for a row whose weight sits on one key: half a unit in the last place
+ * of out times |dout|, summed over D, where the exact difference is tiny and plain PyTorch's softmax
+ * backward, which subtracts rowsum(P * dP) from the same dP, leaves no such error (2.7x the rule's
+ * bound in dq for one-branch causal inputs with large logits).
+ */
+
+/*
+ * out for the backward of inputs q: out itself, except for float16 and bfloat16 inputs, whose
+ * backward reads a float32 out: recompute(out32, lse32) writes the forward's float32 out (the
+ * same values before their rounding), which is taken where its rounding is the given out, and the
+ * given out elsewhere (an out the forward did not compute, such as rows merged with other keys:
+ * the backward takes any out). Cost: one forward for float16 and bfloat16 inputs.
+ */
+template <typename Recompute>
+static at::Tensor out_for_backward(const at::Tensor& q, const at::Tensor& out, const Recompute& recompute) {
+  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return last_dim_contiguous(out);
+  at::Tensor out32 = at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  at::Tensor lse32 = at::empty({out.size(0), out.size(2), out.size(1)}, out32.options());
+  recompute(out32, lse32);
+  return at::where(out32.to(out.scalar_type()) == out, out32, out.to(at::kFloat));
+}
+
+/* delta[b, h, p] = sum_d dout * out - dlse (with_out) or -dlse, one value per query row; out in T
+ * (out_for_backward). Cost: B * Hq * N * D. */
 template <typename scalar_t, typename T>
 static void compute_delta(const Problem& P, const at::Tensor& dout, const at::Tensor& out, const T* dlse,
                           bool with_out, T* delta) {
   const scalar_t* dp = dout.data_ptr<scalar_t>();
-  const scalar_t* op = out.data_ptr<scalar_t>();
+  const T* op = with_out ? out.data_ptr<T>() : nullptr;
   at::parallel_for(0, P.B * P.Hq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / P.Hq, h = bh % P.Hq;
       for (int64_t p = 0; p < P.N; ++p) {
         const scalar_t* x = dp + b * dout.stride(0) + p * dout.stride(1) + h * dout.stride(2);
-        const scalar_t* y = op + b * out.stride(0) + p * out.stride(1) + h * out.stride(2);
+        const T* y = with_out ? op + b * out.stride(0) + p * out.stride(1) + h * out.stride(2) : nullptr;
         T sum = 0;
         for (int64_t d = 0; with_out && d < P.D; ++d) sum += (T)x[d] * (T)y[d];
         delta[bh * P.N + p] = sum - (dlse ? dlse[bh * P.N + p] : (T)0);
@@ -1125,13 +1158,16 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
     const Problem& P, const std::vector<Sequence>& seqs, const at::Tensor& dout_in, const at::Tensor& q_in,
     const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     const c10::optional<at::Tensor>& dlse_in, const da_dropout& drop) {
-  const at::Tensor dout_c = last_dim_contiguous(dout_in), out_c = last_dim_contiguous(out_in);
+  const at::Tensor dout_c = last_dim_contiguous(dout_in);
   // lse read in double (float32 or float64, lse_base2); dlse and delta in the accumulation type.
   const at::Tensor lse = lse_in.to(at::kDouble).contiguous();
   const at::ScalarType acc = lse_dtype(q_in.scalar_type());
   at::Tensor dlse;
   if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(acc).contiguous();
   if (P.B == 0 || P.N == 0) return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
+  const at::Tensor out_c = out_for_backward(q_in, out_in, [&](at::Tensor& out32, at::Tensor& lse32) {
+    fwd_sequences(P, seqs, q_in, k_in, v_in, out32, lse32, drop);
+  });
   at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(acc));
   at::Tensor dq, dk, dv;
 

@@ -15,7 +15,7 @@
 //            accumulate in the tile, dq in a head-major accumulator. Tasks write disjoint rows.
 //
 // Cost: forward 2 * D multiply-adds per visible (query, key) pair, backward 5 * D and D
-// subtractions, no recomputation. Memory: the outputs and the head-major copies of the op (forward
+// subtractions (float16 and bfloat16: 2 * D more, the forward once more for a float32 out). Memory: the outputs and the head-major copies of the op (forward
 // 3, backward 8
 // tensors of B * H * n * Dp values), O(threads * (QT + KB) * Dp) scratch.
 //
@@ -185,17 +185,15 @@ static void piece_bwd_task(Isa isa, const PieceArgs<T>& P, int64_t b, int64_t hk
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                 const at::Tensor& v_in, bool is_causal,
-                                                 int64_t causal_offset, double softmax_scale,
-                                                 bool float64_lse) {
-  const Problem P = check_piece_inputs(q_in, k_in, v_in, softmax_scale);
-  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention piece: expected CPU tensors, got ", q_in.device());
+/*
+ * The piece's forward into out (B, nq, Hq, D), in the inputs' dtype or in the accumulation type
+ * (the backward's float32 recomputation for float16 and bfloat16 inputs), and lse (B, Hq, nq).
+ */
+static void piece_fwd_into(const Problem& P, const at::Tensor& q_in, const at::Tensor& k_in,
+                           const at::Tensor& v_in, bool is_causal, int64_t causal_offset, at::Tensor& out,
+                           at::Tensor& lse) {
   const int64_t nq = P.N, nk = k_in.size(1);
-  at::Tensor out = at::empty({P.B, nq, P.Hq, P.D}, q_in.options());
-  at::Tensor lse =
-      at::empty({P.B, P.Hq, nq}, q_in.options().dtype(lse_dtype(q_in.scalar_type(), float64_lse)));
-  if (P.B == 0 || nq == 0) return {out, lse};
+  if (P.B == 0 || nq == 0) return;
   const int64_t ntiles = da_ceil_div(nq, QT);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -218,7 +216,8 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
         A.offset = piece_offset(is_causal, causal_offset, nq, nk);
         A.scale2 = (T)(P.scale * 1.44269504088896340736);
         A.unit = score_unit(P.scale, A.scale2);
-        scalar_t* out_p = out.data_ptr<scalar_t>();
+        scalar_t* out_p = out.scalar_type() == q_in.scalar_type() ? out.data_ptr<scalar_t>() : nullptr;
+        T* out_t = out_p ? nullptr : out.data_ptr<T>();                    // the float32 recomputation
         T* lse_t = lse.scalar_type() == st ? lse.data_ptr<T>() : nullptr;  // else a float64 lse
         double* lse_d = lse_t ? nullptr : lse.data_ptr<double>();
         parallel_tasks(
@@ -228,16 +227,17 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
               const int64_t h = bh % P.Hq, b = bh / P.Hq, qt0 = tile * QT, n = da_min64(QT, nq - qt0);
               piece_fwd_tile(isa, A, b, h, qt0, &s);
               for (int64_t i = 0; i < n; ++i) {  // out = acc / l, lse = m unit + ln l; no key: 0, -inf
-                scalar_t* o = out_p + b * out.stride(0) + (qt0 + i) * out.stride(1) + h * out.stride(2);
+                const int64_t ot = b * out.stride(0) + (qt0 + i) * out.stride(1) + h * out.stride(2);
                 const T l = s.lt[i];
-                double L = -INFINITY;
-                if (l == 0) {
-                  for (int64_t d = 0; d < P.D; ++d) o[d] = (scalar_t)0;
-                } else {
-                  const T inv = (T)1 / l;
-                  for (int64_t d = 0; d < P.D; ++d) o[d] = (scalar_t)(s.acct[i * Dp + d] * inv);
-                  L = (double)s.mt[i] * A.unit + ::log((double)l);
+                const T inv = l == 0 ? (T)0 : (T)1 / l;
+                for (int64_t d = 0; d < P.D; ++d) {
+                  const T x = l == 0 ? (T)0 : s.acct[i * Dp + d] * inv;
+                  if (out_t)
+                    out_t[ot + d] = x;
+                  else
+                    out_p[ot + d] = (scalar_t)x;
                 }
+                const double L = l == 0 ? -INFINITY : (double)s.mt[i] * A.unit + ::log((double)l);
                 if (lse_t)
                   lse_t[bh * nq + qt0 + i] = (T)L;
                 else
@@ -245,6 +245,18 @@ std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const a
               }
             });
       });
+}
+
+std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                 const at::Tensor& v_in, bool is_causal,
+                                                 int64_t causal_offset, double softmax_scale,
+                                                 bool float64_lse) {
+  const Problem P = check_piece_inputs(q_in, k_in, v_in, softmax_scale);
+  TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention piece: expected CPU tensors, got ", q_in.device());
+  at::Tensor out = at::empty({P.B, P.N, P.Hq, P.D}, q_in.options());
+  at::Tensor lse =
+      at::empty({P.B, P.Hq, P.N}, q_in.options().dtype(lse_dtype(q_in.scalar_type(), float64_lse)));
+  piece_fwd_into(P, q_in, k_in, v_in, is_causal, causal_offset, out, lse);
   return {out, lse};
 }
 
@@ -256,13 +268,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
   TORCH_CHECK(q_in.device().is_cpu(), "dilated_attention piece: expected CPU tensors, got ", q_in.device());
   check_backward_inputs(P, q_in, dout_in, out_in, lse_in, dlse_in);
   const int64_t nq = P.N, nk = k_in.size(1);
-  const at::Tensor dout_c = last_dim_contiguous(dout_in), out_c = last_dim_contiguous(out_in);
+  const at::Tensor dout_c = last_dim_contiguous(dout_in);
   const at::Tensor lse = lse_in.to(at::kDouble).contiguous();  // read in double (lse_base2)
   const at::ScalarType acc = lse_dtype(q_in.scalar_type());
   at::Tensor dlse;
   if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(acc).contiguous();
   if (P.B == 0 || nq == 0 || nk == 0)
     return {at::zeros_like(q_in), at::zeros_like(k_in), at::zeros_like(v_in)};
+  const at::Tensor out_c = out_for_backward(q_in, out_in, [&](at::Tensor& out32, at::Tensor& lse32) {
+    piece_fwd_into(P, q_in, k_in, v_in, is_causal, causal_offset, out32, lse32);
+  });
   at::Tensor delta = at::empty(lse.sizes(), lse.options().dtype(acc));
   at::Tensor dq, dk, dv;
 

@@ -49,10 +49,10 @@ __global__ void decode_write_kernel(DecodeParams p) {
 }
 
 template <typename scalar_t, typename acc_t>
-__global__ void decode_partial_kernel(DecodeParams p) {
+__device__ void decode_partial_one(const DecodeParams& p, int64_t ig) {
   constexpr int NU = kDecodeMaxD / kDecodeLanes;
   const int64_t bj = blockIdx.x, b = bj / p.Hkv, j = bj % p.Hkv;
-  const int64_t ig = blockIdx.y, i = ig / p.G, g = ig % p.G, s = blockIdx.z;
+  const int64_t i = ig / p.G, g = ig % p.G, s = blockIdx.z;
   const int lane = (int)threadIdx.x;
   acc_t* res = static_cast<acc_t*>(p.part) + ((bj * p.nbr * p.G + ig) * p.S + s) * (p.D + 2);
   const int64_t x = p.pos[b];
@@ -98,6 +98,14 @@ __global__ void decode_partial_kernel(DecodeParams p) {
     const int64_t d = lane + u * kDecodeLanes;
     if (d < p.D) res[2 + d] = acc[u];
   }
+}
+
+// Query head j*G + g (ig = i * G + g: branch i) over split s of the keys its row holds in branch
+// i: (m, l, acc[D]) into part. The (branch, head) pairs run in blockIdx.y steps of gridDim.y (at
+// most 65535 blocks along y; any number of query heads per kv head).
+template <typename scalar_t, typename acc_t>
+__global__ void decode_partial_kernel(DecodeParams p) {
+  for (int64_t ig = blockIdx.y; ig < p.nbr * p.G; ig += gridDim.y) decode_partial_one<scalar_t, acc_t>(p, ig);
 }
 
 template <typename scalar_t, typename acc_t>

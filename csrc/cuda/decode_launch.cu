@@ -3,6 +3,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+
 #include "decode.cuh"
 #include "launch.h"
 
@@ -13,7 +15,7 @@ namespace {
 template <typename scalar_t, typename acc_t>
 void launch(const DecodeParams& p, cudaStream_t stream) {
   decode_write_kernel<scalar_t><<<(unsigned)p.B, kDecodeLanes, 0, stream>>>(p);
-  const dim3 grid((unsigned)(p.B * p.Hkv), (unsigned)(p.nbr * p.G), (unsigned)p.S);
+  const dim3 grid((unsigned)(p.B * p.Hkv), (unsigned)std::min<int64_t>(p.nbr * p.G, 65535), (unsigned)p.S);
   decode_partial_kernel<scalar_t, acc_t><<<grid, kDecodeLanes, 0, stream>>>(p);
   decode_merge_kernel<scalar_t, acc_t><<<(unsigned)(p.B * p.Hq), kDecodeLanes, 0, stream>>>(p);
 }

@@ -291,6 +291,7 @@ void fwd_sequences(const Problem& P, const Seqs& S, at::Tensor q, at::Tensor k, 
   p.k = tensor4(k);
   p.v = tensor4(v);
   p.out = tensor4(out);
+  p.out_f32 = out.scalar_type() != q.scalar_type();  // the backward's float32 recomputation
   p.lse = lse.data_ptr();
   p.lse_f64 = lse.scalar_type() == at::kDouble;
   use_tc = use_tc && tc_fits(cuda::kFwd, t, p, prop);
@@ -369,9 +370,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, c
   const DType t = dtype_of(q);
   const Device prop = device_info(q.device().index());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  // float16/bfloat16: delta from the forward's float32 out (out_for_backward in
+  // csrc/cpu/dilated_attention_cpu.cpp says why), recomputed by one forward; taken where its rounding
+  // is the given out, and the given out elsewhere (the backward takes any out).
+  at::Tensor out_read = out;
+  if (t == DType::kHalf || t == DType::kBFloat16) {
+    at::Tensor out32 = at::empty(out.sizes(), out.options().dtype(at::kFloat));
+    at::Tensor lse32 = at::empty(lse.sizes(), lse.options().dtype(at::kFloat));
+    fwd_sequences(P, S, q, k, v, out32, lse32, drop);
+    out_read = at::where(out32.to(out.scalar_type()) == out, out32, out.to(at::kFloat));
+  }
   Params p = base_params(P, S);
   p.drop = drop;
-  p.out = tensor4(out);
+  p.out = tensor4(out_read);
+  p.out_f32 = out_read.scalar_type() != q.scalar_type();
   p.dout = tensor4(dout);
   p.lse = lse.data_ptr();
   p.lse_f64 = lse.scalar_type() == at::kDouble;

@@ -26,6 +26,8 @@ struct Tensor4 {
 struct Params {
   Tensor4 q, k, v;  // inputs; (B, N, Hq, D) and (B, N, Hkv, D)
   Tensor4 out;      // forward: written; backward (delta kernel): the forward's output, read
+  int out_f32;      // out holds float (acc_t), not scalar_t: the backward's float32 recomputation
+                    // of a float16/bfloat16 forward's out, which the delta kernel then reads
   Tensor4 dout;     // backward: gradient of out
   Tensor4 dq, dk, dv;
   void* lse;                    // forward: written; backward: read; acc_t, or double (lse_f64)

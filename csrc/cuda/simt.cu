@@ -249,7 +249,11 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
   }
   if (TwoLevel<acc_t>::value) fold();
 
-  scalar_t* out = static_cast<scalar_t*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
+  // out rows of scalar_t, or of acc_t (p.out_f32): offsets in elements of either
+  scalar_t* out =
+      p.out_f32 ? reinterpret_cast<scalar_t*>(static_cast<acc_t*>(p.out.data) + b * p.out.sb +
+                                              sq.start * p.out.sn + h * p.out.sh)
+                : static_cast<scalar_t*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
   const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
   const double unit = da_score_unit(p.scale, sl2);
 #pragma unroll
@@ -265,7 +269,11 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
       const int64_t d = lane + 32 * t;
       if (d < D) {
         const acc_t a = TwoLevel<acc_t>::value ? tot[d] : acc[i][t];
-        out[x * p.out.sn + d] = (scalar_t)(empty ? (acc_t)0 : a * inv);
+        const acc_t o = empty ? (acc_t)0 : a * inv;
+        if (p.out_f32)
+          reinterpret_cast<acc_t*>(out)[x * p.out.sn + d] = o;
+        else
+          out[x * p.out.sn + d] = (scalar_t)o;
       }
     }
     if (lane == 0)
@@ -277,22 +285,24 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
 /* Backward: delta, dq, dk/dv                                                                   */
 /* ------------------------------------------------------------------------------------------ */
 
-// delta[b, h, n] = sum_d dout * out - dlse, one warp per row.
+// delta[b, h, n] = sum_d dout * out - dlse, one warp per row; out of scalar_t, or of acc_t (p.out_f32).
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kSimtThreads) delta_kernel_impl(const Params p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t rows = p.B * p.N * p.Hq;
   const scalar_t* dout = static_cast<const scalar_t*>(p.dout.data);
   const scalar_t* out = static_cast<const scalar_t*>(p.out.data);
+  const acc_t* out_acc = static_cast<const acc_t*>(p.out.data);
   const acc_t* dlse = static_cast<const acc_t*>(p.dlse);
   acc_t* delta = static_cast<acc_t*>(p.delta);
   for (int64_t row = (int64_t)blockIdx.x * kSimtWarps + warp; row < rows;
        row += (int64_t)gridDim.x * kSimtWarps) {
     const int64_t h = row % p.Hq, n = (row / p.Hq) % p.N, b = row / (p.Hq * p.N);
     const scalar_t* x = dout + b * p.dout.sb + n * p.dout.sn + h * p.dout.sh;
-    const scalar_t* y = out + b * p.out.sb + n * p.out.sn + h * p.out.sh;
+    const int64_t y = b * p.out.sb + n * p.out.sn + h * p.out.sh;
     acc_t s = 0;
-    for (int64_t d = lane; d < p.D; d += 32) s += (acc_t)x[d] * (acc_t)y[d];
+    for (int64_t d = lane; d < p.D; d += 32)
+      s += (acc_t)x[d] * (p.out_f32 ? out_acc[y + d] : (acc_t)out[y + d]);
     s = warp_sum(s);
     const int64_t at = (b * p.Hq + h) * p.N + n;
     if (lane == 0) delta[at] = s - (dlse ? dlse[at] : (acc_t)0);

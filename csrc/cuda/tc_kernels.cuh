@@ -360,7 +360,10 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   }
   cp_async_wait<0>();
 
-  T* out = static_cast<T*>(p.out.data) + b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
+  // out rows of T, or of float (p.out_f32: the backward's recomputation); offsets in elements
+  const int64_t out_at = b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
+  T* out = static_cast<T*>(p.out.data) + out_at;
+  float* out_f = static_cast<float*>(p.out.data) + out_at;
   const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
@@ -372,10 +375,18 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
     const bool empty = lsum == 0.f;  // no branch covers the row (or every score was -inf)
     const float inv = empty ? 0.f : 1.f / lsum;
     T* o = out + x * p.out.sn;
+    float* of = out_f + x * p.out.sn;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
       const int d = dt * 8 + 2 * tq;
-      if (d < p.D) store2<T>(o + d, empty ? 0.f : O[dt][2 * ri] * inv, empty ? 0.f : O[dt][2 * ri + 1] * inv);
+      if (d >= p.D) continue;
+      const float a = empty ? 0.f : O[dt][2 * ri] * inv, c = empty ? 0.f : O[dt][2 * ri + 1] * inv;
+      if (p.out_f32) {
+        of[d] = a;
+        of[d + 1] = c;
+      } else {
+        store2<T>(o + d, a, c);
+      }
     }
     if (tq == 0)
       da_set_lse<float>(p, lse_row + x,

@@ -11,6 +11,7 @@
 
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../decode.cuh"
@@ -34,7 +35,7 @@ void run(DecodeParams p) {
   p.part = part.data();
   run_grid(decode_write_kernel<scalar_t>, dim3((unsigned)p.B), p);
   run_grid(decode_partial_kernel<scalar_t, acc_t>,
-           dim3((unsigned)(p.B * p.Hkv), (unsigned)(p.nbr * p.G), (unsigned)p.S), p);
+           dim3((unsigned)(p.B * p.Hkv), (unsigned)std::min<int64_t>(p.nbr * p.G, 65535), (unsigned)p.S), p);
   run_grid(decode_merge_kernel<scalar_t, acc_t>, dim3((unsigned)(p.B * p.Hq)), p);
 }
 
