@@ -41,7 +41,7 @@ from .._autograd import first_order_only
 from ..merge import merge as merge_branches
 from .base import Backend, lse_dtype
 from .merged import MergedAttention, TracedMergedAttention, kernel_backward
-from .views import Call, batches, plan_branches, view, write
+from .views import Call, batches, last_dim_contiguous, plan_branches, view, write
 
 __all__ = ["GatheredBackend", "kernel_backward", "lse_with_grad", "merge_branches"]
 
@@ -192,7 +192,9 @@ class GatheredBackend(Backend):
 
     Subclasses provide, on tensors q (Bb, m, h, D), k and v (Bb, m, hk, D) with ``h % hk == 0``
     (query head ``j`` reads key/value head ``j // (h // hk)``; ``hk == h`` unless
-    :meth:`native_gqa` is true):
+    :meth:`native_gqa` is true), each with its last dimension contiguous (the driver copies an
+    input whose head dim is not, once, and hands out views of it; other strides are arbitrary, and
+    a head read by several query heads of a call may be a stride-0 head):
 
     * :meth:`attn_forward` and :meth:`attn_backward` (the merged path), and/or
     * :meth:`attn_autograd` (the autograd path).
@@ -307,6 +309,7 @@ class GatheredBackend(Backend):
 
     def _run(self, q, k, v, N, segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p):
         _refuse_untraceable(self.name, N)
+        q, k, v = _last_dims_contiguous(q, k, v)
         n = tuple(int(x) for x in N) if isinstance(N, tuple) else int(N)
         plan = plan_branches(
             n,
@@ -336,6 +339,17 @@ class GatheredBackend(Backend):
         return _autograd_attention(
             self, q, k, v, plan, bool(is_causal), float(softmax_scale), float(dropout_p)
         )
+
+
+def _last_dims_contiguous(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v with their last dimension contiguous (:func:`.views.last_dim_contiguous`), as
+    every kernel reads it; a tensor passed twice (self-attention) is copied once."""
+    qc = last_dim_contiguous(q)
+    kc = qc if k is q else last_dim_contiguous(k)
+    vc = qc if v is q else kc if v is k else last_dim_contiguous(v)
+    return qc, kc, vc
 
 
 def _foldable(x: torch.Tensor) -> bool:

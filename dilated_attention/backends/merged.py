@@ -24,7 +24,7 @@ import torch
 from .._autograd import _message, forward_mode_message
 from ..merge import merge_view_, merged_values
 from .base import lse_dtype
-from .views import Call, batches, view, write
+from .views import Call, batches, last_dim_contiguous, view, write
 
 __all__ = ["MergedAttention", "TracedMergedAttention", "kernel_backward"]
 
@@ -279,7 +279,9 @@ class MergedBackward(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=wide, device=k.device)
         dv = torch.zeros(v.shape, dtype=wide, device=v.device)
         if dout is not None:
+            # as every kernel reads it (while tracing, its strides are not known yet)
             dout = dout.to(q.dtype)
+            dout = dout.contiguous() if torch.compiler.is_compiling() else last_dim_contiguous(dout)
         dlse_bnh = None if dlse is None else dlse.transpose(1, 2).contiguous().unsqueeze(-1)
         rows = _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux)
         B, N = q.shape[0], q.shape[1]
