@@ -40,21 +40,10 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from .._autograd import first_order_only
 from ..merge import merge as merge_branches
 from .base import Backend, lse_dtype
-from .merged import MergedAttention, TracedMergedAttention, kernel_backward
+from .merged import MergedAttention, TracedMergedAttention, kernel_backward, kernel_values
 from .views import Call, batches, last_dim_contiguous, plan_branches, view, write
 
 __all__ = ["GatheredBackend", "kernel_backward", "lse_with_grad", "merge_branches"]
-
-
-def _is_batched(x: torch.Tensor) -> bool:
-    return bool(torch._C._functorch.is_batchedtensor(x))
-
-
-def _maybe_nonfinite(x: torch.Tensor) -> bool:
-    """Whether ``x`` may hold inf or NaN (always True where the values cannot be read here)."""
-    if torch.compiler.is_compiling() or _is_batched(x) or x.device.type == "meta":
-        return True
-    return not bool(torch.isfinite(x).all())
 
 
 class _NonFinite:
@@ -63,18 +52,18 @@ class _NonFinite:
 
     * Causal: a masked key's weight is 0, but 0 * inf and 0 * NaN are NaN, so a non-finite value
       would reach the earlier rows of its sub-sequence. Where v has non-finite entries, the kernel
-      gets v with them replaced by 0, and each row then adds the non-finite entries of the keys it
-      reads, a prefix sum along the sub-sequence: inf or NaN where there are any.
+      gets v with them replaced by 0 (:func:`.merged.kernel_values`, which the merged backward
+      applies too), and each row then adds the non-finite entries of the keys it reads, a prefix
+      sum along the sub-sequence: inf or NaN where there are any.
     * ``poison_scores`` (kernels that turn a NaN score into weight 0, as PyTorch's fused CPU kernel
       does): a row whose query, or one of whose keys, is non-finite gets NaN in out and lse.
     """
 
     def __init__(self, q, k, v, is_causal: bool, poison_scores: bool):
         self.is_causal = is_causal
-        self.v_kernel: torch.Tensor = v
+        self.v_kernel: torch.Tensor = kernel_values(v, is_causal)
         self.v_bad: torch.Tensor | None = None
-        if is_causal and _maybe_nonfinite(v):
-            self.v_kernel = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        if self.v_kernel is not v:
             self.v_bad = v - self.v_kernel  # 0 where finite, else the inf or NaN itself
         self.zq: torch.Tensor | None = None
         self.zk: torch.Tensor | None = None

@@ -26,7 +26,33 @@ from ..merge import merge_view_, merged_values
 from .base import lse_dtype
 from .views import Call, batches, last_dim_contiguous, view, write
 
-__all__ = ["MergedAttention", "TracedMergedAttention", "kernel_backward"]
+__all__ = ["MergedAttention", "TracedMergedAttention", "kernel_backward", "kernel_values"]
+
+
+def _is_batched(x: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_batchedtensor(x))
+
+
+def _maybe_nonfinite(x: torch.Tensor) -> bool:
+    """Whether ``x`` may hold inf or NaN (always True where the values cannot be read here)."""
+    if torch.compiler.is_compiling() or _is_batched(x) or x.device.type == "meta":
+        return True
+    return not bool(torch.isfinite(x).all())
+
+
+def kernel_values(v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """The values the kernels read, forward and backward: v itself, except that with causal
+    masking its non-finite entries are replaced by 0 (a new tensor; v where it has none).
+
+    A masked key's weight is 0, and 0 * inf and 0 * NaN are NaN: a non-finite ``v[x]`` would reach
+    the rows before ``x`` in its sub-sequence, forward, and backward their ``dout . v_x`` (so
+    ``delta``, which the merged backward sums over every branch of the row, and through it the
+    gradients of the row's keys in the other branches). The forward adds the non-finite entries
+    back to the rows that read them (``gathered._NonFinite``); the backward computes ``dq`` and
+    ``dk`` with them taken as 0 (``dv`` does not read v)."""
+    if is_causal and _maybe_nonfinite(v):
+        return torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    return v
 
 
 def _fold(x: torch.Tensor | None, d: int | None, V: int) -> torch.Tensor | None:
@@ -191,6 +217,7 @@ class TracedMergedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, _dlse_bnh, _aux):
         q, k, v, out, lse_bnh = ctx.saved_tensors
+        v = kernel_values(v, ctx.is_causal)  # as the forward's kernels read it
         dq, dk, dv = MergedBackward.apply(
             dout, dlse, q, k, v, out, lse_bnh, ctx.backend, ctx.plan, ctx.is_causal, ctx.scale, ctx.aux
         )
