@@ -298,6 +298,7 @@ class GatheredBackend(Backend):
 
     def _run(self, q, k, v, N, segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p):
         _refuse_untraceable(self.name, N)
+        _refuse_branch_dropout(self.name, segment_lengths, dilation_rates, dropout_p)
         q, k, v = _last_dims_contiguous(q, k, v)
         n = tuple(int(x) for x in N) if isinstance(N, tuple) else int(N)
         plan = plan_branches(
@@ -327,6 +328,24 @@ class GatheredBackend(Backend):
             return out, lse
         return _autograd_attention(
             self, q, k, v, plan, bool(is_causal), float(softmax_scale), float(dropout_p)
+        )
+
+
+def _refuse_branch_dropout(name: str, segment_lengths: Any, dilation_rates: Any, dropout_p: float) -> None:
+    """Attention dropout drops entries of the *merged* weights (SPEC section 3): a key that two
+    branches find is kept or dropped as one entry. The gather-based kernels drop each call's own
+    weights, so with several branches such a key would be dropped by each branch on its own (half
+    kept). Every multi-branch geometry has such keys (position 0 is read by head 0 through every
+    branch), so dropout with more than one branch is refused, naming ``native``, whose kernels drop
+    the merged weights."""
+    if dropout_p > 0 and len(segment_lengths) > 1:
+        raise ValueError(
+            f"dilated_attention: the {name!r} backend cannot apply attention dropout (dropout_p="
+            f"{dropout_p}) to several branches (segment_lengths={list(segment_lengths)}, dilation_rates="
+            f"{list(dilation_rates)}): its kernels drop each branch's weights on their own, so a key "
+            "read through two branches would be dropped twice independently, where dropout drops "
+            "the merged weights (docs/SPEC.md section 3). Use backend='native', or dropout_p=0, or "
+            "one branch."
         )
 
 
