@@ -82,7 +82,7 @@ def _weighted_attention(
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = mult * torch.exp(torch.where(seen, scores, row_max) - row_max)
     denom = weights.sum(dim=-1, keepdim=True)  # (B, Hq, nq, 1)
-    covered = denom > 0
+    covered = (denom > 0) | denom.isnan()  # a NaN score (a NaN query) makes its row NaN, lse too
     safe = torch.where(covered, denom, torch.ones_like(denom))
     probs = weights / safe
     if keep is not None:

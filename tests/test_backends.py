@@ -15,7 +15,7 @@ from common import grads, make_inputs
 from reference import reference_attention
 from tolerance import assert_within_rule
 
-from dilated_attention import backends
+from dilated_attention import backends, dilated_attention_varlen
 from dilated_attention import dilated_attention as dattn
 from dilated_attention.backends import BackendRequest, get_backend
 from dilated_attention.backends.patterns import PatternCache, build_positions
@@ -165,7 +165,7 @@ def test_dropout_backward_exact_for_a_fixed_mask(backend):
 
     def f(q, k, v):
         torch.manual_seed(123)
-        return impl.forward(q, k, v, [4, 8], [1, 2], is_causal=True, softmax_scale=0.5, dropout_p=0.3)
+        return impl.forward(q, k, v, [4], [1], is_causal=True, softmax_scale=0.5, dropout_p=0.3)
 
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-6)
 
@@ -173,7 +173,7 @@ def test_dropout_backward_exact_for_a_fixed_mask(backend):
 @pytest.mark.parametrize("backend", ["sdpa", "manual"])
 def test_dropout_keeps_lse_and_is_unbiased(backend):
     q, k, v = make_inputs(1, 24, 2, 2, 8, torch.float64, requires_grad=False)
-    segs, rates, p = [8, 16], [1, 2], 0.25
+    segs, rates, p = [16], [2], 0.25
     ref_out, ref_lse = reference_attention(q, k, v, segs, rates)
     torch.manual_seed(0)
     outs = []
@@ -189,6 +189,28 @@ def test_dropout_keeps_lse_and_is_unbiased(backend):
     sem = stack.std(0) / math.sqrt(len(outs))
     assert (err <= 5 * sem + 1e-9).float().mean() > 0.99
     assert err.max() < 0.1
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "manual"])
+def test_dropout_over_several_branches_is_refused_by_the_gather_backends(backend):
+    """Dropout drops entries of the merged weights (SPEC section 3); the gather-based kernels drop
+    each branch's weights on their own, so a key read through two branches (position 0 of head 0
+    always is) would be dropped twice: refused by name, pointing at native, which drops the merged
+    weights and runs the same call."""
+    q, k, v = make_inputs(1, 24, 2, 2, 8, torch.float64, requires_grad=False)
+    match = rf"the '{backend}' backend cannot apply attention dropout \(dropout_p=0.25\) to several branches.*backend='native'"
+    with pytest.raises(ValueError, match=match):
+        dattn(q, k, v, [8, 16], [1, 2], dropout_p=0.25, backend=backend)
+    with pytest.raises(ValueError, match=match):  # packed sequences too
+        dilated_attention_varlen(
+            q[0], k[0], v[0], torch.tensor([0, 10, 24], dtype=torch.int32), 14, [8, 16], [1, 2],
+            dropout_p=0.25, backend=backend,
+        )  # fmt: skip
+    # without dropout, or with one branch, they run
+    dattn(q, k, v, [8, 16], [1, 2], backend=backend)
+    dattn(q, k, v, [16], [2], dropout_p=0.25, backend=backend)
+    _, lse = dattn(q, k, v, [8, 16], [1, 2], dropout_p=0.25, return_lse=True, backend="native")
+    torch.testing.assert_close(lse, reference_attention(q, k, v, [8, 16], [1, 2])[1])
 
 
 def test_native_declares_dropout_on_cpu_and_cuda():

@@ -263,10 +263,10 @@ def test_adapter_dropout_backward_exact_for_a_fixed_mask(request, name):
 
     def f(q, k, v):
         torch.manual_seed(7)
-        return impl.forward(q, k, v, [4, 8], [1, 2], is_causal=False, softmax_scale=0.5, dropout_p=0.3)
+        return impl.forward(q, k, v, [8], [1], is_causal=False, softmax_scale=0.5, dropout_p=0.3)
 
     _, lse = f(q, k, v)
-    torch.testing.assert_close(lse, reference_attention(q, k, v, [4, 8], [1, 2], softmax_scale=0.5)[1])
+    torch.testing.assert_close(lse, reference_attention(q, k, v, [8], [1], softmax_scale=0.5)[1])
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-6)
 
 

@@ -173,3 +173,26 @@ def test_bad_arguments_name_the_value():
     cache.advance(3)
     cache.reset()
     assert cache.seqlens.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_nan_query_gives_nan_like_the_reference(fused, dtype):
+    """A NaN query (every score of its row NaN) gives NaN out and lse, as the reference and every
+    other path do, not an empty row (out 0, lse -inf); a query with one NaN channel too. The other
+    rows are unchanged."""
+    Hq, Hkv, N, segs, rates = 4, 2, 29, (6, 12), (1, 3)
+    q, k, v = make_inputs(2, N, Hq, Hkv, 8, torch.float64, seed=4, requires_grad=False)
+    q[0, 7] = math.nan  # every head of position 7, in the prefill
+    q[1, 20, 2] = math.nan  # one head, decoded alone
+    q[0, 25, 1, 3] = math.nan  # one channel
+    ref, ref_lse = reference_attention(q, k, v, segs, rates, is_causal=True)
+    assert ref[0, 7].isnan().all() and ref_lse[0, :, 7].isnan().all() and ref_lse[1, 2, 20].isnan()
+    cache = BoundedDilatedKVCache(1, 2, Hq, Hkv, 8, segs, rates, dtype=dtype, fused=fused)
+    P = 10
+    qkv = tuple(t.to(dtype) for t in (q, k, v))
+    out, lse = decode_all(cache, qkv, [(0, P)] + [(p, p + 1) for p in range(P, N)])
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(lse.isnan(), ref_lse.isnan())
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol, equal_nan=True)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol, equal_nan=True)

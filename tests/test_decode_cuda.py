@@ -100,6 +100,34 @@ def test_emulated_kernels_equal_the_cpu_op(emu, dtype, splits, Hq, Hkv, D):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_emulated_kernels_give_nan_for_a_nan_query(emu, dtype, splits):
+    """A NaN query (all its scores NaN) gives NaN out and lse, as the reference does, in every
+    split; the kernels' running maximum once skipped such keys as empty (out 0, lse -inf)."""
+    Hq, Hkv, D, segs, rates = 4, 2, 16, (8, 32), (1, 4)
+    layout = branch_slots(segs, rates, Hq // Hkv, None)
+    T = sum(b.rows * b.length for b in layout)
+    gen = torch.Generator().manual_seed(6)
+    B = 3
+    q = torch.randn(B, Hq, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    kc, vc = (torch.randn(B, Hkv, T, D, generator=gen).to(dtype) for _ in range(2))
+    q[0] = float("nan")  # every head
+    q[2, 1] = float("nan")  # one head
+    pos = torch.tensor([21, 30, 5])
+    kc2, vc2 = kc.clone(), vc.clone()
+    out, lse = emulate(emu, q, k, v, kc, vc, pos, layout, 0.3, splits)
+    ref, ref_lse = decode_step(q, k, v, kc2, vc2, pos, layout, 0.3, fused=False)
+    nan = torch.zeros(B, Hq, dtype=torch.bool)
+    nan[0], nan[2, 1] = True, True
+    assert torch.equal(lse.isnan(), nan) and torch.equal(ref_lse.isnan(), nan)
+    assert out[nan].isnan().all() and not out[~nan].isnan().any()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, rtol=tol, atol=tol, equal_nan=True)
+
+
 @pytest.mark.cuda
 @needs_cuda_kernels(has_decode_kernel("cuda"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -55,6 +55,16 @@ struct State {
   T* acc;
 };
 
+/*
+ * The larger of a and b, NaN where either is: a NaN score makes its row NaN (as in every other
+ * path), where std::max and a plain comparison would skip a tile or item whose scores are all NaN
+ * (a NaN query) as empty and give out 0, lse -inf.
+ */
+template <typename T>
+static inline T max_or_nan(T a, T b) {
+  return (a != a || a > b) ? a : b;
+}
+
 /* out = sum_d a[d] * b[d], in 8 independent partial sums (double and the vector tails). */
 template <typename T>
 static inline T dot(const T* a, const T* b, int64_t D) {
@@ -74,10 +84,10 @@ static void tile_f64(const double* K, const double* V, int64_t n, int64_t D, con
     double mx = -INFINITY;
     for (int64_t i = 0; i < n; ++i) {
       s[i] = dot(qs[h], K + i * D, D);
-      mx = std::max(mx, s[i]);
+      mx = max_or_nan(mx, s[i]);
     }
     State<double>& S = st[h];
-    const double mnew = std::max(S.m, mx);
+    const double mnew = max_or_nan(S.m, mx);
     if (mnew == -INFINITY) continue;
     const double alpha = S.m == -INFINITY ? 0.0 : std::exp2(S.m - mnew);
     double sum = 0;
@@ -170,9 +180,9 @@ DEC_INLINE void tile_f32(const float* K, const float* V, int64_t n, int64_t D, c
   for (int h = 0; h < nh; ++h) {
     float* s = scores + h * TILE;
     float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+    for (int64_t i = 0; i < n; ++i) mx = max_or_nan(mx, s[i]);
     State<float>& S = st[h];
-    const float mnew = std::max(S.m, mx);
+    const float mnew = max_or_nan(S.m, mx);
     if (mnew == -INFINITY) {
       for (int64_t i = 0; i < n; ++i) s[i] = 0;
       continue;
@@ -365,7 +375,8 @@ static void decode_kernel(const at::Tensor& q, const at::Tensor& kc, const at::T
     for (int64_t bj = lo; bj < hi; ++bj)
       for (int64_t g = 0; g < G; ++g) {
         T M = -INFINITY;
-        for (int64_t it = first[bj]; it < first[bj + 1]; ++it) M = std::max(M, part[(it * G + g) * (D + 2)]);
+        for (int64_t it = first[bj]; it < first[bj + 1]; ++it)
+          M = max_or_nan(M, part[(it * G + g) * (D + 2)]);
         const int64_t b = bj / Hkv, h = (bj % Hkv) * G + g;
         scalar_t* o = O + (b * Hq + h) * D;
         if (M == -INFINITY) {

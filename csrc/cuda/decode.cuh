@@ -26,6 +26,14 @@
 namespace dilated_attention {
 namespace cuda {
 
+// The larger of a and b, NaN where either is: a NaN score makes its row NaN (as in every other path),
+// where a plain comparison would skip keys or partial results whose scores are all NaN (a NaN query)
+// as empty and give out 0, lse -inf. As max_or_nan of csrc/cpu/decode_cpu.cpp.
+template <typename T>
+__host__ __device__ __forceinline__ T decode_max_or_nan(T a, T b) {
+  return (a != a || a > b) ? a : b;
+}
+
 template <typename scalar_t>
 __global__ void decode_write_kernel(DecodeParams p) {
   const int64_t b = blockIdx.x;
@@ -79,7 +87,7 @@ __device__ void decode_partial_one(const DecodeParams& p, int64_t ig) {
         if (d < p.D) sc += qv[u] * static_cast<acc_t>(kc[key * p.D + d]);
       }
       for (int o = kDecodeLanes / 2; o > 0; o /= 2) sc += __shfl_xor_sync(DA_FULL_MASK, sc, o);
-      const acc_t mn = sc > m ? sc : m;
+      const acc_t mn = decode_max_or_nan(m, sc);
       const acc_t alpha = m == -INFINITY ? (acc_t)0 : (acc_t)exp(m - mn);
       const acc_t pr = (acc_t)exp(sc - mn);
       l = l * alpha + pr;
@@ -120,7 +128,7 @@ __global__ void decode_merge_kernel(DecodeParams p) {
   };
   acc_t M = -INFINITY;
   for (int64_t i = 0; i < p.nbr; ++i)
-    for (int64_t s = 0; s < p.S; ++s) M = at(i, s)[0] > M ? at(i, s)[0] : M;
+    for (int64_t s = 0; s < p.S; ++s) M = decode_max_or_nan(M, at(i, s)[0]);
   scalar_t* out = static_cast<scalar_t*>(p.out) + bh * p.D;
   acc_t* lse = static_cast<acc_t*>(p.lse);
   if (M == -INFINITY) {

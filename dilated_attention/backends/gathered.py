@@ -40,21 +40,10 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from .._autograd import first_order_only
 from ..merge import merge as merge_branches
 from .base import Backend, lse_dtype
-from .merged import MergedAttention, TracedMergedAttention, kernel_backward
-from .views import Call, batches, plan_branches, view, write
+from .merged import MergedAttention, TracedMergedAttention, kernel_backward, kernel_values
+from .views import Call, batches, last_dim_contiguous, plan_branches, view, write
 
 __all__ = ["GatheredBackend", "kernel_backward", "lse_with_grad", "merge_branches"]
-
-
-def _is_batched(x: torch.Tensor) -> bool:
-    return bool(torch._C._functorch.is_batchedtensor(x))
-
-
-def _maybe_nonfinite(x: torch.Tensor) -> bool:
-    """Whether ``x`` may hold inf or NaN (always True where the values cannot be read here)."""
-    if torch.compiler.is_compiling() or _is_batched(x) or x.device.type == "meta":
-        return True
-    return not bool(torch.isfinite(x).all())
 
 
 class _NonFinite:
@@ -63,18 +52,18 @@ class _NonFinite:
 
     * Causal: a masked key's weight is 0, but 0 * inf and 0 * NaN are NaN, so a non-finite value
       would reach the earlier rows of its sub-sequence. Where v has non-finite entries, the kernel
-      gets v with them replaced by 0, and each row then adds the non-finite entries of the keys it
-      reads, a prefix sum along the sub-sequence: inf or NaN where there are any.
+      gets v with them replaced by 0 (:func:`.merged.kernel_values`, which the merged backward
+      applies too), and each row then adds the non-finite entries of the keys it reads, a prefix
+      sum along the sub-sequence: inf or NaN where there are any.
     * ``poison_scores`` (kernels that turn a NaN score into weight 0, as PyTorch's fused CPU kernel
       does): a row whose query, or one of whose keys, is non-finite gets NaN in out and lse.
     """
 
     def __init__(self, q, k, v, is_causal: bool, poison_scores: bool):
         self.is_causal = is_causal
-        self.v_kernel: torch.Tensor = v
+        self.v_kernel: torch.Tensor = kernel_values(v, is_causal)
         self.v_bad: torch.Tensor | None = None
-        if is_causal and _maybe_nonfinite(v):
-            self.v_kernel = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        if self.v_kernel is not v:
             self.v_bad = v - self.v_kernel  # 0 where finite, else the inf or NaN itself
         self.zq: torch.Tensor | None = None
         self.zk: torch.Tensor | None = None
@@ -192,7 +181,9 @@ class GatheredBackend(Backend):
 
     Subclasses provide, on tensors q (Bb, m, h, D), k and v (Bb, m, hk, D) with ``h % hk == 0``
     (query head ``j`` reads key/value head ``j // (h // hk)``; ``hk == h`` unless
-    :meth:`native_gqa` is true):
+    :meth:`native_gqa` is true), each with its last dimension contiguous (the driver copies an
+    input whose head dim is not, once, and hands out views of it; other strides are arbitrary, and
+    a head read by several query heads of a call may be a stride-0 head):
 
     * :meth:`attn_forward` and :meth:`attn_backward` (the merged path), and/or
     * :meth:`attn_autograd` (the autograd path).
@@ -307,6 +298,8 @@ class GatheredBackend(Backend):
 
     def _run(self, q, k, v, N, segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p):
         _refuse_untraceable(self.name, N)
+        _refuse_branch_dropout(self.name, segment_lengths, dilation_rates, dropout_p)
+        q, k, v = _last_dims_contiguous(q, k, v)
         n = tuple(int(x) for x in N) if isinstance(N, tuple) else int(N)
         plan = plan_branches(
             n,
@@ -336,6 +329,35 @@ class GatheredBackend(Backend):
         return _autograd_attention(
             self, q, k, v, plan, bool(is_causal), float(softmax_scale), float(dropout_p)
         )
+
+
+def _refuse_branch_dropout(name: str, segment_lengths: Any, dilation_rates: Any, dropout_p: float) -> None:
+    """Attention dropout drops entries of the *merged* weights (SPEC section 3): a key that two
+    branches find is kept or dropped as one entry. The gather-based kernels drop each call's own
+    weights, so with several branches such a key would be dropped by each branch on its own (half
+    kept). Every multi-branch geometry has such keys (position 0 is read by head 0 through every
+    branch), so dropout with more than one branch is refused, naming ``native``, whose kernels drop
+    the merged weights."""
+    if dropout_p > 0 and len(segment_lengths) > 1:
+        raise ValueError(
+            f"dilated_attention: the {name!r} backend cannot apply attention dropout (dropout_p="
+            f"{dropout_p}) to several branches (segment_lengths={list(segment_lengths)}, dilation_rates="
+            f"{list(dilation_rates)}): its kernels drop each branch's weights on their own, so a key "
+            "read through two branches would be dropped twice independently, where dropout drops "
+            "the merged weights (docs/SPEC.md section 3). Use backend='native', or dropout_p=0, or "
+            "one branch."
+        )
+
+
+def _last_dims_contiguous(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v with their last dimension contiguous (:func:`.views.last_dim_contiguous`), as
+    every kernel reads it; a tensor passed twice (self-attention) is copied once."""
+    qc = last_dim_contiguous(q)
+    kc = qc if k is q else last_dim_contiguous(k)
+    vc = qc if v is q else kc if v is k else last_dim_contiguous(v)
+    return qc, kc, vc
 
 
 def _foldable(x: torch.Tensor) -> bool:

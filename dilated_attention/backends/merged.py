@@ -24,9 +24,35 @@ import torch
 from .._autograd import _message, forward_mode_message
 from ..merge import merge_view_, merged_values
 from .base import lse_dtype
-from .views import Call, batches, view, write
+from .views import Call, batches, last_dim_contiguous, view, write
 
-__all__ = ["MergedAttention", "TracedMergedAttention", "kernel_backward"]
+__all__ = ["MergedAttention", "TracedMergedAttention", "kernel_backward", "kernel_values"]
+
+
+def _is_batched(x: torch.Tensor) -> bool:
+    return bool(torch._C._functorch.is_batchedtensor(x))
+
+
+def _maybe_nonfinite(x: torch.Tensor) -> bool:
+    """Whether ``x`` may hold inf or NaN (always True where the values cannot be read here)."""
+    if torch.compiler.is_compiling() or _is_batched(x) or x.device.type == "meta":
+        return True
+    return not bool(torch.isfinite(x).all())
+
+
+def kernel_values(v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """The values the kernels read, forward and backward: v itself, except that with causal
+    masking its non-finite entries are replaced by 0 (a new tensor; v where it has none).
+
+    A masked key's weight is 0, and 0 * inf and 0 * NaN are NaN: a non-finite ``v[x]`` would reach
+    the rows before ``x`` in its sub-sequence, forward, and backward their ``dout . v_x`` (so
+    ``delta``, which the merged backward sums over every branch of the row, and through it the
+    gradients of the row's keys in the other branches). The forward adds the non-finite entries
+    back to the rows that read them (``gathered._NonFinite``); the backward computes ``dq`` and
+    ``dk`` with them taken as 0 (``dv`` does not read v)."""
+    if is_causal and _maybe_nonfinite(v):
+        return torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    return v
 
 
 def _fold(x: torch.Tensor | None, d: int | None, V: int) -> torch.Tensor | None:
@@ -191,6 +217,7 @@ class TracedMergedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, _dlse_bnh, _aux):
         q, k, v, out, lse_bnh = ctx.saved_tensors
+        v = kernel_values(v, ctx.is_causal)  # as the forward's kernels read it
         dq, dk, dv = MergedBackward.apply(
             dout, dlse, q, k, v, out, lse_bnh, ctx.backend, ctx.plan, ctx.is_causal, ctx.scale, ctx.aux
         )
@@ -279,7 +306,9 @@ class MergedBackward(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=wide, device=k.device)
         dv = torch.zeros(v.shape, dtype=wide, device=v.device)
         if dout is not None:
+            # as every kernel reads it (while tracing, its strides are not known yet)
             dout = dout.to(q.dtype)
+            dout = dout.contiguous() if torch.compiler.is_compiling() else last_dim_contiguous(dout)
         dlse_bnh = None if dlse is None else dlse.transpose(1, 2).contiguous().unsqueeze(-1)
         rows = _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux)
         B, N = q.shape[0], q.shape[1]

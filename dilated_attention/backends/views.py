@@ -7,7 +7,8 @@ kernel call takes ``n`` heads whose phase and head index both step by a constant
 
     element [b, j, t] = seg[b, p0 + t * dp + j * r, c0 + t * dc]
 
-which is a strided view with the last dimension contiguous, built from ordinary view operations
+which is a strided view with the last dimension contiguous (the driver first copies an x whose last
+dimension is not, :func:`last_dim_contiguous`), built from ordinary view operations
 (``unflatten``, slicing, ``unfold``, ``diagonal``) so that autograd and ``torch.func`` see plain
 views:
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Call", "Part", "Strided", "batches", "plan_branches", "view", "write"]
+__all__ = ["Call", "Part", "Strided", "batches", "last_dim_contiguous", "plan_branches", "view", "write"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ class Call:
     q: Strided
     kv: Strided
     g: int
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x itself where its last dimension is contiguous (stride 1, or at most one element), else a
+    contiguous copy. Every kernel under the driver reads the head dim as contiguous; a view such as
+    ``x[..., ::2]``, a stride-0 expanded head dim or ``qkv.view(B, N, H, D, 3).unbind(-1)`` is
+    copied once here, and the views of every call are then taken of the copy."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
 def view(x: torch.Tensor, call: Call, s: Strided) -> torch.Tensor:

@@ -28,6 +28,7 @@ from .. import _ops
 from ..backends import get_backend
 from ..backends.base import Backend
 from ..backends.gathered import GatheredBackend, kernel_backward
+from ..backends.views import last_dim_contiguous
 from ..merge import merge_into_
 from .geometry import HeadSets
 
@@ -95,6 +96,8 @@ class PieceAttention:
             )
             return out, lse, None
         parts = self._parts(nq, nk, causal, offset)
+        # the kernels read the head dim as contiguous
+        q, ke, ve = last_dim_contiguous(q), last_dim_contiguous(ke), last_dim_contiguous(ve)
         out_acc: torch.Tensor | None = None
         lse_acc: torch.Tensor | None = None
         aux = []
@@ -159,6 +162,8 @@ class PieceAttention:
                 scale,
             )
         else:
+            q, ke, ve = last_dim_contiguous(q), last_dim_contiguous(ke), last_dim_contiguous(ve)
+            dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
             dq_acc: torch.Tensor | None = None
             dks, dvs = [], []
             for (lo, hi, part_causal), (lse_len, extra) in zip(
