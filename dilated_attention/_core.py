@@ -47,7 +47,7 @@ def _attention(
         _advise(q, segs, rates)
     if B == 0 or N == 0:
         return _empty(q, k, v, (B, Hq, N), return_lse)
-    impl = (selector or default_selector()).select(backend, q, k, dropout_p)
+    impl = (selector or default_selector()).select(backend, q, k, dropout_p, len(segs))
     segs, rates = V.effective_branches(segs, rates, N, Hq)
     out, lse = impl.forward(
         q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p
@@ -166,7 +166,9 @@ def _attention_varlen(
     )
     T, Hq, _ = q.shape
     segs, rates = V.effective_branches(segs, rates, max_seqlen, Hq)
-    impl = (selector or default_selector()).select(backend, q.unsqueeze(0), k.unsqueeze(0), dropout_p)
+    impl = (selector or default_selector()).select(
+        backend, q.unsqueeze(0), k.unsqueeze(0), dropout_p, len(segs)
+    )
     # The native op checks cu_seqlens itself; the others need the lengths on the host. Under
     # torch.compile nothing is read back, so that the native op stays in one graph.
     if lengths is None and not (impl.name == "native" and has_no_data(cu_seqlens)):

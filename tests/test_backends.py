@@ -17,7 +17,7 @@ from tolerance import assert_within_rule
 
 from dilated_attention import backends, dilated_attention_varlen
 from dilated_attention import dilated_attention as dattn
-from dilated_attention.backends import BackendRequest, get_backend
+from dilated_attention.backends import BackendRequest, get_backend, select_backend
 from dilated_attention.backends.patterns import PatternCache, build_positions
 
 # (B, N, Hq, Hkv, D, segment_lengths, dilation_rates)
@@ -195,18 +195,33 @@ def test_dropout_keeps_lse_and_is_unbiased(backend):
 def test_dropout_over_several_branches_is_refused_by_the_gather_backends(backend):
     """Dropout drops entries of the merged weights (SPEC section 3); the gather-based kernels drop
     each branch's weights on their own, so a key read through two branches (position 0 of head 0
-    always is) would be dropped twice: refused by name, pointing at native, which drops the merged
-    weights and runs the same call."""
+    always is) would be dropped twice. Selection passes them over for such a call: ``auto`` takes
+    native, a gather backend asked for by name is refused with the reason, and so is the backend
+    itself, called directly."""
     q, k, v = make_inputs(1, 24, 2, 2, 8, torch.float64, requires_grad=False)
-    match = rf"the '{backend}' backend cannot apply attention dropout \(dropout_p=0.25\) to several branches.*backend='native'"
-    with pytest.raises(ValueError, match=match):
+    request = BackendRequest.from_tensors(q, k, 0.25, branches=2)
+    assert request.merged_dropout
+    assert any("dropout over several branches" in w for w in get_backend(backend).all_reasons(request))
+    assert not get_backend("native").all_reasons(request)
+    assert select_backend("auto", q, k, dropout_p=0.25, branches=2).name == "native"
+    # asked for by name, the call is refused with the reason (its fallbacks cannot run it either)
+    with pytest.raises(RuntimeError, match=rf"(?s)requested '{backend}'.*dropout over several branches"):
         dattn(q, k, v, [8, 16], [1, 2], dropout_p=0.25, backend=backend)
-    with pytest.raises(ValueError, match=match):  # packed sequences too
+    with pytest.raises(RuntimeError, match=r"dropout over several branches.*use native"):
         dilated_attention_varlen(
             q[0], k[0], v[0], torch.tensor([0, 10, 24], dtype=torch.int32), 14, [8, 16], [1, 2],
             dropout_p=0.25, backend=backend,
         )  # fmt: skip
+    # auto runs it on native (the lse needs no dropout draw)
+    _, lse = dattn(q, k, v, [8, 16], [1, 2], dropout_p=0.25, return_lse=True, backend="auto")
+    torch.testing.assert_close(lse, reference_attention(q, k, v, [8, 16], [1, 2])[1])
+    match = rf"the '{backend}' backend cannot apply attention dropout \(dropout_p=0.25\) to several branches.*backend='native'"
+    with pytest.raises(ValueError, match=match):
+        get_backend(backend).forward(
+            q, k, v, [8, 16], [1, 2], is_causal=False, softmax_scale=0.3, dropout_p=0.25
+        )
     # without dropout, or with one branch, they run
+    assert select_backend(backend, q, k, dropout_p=0.25, branches=1).name == backend
     dattn(q, k, v, [8, 16], [1, 2], backend=backend)
     dattn(q, k, v, [16], [2], dropout_p=0.25, backend=backend)
     _, lse = dattn(q, k, v, [8, 16], [1, 2], dropout_p=0.25, return_lse=True, backend="native")

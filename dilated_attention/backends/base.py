@@ -40,19 +40,35 @@ class BackendRequest:
     dropout: bool = False
     num_heads: int = 1
     num_kv_heads: int = 1
+    #: Dropout over several branches: the *merged* weights are dropped (SPEC section 3), which only
+    #: a backend whose kernels see every branch of a row at once can do.
+    merged_dropout: bool = False
 
     @classmethod
-    def from_tensors(cls, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> BackendRequest:
-        return cls(q.device, q.dtype, int(q.shape[-1]), bool(dropout_p > 0), int(q.shape[2]), int(k.shape[2]))
+    def from_tensors(
+        cls, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0, branches: int = 1
+    ) -> BackendRequest:
+        dropout = bool(dropout_p > 0)
+        return cls(
+            q.device,
+            q.dtype,
+            int(q.shape[-1]),
+            dropout,
+            int(q.shape[2]),
+            int(k.shape[2]),
+            dropout and branches > 1,
+        )
 
     @property
     def cache_key(self) -> tuple:
         """The part of the request that capability depends on (heads never do: GQA always runs)."""
-        return (self.device, self.dtype, self.head_dim, self.dropout)
+        return (self.device, self.dtype, self.head_dim, self.dropout, self.merged_dropout)
 
     def describe(self) -> str:
         s = f"{self.device} {dtype_name(self.dtype)}, head dim {self.head_dim}"
-        return s + (", dropout" if self.dropout else "")
+        return s + (
+            ", dropout over several branches" if self.merged_dropout else ", dropout" if self.dropout else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -73,13 +89,28 @@ class Backend:
 
     name: str = ""
     capabilities: Capabilities
+    #: Whether the backend's dropout drops the merged weights of all branches (SPEC section 3);
+    #: the gather-based backends drop each kernel call's own weights, which differs with several
+    #: branches (a key that two branches find would be dropped twice, independently).
+    drops_merged_weights: bool = True
 
     def reasons(self, request: BackendRequest) -> list[str]:
         """Why this backend cannot run ``request``; an empty list when it can."""
         raise NotImplementedError
 
+    def all_reasons(self, request: BackendRequest) -> list[str]:
+        """:meth:`reasons`, and the rules that hold for every backend (dropout over several
+        branches needs the merged weights): what selection goes by."""
+        why = list(self.reasons(request))
+        if request.merged_dropout and not self.drops_merged_weights:
+            why.append(
+                "attention dropout over several branches drops the merged weights (SPEC section 3), "
+                "and its kernels drop each branch's weights on their own (use native)"
+            )
+        return why
+
     def can_run(self, request: BackendRequest) -> bool:
-        return not self.reasons(request)
+        return not self.all_reasons(request)
 
     def forward(
         self,

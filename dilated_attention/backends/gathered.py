@@ -189,6 +189,8 @@ class GatheredBackend(Backend):
     * :meth:`attn_autograd` (the autograd path).
     """
 
+    drops_merged_weights = False  # each kernel call drops its own weights (_refuse_branch_dropout)
+
     #: Whether :meth:`attn_autograd` computes in the accumulation dtype (float32 for float16 and
     #: bfloat16) anyway: the driver then casts q, k and v once, not every gathered copy.
     computes_in_accumulation_dtype = False

@@ -93,7 +93,7 @@ def get_backend(name: str) -> Backend:
 
 def backend_reasons(request: BackendRequest) -> dict[str, list[str]]:
     """For every backend, why it cannot run ``request`` (an empty list when it can)."""
-    return {name: _REGISTRY[name].reasons(request) for name in BACKEND_NAMES}
+    return {name: _REGISTRY[name].all_reasons(request) for name in BACKEND_NAMES}
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def resolve(requested: str, request: BackendRequest) -> Selection:
         candidates = [requested, *FALLBACKS[requested]]
     skipped: list[tuple[str, tuple[str, ...]]] = []
     for name in candidates:
-        why = _REGISTRY[name].reasons(request)
+        why = _REGISTRY[name].all_reasons(request)
         if not why:
             return Selection(requested, name, request, tuple(skipped))
         skipped.append((name, tuple(why)))
@@ -168,14 +168,28 @@ class BackendSelector:
     def __setstate__(self, state: dict) -> None:
         BackendSelector.__init__(self, state["owner"])
 
-    def select(self, requested: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0) -> Backend:
-        """The backend to run (q, k) with: a dictionary lookup once chosen."""
+    def select(
+        self, requested: str, q: torch.Tensor, k: torch.Tensor, dropout_p: float = 0.0, branches: int = 1
+    ) -> Backend:
+        """The backend to run (q, k) with: a dictionary lookup once chosen. ``branches``: the
+        number of (segment length, dilation rate) pairs (dropout over several of them needs a
+        backend that drops the merged weights)."""
+        several = int(branches) > 1
         if torch.compiler.is_compiling():
             # Under dynamic=True the head dim and dropout_p are symbolic: specialise them (a guard each)
             # so that the key is a constant; N never enters the key, so a new N does not recompile.
-            key = (requested, q.device, q.dtype, guard_scalar(q.shape[-1]), guard_scalar(dropout_p > 0))
+            dropout = guard_scalar(dropout_p > 0)
+            key = (
+                requested,
+                q.device,
+                q.dtype,
+                guard_scalar(q.shape[-1]),
+                dropout,
+                bool(dropout) and several,
+            )
             return _REGISTRY[_select_constant(self._id, key)]
-        key = (requested, q.device, q.dtype, int(q.shape[-1]), bool(dropout_p > 0))
+        dropout = bool(dropout_p > 0)
+        key = (requested, q.device, q.dtype, int(q.shape[-1]), dropout, dropout and several)
         name = self._names.get(key)
         if name is None:
             name = self._choose(key, int(q.shape[2]), int(k.shape[2]))
@@ -186,8 +200,10 @@ class BackendSelector:
             name = self._names.get(key)
             if name is not None:
                 return name
-            requested, device, dtype, head_dim, dropout = key
-            request = BackendRequest(device, dtype, head_dim, dropout, num_heads, num_kv_heads)
+            requested, device, dtype, head_dim, dropout, merged_dropout = key
+            request = BackendRequest(
+                device, dtype, head_dim, dropout, num_heads, num_kv_heads, merged_dropout
+            )
             sel = resolve(requested, request)
             self._log(sel)
             self._selections[key] = sel
@@ -263,8 +279,10 @@ def select_backend(
     k: torch.Tensor,
     *,
     dropout_p: float = 0.0,
+    branches: int = 1,
     selector: BackendSelector | None = None,
 ) -> Backend:
-    """The backend that runs ``name`` for (q, k) and the dropout asked for (see module doc)."""
+    """The backend that runs ``name`` for (q, k), the dropout asked for and the number of
+    branches (see module doc)."""
     check_backend_name(name)
-    return (selector or _DEFAULT).select(name, q, k, dropout_p)
+    return (selector or _DEFAULT).select(name, q, k, dropout_p, branches)
