@@ -160,7 +160,7 @@ with warnings.catch_warnings(record=True) as seen:
     import dilated_attention as da
 assert da.__file__.startswith(sys.prefix), f'imported {da.__file__}, not the copy installed in {sys.prefix}'
 assert not [w for w in seen if issubclass(w.category, da.DilatedAttentionWarning)], [str(w.message) for w in seen]
-assert da._ops.has_kernel('cpu'), 'the installed extension has no CPU kernels'
+assert da.op.has_kernel('cpu'), 'the installed extension has no CPU kernels'
 assert os.path.exists(os.path.join(os.path.dirname(da.__file__), '_build_info.json')), 'no _build_info.json'
 assert os.path.exists(os.path.join(os.path.dirname(da.__file__), 'py.typed')), 'no py.typed'
 q = torch.randn(1, 64, 2, 16)

@@ -183,7 +183,7 @@ def _extension():
 
 class _BuildExtension(BuildExtension):
     """torch's build_ext, which also writes ``_build_info.json`` beside the extension: the torch
-    and Python it was built against, so that ``dilated_attention._ops`` can say when it runs with
+    and Python it was built against, so that ``dilated_attention.op.library`` can say when it runs with
     others (an extension built for another torch fails obscurely, or not at all until it crashes)."""
 
     def build_extensions(self) -> None:
@@ -210,7 +210,7 @@ class _BuildExtension(BuildExtension):
 
     def copy_extensions_to_source(self) -> None:
         """An in-place or editable build copies the extension into the source tree: its
-        ``_build_info.json`` goes with it (``_ops`` reads it beside the extension)."""
+        ``_build_info.json`` goes with it (``op.library`` reads it beside the extension)."""
         super().copy_extensions_to_source()
         build_py = self.get_finalized_command("build_py")
         for ext in self.extensions:

@@ -443,7 +443,7 @@ def machine_info(device: torch.device) -> dict:
         isa = [x for x in ("avx512f", "avx2", "fma") if flags and x in flags.group(1).split()]
         info["cpu_isa"] = ",".join(isa)
         try:
-            from dilated_attention import _ops
+            from dilated_attention import op as _ops
 
             info["kernel_isa"] = _ops.cpu_isa()
         except Exception as exc:

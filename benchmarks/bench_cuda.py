@@ -329,7 +329,7 @@ def configurations(args) -> list[tuple[int, int, int, int, bool]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configs = configurations(args)
-    from dilated_attention._ops import has_kernel
+    from dilated_attention.op import has_kernel
 
     if args.dry_run:
         device, gpu = torch.device("cpu"), f"CPU ({platform.machine()}), dry run"

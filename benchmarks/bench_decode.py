@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from dilated_attention import dilated_attention_decode
 from dilated_attention.decode import BoundedDilatedKVCache, decode_key_positions
-from dilated_attention.decode._slots import branch_slots
+from dilated_attention.op.slots import branch_slots
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_args as ba

@@ -14,9 +14,9 @@ import logging
 from typing import Any
 
 from . import (
-    _ops,  # noqa: F401  (importing it registers the op, its fake and its autograd)
     backends,
     hardware,
+    op,  # noqa: F401  (importing it registers the ops' fake kernels and autograd formulas)
 )
 from ._warnings import (
     BackendFallbackWarning,

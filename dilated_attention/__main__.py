@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, _ops, hardware
+from . import __version__, hardware, op
 from .backends import BACKEND_NAMES, BackendRequest, backend_reasons, get_backend, get_pattern_cache, resolve
 from .backends.base import dtype_name
 from .backends.sdpa_kernels import cuda_kernel as sdpa_cuda_kernel
@@ -31,7 +31,7 @@ _DTYPES = {
 
 def _cpu_isa() -> str:
     try:
-        return _ops.cpu_isa()
+        return op.cpu_isa()
     except (ValueError, RuntimeError) as exc:  # a bad DILATED_ATTENTION_CPU_ISA, or no extension
         return f"error: {exc}"
 
@@ -70,11 +70,11 @@ def environment_report(
         "cuda_available": torch.cuda.is_available(),
         "gpus": gpus,
         "extension": {
-            "file": getattr(_ops._C, "__file__", None),
-            "error": _ops.EXTENSION_ERROR,
-            "cpu_kernels": _ops.has_kernel("cpu"),
+            "file": getattr(op.library._C, "__file__", None),
+            "error": op.EXTENSION_ERROR,
+            "cpu_kernels": op.has_kernel("cpu"),
             "cpu_isa": _cpu_isa(),
-            "cuda_kernels": _ops.has_kernel("cuda"),
+            "cuda_kernels": op.has_kernel("cuda"),
         },
         "device": str(dev),
         "dtype": dtype_name(dt),

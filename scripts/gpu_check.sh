@@ -235,7 +235,7 @@ source_stamp() {
     sort -z | xargs -0 sha256sum; } | sha256sum | cut -d' ' -f1
 }
 has_cuda_kernels() {
-  "$PYTHON" -c 'import sys, dilated_attention._ops as o; sys.exit(0 if o.has_kernel("cuda") else 1)' >/dev/null 2>&1
+  "$PYTHON" -c 'import sys, dilated_attention.op as o; sys.exit(0 if o.has_kernel("cuda") else 1)' >/dev/null 2>&1
 }
 build_is_current() {
   [ "${GPU_CHECK_REBUILD:-0}" != 1 ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(source_stamp)" ] && has_cuda_kernels

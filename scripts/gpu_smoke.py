@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's package, built in place
-import dilated_attention._ops  # registers torch.ops.dilated_attention (after the path above is set)
+import dilated_attention.op  # registers torch.ops.dilated_attention (after the path above is set)
 
 # Per dtype: (atol = rtol) for out and lse, and for the gradients, against the float64 CPU op.
 TOLERANCE = {
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_smoke: no CUDA GPU is available (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    if not dilated_attention._ops.has_kernel(args.device):
+    if not dilated_attention.op.has_kernel(args.device):
         print(f"gpu_smoke: the extension has no {args.device.upper()} kernels", file=sys.stderr)
         return 2
     if args.device == "cuda":

@@ -79,9 +79,9 @@ _CUDA_BUILD_HINTS = {
 def cuda_build_reason() -> str:
     """Why the installed extension has no CUDA kernels, from what setup.py recorded beside it
     (``_build_info.json``'s ``cuda_arch_reason``), and how to build them."""
-    from dilated_attention import _ops
+    from dilated_attention.op import library
 
-    info = _ops._build_info(_ops._C) if _ops._C is not None else None
+    info = library._build_info(library._C) if library._C is not None else None
     if info is None:
         return "the extension is not loaded or has no _build_info.json: reinstall it (make install)"
     archs, why = info.get("cuda_arch_list"), info.get("cuda_arch_reason", "unknown")

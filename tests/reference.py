@@ -46,7 +46,7 @@ def reference_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out, lse)``: out (B, N, Hq, D), lse (B, Hq, N), computed in ``dtype``
     (float64 by default). Differentiable by autograd. With ``keep`` (bool (B, Hq, N, N), the
-    kernels' mask: ``dilated_attention._ops.dropout_mask``), attention dropout: the normalised
+    kernels' mask: ``dilated_attention.op.dropout_mask``), attention dropout: the normalised
     weight of query p and key x of head h of batch entry b is multiplied by
     ``keep[b, h, p, x] / (1 - dropout_p)``; lse is that of the weights before dropout."""
     mult = multiplicity(q.shape[1], q.shape[2], segment_lengths, dilation_rates, is_causal)

@@ -39,10 +39,10 @@ def _library(tmp_path, *flags: str) -> str:
 
 @needs_binutils
 def test_the_built_extension_uses_the_shared_libstdcxx():
-    import dilated_attention._ops as ops
+    import dilated_attention
 
-    libs = glob.glob(os.path.join(os.path.dirname(ops.__file__), "_C*.so"))
-    assert libs, "no built extension next to dilated_attention/_ops.py"
+    libs = glob.glob(os.path.join(os.path.dirname(dilated_attention.__file__), "_C*.so"))
+    assert libs, "no built extension in the dilated_attention package"
     for lib in libs:
         assert check_libstdcxx.problems(lib) == [], lib
 

@@ -33,7 +33,7 @@ def test_instruction_set_matches_reference(isa):
     if "does not have" in probe.stderr:
         pytest.skip(f"this CPU has no {isa}")
     assert probe.returncode == 0, probe.stderr
-    chosen = _python("import dilated_attention; print(dilated_attention._ops.cpu_isa())", isa)
+    chosen = _python("import dilated_attention; print(dilated_attention.op.cpu_isa())", isa)
     assert chosen.stdout.strip() == isa, chosen.stderr
     env = {**os.environ, "DILATED_ATTENTION_CPU_ISA": isa}
     tests = "matches_reference or gradcheck or uncovered or nan_and_inf or multiplicity or softmax_scale"
@@ -71,7 +71,7 @@ def test_unknown_instruction_set_in_cpu_isa_and_report():
         "import dilated_attention\n"
         "from dilated_attention import __main__ as report\n"
         "print(report.environment_report()['extension']['cpu_isa'])\n"
-        "dilated_attention._ops.cpu_isa()\n"
+        "dilated_attention.op.cpu_isa()\n"
     )
     run = _python(code, "sse9")
     assert "error: " in run.stdout and "'sse9'" in run.stdout  # the report names it and goes on

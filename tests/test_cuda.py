@@ -40,12 +40,12 @@ from reference import multiplicity, reference_attention, reference_piece, refere
 from tolerance import assert_causal_segment_within_rule, assert_within_rule
 
 import dilated_attention
-from dilated_attention import _ops
 from dilated_attention import dilated_attention as dattn
-from dilated_attention._ops import has_kernel
+from dilated_attention import op as _ops
 from dilated_attention.backends import select_backend
 from dilated_attention.flops import attention_pairs
 from dilated_attention.merge import merge
+from dilated_attention.op import has_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW = os.environ.get("DILATED_ATTENTION_SLOW", "0") == "1"

@@ -11,7 +11,8 @@ from common import make_inputs, one_thread  # noqa: F401  (one_thread: an autous
 from reference import reference_attention
 from tolerance import assert_within_rule
 
-from dilated_attention.decode import BoundedDilatedKVCache, DilatedKVCache, _slots
+from dilated_attention.decode import BoundedDilatedKVCache, DilatedKVCache
+from dilated_attention.op import slots as _slots
 
 # (Hq, Hkv, N, segment_lengths, dilation_rates)
 SHAPES = [

@@ -16,9 +16,9 @@ import torch
 from common import make_inputs, needs_cuda_kernels, one_thread  # noqa: F401  (one_thread: autouse)
 from reference import reference_attention
 
-from dilated_attention._decode_op import decode_step, has_decode_kernel
 from dilated_attention.decode import BoundedDilatedKVCache
-from dilated_attention.decode._slots import branch_slots
+from dilated_attention.op.decode import decode_step, has_decode_kernel
+from dilated_attention.op.slots import branch_slots
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}

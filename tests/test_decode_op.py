@@ -9,9 +9,9 @@ import torch
 from common import make_inputs, one_thread  # noqa: F401  (one_thread: an autouse fixture)
 from reference import reference_attention
 
-from dilated_attention._decode_op import decode_step, has_decode_kernel
 from dilated_attention.decode import BoundedDilatedKVCache
-from dilated_attention.decode._slots import branch_slots
+from dilated_attention.op.decode import decode_step, has_decode_kernel
+from dilated_attention.op.slots import branch_slots
 
 pytestmark = pytest.mark.skipif(
     not has_decode_kernel("cpu"), reason="the extension has no decode_step kernel"

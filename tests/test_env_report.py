@@ -21,7 +21,7 @@ def test_report_runs_as_a_module():
     text = res.stdout
     assert f"dilated-attention {dilated_attention.__version__}" in text
     assert f"torch            {torch.__version__}" in text
-    assert f"CPU kernels: yes ({dilated_attention._ops.cpu_isa()})" in text
+    assert f"CPU kernels: yes ({dilated_attention.op.cpu_isa()})" in text
     for name in dilated_attention.BACKEND_NAMES:
         assert f"\n  {name} " in text
     assert "native on CUDA   verified on " in text

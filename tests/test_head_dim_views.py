@@ -203,7 +203,7 @@ def test_packed_sequences_on_views(kernels_check_strides, backend, layout, is_ca
 def test_ring_pieces_on_views(kernels_check_strides, engine, layout):
     """A piece of sequence parallelism (queries against a run of keys, the queries' own keys last,
     causal) on views of the head dim, dout and the merged out included."""
-    from dilated_attention import _ops
+    from dilated_attention import op as _ops
     from dilated_attention.ring.geometry import HeadSets
     from dilated_attention.ring.pieces import PieceAttention
 

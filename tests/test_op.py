@@ -400,4 +400,4 @@ def test_randomized_bad_inputs_never_crash():
 
 def test_version_and_kernels():
     assert dilated_attention.__version__
-    assert dilated_attention._ops.has_kernel("cpu")
+    assert dilated_attention.op.has_kernel("cpu")

@@ -1,7 +1,7 @@
 """The op's fake kernels refuse what its CPU kernels refuse, with the same error.
 
 Under FakeTensorMode (torch.compile, torch.export) and on meta tensors the op runs its fake kernels
-(dilated_attention/_op_checks.py), not the C++ checks of csrc/checks.h. Each bad call below runs
+(dilated_attention/op/checks.py), not the C++ checks of csrc/checks.h. Each bad call below runs
 three ways: on real CPU tensors, on fake tensors and on meta tensors; all three must raise the same
 exception type with the same message (or all three succeed, with the same output shapes). The C++
 kernels are the reference here: the test fails when either side's checks or messages change alone.
@@ -18,8 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import dilated_attention  # noqa: F401  (registers the ops)
-from dilated_attention._decode_op import has_decode_kernel
-from dilated_attention.decode._slots import branch_slots
+from dilated_attention.op.decode import has_decode_kernel
+from dilated_attention.op.slots import branch_slots
 
 ops = torch.ops.dilated_attention
 

@@ -1,6 +1,6 @@
 """Attention dropout in the native op's CPU kernels (SPEC section 3: drop entries of the normalised
 weights, rescale by 1 / (1 - p), as FlashAttention does), against references that apply the
-kernels' own keep mask (``dilated_attention._ops.dropout_mask``)."""
+kernels' own keep mask (``dilated_attention.op.dropout_mask``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from reference import reference_attention, reference_varlen
 from tolerance import assert_within_rule
 
 import dilated_attention
-from dilated_attention import _ops
 from dilated_attention import dilated_attention as dattn
+from dilated_attention import op as _ops
 from dilated_attention.backends import registry
 from dilated_attention.backends.base import BackendRequest
 from dilated_attention.backends.native import NativeBackend

@@ -16,8 +16,8 @@ from common import grads, make_inputs, one_thread  # noqa: F401
 from reference import reference_attention, reference_piece
 from tolerance import assert_within_rule
 
-from dilated_attention import _ops
 from dilated_attention import dilated_attention as dattn
+from dilated_attention import op as _ops
 
 DTYPES = [torch.bfloat16, torch.float16]
 

@@ -60,7 +60,7 @@ def test_without_the_extension_sdpa_and_manual_run_and_native_says_why(mode):
         why = get_backend("native").reasons(BackendRequest(torch.device("cpu"), torch.float32, 8))
         print("NATIVE:", why)
         try:
-            da._ops.native_forward(q, q, q, [8], [1], False, 1.0)
+            da.op.native_forward(q, q, q, [8], [1], False, 1.0)
         except RuntimeError as exc:
             print("RAISES:", exc)
         from dilated_attention.__main__ import main
@@ -190,7 +190,8 @@ def test_return_lse_overloads_return_what_they_declare():
 def test_extension_built_for_another_torch_warns(monkeypatch):
     """setup.py records the torch it built against (_build_info.json); another torch at run time
     gives an ExtensionWarning that names both and what to run."""
-    from dilated_attention import ExtensionWarning, _ops
+    from dilated_attention import ExtensionWarning
+    from dilated_attention.op import library as _ops
 
     monkeypatch.setattr(_ops, "_build_info", lambda module: {"torch": "2.0.0+cu118", "cuda": "11.8"})
     with pytest.warns(ExtensionWarning, match=r"built against torch 2\.0\.0\+cu118 \(CUDA 11\.8\)") as seen:
@@ -205,7 +206,7 @@ def test_extension_built_for_another_torch_warns(monkeypatch):
 
 
 def test_build_info_is_read_beside_the_extension(tmp_path):
-    from dilated_attention import _ops
+    from dilated_attention.op import library as _ops
 
     fake = type(sys)("fake")
     fake.__file__ = str(tmp_path / "_C.so")

@@ -12,7 +12,7 @@ from common import needs_cuda_kernels
 from reference import reference_piece
 from tolerance import assert_within_rule
 
-from dilated_attention import _ops
+from dilated_attention import op as _ops
 from dilated_attention.backends import get_backend
 from dilated_attention.merge import merge
 from dilated_attention.ring.geometry import Layout, Plan, causal_pairs, make_layout

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from .._autograd import first_order_only
 from ..merge import merge as merge_branches
+from ..op.autograd import first_order_only
 from .base import Backend, lse_dtype
 from .merged import MergedAttention, TracedMergedAttention, kernel_backward, kernel_values
 from .views import Call, batches, last_dim_contiguous, plan_branches, view, write

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .._autograd import _message, forward_mode_message
 from ..merge import merge_view_, merged_values
+from ..op.autograd import _message, forward_mode_message
 from .base import lse_dtype
 from .views import Call, batches, last_dim_contiguous, view, write
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _ops
+from .. import op
 from .._warnings import SlowPathWarning, warn_once
 from .base import Backend, BackendRequest, Capabilities, check_device_dtype
 
@@ -66,9 +66,9 @@ class NativeBackend(Backend):
         dev = request.device.type
         if dev not in ("cpu", "cuda"):
             return [f"native has kernels for cpu and cuda only, got {request.device}"]
-        if _ops.EXTENSION_ERROR is not None:
-            why.append(_ops.EXTENSION_ERROR)
-        elif not _ops.has_kernel(dev):
+        if op.EXTENSION_ERROR is not None:
+            why.append(op.EXTENSION_ERROR)
+        elif not op.has_kernel(dev):
             why.append(f"the extension was built without {dev.upper()} kernels")
         else:
             from .. import hardware
@@ -82,7 +82,7 @@ class NativeBackend(Backend):
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling():
             _warn_if_simt(q)
-        return _ops.native_forward(
+        return op.native_forward(
             q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p
         )
 
@@ -101,7 +101,7 @@ class NativeBackend(Backend):
         softmax_scale,
         dropout_p=0.0,
     ):
-        return _ops.native_varlen_forward(
+        return op.native_varlen_forward(
             q,
             k,
             v,

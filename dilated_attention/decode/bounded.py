@@ -4,7 +4,7 @@ In branch ``(w, r)`` a future query reads only keys of its own segment, at the p
 query heads that read each key/value head (SPEC section 2). So per layer, branch and kv head the
 cache keeps the current segment's keys at those phases, in slots whose number is fixed by the
 branches and heads: ``sum_i min(G, r_i) * ceil(w_i / r_i)`` per kv head (``G = Hq // Hkv``),
-however long the generation runs. The layout is described in :mod:`._slots`.
+however long the generation runs. The layout is described in :mod:`dilated_attention.op.slots`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import torch
 
 from .. import _validation as V
-from .._decode_op import decode_step
 from ..flops import accumulation_dtype
 from ..functional import _attention
+from ..op.decode import decode_step
+from ..op.slots import attend_slots, branch_slots, write_slots
 from ._api import _as_lengths
-from ._slots import attend_slots, branch_slots, write_slots
 
 __all__ = ["BoundedDilatedKVCache"]
 

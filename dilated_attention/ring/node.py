@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from .. import _ops
-from .._autograd import no_double_backward
+from .. import op
 from ..flops import accumulation_dtype
 from ..merge import merge_into_
+from ..op.autograd import no_double_backward
 from .consistency import CallCheck
 from .geometry import Block, Piece, Plan, block_key
 from .pieces import PieceAttention
@@ -165,7 +165,7 @@ class SpanJob:
         cdt = accumulation_dtype(q.dtype)
         out, lse = None, None
         for lo, hi, segs, rates in self.local_runs:
-            o, lr = _ops.native_forward(
+            o, lr = op.native_forward(
                 q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], segs, rates, self.is_causal, self.scale
             )
             if out is None and (lo, hi) == (0, n):

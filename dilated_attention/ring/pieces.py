@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 
-from .. import _ops
+from .. import op
 from ..backends import get_backend
 from ..backends.base import Backend
 from ..backends.gathered import GatheredBackend, kernel_backward
@@ -45,7 +45,7 @@ class PieceAttention:
     """Runs pieces on ``native`` (where it can) or on a gather-based backend with a kernel backward."""
 
     def __init__(self, backend: Backend, device: torch.device) -> None:
-        self.native = backend.name == "native" and _ops.has_piece_kernel(device.type)
+        self.native = backend.name == "native" and op.has_piece_kernel(device.type)
         self.fallback: GatheredBackend | None = None
         if not self.native:
             if isinstance(backend, GatheredBackend) and backend.merged_backward(device, 0.0):
@@ -91,7 +91,7 @@ class PieceAttention:
         nq, nk = q.shape[1], k.shape[1]
         causal = _mask_needed(offset, nk)
         if self.native:
-            out, lse = _ops.piece_forward(
+            out, lse = op.piece_forward(
                 q, ke, ve, causal, offset if causal and offset is not None else 0, scale
             )
             return out, lse, None
@@ -149,7 +149,7 @@ class PieceAttention:
         nq, nk = q.shape[1], k.shape[1]
         causal = _mask_needed(offset, nk)
         if self.native:
-            dq, dk, dv = _ops.piece_backward(
+            dq, dk, dv = op.piece_backward(
                 dout.to(q.dtype),
                 q,
                 ke,

@@ -6,7 +6,7 @@
 q (B, Hq, D) and k, v (B, Hkv, D): one new token per sequence at position ``pos`` (B,) int64 (a
 negative position: no token, ``out = 0``, ``lse = -inf``). The op writes k, v into the caches
 (B, Hkv, T, D) in place, then attends the queries to the slots they read (layout in
-:mod:`dilated_attention.decode._slots`). out (B, Hq, D) in q's dtype, lse (B, Hq) float32 (float64
+:mod:`.slots`). out (B, Hq, D) in q's dtype, lse (B, Hq) float32 (float64
 for float64). :func:`decode_step` runs it, or the same computation in plain PyTorch where the
 extension has no kernel for the device.
 """
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _op_checks
-from ._ops import _C
-from .decode._slots import BranchSlots, attend_slots, write_slots
-from .flops import accumulation_dtype
+from ..flops import accumulation_dtype
+from . import checks
+from .library import _C
+from .slots import BranchSlots, attend_slots, write_slots
 
 __all__ = ["decode_step", "has_decode_kernel"]
 
@@ -52,7 +52,7 @@ if _HAS_DECODE_OP:
         slot_lengths: Sequence[int],
         softmax_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        _op_checks.check_decode_step(
+        checks.check_decode_step(
             q, k, v, k_cache, v_cache, pos, segment_lengths, dilation_rates, slot_lengths, softmax_scale
         )
         return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=accumulation_dtype(q.dtype))

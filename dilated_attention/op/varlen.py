@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from . import _op_checks
-from ._autograd import no_double_backward
-from ._func import native_varlen_attention
-from ._ops import _C, _require_extension, dropout_seed_offset, lse_dtype
-from .flops import accumulation_dtype
+from ..flops import accumulation_dtype
+from . import checks
+from .autograd import no_double_backward
+from .func import native_varlen_attention
+from .library import _C, _require_extension, dropout_seed_offset, lse_dtype
 
 __all__ = ["native_varlen_forward"]
 
@@ -39,7 +39,7 @@ def _varlen_fwd_fake(
     dropout_seed=0,
     dropout_offset=0,
 ):
-    _op_checks.check_varlen(
+    checks.check_varlen(
         q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale, dropout_p
     )
     T, Hq, D = q.shape
@@ -67,7 +67,7 @@ def _varlen_bwd_fake(
     dropout_offset=0,
 ):
     args = (q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale, dropout_p)
-    _op_checks.check_varlen(*args, (dout, out, lse, dlse))
+    checks.check_varlen(*args, (dout, out, lse, dlse))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -131,7 +131,7 @@ def native_varlen_forward(
     """Run the fused packed op: ``out`` (T, Hq, D) and ``lse`` (Hq, T), float32 (float64 for
     float64 inputs); attention dropout with probability ``dropout_p``.
     Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap`` (:mod:`._func`);
-    the backward reads the op's float64 lse (see :mod:`._ops`).
+    the backward reads the op's float64 lse (see :mod:`.fixed`).
 
     ``RuntimeError`` saying what to run when the extension is not loaded."""
     _require_extension()

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ._autograd import forward_mode_message, no_double_backward
-from ._ops import _C
+from .autograd import forward_mode_message, no_double_backward
+from .library import _C
 
 __all__ = ["NativeAttention", "NativeVarlenAttention", "native_attention", "native_varlen_attention"]
 
@@ -111,7 +111,7 @@ def _fused_backward(
 
 class NativeAttention(torch.autograd.Function):
     """``(out, lse)`` of the fused op, lse in float64 (the op's ``float64_lse=True``), so that the
-    backward recomputes the probabilities without lse's rounding to float32 (see :mod:`._ops`)."""
+    backward recomputes the probabilities without lse's rounding to float32 (see :mod:`.fixed`)."""
 
     generate_vmap_rule = True
 

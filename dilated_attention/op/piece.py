@@ -9,7 +9,7 @@ queries over nk keys; with ``is_causal``, key ``j`` is visible to query ``i`` wh
 
 q (B, nq, Hq, D), k and v (B, nk, Hkv, D); out (B, nq, Hq, D), lse (B, Hq, nq). The backward takes
 any out/lse (for the ring: the merged ones of the rows) and is exact for them; lse may be float32
-or float64 (see :mod:`._ops`).
+or float64 (see :mod:`.fixed`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from . import _op_checks
-from ._ops import _C, lse_dtype
-from .flops import accumulation_dtype
+from ..flops import accumulation_dtype
+from . import checks
+from .library import _C, lse_dtype
 
 __all__ = ["has_piece_kernel", "piece_backward", "piece_forward"]
 
@@ -48,7 +48,7 @@ def _piece_fwd_fake(
     softmax_scale: float,
     float64_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _op_checks.check_piece(q, k, v, softmax_scale)
+    checks.check_piece(q, k, v, softmax_scale)
     B, nq, Hq, D = q.shape
     return q.new_empty((B, nq, Hq, D)), q.new_empty((B, Hq, nq), dtype=lse_dtype(q.dtype, float64_lse))
 
@@ -56,7 +56,7 @@ def _piece_fwd_fake(
 def _piece_bwd_fake(
     dout, q, k, v, out, lse, dlse, is_causal, causal_offset, softmax_scale
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _op_checks.check_piece(q, k, v, softmax_scale, (dout, out, lse, dlse))
+    checks.check_piece(q, k, v, softmax_scale, (dout, out, lse, dlse))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -1,4 +1,5 @@
-"""Loads the compiled op and gives it a fake (meta) implementation and an autograd formula.
+"""The fixed-length op (``fwd``/``bwd``, and ``dropout_mask``): its fake (meta) kernels, its autograd
+formula, and :func:`native_forward`, the entry point the ``native`` backend calls.
 
 The schema lives in ``csrc/dilated_attention.cpp``:
 
@@ -9,11 +10,11 @@ The schema lives in ``csrc/dilated_attention.cpp``:
 * ``torch.ops.dilated_attention.varlen_fwd(q, k, v, cu_seqlens, max_seqlen, segment_lengths,
   dilation_rates, is_causal, softmax_scale, float64_lse=False) -> (out, lse)``: packed sequences,
   q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S + 1,), out (T, Hq, D), lse (Hq, T)
-  (:mod:`._varlen_op`)
+  (:mod:`.varlen`)
 * ``torch.ops.dilated_attention.varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens, max_seqlen,
   segment_lengths, dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``
 * ``torch.ops.dilated_attention.piece_fwd/piece_bwd``: the pieces of sequence parallelism
-  (:mod:`._piece_op`).
+  (:mod:`.piece`).
 
 ``lse`` is float32 (float64 for float64 inputs); with ``float64_lse=True`` the forwards return it in
 float64 whatever the inputs, and the backwards take either. The Python entry points below ask for
@@ -34,122 +35,18 @@ backward has no derivative of its own: a second backward (after ``create_graph=T
 
 from __future__ import annotations
 
-import importlib
-import json
-import os
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from . import _op_checks
-from ._autograd import no_double_backward
-from ._warnings import ExtensionWarning, warn_once
-from .flops import accumulation_dtype
+from ..flops import accumulation_dtype
+from . import checks
+from .autograd import no_double_backward
+from .func import native_attention
+from .library import _C, _require_extension, dropout_seed_offset, lse_dtype
 
-__all__ = [
-    "EXTENSION_ERROR",
-    "cpu_isa",
-    "has_kernel",
-    "has_piece_kernel",
-    "native_forward",
-    "native_varlen_forward",
-    "piece_backward",
-    "piece_forward",
-]
-
-_REBUILD = (
-    "Build it against the torch you run: `pip install --no-build-isolation -e .` (or `make install`) "
-    "in the source tree, or `pip install --no-build-isolation .` for a copy"
-)
-_BUILD_HINT = _REBUILD + (
-    ". Until then the sdpa and manual backends run (backend='auto' picks them) and native cannot"
-)
-
-
-def _load_extension() -> tuple[ModuleType | None, str | None]:
-    """Import ``dilated_attention._C`` (which registers the op): ``(module, None)``, or ``(None, why)``."""
-    name = f"{__package__}._C"
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        here = os.path.dirname(os.path.abspath(__file__))
-        return None, (
-            f"the compiled extension {name} is not built: {here} has no _C*.so (an unbuilt source "
-            f"checkout?). {_BUILD_HINT}."
-        )
-    except (ImportError, OSError) as exc:
-        return None, (
-            f"the compiled extension {name} failed to load ({type(exc).__name__}: {exc}). This usually "
-            f"means it was built against another PyTorch or Python than the ones running now (torch "
-            f"{torch.__version__}, CUDA {torch.version.cuda}). {_BUILD_HINT}."
-        )
-    built = _build_info(module)
-    if built is not None and built.get("torch") != torch.__version__:
-        warn_once(
-            ("extension-torch", built.get("torch"), torch.__version__),
-            f"dilated_attention: the compiled extension {getattr(module, '__file__', name)} was built "
-            f"against torch {built.get('torch')} (CUDA {built.get('cuda')}) and runs with torch "
-            f"{torch.__version__} (CUDA {torch.version.cuda}); a mismatch can fail or crash in the "
-            f"kernels. {_REBUILD}.",
-            ExtensionWarning,
-        )
-    missing = [op for op in ("fwd", "bwd") if not hasattr(torch.ops.dilated_attention, op)]
-    if missing:
-        return None, (
-            f"the compiled extension {getattr(module, '__file__', name)} loaded but does not register "
-            f"torch.ops.dilated_attention.{', '.join(missing)} (a stale build?). {_BUILD_HINT}."
-        )
-    return module, None
-
-
-def _build_info(module: ModuleType) -> dict[str, Any] | None:
-    """What ``setup.py`` recorded beside the extension (torch, CUDA, Python), or None."""
-    path = os.path.join(os.path.dirname(getattr(module, "__file__", None) or "."), "_build_info.json")
-    try:
-        with open(path) as f:
-            info = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
-_C: ModuleType | None
-EXTENSION_ERROR: str | None
-_C, EXTENSION_ERROR = _load_extension()
-"""The loaded extension, or None; and why it could not be loaded (None when it was)."""
-
-if EXTENSION_ERROR is not None:
-    warn_once(("extension",), f"dilated_attention: {EXTENSION_ERROR}", ExtensionWarning)
-
-
-def _require_extension() -> ModuleType:
-    if _C is None:
-        raise RuntimeError(f"dilated_attention: {EXTENSION_ERROR}")
-    return _C
-
-
-def has_kernel(device_type: str) -> bool:
-    """Whether the compiled extension has kernels for ``device_type`` ("cpu" or "cuda").
-
-    False for both when the extension is not loaded (see :data:`EXTENSION_ERROR`).
-    """
-    key = {"cpu": "CPU", "cuda": "CUDA"}[device_type]
-    if _C is None:
-        return False
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key("dilated_attention::fwd", key))
-
-
-def cpu_isa() -> str:
-    """The instruction set the CPU kernels run with in this process: ``"avx512"``, ``"avx2"`` or
-    ``"baseline"`` (SSE2 on x86-64, the compiler's default elsewhere). The widest the CPU has, unless
-    the environment variable ``DILATED_ATTENTION_CPU_ISA`` names another; a value it does not know,
-    or a set the CPU lacks, raises ``ValueError`` naming it. ``RuntimeError`` when the extension is
-    not loaded."""
-    return str(_require_extension().cpu_isa())
+__all__ = ["dropout_mask", "native_forward"]
 
 
 def _fwd_fake(
@@ -165,7 +62,7 @@ def _fwd_fake(
     dropout_seed: int = 0,
     dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _op_checks.check_fixed(q, k, v, segment_lengths, dilation_rates, softmax_scale, dropout_p)
+    checks.check_fixed(q, k, v, segment_lengths, dilation_rates, softmax_scale, dropout_p)
     B, N, Hq, D = q.shape
     out = q.new_empty((B, N, Hq, D))
     lse = q.new_empty((B, Hq, N), dtype=lse_dtype(q.dtype, float64_lse))
@@ -189,7 +86,7 @@ def _bwd_fake(
     dropout_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = (dout, out, lse, dlse)
-    _op_checks.check_fixed(q, k, v, segment_lengths, dilation_rates, softmax_scale, dropout_p, grads)
+    checks.check_fixed(q, k, v, segment_lengths, dilation_rates, softmax_scale, dropout_p, grads)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -247,7 +144,7 @@ def native_forward(
     """Run the fused op: ``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N), float32 (float64 for float64
     inputs); attention dropout with probability ``dropout_p`` (seed and offset drawn from torch's
     default generator, :func:`dropout_seed_offset`). Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap``
-    (:mod:`._func`); the backward reads the float64 lse the op computed (module docstring).
+    (:mod:`.func`); the backward reads the float64 lse the op computed (module docstring).
 
     ``RuntimeError`` saying what to run when the extension is not loaded."""
     _require_extension()
@@ -267,14 +164,6 @@ def native_forward(
     return out, lse.to(accumulation_dtype(q.dtype))
 
 
-def dropout_seed_offset() -> tuple[int, int]:
-    """A seed and an offset for the kernels' dropout generator (csrc/dropout.h), drawn from torch's
-    default CPU generator: ``torch.manual_seed`` makes a run's masks reproducible, and every call
-    gets new ones."""
-    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
-    return int(seed), int(offset)
-
-
 def dropout_mask(
     B: int, H: int, Nq: int, Nk: int, dropout_p: float, dropout_seed: int, dropout_offset: int
 ) -> torch.Tensor:
@@ -286,14 +175,3 @@ def dropout_mask(
     return torch.ops.dilated_attention.dropout_mask(
         B, H, Nq, Nk, float(dropout_p), int(dropout_seed), int(dropout_offset)
     )
-
-
-def lse_dtype(dtype: torch.dtype, float64_lse: bool = False) -> torch.dtype:
-    """The dtype of the ops' ``lse`` for inputs of ``dtype``: float64 with ``float64_lse``, else
-    the accumulation dtype (csrc/checks.h ``lse_dtype``)."""
-    return torch.float64 if float64_lse else accumulation_dtype(dtype)
-
-
-from ._func import native_attention  # noqa: E402
-from ._piece_op import has_piece_kernel, piece_backward, piece_forward  # noqa: E402
-from ._varlen_op import native_varlen_forward  # noqa: E402
