@@ -90,7 +90,7 @@ class SdpaBackend(GatheredBackend):
     cpp_driver = True
 
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
-        if self.cpp_driver and not self.cpu_kernel_backward and _views_op.runs(q, dropout_p):
+        if self.cpp_driver and not self.cpu_kernel_backward and _views_op.runs(q, k, v, dropout_p):
             _refuse_untraceable(self.name, q.shape[1])
             return _views_op.views_attention(
                 q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
