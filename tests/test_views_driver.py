@@ -46,6 +46,33 @@ def test_matches_the_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype):
     _check(_op(segs, rates, is_causal), B, N, Hq, Hkv, D, segs, rates, is_causal, dtype)
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", GEOMETRIES)
+def test_python_driver_still_matches(monkeypatch, B, N, Hq, Hkv, D, segs, rates, is_causal):
+    """backend='sdpa' with the C++ driver switched off: the Python driver, as dropout, packed
+    sequences and torch.func run it."""
+    monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
+
+    def run(q, k, v):
+        return dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="sdpa")
+
+    _check(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _views_op.available("cuda"), reason="needs a CUDA GPU and CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", GEOMETRIES)
+def test_cuda_matches_the_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype):
+    """cuDNN (sm_90+) or flash attention under the C++ driver, every gradient, SPEC section 4."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs an sm_80+ GPU")
+    q, k, v = make_inputs(B, N, Hq, Hkv, D * 8, dtype, device="cuda")
+    assert _views_op.runs(q, k, v, 0.0)
+    _check(_op(segs, rates, is_causal), B, N, Hq, Hkv, D * 8, segs, rates, is_causal, dtype, q, k, v)
+
+
 @pytest.mark.parametrize("scale", [-0.4, 0.0])
 def test_non_positive_scale(scale):
     B, N, Hq, Hkv, D, segs, rates = 2, 37, 4, 2, 8, [8, 16], [1, 2]
@@ -170,7 +197,7 @@ def test_errors_name_the_bad_values():
     ):
         torch.ops.dilated_attention.views_fwd(q, k, v, [4], [8], False, 0.3)
     with pytest.raises(RuntimeError, match="multiple of the number of key/value heads"):
-        torch.ops.dilated_attention.views_fwd(q, k[:, :, :3], v[:, :, :3], [4], [1], False, 0.3)
+        torch.ops.dilated_attention.views_fwd(q[:, :, :3], k, v, [4], [1], False, 0.3)
 
 
 def test_nonfinite_rows_as_the_python_driver():

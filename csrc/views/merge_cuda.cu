@@ -2,6 +2,7 @@
 // and the choice of the attention operator the views driver runs on CUDA.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "views/merge.h"
@@ -56,6 +57,11 @@ int cuda_kernel_kind(const at::Tensor& q) {
   if (half && cap >= 90 && D <= 128 && ctx.hasCuDNN() && ctx.userEnabledCuDNNSDP()) return 2;
   if (half && cap >= 80 && D <= 256 && ctx.userEnabledFlashSDP()) return 1;
   return 0;
+}
+
+// Whether the current CUDA stream is being captured into a graph (no value can be read then).
+bool cuda_capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
 void merge_call_cuda_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,

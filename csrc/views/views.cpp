@@ -37,7 +37,8 @@
 namespace dilated_attention {
 namespace views {
 int cuda_kernel_kind(const at::Tensor& q);  // merge_cuda.cu: 2 cuDNN, 1 flash, 0 none
-}
+bool cuda_capturing();                      // merge_cuda.cu: the current stream is being captured
+}  // namespace views
 }  // namespace dilated_attention
 #endif
 
@@ -114,11 +115,17 @@ struct NonFinite {
   at::Tensor v_kernel, v_bad, zq, zk;
 
   // The corrections for q, k, v (contiguous, (B, N, H, D)); none where every entry is finite.
+  // While a CUDA graph is captured the values cannot be read: the corrections are applied as if
+  // there were non-finite entries (exact either way).
   NonFinite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal) : v_kernel(v) {
-    const bool finite =
-        (at::isfinite(q).all() & at::isfinite(k).all() & at::isfinite(v).all()).item<bool>();  // one sync
-    if (finite) return;
-    if (is_causal && !at::isfinite(v).all().item<bool>()) {
+    bool capturing = false;
+#ifdef DILATED_ATTENTION_WITH_CUDA
+    capturing = q.is_cuda() && cuda_capturing();
+#endif
+    if (!capturing &&
+        (at::isfinite(q).all() & at::isfinite(k).all() & at::isfinite(v).all()).item<bool>())  // one sync
+      return;
+    if (is_causal && (capturing || !at::isfinite(v).all().item<bool>())) {
       v_kernel = at::nan_to_num(v, 0.0, 0.0, 0.0);
       v_bad = v - v_kernel;
     }
