@@ -107,30 +107,44 @@ def test_sdpa_backend_runs_it(is_causal):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def _count(N: int) -> list[str]:
+def _count(N: int, device: str, dtype: torch.dtype) -> list[str]:
     """The operators one forward and backward of backend='sdpa' dispatch (B=1, H=12, D=64, the
-    LongNet branches [256, 512, 1024, 2048] x [1, 2, 4, 8]), causal, float32."""
-    q, k, v = make_inputs(1, N, 12, 12, 64, torch.float32)
-    dout = torch.randn(q.shape)
+    LongNet branches [256, 512, 1024, 2048] x [1, 2, 4, 8]), causal."""
+    q, k, v = make_inputs(1, N, 12, 12, 64, dtype, device=device)
+    dout = torch.randn(q.shape, dtype=dtype, device=device)
     with OpCounter() as c:
         out = dattn(q, k, v, [256, 512, 1024, 2048], [1, 2, 4, 8], is_causal=True, backend="sdpa")
         torch.autograd.backward(out, dout)
     return c.names
 
 
-def test_dispatch_count():
+_DEVICES = [
+    pytest.param("cpu", torch.float32, id="cpu-float32"),
+    pytest.param(
+        "cuda",
+        torch.bfloat16,
+        id="cuda-bfloat16",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not _views_op.available("cuda"), reason="needs a CUDA GPU and CUDA kernels"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device,dtype", _DEVICES)
+def test_dispatch_count(device, dtype):
     """At most 10 operators for a forward and backward through the C++ driver (the Python driver's
     count printed beside it)."""
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    names = _count(2048)
+    names = _count(2048, device, dtype)
     try:
         SdpaBackend.cpp_driver = False
-        python_names = _count(2048)
+        python_names = _count(2048, device, dtype)
     finally:
         SdpaBackend.cpp_driver = True
     print(
-        f"\nops dispatched, forward + backward, N=2048: C++ driver {len(names)} {names}; "
-        f"Python driver {len(python_names)}"
+        f"\nops dispatched, forward + backward, N=2048, {device} {dtype}: C++ driver {len(names)} "
+        f"{names}; Python driver {len(python_names)}"
     )
     assert names.count("dilated_attention.views_fwd") == 1
     assert names.count("dilated_attention.views_bwd") == 1

@@ -1,9 +1,10 @@
 // The fused merge of merge.h on CUDA (one warp per row (bb, j, t), its lanes over the head dim),
 // and the choice of the attention operator the views driver runs on CUDA.
 #include <ATen/Dispatch.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "views/merge.h"
 #include "views/merge_rule.h"
@@ -49,8 +50,10 @@ __global__ void merge_kernel(acc_t* __restrict__ oa, acc_t* __restrict__ la, con
 // cuDNN attention available and enabled), 1 flash (sm_80+, head dim a multiple of 8 and <= 256,
 // enabled), 0 neither.
 int cuda_kernel_kind(const at::Tensor& q) {
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q.get_device());
-  const int cap = prop->major * 10 + prop->minor;
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+  const int cap = major * 10 + minor;
   const int64_t D = q.size(-1);
   const bool half = (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) && D % 8 == 0;
   auto& ctx = at::globalContext();
@@ -78,7 +81,7 @@ void merge_call_cuda_(const at::Tensor& out_acc, const at::Tensor& lse_acc, cons
   if (rows == 0) return;
   const int threads = 256;
   const int64_t blocks = (rows * 32 + threads - 1) / threads;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_c.scalar_type(), "views_merge_cuda", [&] {
     if (out_acc.scalar_type() == at::kDouble)
       merge_kernel<scalar_t, double><<<blocks, threads, 0, stream>>>(
