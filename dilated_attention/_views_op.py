@@ -78,7 +78,12 @@ def runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) ->
     if dev == "cuda":
         from .backends import sdpa_kernels
 
-        return sdpa_kernels.cuda_kernel(q.device, q.dtype, int(q.shape[-1])) in ("cudnn", "flash")
+        kind = sdpa_kernels.cuda_kernel(q.device, q.dtype, int(q.shape[-1]))
+        if kind not in ("cudnn", "flash"):
+            return False
+        if not torch.compiler.is_compiling():
+            sdpa_kernels._log(kind, q)  # the kernel in use, once at INFO, as the Python driver logs it
+        return True
     return dev == "cpu"
 
 
