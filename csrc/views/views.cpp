@@ -310,16 +310,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at:
                                                             m, mk, 0.0, is_causal, seed, offset, scale);
   };
   auto g = run(dout, v, out);
-  at::Tensor dq = std::get<0>(g).transpose(1, 2).to(at::kFloat),
-             dk = std::get<1>(g).transpose(1, 2).to(at::kFloat), dv = std::get<2>(g).transpose(1, 2);
+  // in the inputs' dtype, added into the float32 accumulators as they are (one rounding less
+  // than a cast first); the dlse term summed with them in float32
+  at::Tensor dq = std::get<0>(g).transpose(1, 2), dk = std::get<1>(g).transpose(1, 2);
+  const at::Tensor dv = std::get<2>(g).transpose(1, 2);
   if (dlse.defined()) {
     at::Tensor unit = at::zeros_like(q, at::MemoryFormat::Contiguous);
     unit.select(-1, 0).fill_(1);
     at::Tensor d_unit = at::zeros_like(q, at::MemoryFormat::Contiguous);
     d_unit.select(-1, 0).copy_(dlse.neg());
     auto e = run(d_unit, at::zeros_like(v, at::MemoryFormat::Contiguous), unit);
-    dq = dq + std::get<0>(e).transpose(1, 2).to(at::kFloat);
-    dk = dk + std::get<1>(e).transpose(1, 2).to(at::kFloat);
+    dq = dq.to(at::kFloat).add_(std::get<0>(e).transpose(1, 2));
+    dk = dk.to(at::kFloat).add_(std::get<1>(e).transpose(1, 2));
   }
   return {dq, dk, dv};
 }
@@ -454,13 +456,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
           call_view(dq, c, c.q, b).add_(gq);
           Strided skv = c.kv;
           const int64_t hk = kv.size(2);
-          if (c.kv.expanded()) {  // one head read by every head of the call: the sum
+          if (c.kv.expanded()) {  // one head read by every head of the call: the sum, in float32
             skv = Strided{c.kv.p0, c.kv.dp, c.kv.c0, 1, 1};
-            gk = gk.sum(2, true);
-            gv = gv.sum(2, true);
+            gk = at::sum(gk, {2}, true, at::kFloat);
+            gv = at::sum(gv, {2}, true, at::kFloat);
           } else if (hk != n) {
-            gk = gk.unflatten(2, {hk, n / hk}).sum(3);
-            gv = gv.unflatten(2, {hk, n / hk}).sum(3);
+            gk = at::sum(gk.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
+            gv = at::sum(gv.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
           }
           call_view(dk, c, skv, b).add_(gk);
           call_view(dv, c, skv, b).add_(gv);
