@@ -142,7 +142,11 @@ def cpu_only_message(why: str) -> str:
 
 def _extension():
     cxx = _cxx_flags()
-    sources = ["csrc/dilated_attention.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    sources = [
+        "csrc/dilated_attention.cpp",
+        *sorted(glob.glob("csrc/cpu/*.cpp")),
+        *sorted(glob.glob("csrc/views/*.cpp")),
+    ]
     include = [os.path.join(HERE, "csrc")]
     archs, why = _cuda_plan()
     if archs is not None:
@@ -161,6 +165,7 @@ def _extension():
             *sorted(glob.glob("csrc/cuda/*.cpp")),
             *sorted(glob.glob("csrc/cuda/*.cu")),
             *sorted(glob.glob("csrc/cuda/tc/*.cu")),
+            *sorted(glob.glob("csrc/views/*.cu")),
         ]
         return CUDAExtension(
             "dilated_attention._C",

@@ -32,6 +32,11 @@
 // seed and offset are SymInt in the ops' schemas, so that torch.compile can pass the values it
 // draws in the graph (unbacked symbolic ints) without a graph break; the kernels read them as ints.
 //
+// dilated_attention::views_fwd(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale)
+//     -> (out, lse) and views_bwd(dout, q, k, v, out, lse, dlse, ...) -> (dq, dk, dv): the sdpa
+//     backend's driver (csrc/views/): PyTorch's fused attention operators on strided views of q,
+//     k, v, merged by log-sum-exp; lse float32 (float64 for float64 inputs); no dropout.
+//
 // The fixed-length op is the packed one with S = B sequences of N rows: both run the same kernels.
 //
 // Each device registers its implementation with TORCH_LIBRARY_IMPL in cpu/ and cuda/.
@@ -97,6 +102,13 @@ TORCH_LIBRARY(dilated_attention, m) {
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, int[] dilation_rates, bool is_causal, "
       "float softmax_scale, float dropout_p=0., SymInt dropout_seed=0, SymInt dropout_offset=0) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "views_fwd(Tensor q, Tensor k, Tensor v, int[] segment_lengths, int[] dilation_rates, bool is_causal, "
+      "float softmax_scale) -> (Tensor out, Tensor lse)");
+  m.def(
+      "views_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+      "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "dropout_mask(int B, int H, int Nq, int Nk, float dropout_p, int dropout_seed, int dropout_offset) -> "

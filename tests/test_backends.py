@@ -319,9 +319,12 @@ def test_pattern_cache_thread_safe():
     assert info.hits + info.misses == 8 * 300 and info.entries <= 5
 
 
-def test_backends_share_the_plan_cache():
+def test_backends_share_the_plan_cache(monkeypatch):
+    """The Python drivers share one plan cache (sdpa's C++ driver keeps its own, in C++)."""
+    from dilated_attention.backends.sdpa import SdpaBackend
     from dilated_attention.backends.views import plan_branches
 
+    monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
     plan_branches.cache_clear()
     q, k, v = make_inputs(1, 19, 2, 2, 4, torch.float32, requires_grad=False)
     dattn(q, k, v, [8], [2], backend="sdpa")

@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import _views_op
 from . import sdpa_kernels
 from .base import BackendRequest, Capabilities, check_device_dtype
-from .gathered import GatheredBackend, lse_with_grad
+from .gathered import GatheredBackend, _refuse_untraceable, lse_with_grad
 
 __all__ = ["SdpaBackend"]
 
@@ -83,6 +84,27 @@ class SdpaBackend(GatheredBackend):
     #: Run the CPU flash operator's own backward (fast, but outside the float32 accuracy rule on
     #: large logits) instead of :func:`.sdpa_kernels.cpu_exact_backward`.
     cpu_kernel_backward = False
+
+    #: Run the C++ driver (one op each way, :mod:`dilated_attention._views_op`) where it covers the
+    #: call (:func:`~dilated_attention._views_op.runs`); the Python driver below elsewhere.
+    cpp_driver = True
+
+    def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
+        if self.cpp_driver and not self.cpu_kernel_backward and _views_op.runs(q, k, v, dropout_p):
+            _refuse_untraceable(self.name, q.shape[1])
+            return _views_op.views_attention(
+                q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
+            )
+        return super().forward(
+            q,
+            k,
+            v,
+            segment_lengths,
+            dilation_rates,
+            is_causal=is_causal,
+            softmax_scale=softmax_scale,
+            dropout_p=dropout_p,
+        )
 
     def reasons(self, request: BackendRequest) -> list[str]:
         why = check_device_dtype(request, "sdpa", _DTYPES)

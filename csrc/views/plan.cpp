@@ -1,0 +1,146 @@
+// The plan of the views driver's kernel calls (plan.h), and its cache.
+#include "views/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <utility>
+
+namespace dilated_attention {
+namespace views {
+
+namespace {
+
+// The longest runs [i, j) of vals whose consecutive differences are equal.
+std::vector<std::pair<int64_t, int64_t>> runs(const std::vector<int64_t>& vals) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  const int64_t n = (int64_t)vals.size();
+  int64_t i = 0;
+  while (i < n) {
+    int64_t j = i + 1;
+    if (j < n) {
+      const int64_t d = vals[j] - vals[i];
+      while (j < n && vals[j] - vals[j - 1] == d) ++j;
+    }
+    out.emplace_back(i, j);
+    i = j;
+  }
+  return out;
+}
+
+// The step of an evenly stepping list (1 for a single value).
+int64_t step(const std::vector<int64_t>& vals) {
+  return vals.size() > 1 ? vals[1] - vals[0] : 1;
+}
+
+// The number of positions o, o + r, ... below L.
+int64_t count_from(int64_t o, int64_t L, int64_t r) {
+  return o < L ? (L - o + r - 1) / r : 0;
+}
+
+// r < Hq: one call per phase o (heads o::r), split where the key/value heads do not step evenly.
+void phase_calls(const Part& part, int64_t r, int64_t Hq, int64_t G, bool native_gqa,
+                 std::vector<Call>* calls) {
+  for (int64_t o = 0; o < r; ++o) {
+    const int64_t m = count_from(o, part.length, r);
+    std::vector<int64_t> qh, kvh;
+    for (int64_t h = o; h < Hq; h += r) qh.push_back(h);
+    if (m == 0 || qh.empty()) continue;
+    for (int64_t h : qh) kvh.push_back(h / G);
+    const std::set<int64_t> uset(kvh.begin(), kvh.end());
+    const std::vector<int64_t> uniq(uset.begin(), uset.end());
+    const int64_t nq = (int64_t)qh.size(), nu = (int64_t)uniq.size();
+    const int64_t g = nq / nu;
+    bool grouped = native_gqa && g > 1 && nq == g * nu && runs(uniq).size() == 1;
+    for (int64_t j = 0; grouped && j < nq; ++j) grouped = kvh[j] == uniq[j / g];
+    if (grouped) {
+      calls->push_back({part, r, m, {o, 0, o, r, nq}, {o, 0, uniq[0], step(uniq), nu}, g});
+      continue;
+    }
+    for (const auto& ij : runs(kvh)) {
+      const int64_t i = ij.first, n = ij.second - ij.first;
+      const std::vector<int64_t> sub(kvh.begin() + i, kvh.begin() + ij.second);
+      Strided kv{o, 0, sub[0], step(sub), n};
+      if (n > 1 && sub[1] == sub[0]) {
+        kv = Strided{o, 0, sub[0], 0, n};
+        if (native_gqa) {  // one key/value head read by every query head of the run
+          calls->push_back({part, r, m, {o, 0, qh[i], r, n}, {o, 0, sub[0], 1, 1}, n});
+          continue;
+        }
+      }
+      calls->push_back({part, r, m, {o, 0, qh[i], r, n}, kv, 1});
+    }
+  }
+}
+
+// r >= Hq: head h reads phase h; heads i, i + G, ... in one call, split where their number of
+// rows changes.
+void diagonal_calls(const Part& part, int64_t r, int64_t Hq, int64_t G, std::vector<Call>* calls) {
+  for (int64_t i = 0; i < G; ++i) {
+    std::vector<int64_t> heads, ms;
+    for (int64_t h = i; h < Hq; h += G) {
+      if (h < part.length) {
+        heads.push_back(h);
+        ms.push_back(count_from(h, part.length, r));
+      }
+    }
+    const int64_t nh = (int64_t)heads.size();
+    int64_t a = 0;
+    while (a < nh) {
+      int64_t b = a + 1;
+      while (b < nh && ms[b] == ms[a]) ++b;
+      const int64_t n = b - a, h0 = heads[a];
+      calls->push_back({part, r, ms[a], {h0, G, h0, G, n}, {h0, G, h0 / G, 1, n}, 1});
+      a = b;
+    }
+  }
+}
+
+// The plan, computed (plan_branches caches it).
+std::shared_ptr<const Plan> make_plan(int64_t N, int64_t Hq, int64_t Hkv, at::IntArrayRef segment_lengths,
+                                      at::IntArrayRef dilation_rates, bool native_gqa) {
+  auto plan = std::make_shared<Plan>();
+  const int64_t G = Hq / Hkv;
+  for (size_t b = 0; b < segment_lengths.size(); ++b) {
+    const int64_t w = segment_lengths[b], r = dilation_rates[b];
+    std::vector<Call> calls;
+    if (N > 0) {
+      const int64_t L = std::min(w, N), full = N / L;
+      std::vector<Part> parts = {{0, full, L}};
+      if (N - full * L) parts.push_back({full * L, 1, N - full * L});
+      for (const Part& part : parts) {
+        if (r >= Hq && Hq > 1)
+          diagonal_calls(part, r, Hq, G, &calls);
+        else
+          phase_calls(part, r, Hq, G, native_gqa, &calls);
+      }
+    }
+    plan->branches.push_back(std::move(calls));
+  }
+  return plan;
+}
+
+}  // namespace
+
+std::shared_ptr<const Plan> plan_branches(int64_t N, int64_t Hq, int64_t Hkv, at::IntArrayRef segment_lengths,
+                                          at::IntArrayRef dilation_rates, bool native_gqa) {
+  static std::mutex lock;
+  static std::map<std::vector<int64_t>, std::shared_ptr<const Plan>> cache;
+  std::vector<int64_t> key = {N, Hq, Hkv, (int64_t)native_gqa, (int64_t)segment_lengths.size()};
+  key.insert(key.end(), segment_lengths.begin(), segment_lengths.end());
+  key.insert(key.end(), dilation_rates.begin(), dilation_rates.end());
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto plan = make_plan(N, Hq, Hkv, segment_lengths, dilation_rates, native_gqa);
+  std::lock_guard<std::mutex> guard(lock);
+  if (cache.size() >= 256) cache.clear();  // a bounded cache: geometries rarely change
+  cache.emplace(std::move(key), plan);
+  return plan;
+}
+
+}  // namespace views
+}  // namespace dilated_attention

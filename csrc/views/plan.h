@@ -1,0 +1,67 @@
+// The kernel calls of the sdpa backend's driver, as strided views of q, k and v (no gathers); the
+// C++ form of dilated_attention/backends/views.py's plan_branches for one sequence length.
+//
+// A branch (w, r) cuts the sequence into segments of L = min(w, N) positions (and a shorter last
+// one, a separate part, when N % w != 0). A kernel call takes n heads whose phase and head index
+// both step by a constant:
+//
+//     element [bb, j, t, e] = segment[bb][p0 + t * dp + j * r, c0 + t * dc, e]
+//
+// * r < Hq: the heads of one phase o (dp = 0, heads o::r) in one call, grouped-query attention
+//   kept where the kernel takes it (native_gqa) and the key/value heads step evenly;
+// * r >= Hq: head h reads its own phase h; the heads i, i + G, ... share one call (dp = dc = G
+//   for q), split where the number of rows m of a head changes;
+// * everything else splits into the longest runs of heads that step evenly (a key/value head
+//   read by several query heads of a call is a stride-0 head, "expanded").
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace dilated_attention {
+namespace views {
+
+// rows segments of length positions each, the first at position start.
+struct Part {
+  int64_t start, rows, length;
+};
+
+// Head t < n of a call reads phase p0 + t * dp of head c0 + t * dc.
+struct Strided {
+  int64_t p0, dp, c0, dc, n;
+  // Whether several heads of the call read the same head and phase (a stride-0 view).
+  bool expanded() const { return n > 1 && dc == 0 && dp == 0; }
+};
+
+// One kernel call: m rows of every segment of part, query heads q, key/value heads kv
+// (q.n == kv.n * g: query head t reads key/value head t / g).
+struct Call {
+  Part part;
+  int64_t r, m;
+  Strided q, kv;
+  int64_t g;
+};
+
+// The calls of every branch, in branch order.
+struct Plan {
+  std::vector<std::vector<Call>> branches;
+};
+
+// The plan of a sequence of N positions, Hq query and Hkv key/value heads and the branches
+// (segment_lengths, dilation_rates), cached per key (thread-safe). native_gqa: the kernel takes
+// fewer key/value heads than query heads.
+std::shared_ptr<const Plan> plan_branches(int64_t N, int64_t Hq, int64_t Hkv, at::IntArrayRef segment_lengths,
+                                          at::IntArrayRef dilation_rates, bool native_gqa);
+
+// Whether the segments of call fold with the batch dim of a contiguous (B, N, ...) tensor into
+// one dim (one batch, one segment per row, or segments that tile the sequence); otherwise the
+// driver runs the call once per batch entry.
+inline bool folds(const Call& c, int64_t B, int64_t N) {
+  return B == 1 || c.part.rows == 1 || (c.part.start == 0 && c.part.rows * c.part.length == N);
+}
+
+}  // namespace views
+}  // namespace dilated_attention

@@ -1,0 +1,492 @@
+// dilated_attention::views_fwd and views_bwd: the sdpa backend's driver in one op each way.
+//
+// Every branch is a handful of dense attention calls on strided views of q, k and v (plan.h); a
+// call's (out, lse) is merged by log-sum-exp into one accumulator (merge.h). The backward feeds
+// each call the *merged* out and lse of its rows (as ring attention does) and adds its gradients
+// into strided views of float32 (float64) dq, dk and dv. Only the per-call kernel differs:
+//
+// * CPU: aten::_scaled_dot_product_flash_attention_for_cpu forward (grouped-query attention in
+//   the kernel); the backward is the exact matmul formula in float32 (float64), in chunks, with
+//   delta and the row normalisation summed over every call first (the row dots of
+//   dilated_attention/backends/merged.py), which keeps float32 and bfloat16 within SPEC section 4.
+// * CUDA: aten::_scaled_dot_product_cudnn_attention (sm_90+, float16/bfloat16, head dim a
+//   multiple of 8 and <= 128) or aten::_scaled_dot_product_flash_attention (sm_80+, head dim a
+//   multiple of 8 and <= 256) and their backward operators, key/value heads repeated. cuDNN's
+//   backward always gets out and dout contiguous (B, H, M, D) and the statistics contiguous
+//   (B, H, M, 1): PyTorch caches a cuDNN backward graph per shapes and strides of q, k and v while
+//   the graph bakes in the strides of out, dout and the statistics. A call of one row and one key
+//   runs in closed form (cuDNN refuses s_q = s_kv = 1): out = v, lse = scale (q . k).
+//
+// Non-finite inputs (checked once per forward) take the corrections of gathered.py's _NonFinite:
+// causal masking's 0 * inf is kept out of the kernel, and a row that reads a non-finite query or
+// key gets NaN (the CPU kernel turns NaN scores into weight 0).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "checks.h"
+#include "views/merge.h"
+#include "views/plan.h"
+
+#ifdef DILATED_ATTENTION_WITH_CUDA
+namespace dilated_attention {
+namespace views {
+int cuda_kernel_kind(const at::Tensor& q);  // merge_cuda.cu: 2 cuDNN, 1 flash, 0 none
+bool cuda_capturing();                      // merge_cuda.cu: the current stream is being captured
+}  // namespace views
+}  // namespace dilated_attention
+#endif
+
+namespace dilated_attention {
+namespace views {
+
+namespace {
+
+// Score-chunk budget of the CPU backward, in elements (float32: 16 MiB per buffer).
+constexpr int64_t kChunkElements = 4 * 1024 * 1024;
+
+// The strided view (Bb, m, n, E) of x (B, N, H, E) at the rows of call and the heads s: all
+// batch entries folded with the segments (b < 0, where folds() holds) or batch entry b's
+// segments. x's batch and sequence dims must fold (x.stride(0) == N * x.stride(1) where B > 1 and
+// the call's segments do not stand alone), which the driver's contiguous tensors satisfy.
+at::Tensor call_view(const at::Tensor& x, const Call& c, const Strided& s, int64_t b) {
+  const int64_t B = x.size(0), sB = x.stride(0), sN = x.stride(1), sH = x.stride(2), sE = x.stride(3);
+  const Part& p = c.part;
+  int64_t Bb, sBb, off = x.storage_offset() + (p.start + s.p0) * sN + s.c0 * sH;
+  if (b >= 0) {
+    Bb = p.rows;
+    sBb = p.length * sN;
+    off += b * sB;
+  } else if (p.rows == 1) {
+    Bb = B;
+    sBb = sB;
+  } else {
+    Bb = B * p.rows;
+    sBb = p.length * sN;
+  }
+  return x.as_strided({Bb, c.m, s.n, x.size(3)}, {sBb, c.r * sN, s.dp * sN + s.dc * sH, sE}, off);
+}
+
+// call_view of a (B, N, H) tensor: (Bb, m, n).
+at::Tensor call_view3(const at::Tensor& x, const Call& c, const Strided& s, int64_t b) {
+  return call_view(x.unsqueeze(-1), c, s, b).select(-1, 0);
+}
+
+// The batch entries to run a call on: {-1} (all at once) where it folds, else 0 .. B-1.
+std::vector<int64_t> batches(const Call& c, int64_t B, int64_t N) {
+  if (folds(c, B, N)) return {-1};
+  std::vector<int64_t> out;
+  for (int64_t b = 0; b < B; ++b) out.push_back(b);
+  return out;
+}
+
+// q' and scale' > 0 with q' scale' == q scale exactly, and the sign that maps the kernel's dq
+// back (PyTorch's fused CPU kernel returns NaN for a causal call with scale <= 0): a negative
+// scale moves its sign into q, a zero scale makes every score 0, as q' = 0 with scale' = 1 does.
+std::tuple<at::Tensor, double, double> positive_scale(const at::Tensor& q, double scale) {
+  if (scale > 0) return {q, scale, 1.0};
+  if (scale < 0) return {q.neg(), -scale, -1.0};
+  return {at::zeros_like(q), 1.0, 0.0};
+}
+
+// Key/value heads x (Bb, m, hk, D) repeated to q's h heads for a kernel that takes as many as q
+// has; a stride-0 head dim is materialised (the kernels' backward writes one gradient per head).
+at::Tensor repeat_heads(const at::Tensor& x, int64_t h) {
+  const int64_t hk = x.size(2);
+  if (hk != h) return x.repeat_interleave(h / hk, 2);
+  return h > 1 && x.stride(2) == 0 ? x.contiguous() : x;
+}
+
+// The per-row sums of a kernel call's keys: a prefix sum along the rows when causal, else the
+// whole sub-sequence (x (Bb, m, h, E)).
+at::Tensor reads(const at::Tensor& x, bool is_causal) {
+  return is_causal ? x.cumsum(1) : x.sum(1, true);
+}
+
+// Non-finite inputs (gathered.py's _NonFinite): v_kernel is v with non-finite entries replaced
+// by 0 where causal masking would multiply them by 0, v_bad the entries themselves; zq and zk are
+// 0 for a finite row and NaN for a non-finite one.
+struct NonFinite {
+  at::Tensor v_kernel, v_bad, zq, zk;
+
+  // The corrections for q, k, v (contiguous, (B, N, H, D)); none where every entry is finite.
+  // While a CUDA graph is captured the values cannot be read: the corrections are applied as if
+  // there were non-finite entries (exact either way).
+  NonFinite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal) : v_kernel(v) {
+    bool capturing = false;
+#ifdef DILATED_ATTENTION_WITH_CUDA
+    capturing = q.is_cuda() && cuda_capturing();
+#endif
+    if (!capturing &&
+        (at::isfinite(q).all() & at::isfinite(k).all() & at::isfinite(v).all()).item<bool>())  // one sync
+      return;
+    if (is_causal && (capturing || !at::isfinite(v).all().item<bool>())) {
+      v_kernel = at::nan_to_num(v, 0.0, 0.0, 0.0);
+      v_bad = v - v_kernel;
+    }
+    zq = q.sum(-1, true).mul(0);
+    zk = k.sum(-1, true).mul(0);
+  }
+
+  // A call's kernel out (Bb, n, m, D) and lse (Bb, n, m), corrected.
+  std::pair<at::Tensor, at::Tensor> apply(const Call& c, int64_t b, bool is_causal, at::Tensor og,
+                                          at::Tensor lg) const {
+    const int64_t h = c.q.n;
+    if (v_bad.defined()) {
+      og = og + reads(repeat_heads(call_view(v_bad, c, c.kv, b), h), is_causal)
+                    .transpose(1, 2)
+                    .to(og.scalar_type());
+    }
+    if (zq.defined()) {
+      const at::Tensor z =
+          call_view(zq, c, c.q, b) + reads(repeat_heads(call_view(zk, c, c.kv, b), h), is_causal);
+      og = og + z.transpose(1, 2).to(og.scalar_type());
+      lg = lg + z.select(-1, 0).transpose(1, 2).to(lg.scalar_type());
+    }
+    return {og, lg};
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// CPU kernels
+// ---------------------------------------------------------------------------------------------
+
+// (c, nr, h, E) -> (c hk, g nr, E) in dtype ct: the rows of every query head of a key/value head
+// together, as one batched matmul takes them.
+at::Tensor heads_first(const at::Tensor& x, int64_t hk, at::ScalarType ct) {
+  const int64_t c = x.size(0), nr = x.size(1), h = x.size(2), E = x.size(3);
+  return x.to(ct).permute({0, 2, 1, 3}).reshape({c * hk, (h / hk) * nr, E});
+}
+
+// (c hk, g nr, E) -> (c, nr, h, E): heads_first's rows back in the (B, m, h) layout.
+at::Tensor rows_last(const at::Tensor& y, int64_t c, int64_t hk, int64_t nr) {
+  const int64_t g = y.size(1) / nr, E = y.size(2);
+  return y.view({c, hk, g, nr, E}).permute({0, 3, 1, 2, 4}).reshape({c, nr, hk * g, E});
+}
+
+// Runs f(b0, c, i0, nr, kh, vh, p) over the chunks of a call of q (Bb, m, h, D), k and v
+// (Bb, mk, hk, D) and its merged lse (Bb, m, h): batch entries [b0, b0 + c) and rows
+// [i0, i0 + nr) of at most kChunkElements scores, kh and vh (c hk, mk, D) and
+// P = exp(scale (q k^T) - lse) (c hk, g nr, mk) in lse's dtype, causal top-left aligned (as the
+// fused operator). The same inputs give the same P bit for bit.
+template <typename F>
+void cpu_chunks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+                bool is_causal, double scale, F&& f) {
+  const at::ScalarType ct = lse.scalar_type();
+  const int64_t Bb = q.size(0), m = q.size(1), h = q.size(2), D = q.size(3);
+  const int64_t mk = k.size(1), hk = k.size(2);
+  const int64_t per_row = std::max<int64_t>(1, h * mk);
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(m, kChunkElements / per_row));
+  const int64_t nb =
+      std::max<int64_t>(1, std::min<int64_t>(Bb, kChunkElements / std::max<int64_t>(1, per_row * rows)));
+  for (int64_t b0 = 0; b0 < Bb; b0 += nb) {
+    const int64_t c = std::min(nb, Bb - b0);
+    const at::Tensor kh = k.narrow(0, b0, c).to(ct).permute({0, 2, 1, 3}).reshape({c * hk, mk, D});
+    const at::Tensor vh = v.narrow(0, b0, c).to(ct).permute({0, 2, 1, 3}).reshape({c * hk, mk, D});
+    for (int64_t i0 = 0; i0 < m; i0 += rows) {
+      const int64_t nr = std::min(rows, m - i0);
+      at::Tensor lc = heads_first(lse.narrow(0, b0, c).narrow(1, i0, nr).unsqueeze(-1), hk, ct);
+      lc = lc.masked_fill(lc.isneginf(), 0);
+      // the dot products scaled once rounded, as PyTorch's own scores
+      at::Tensor p = at::bmm(heads_first(q.narrow(0, b0, c).narrow(1, i0, nr), hk, ct), kh.transpose(1, 2))
+                         .mul_(scale)
+                         .sub_(lc)
+                         .exp_();
+      if (is_causal) {
+        const at::Tensor future = at::ones({nr, mk}, q.options().dtype(at::kBool)).triu_(i0 + 1);
+        p.view({c * hk, h / hk, nr, mk}).masked_fill_(future, 0);
+      }
+      f(b0, c, i0, nr, kh, vh, p);
+    }
+  }
+}
+
+// Adds a call's (sum_x P(p, x) (dout_p . v_x), sum_x P(p, x)) into dots and total (Bb, m, h).
+void cpu_row_dots(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& lse, bool is_causal, double scale, const at::Tensor& dots,
+                  const at::Tensor& total) {
+  const int64_t hk = k.size(2);
+  const at::ScalarType ct = lse.scalar_type();
+  cpu_chunks(
+      q, k, v, lse, is_causal, scale,
+      [&](int64_t b0, int64_t c, int64_t i0, int64_t nr, const at::Tensor&, const at::Tensor& vh,
+          at::Tensor& p) {
+        total.narrow(0, b0, c).narrow(1, i0, nr).add_(rows_last(p.sum(-1, true), c, hk, nr).select(-1, 0));
+        const at::Tensor dov =
+            at::bmm(heads_first(dout.narrow(0, b0, c).narrow(1, i0, nr), hk, ct), vh.transpose(1, 2));
+        dots.narrow(0, b0, c).narrow(1, i0, nr).add_(
+            rows_last(p.mul_(dov).sum(-1, true), c, hk, nr).select(-1, 0));
+      });
+}
+
+// Adds a call's gradients into dq (Bb, m, h, D), dk and dv (Bb, mk, hk, D) (views in lse's dtype):
+// P = exp(scale q k^T - lse) * norm, dV = P^T dout, dS = P (dout v^T - delta), dQ = scale dS k,
+// dK = scale dS^T q; delta and norm (Bb, m, h) summed over every call of the rows.
+void cpu_exact_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& norm,
+                        bool is_causal, double scale, const at::Tensor& dq, const at::Tensor& dk,
+                        const at::Tensor& dv) {
+  const int64_t hk = k.size(2), D = q.size(3), mk = k.size(1);
+  const at::ScalarType ct = lse.scalar_type();
+  cpu_chunks(q, k, v, lse, is_causal, scale,
+             [&](int64_t b0, int64_t c, int64_t i0, int64_t nr, const at::Tensor& kh, const at::Tensor& vh,
+                 at::Tensor& p) {
+               auto rows = [&](const at::Tensor& x) { return x.narrow(0, b0, c).narrow(1, i0, nr); };
+               const at::Tensor qh = heads_first(rows(q), hk, ct), doh = heads_first(rows(dout), hk, ct);
+               p.mul_(heads_first(rows(norm).unsqueeze(-1), hk, ct));
+               const at::Tensor dvh = at::bmm(p.transpose(1, 2), doh);
+               const at::Tensor ds =
+                   at::baddbmm(heads_first(rows(delta).unsqueeze(-1), hk, ct), doh, vh.transpose(1, 2), -1, 1)
+                       .mul_(p);  // dS / scale
+               rows(dq).add_(rows_last(at::bmm(ds, kh).mul_(scale), c, hk, nr));
+               const at::Tensor dkh = at::bmm(ds.transpose(1, 2), qh).mul_(scale);
+               dk.narrow(0, b0, c).add_(dkh.view({c, hk, mk, D}).transpose(1, 2));
+               dv.narrow(0, b0, c).add_(dvh.view({c, hk, mk, D}).transpose(1, 2));
+             });
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA kernels
+// ---------------------------------------------------------------------------------------------
+
+#ifdef DILATED_ATTENTION_WITH_CUDA
+// A call's (out (Bb, n, m, D), lse (Bb, n, m) float32) on the CUDA operator kind (2 cuDNN,
+// 1 flash); q (Bb, m, n, D), k and v with n heads (repeated).
+std::pair<at::Tensor, at::Tensor> cuda_forward(int kind, const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, bool is_causal, double scale) {
+  if (q.size(1) == 1 && k.size(1) == 1) {  // one row, one key: the weight is 1
+    const at::Tensor s = (q.to(at::kFloat) * k.to(at::kFloat)).sum(-1).mul(scale);  // (Bb, 1, n)
+    return {v.transpose(1, 2).to(q.scalar_type()), s.transpose(1, 2).contiguous()};
+  }
+  if (kind == 2) {
+    auto res =
+        at::_scaled_dot_product_cudnn_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                std::nullopt, true, 0.0, is_causal, false, scale);
+    const at::Tensor stats = std::get<1>(res);
+    return {std::get<0>(res), stats.dim() == 4 ? stats.squeeze(-1) : stats};
+  }
+  auto res = at::_scaled_dot_product_flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     0.0, is_causal, false, scale);
+  return {std::get<0>(res), std::get<1>(res)};
+}
+
+// A call's (dq, dk, dv) ((Bb, m, n, D) each) on the CUDA operator kind, fed the merged out and
+// lse (Bb, m, n) of its rows; q, k, v (Bb, m, n, D) (k and v repeated); the dlse term (dlse
+// defined) from a second backward call with v = 0, out = e_0 and dout = -dlse e_0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at::Tensor& dout,
+                                                             const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const at::Tensor& out,
+                                                             const at::Tensor& lse, const at::Tensor& dlse,
+                                                             bool is_causal, double scale) {
+  const int64_t m = q.size(1), mk = k.size(1);
+  if (m == 1 && mk == 1) {  // closed form: P = exp(scale (q . k) - lse)
+    const at::Tensor qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat),
+                     dof = dout.to(at::kFloat);
+    const at::Tensor p = ((qf * kf).sum(-1, true).mul(scale) - lse.to(at::kFloat).unsqueeze(-1)).exp();
+    at::Tensor t = (dof * vf).sum(-1, true) - (dof * out.to(at::kFloat)).sum(-1, true);
+    if (dlse.defined()) t = t + dlse.to(at::kFloat).unsqueeze(-1);
+    const at::Tensor ds = p * t;
+    return {ds * kf * scale, ds * qf * scale, p * dof};
+  }
+  auto run = [&](const at::Tensor& d_o, const at::Tensor& vv, const at::Tensor& o) {
+    const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = vv.transpose(1, 2);
+    const at::Tensor lt = lse.transpose(1, 2).contiguous();  // (Bb, n, m)
+    if (kind == 2) {
+      const at::Tensor seed = at::empty({}, q.options().dtype(at::kLong));
+      const at::Tensor offset = at::empty({}, q.options().dtype(at::kLong));
+      return at::_scaled_dot_product_cudnn_attention_backward(
+          d_o.transpose(1, 2).contiguous(), qt, kt, vt, o.transpose(1, 2).contiguous(), lt.unsqueeze(-1),
+          seed, offset, at::Tensor(), at::Tensor(), at::Tensor(), m, mk, 0.0, is_causal, scale);
+    }
+    const at::Tensor seed = at::empty({}, at::TensorOptions().dtype(at::kLong));
+    const at::Tensor offset = at::empty({}, at::TensorOptions().dtype(at::kLong));
+    return at::_scaled_dot_product_flash_attention_backward(d_o.transpose(1, 2), qt, kt, vt,
+                                                            o.transpose(1, 2), lt, at::Tensor(), at::Tensor(),
+                                                            m, mk, 0.0, is_causal, seed, offset, scale);
+  };
+  auto g = run(dout, v, out);
+  // in the inputs' dtype, added into the float32 accumulators as they are (one rounding less
+  // than a cast first); the dlse term summed with them in float32
+  at::Tensor dq = std::get<0>(g).transpose(1, 2), dk = std::get<1>(g).transpose(1, 2);
+  const at::Tensor dv = std::get<2>(g).transpose(1, 2);
+  if (dlse.defined()) {
+    at::Tensor unit = at::zeros_like(q, at::MemoryFormat::Contiguous);
+    unit.select(-1, 0).fill_(1);
+    at::Tensor d_unit = at::zeros_like(q, at::MemoryFormat::Contiguous);
+    d_unit.select(-1, 0).copy_(dlse.neg());
+    auto e = run(d_unit, at::zeros_like(v, at::MemoryFormat::Contiguous), unit);
+    dq = dq.to(at::kFloat).add_(std::get<0>(e).transpose(1, 2));
+    dk = dk.to(at::kFloat).add_(std::get<1>(e).transpose(1, 2));
+  }
+  return {dq, dk, dv};
+}
+#endif
+
+// The CUDA operator a call runs on: 2 cuDNN, 1 flash; an error naming the unsupported case.
+int cuda_kind(const at::Tensor& q) {
+#ifdef DILATED_ATTENTION_WITH_CUDA
+  const int kind = cuda_kernel_kind(q);
+  TORCH_CHECK(
+      kind > 0, "dilated_attention::views_fwd on CUDA needs float16 or bfloat16 inputs with a head dim ",
+      "that is a multiple of 8 and at most 256 on an sm_80+ GPU (cuDNN or flash attention enabled), got ",
+      dtype_name(q.scalar_type()), " head dim ", q.size(3), "; use the sdpa backend's Python driver");
+  return kind;
+#else
+  TORCH_CHECK(false, "dilated_attention::views_fwd: this build has no CUDA kernels, got a tensor on ",
+              q.device());
+  return 0;
+#endif
+}
+
+// Checks shared by both directions: q, k, v as the op takes them, on the CPU or CUDA.
+Problem check_views_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal,
+                           double softmax_scale) {
+  Problem p = check_inputs(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  TORCH_CHECK(q.is_cpu() || q.is_cuda(),
+              "dilated_attention::views_fwd: q, k, v must be on the CPU or CUDA, got ", q.device());
+  return p;
+}
+
+}  // namespace
+
+// dilated_attention::views_fwd: out (B, N, Hq, D) in q's dtype and lse (B, Hq, N) float32
+// (float64 for float64 inputs) of every branch merged (SPEC sections 2-3).
+std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
+                                             const at::Tensor& v_in, at::IntArrayRef segment_lengths,
+                                             at::IntArrayRef dilation_rates, bool is_causal,
+                                             double softmax_scale) {
+  const Problem P =
+      check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  const bool cuda = q_in.is_cuda();
+  const int kind = cuda ? cuda_kind(q_in) : 0;
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  auto [q, scale, sign] = positive_scale(q_in.contiguous(), softmax_scale);
+  (void)sign;
+  const at::ScalarType acc = lse_dtype(q.scalar_type());
+  const at::Tensor out_acc = at::zeros({P.B, P.N, P.Hq, P.D}, q.options().dtype(acc));
+  const at::Tensor lse_acc =
+      at::full({P.B, P.N, P.Hq}, -std::numeric_limits<double>::infinity(), q.options().dtype(acc));
+  const NonFinite nf(q, k, v, is_causal);
+  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
+  for (size_t br = 0; br < plan->branches.size(); ++br) {
+    for (const Call& c : plan->branches[br]) {
+      for (int64_t b : batches(c, P.B, P.N)) {
+        const at::Tensor qv = call_view(q, c, c.q, b), kv = call_view(k, c, c.kv, b);
+        const at::Tensor vv = call_view(nf.v_kernel, c, c.kv, b);
+        at::Tensor og, lg;
+        if (!cuda) {
+          std::tie(og, lg) = at::_scaled_dot_product_flash_attention_for_cpu(
+              qv.transpose(1, 2), kv.transpose(1, 2), vv.transpose(1, 2), 0.0, is_causal, std::nullopt,
+              scale);
+        } else {
+#ifdef DILATED_ATTENTION_WITH_CUDA
+          std::tie(og, lg) =
+              cuda_forward(kind, qv, repeat_heads(kv, c.q.n), repeat_heads(vv, c.q.n), is_causal, scale);
+#endif
+        }
+        lg = lg.narrow(2, 0, c.m);
+        std::tie(og, lg) = nf.apply(c, b, is_causal, og, lg);
+        merge_call_(call_view(out_acc, c, c.q, b), call_view3(lse_acc, c, c.q, b), og, lg, br == 0);
+      }
+    }
+  }
+  return {out_acc.to(q.scalar_type()), lse_acc.permute({0, 2, 1}).contiguous()};
+}
+
+// dilated_attention::views_bwd: (dq, dk, dv) in the inputs' dtypes, the exact gradients of out
+// (and of lse, dlse given) through the mixing weights, from the merged out and lse.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+  const Problem P =
+      check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  check_backward_inputs(P, q_in, dout_in, out_in, lse, dlse);
+  const bool cuda = q_in.is_cuda();
+  const int kind = cuda ? cuda_kind(q_in) : 0;
+  (void)kind;  // read by the CUDA kernels only
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous(), dout = dout_in.contiguous();
+  auto [q, scale, sign] = positive_scale(q_in.contiguous(), softmax_scale);
+  const at::ScalarType acc = lse_dtype(q.scalar_type());
+  const at::Tensor lse_bnh = lse.to(acc).permute({0, 2, 1}).contiguous();
+  const bool has_dlse = dlse.has_value() && dlse->defined();
+  const at::Tensor dlse_bnh = has_dlse ? dlse->to(acc).permute({0, 2, 1}).contiguous() : at::Tensor();
+  const at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(acc));
+  const at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
+  const at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
+  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
+  if (!cuda) {
+    // delta and norm of every row over the keys of every call, then the gradients
+    const at::Tensor dots = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
+    const at::Tensor total = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
+    for (const auto& calls : plan->branches)
+      for (const Call& c : calls)
+        for (int64_t b : batches(c, P.B, P.N))
+          cpu_row_dots(call_view(dout, c, c.q, b), call_view(q, c, c.q, b), call_view(k, c, c.kv, b),
+                       call_view(v, c, c.kv, b), call_view3(lse_bnh, c, c.q, b), is_causal, scale,
+                       call_view3(dots, c, c.q, b), call_view3(total, c, c.q, b));
+    const at::Tensor norm = at::where(total > 0, total.reciprocal(), at::ones_like(total));
+    at::Tensor delta = dots.mul_(norm);
+    if (has_dlse) delta.sub_(dlse_bnh);
+    for (const auto& calls : plan->branches)
+      for (const Call& c : calls)
+        for (int64_t b : batches(c, P.B, P.N))
+          cpu_exact_backward(call_view(dout, c, c.q, b), call_view(q, c, c.q, b), call_view(k, c, c.kv, b),
+                             call_view(v, c, c.kv, b), call_view3(lse_bnh, c, c.q, b),
+                             call_view3(delta, c, c.q, b), call_view3(norm, c, c.q, b), is_causal, scale,
+                             call_view(dq, c, c.q, b), call_view(dk, c, c.kv, b), call_view(dv, c, c.kv, b));
+  } else {
+#ifdef DILATED_ATTENTION_WITH_CUDA
+    const at::Tensor out = out_in.contiguous();
+    for (const auto& calls : plan->branches) {
+      for (const Call& c : calls) {
+        for (int64_t b : batches(c, P.B, P.N)) {
+          const int64_t n = c.q.n;
+          const at::Tensor kv = call_view(k, c, c.kv, b), vv = call_view(v, c, c.kv, b);
+          auto [gq, gk, gv] =
+              cuda_backward(kind, call_view(dout, c, c.q, b), call_view(q, c, c.q, b), repeat_heads(kv, n),
+                            repeat_heads(vv, n), call_view(out, c, c.q, b), call_view3(lse_bnh, c, c.q, b),
+                            has_dlse ? call_view3(dlse_bnh, c, c.q, b) : at::Tensor(), is_causal, scale);
+          call_view(dq, c, c.q, b).add_(gq);
+          Strided skv = c.kv;
+          const int64_t hk = kv.size(2);
+          if (c.kv.expanded()) {  // one head read by every head of the call: the sum, in float32
+            skv = Strided{c.kv.p0, c.kv.dp, c.kv.c0, 1, 1};
+            gk = at::sum(gk, {2}, true, at::kFloat);
+            gv = at::sum(gv, {2}, true, at::kFloat);
+          } else if (hk != n) {
+            gk = at::sum(gk.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
+            gv = at::sum(gv.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
+          }
+          call_view(dk, c, skv, b).add_(gk);
+          call_view(dv, c, skv, b).add_(gv);
+        }
+      }
+    }
+#endif
+  }
+  if (sign != 1.0) dq.mul_(sign);
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
+}  // namespace views
+
+TORCH_LIBRARY_IMPL(dilated_attention, CPU, m) {
+  m.impl("views_fwd", &views::views_fwd);
+  m.impl("views_bwd", &views::views_bwd);
+}
+
+#ifdef DILATED_ATTENTION_WITH_CUDA
+TORCH_LIBRARY_IMPL(dilated_attention, CUDA, m) {
+  m.impl("views_fwd", &views::views_fwd);
+  m.impl("views_bwd", &views::views_bwd);
+}
+#endif
+
+}  // namespace dilated_attention

@@ -1,0 +1,137 @@
+"""The ``sdpa`` backend's driver in C++: one custom op each way.
+
+The schema lives in ``csrc/dilated_attention.cpp``, the driver in ``csrc/views/``:
+
+* ``torch.ops.dilated_attention.views_fwd(q, k, v, segment_lengths, dilation_rates, is_causal,
+  softmax_scale) -> (out, lse)``: q (B, N, Hq, D), k and v (B, N, Hkv, D); out (B, N, Hq, D) in q's
+  dtype, lse (B, Hq, N) float32 (float64 for float64 inputs);
+* ``torch.ops.dilated_attention.views_bwd(dout, q, k, v, out, lse, dlse, segment_lengths,
+  dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``.
+
+The forward plans every branch's kernel calls as strided views of q, k and v (the plan of
+:mod:`.backends.views`), runs PyTorch's fused attention operator on each (CPU:
+``_scaled_dot_product_flash_attention_for_cpu``; CUDA: cuDNN or flash attention) and merges the
+calls by log-sum-exp in one fused pass per call. The backward feeds each call the merged ``out``
+and ``lse`` (CPU: the exact matmul backward of :mod:`.backends.sdpa_kernels`; CUDA: the operators'
+backward) and adds the gradients into float32 accumulators. A forward and its backward are one
+dispatched operator each, which ``torch.compile(fullgraph=True)`` keeps as one node each.
+
+:func:`runs` says where the sdpa backend takes this driver; elsewhere (dropout, packed sequences,
+``torch.func`` transforms, float32 on CUDA) the Python driver of :mod:`.backends.gathered` runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _op_checks
+from ._autograd import no_double_backward
+from ._ops import _C, lse_dtype
+
+__all__ = ["available", "runs", "views_attention"]
+
+
+def _registered(key: str) -> bool:
+    return _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "dilated_attention::views_fwd", key
+    )
+
+
+# Read once, at import (the extension registers its kernels when it loads), so that torch.compile
+# traces the choice as a constant.
+_AVAILABLE = (
+    {"cpu": _registered("CPU"), "cuda": _registered("CUDA")}
+    if _C is not None and hasattr(torch.ops.dilated_attention, "views_fwd")
+    else {}
+)
+
+
+def available(device_type: str) -> bool:
+    """Whether the loaded extension registers the views driver for ``device_type``."""
+    return _AVAILABLE.get(device_type, False)
+
+
+def _transformed(*xs: torch.Tensor) -> bool:
+    """Whether a tensor is under a ``torch.func`` transform or carries a forward-mode tangent."""
+    for x in xs:
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return True
+        if torch.autograd.forward_ad.unpack_dual(x).tangent is not None:
+            return True
+    return False
+
+
+def runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Whether the sdpa backend runs the C++ driver: no dropout, not under a ``torch.func``
+    transform nor forward-mode AD (the op has neither a vmap rule nor a forward-mode formula; the
+    Python driver refuses forward mode by name), a device the extension registers it for and, on
+    CUDA, a float16/bfloat16 call that cuDNN or flash attention takes (head dim a multiple of 8)."""
+    if dropout_p != 0.0:
+        return False
+    if not torch.compiler.is_compiling() and _transformed(q, k, v):
+        return False
+    dev = q.device.type
+    if not available(dev):
+        return False
+    if dev == "cuda":
+        from .backends import sdpa_kernels
+
+        kind = sdpa_kernels.cuda_kernel(q.device, q.dtype, int(q.shape[-1]))
+        if kind not in ("cudnn", "flash"):
+            return False
+        if not torch.compiler.is_compiling():
+            sdpa_kernels._log(kind, q)  # the kernel in use, once at INFO, as the Python driver logs it
+        return True
+    return dev == "cpu"
+
+
+def views_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    is_causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N) of the C++ driver; differentiable (first order)."""
+    return torch.ops.dilated_attention.views_fwd(
+        q, k, v, list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale)
+    )
+
+
+def _views_fwd_fake(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale):
+    _op_checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
+    B, N, Hq, D = q.shape
+    return q.new_empty((B, N, Hq, D)), q.new_empty((B, Hq, N), dtype=lse_dtype(q.dtype))
+
+
+def _views_bwd_fake(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, is_causal, softmax_scale):
+    _op_checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
+    _op_checks._check_backward_inputs(q, dout, out, lse, dlse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.config = (list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
+    ctx.set_materialize_grads(False)  # no zeros for an unused out or lse
+
+
+def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.dilated_attention.views_bwd(dout, q, k, v, out, lse, dlse, *ctx.config)
+    dq, dk, dv = no_double_backward("sdpa", (dq, dk, dv), (dout, dlse, q, k, v))
+    return (dq, dk, dv) + (None,) * 4
+
+
+if _C is not None and hasattr(torch.ops.dilated_attention, "views_fwd"):
+    torch.library.register_fake("dilated_attention::views_fwd")(_views_fwd_fake)
+    torch.library.register_fake("dilated_attention::views_bwd")(_views_bwd_fake)
+    torch.library.register_autograd("dilated_attention::views_fwd", _backward, setup_context=_setup_context)

@@ -1,0 +1,237 @@
+"""The sdpa backend's C++ driver (dilated_attention::views_fwd / views_bwd): against the float64
+reference on every geometry of the Python driver's tests, the number of operators one forward and
+backward dispatch, opcheck, torch.compile in one graph, and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import grads, make_inputs
+from reference import reference_attention
+from test_backends_views import GEOMETRIES, _check
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dilated_attention import _views_op
+from dilated_attention import dilated_attention as dattn
+from dilated_attention.backends.sdpa import SdpaBackend
+
+pytestmark = pytest.mark.skipif(not _views_op.available("cpu"), reason="the extension lacks the views driver")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen (and custom) operators dispatched, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _op(segs, rates, is_causal, scale=None):
+    def run(q, k, v):
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        return _views_op.views_attention(q, k, v, segs, rates, is_causal, s)
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", GEOMETRIES)
+def test_matches_the_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype):
+    """out, lse and dq, dk, dv (the lse gradient included) within SPEC section 4's rule."""
+    _check(_op(segs, rates, is_causal), B, N, Hq, Hkv, D, segs, rates, is_causal, dtype)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", GEOMETRIES)
+def test_python_driver_still_matches(monkeypatch, B, N, Hq, Hkv, D, segs, rates, is_causal):
+    """backend='sdpa' with the C++ driver switched off: the Python driver, as dropout, packed
+    sequences and torch.func run it."""
+    monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
+
+    def run(q, k, v):
+        return dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="sdpa")
+
+    _check(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _views_op.available("cuda"), reason="needs a CUDA GPU and CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates", GEOMETRIES)
+def test_cuda_matches_the_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dtype):
+    """cuDNN (sm_90+) or flash attention under the C++ driver, every gradient, SPEC section 4."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs an sm_80+ GPU")
+    q, k, v = make_inputs(B, N, Hq, Hkv, D * 8, dtype, device="cuda")
+    assert _views_op.runs(q, k, v, 0.0)
+    _check(_op(segs, rates, is_causal), B, N, Hq, Hkv, D * 8, segs, rates, is_causal, dtype, q, k, v)
+
+
+@pytest.mark.parametrize("scale", [-0.4, 0.0])
+def test_non_positive_scale(scale):
+    B, N, Hq, Hkv, D, segs, rates = 2, 37, 4, 2, 8, [8, 16], [1, 2]
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, torch.float64)
+    out, lse = _op(segs, rates, True, scale)(q, k, v)
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out64, lse64 = reference_attention(q64, k64, v64, segs, rates, True, softmax_scale=scale)
+    torch.testing.assert_close(out, out64, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, lse64, rtol=0, atol=1e-12)
+    dout = torch.randn(out.shape, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, dtype=torch.float64)
+    for a, e in zip(
+        grads(out, lse, (q, k, v), dout, dlse), grads(out64, lse64, (q64, k64, v64), dout, dlse), strict=True
+    ):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_sdpa_backend_runs_it(is_causal):
+    """backend='sdpa' goes through the C++ driver (one op each way) and agrees with the Python one."""
+    segs, rates = [8, 16], [1, 2]
+    q, k, v = make_inputs(2, 37, 4, 2, 8, torch.float32)
+    with OpCounter() as c:
+        out, lse = dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="sdpa")
+    assert "dilated_attention.views_fwd" in c.names
+    try:
+        SdpaBackend.cpp_driver = False
+        ref, ref_lse = dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="sdpa")
+    finally:
+        SdpaBackend.cpp_driver = True
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def _count(N: int, device: str, dtype: torch.dtype) -> list[str]:
+    """The operators one forward and backward of backend='sdpa' dispatch (B=1, H=12, D=64, the
+    LongNet branches [256, 512, 1024, 2048] x [1, 2, 4, 8]), causal."""
+    q, k, v = make_inputs(1, N, 12, 12, 64, dtype, device=device)
+    dout = torch.randn(q.shape, dtype=dtype, device=device)
+    with OpCounter() as c:
+        out = dattn(q, k, v, [256, 512, 1024, 2048], [1, 2, 4, 8], is_causal=True, backend="sdpa")
+        torch.autograd.backward(out, dout)
+    return c.names
+
+
+_DEVICES = [
+    pytest.param("cpu", torch.float32, id="cpu-float32"),
+    pytest.param(
+        "cuda",
+        torch.bfloat16,
+        id="cuda-bfloat16",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not _views_op.available("cuda"), reason="needs a CUDA GPU and CUDA kernels"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device,dtype", _DEVICES)
+def test_dispatch_count(device, dtype):
+    """At most 10 operators for a forward and backward through the C++ driver (the Python driver's
+    count printed beside it)."""
+    names = _count(2048, device, dtype)
+    try:
+        SdpaBackend.cpp_driver = False
+        python_names = _count(2048, device, dtype)
+    finally:
+        SdpaBackend.cpp_driver = True
+    print(
+        f"\nops dispatched, forward + backward, N=2048, {device} {dtype}: C++ driver {len(names)} "
+        f"{names}; Python driver {len(python_names)}"
+    )
+    assert names.count("dilated_attention.views_fwd") == 1
+    assert names.count("dilated_attention.views_bwd") == 1
+    assert len(names) <= 10, names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_opcheck(dtype):
+    q, k, v = make_inputs(2, 19, 4, 2, 8, dtype)
+    args = (q, k, v, [4, 8], [1, 2], True, 0.35)
+    torch.library.opcheck(torch.ops.dilated_attention.views_fwd.default, args)
+    out, lse = torch.ops.dilated_attention.views_fwd(*args)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    bargs = (
+        dout,
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse.detach(),
+        dlse,
+        [4, 8],
+        [1, 2],
+        True,
+        0.35,
+    )
+    torch.library.opcheck(torch.ops.dilated_attention.views_bwd.default, bargs)
+
+
+def test_compiled_in_one_graph():
+    """torch.compile(fullgraph=True): one views_fwd node in Dynamo's graph, out, lse and the
+    gradients as eager."""
+    torch._dynamo.reset()
+    segs, rates = [8, 16], [1, 2]
+    targets = []
+
+    def recording(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def f(q, k, v):
+        return dattn(q, k, v, segs, rates, is_causal=True, return_lse=True, backend="sdpa")
+
+    q, k, v = make_inputs(2, 37, 4, 2, 8, torch.float32)
+    out, lse = torch.compile(f, backend=recording, fullgraph=True)(q, k, v)
+    assert sum("views_fwd" in t for t in targets) == 1, targets
+    got = torch.autograd.grad((out.square().sum() + lse.sum()), (q, k, v))
+    out_e, lse_e = f(q, k, v)
+    ref = torch.autograd.grad((out_e.square().sum() + lse_e.sum()), (q, k, v))
+    torch.testing.assert_close(out, out_e, rtol=0, atol=0)
+    for a, e in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    out2, _ = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(out2, out_e, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_errors_name_the_bad_values():
+    q, k, v = make_inputs(1, 16, 4, 2, 8, torch.float32, requires_grad=False)
+    with pytest.raises(RuntimeError, match="segment_lengths and dilation_rates must have the same length"):
+        torch.ops.dilated_attention.views_fwd(q, k, v, [4, 8], [1], False, 0.3)
+    with pytest.raises(
+        RuntimeError, match=r"dilation_rates\[0\] = 8 must not exceed segment_lengths\[0\] = 4"
+    ):
+        torch.ops.dilated_attention.views_fwd(q, k, v, [4], [8], False, 0.3)
+    with pytest.raises(RuntimeError, match="multiple of the number of key/value heads"):
+        torch.ops.dilated_attention.views_fwd(q[:, :, :3], k, v, [4], [1], False, 0.3)
+
+
+def test_nonfinite_rows_as_the_python_driver():
+    """A NaN in q and an inf in v reach the same rows through both drivers (causal)."""
+    q, k, v = make_inputs(1, 24, 4, 2, 8, torch.float32, requires_grad=False)
+    q[0, 5, 1, 3] = float("nan")
+    v[0, 13, 0, 0] = float("inf")
+    out, lse = dattn(q, k, v, [8, 16], [1, 2], is_causal=True, return_lse=True, backend="sdpa")
+    try:
+        SdpaBackend.cpp_driver = False
+        ref, ref_lse = dattn(q, k, v, [8, 16], [1, 2], is_causal=True, return_lse=True, backend="sdpa")
+    finally:
+        SdpaBackend.cpp_driver = True
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_large_logits_gqa_bfloat16_within_the_rule():
+    B, N, Hq, Hkv, D, segs, rates = 2, 256, 4, 2, 32, [128, 256], [1, 2]
+    q, k, v = make_inputs(B, N, Hq, Hkv, D, torch.float64, seed=3, requires_grad=False)
+    q = (q * 12).to(torch.bfloat16).requires_grad_()
+    k, v = k.to(torch.bfloat16).requires_grad_(), v.to(torch.bfloat16).requires_grad_()
+    _check(_op(segs, rates, True), B, N, Hq, Hkv, D, segs, rates, True, torch.bfloat16, q, k, v)
