@@ -20,8 +20,9 @@ from reference import reference_attention
 from test_backends import check_against_reference
 from tolerance import assert_causal_segment_within_rule
 
-from dilated_attention import DilatedAttention, MultiheadDilatedAttention, _views_op, backends
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention, backends
 from dilated_attention import dilated_attention as dattn
+from dilated_attention.op import views as _views_op
 
 # ----------------------------------------------------------------------------------------------
 # Double backward: exact (manual) or a clear error, never a wrong number

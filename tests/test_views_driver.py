@@ -11,9 +11,10 @@ from reference import reference_attention
 from test_backends_views import GEOMETRIES, _check
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dilated_attention import _views_op
 from dilated_attention import dilated_attention as dattn
+from dilated_attention.backends import sdpa_kernels
 from dilated_attention.backends.sdpa import SdpaBackend
+from dilated_attention.op import views as _views_op
 
 pytestmark = pytest.mark.skipif(not _views_op.available("cpu"), reason="the extension lacks the views driver")
 
@@ -69,7 +70,7 @@ def test_cuda_matches_the_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dt
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("needs an sm_80+ GPU")
     q, k, v = make_inputs(B, N, Hq, Hkv, D * 8, dtype, device="cuda")
-    assert _views_op.runs(q, k, v, 0.0)
+    assert sdpa_kernels.cpp_driver_runs(q, k, v, 0.0)
     _check(_op(segs, rates, is_causal), B, N, Hq, Hkv, D * 8, segs, rates, is_causal, dtype, q, k, v)
 
 

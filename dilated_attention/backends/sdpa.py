@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import _views_op
+from ..op import views as views_op
 from . import sdpa_kernels
 from .base import BackendRequest, Capabilities, check_device_dtype
 from .gathered import GatheredBackend, _refuse_untraceable, lse_with_grad
@@ -85,14 +85,18 @@ class SdpaBackend(GatheredBackend):
     #: large logits) instead of :func:`.sdpa_kernels.cpu_exact_backward`.
     cpu_kernel_backward = False
 
-    #: Run the C++ driver (one op each way, :mod:`dilated_attention._views_op`) where it covers the
-    #: call (:func:`~dilated_attention._views_op.runs`); the Python driver below elsewhere.
+    #: Run the C++ driver (one op each way, :mod:`dilated_attention.op.views`) where it covers the
+    #: call (:func:`.sdpa_kernels.cpp_driver_runs`); the Python driver below elsewhere.
     cpp_driver = True
 
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
-        if self.cpp_driver and not self.cpu_kernel_backward and _views_op.runs(q, k, v, dropout_p):
+        if (
+            self.cpp_driver
+            and not self.cpu_kernel_backward
+            and sdpa_kernels.cpp_driver_runs(q, k, v, dropout_p)
+        ):
             _refuse_untraceable(self.name, q.shape[1])
-            return _views_op.views_attention(
+            return views_op.views_attention(
                 q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
             )
         return super().forward(

@@ -39,7 +39,10 @@ import logging
 
 import torch
 
+from ..op import views
+
 __all__ = [
+    "cpp_driver_runs",
     "cpu_exact_backward",
     "cuda_backward",
     "cuda_forward",
@@ -358,3 +361,35 @@ def cpu_exact_backward(
         dk[b] += dkh.view(c, hk, -1, dkh.shape[-1]).transpose(1, 2)
         dv[b] += dvh.view(c, hk, -1, dvh.shape[-1]).transpose(1, 2)
     return dq, dk, dv
+
+
+def _transformed(*xs: torch.Tensor) -> bool:
+    """Whether a tensor is under a ``torch.func`` transform or carries a forward-mode tangent."""
+    for x in xs:
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return True
+        if torch.autograd.forward_ad.unpack_dual(x).tangent is not None:
+            return True
+    return False
+
+
+def cpp_driver_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Whether the sdpa backend runs the C++ driver: no dropout, not under a ``torch.func``
+    transform nor forward-mode AD (the op has neither a vmap rule nor a forward-mode formula; the
+    Python driver refuses forward mode by name), a device the extension registers it for and, on
+    CUDA, a float16/bfloat16 call that cuDNN or flash attention takes (head dim a multiple of 8)."""
+    if dropout_p != 0.0:
+        return False
+    if not torch.compiler.is_compiling() and _transformed(q, k, v):
+        return False
+    dev = q.device.type
+    if not views.available(dev):
+        return False
+    if dev == "cuda":
+        kind = cuda_kernel(q.device, q.dtype, int(q.shape[-1]))
+        if kind not in ("cudnn", "flash"):
+            return False
+        if not torch.compiler.is_compiling():
+            _log(kind, q)  # the kernel in use, once at INFO, as the Python driver logs it
+        return True
+    return dev == "cpu"

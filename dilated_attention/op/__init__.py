@@ -11,6 +11,7 @@ Python adds to each op, imported one way down (no module imports one above it):
 ``piece``       ``piece_fwd``/``piece_bwd`` (the pieces of sequence parallelism)
 ``slots``       the cache layout ``decode_step`` reads (one slot per key a branch reads) and the plain step
 ``decode``      ``decode_step`` (one decoding step over a cache, SPEC section 8)
+``views``       ``views_fwd``/``views_bwd``: the ``sdpa`` backend's driver in C++ (strided views, fused merge)
 ==============  =====================================================================================
 
 Importing this package registers every fake kernel and autograd formula. The names below are what
@@ -19,6 +20,7 @@ the rest of the package uses.
 
 from __future__ import annotations
 
+from . import views  # noqa: F401  (registers views_fwd/views_bwd: fake kernels, autograd)
 from .decode import decode_step, has_decode_kernel
 from .fixed import dropout_mask, native_forward
 from .library import EXTENSION_ERROR, cpu_isa, dropout_seed_offset, has_kernel, lse_dtype

@@ -9,15 +9,16 @@ The schema lives in ``csrc/dilated_attention.cpp``, the driver in ``csrc/views/`
   dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``.
 
 The forward plans every branch's kernel calls as strided views of q, k and v (the plan of
-:mod:`.backends.views`), runs PyTorch's fused attention operator on each (CPU:
+:mod:`dilated_attention.backends.views`), runs PyTorch's fused attention operator on each (CPU:
 ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: cuDNN or flash attention) and merges the
 calls by log-sum-exp in one fused pass per call. The backward feeds each call the merged ``out``
-and ``lse`` (CPU: the exact matmul backward of :mod:`.backends.sdpa_kernels`; CUDA: the operators'
+and ``lse`` (CPU: the exact matmul backward of :mod:`dilated_attention.backends.sdpa_kernels`; CUDA: the operators'
 backward) and adds the gradients into float32 accumulators. A forward and its backward are one
 dispatched operator each, which ``torch.compile(fullgraph=True)`` keeps as one node each.
 
-:func:`runs` says where the sdpa backend takes this driver; elsewhere (dropout, packed sequences,
-``torch.func`` transforms, float32 on CUDA) the Python driver of :mod:`.backends.gathered` runs.
+:func:`dilated_attention.backends.sdpa_kernels.cpp_driver_runs` says where the sdpa backend takes
+this driver; elsewhere (dropout, packed sequences, ``torch.func`` transforms, float32 on CUDA) the
+Python driver of :mod:`dilated_attention.backends.gathered` runs.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from typing import Any
 
 import torch
 
-from . import _op_checks
-from ._autograd import no_double_backward
-from ._ops import _C, lse_dtype
+from . import checks
+from .autograd import no_double_backward
+from .library import _C, lse_dtype
 
-__all__ = ["available", "runs", "views_attention"]
+__all__ = ["available", "views_attention"]
 
 
 def _registered(key: str) -> bool:
@@ -53,40 +54,6 @@ def available(device_type: str) -> bool:
     return _AVAILABLE.get(device_type, False)
 
 
-def _transformed(*xs: torch.Tensor) -> bool:
-    """Whether a tensor is under a ``torch.func`` transform or carries a forward-mode tangent."""
-    for x in xs:
-        if torch._C._functorch.is_functorch_wrapped_tensor(x):
-            return True
-        if torch.autograd.forward_ad.unpack_dual(x).tangent is not None:
-            return True
-    return False
-
-
-def runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
-    """Whether the sdpa backend runs the C++ driver: no dropout, not under a ``torch.func``
-    transform nor forward-mode AD (the op has neither a vmap rule nor a forward-mode formula; the
-    Python driver refuses forward mode by name), a device the extension registers it for and, on
-    CUDA, a float16/bfloat16 call that cuDNN or flash attention takes (head dim a multiple of 8)."""
-    if dropout_p != 0.0:
-        return False
-    if not torch.compiler.is_compiling() and _transformed(q, k, v):
-        return False
-    dev = q.device.type
-    if not available(dev):
-        return False
-    if dev == "cuda":
-        from .backends import sdpa_kernels
-
-        kind = sdpa_kernels.cuda_kernel(q.device, q.dtype, int(q.shape[-1]))
-        if kind not in ("cudnn", "flash"):
-            return False
-        if not torch.compiler.is_compiling():
-            sdpa_kernels._log(kind, q)  # the kernel in use, once at INFO, as the Python driver logs it
-        return True
-    return dev == "cpu"
-
-
 def views_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,14 +70,14 @@ def views_attention(
 
 
 def _views_fwd_fake(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale):
-    _op_checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
+    checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
     B, N, Hq, D = q.shape
     return q.new_empty((B, N, Hq, D)), q.new_empty((B, Hq, N), dtype=lse_dtype(q.dtype))
 
 
 def _views_bwd_fake(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, is_causal, softmax_scale):
-    _op_checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
-    _op_checks._check_backward_inputs(q, dout, out, lse, dlse)
+    checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
+    checks._check_backward_inputs(q, dout, out, lse, dlse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
