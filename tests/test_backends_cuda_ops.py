@@ -139,6 +139,7 @@ def test_cuda_operators_through_the_driver(monkeypatch, kind, B, N, Hq, Hkv, D, 
     monkeypatch.setattr(sdpa_kernels, "cuda_kernel", lambda device, dtype, head_dim: kind)
     sdpa = type(get_backend("sdpa"))
     monkeypatch.setattr(sdpa, "native_gqa", lambda self, device: False)  # as on CUDA
+    monkeypatch.setattr(sdpa, "cpp_driver", False)  # the Python driver over the stand-ins
     monkeypatch.setattr(sdpa, "row_dots", lambda self, *args, **kw: None)  # as on CUDA
     monkeypatch.setattr(
         sdpa, "attn_forward", lambda self, q, k, v, **kw: sdpa_kernels.cuda_forward(q, k, v, **kw)

@@ -144,6 +144,7 @@ def test_cuda_operators_get_a_contiguous_head_dim(monkeypatch, kind, layout):
     monkeypatch.setattr(sdpa_kernels, "cuda_kernel", lambda device, dtype, head_dim: kind)
     sdpa = type(get_backend("sdpa"))
     monkeypatch.setattr(sdpa, "native_gqa", lambda self, device: False)
+    monkeypatch.setattr(sdpa, "cpp_driver", False)  # the Python driver over the stand-ins
     monkeypatch.setattr(sdpa, "row_dots", lambda self, *args, **kw: None)
 
     def forward(self, q, k, v, **kw):
