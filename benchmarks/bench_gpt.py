@@ -191,6 +191,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument(
+        "--budget",
+        type=ba.nonnegative_float,
+        default=0.0,
+        help="seconds: no configuration starts after this much time (a row says so); 0: no limit",
+    )
+    p.add_argument(
         "--peak-flops",
         type=ba.nonnegative_float,
         default=0.0,
@@ -526,16 +532,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         for compiled in COMPILE[args.compile]
         for backend in args.backends
     ]
+    start = time.perf_counter()
     with tqdm(configs, unit="config", dynamic_ncols=True) as bar:
         for block, compiled, backend in bar:
             bar.set_description(f"{backend} {block} {'compiled' if compiled else 'eager'}")
             segs, rates = longnet_branches(block, args.w0)
             row = Row(block, backend, compiled, ",".join(map(str, segs)), ",".join(map(str, rates)))
-            fresh(device)
-            try:
-                measure(args, device, dtype, row, peak)
-            except Exception as exc:  # a failed configuration is a row saying why; the rest go on
-                row.status = failure(exc)
+            spent = time.perf_counter() - start
+            if args.budget and spent >= args.budget:  # what is left is a row each, not a silence
+                row.status = f"not run: the budget of {args.budget:g} s was spent ({spent:.0f} s)"
+            else:
+                fresh(device)
+                try:
+                    measure(args, device, dtype, row, peak)
+                except Exception as exc:  # a failed configuration is a row saying why; the rest go on
+                    row.status = failure(exc)
             rows.append(row)
             fresh(device)
             fill_ratios(rows)

@@ -70,6 +70,32 @@ def test_a_failing_configuration_is_a_row_that_says_why(bench_gpt, tmp_path, mon
     assert "| failed: RuntimeError: no room |" in (tmp_path / "f.md").read_text()
 
 
+def test_a_spent_budget_leaves_rows_that_say_so(bench_gpt, tmp_path, monkeypatch):
+    """With --budget, no configuration starts once the time is spent: a row each says so (a device
+    command has a time limit; what did not run must not vanish from the table)."""
+    clock = iter(float(t) for t in range(0, 1000, 10))  # every reading 10 s after the last
+    monkeypatch.setattr(bench_gpt.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(bench_gpt, "measure", lambda args, device, dtype, row, peak: None)
+    monkeypatch.setattr(bench_gpt, "peak_flops", lambda device, dtype, given: (1e12, "given"))
+    argv = [
+        "--dry-run",
+        "--out",
+        str(tmp_path),
+        "--tag",
+        "b",
+        "--compile",
+        "off",
+        "--backends",
+        "dense,sdpa,manual",
+    ]
+    assert bench_gpt.main([*argv, "--budget", "15"]) == 0
+    with open(tmp_path / "b.csv", newline="") as f:
+        status = {r["backend"]: r["status"] for r in csv.DictReader(f)}
+    assert status["dense"] == "ok"  # started at 10 s
+    assert status["sdpa"].startswith("not run: the budget of 15 s was spent (20 s)")
+    assert status["manual"].startswith("not run: the budget of 15 s was spent")
+
+
 def test_profile_writes_the_top_operations_and_the_call_counts(bench_gpt, tmp_path):
     assert bench_gpt.main(["--dry-run", "--out", str(tmp_path), "--profile", "native:16k"]) == 0
     (path,) = tmp_path.glob("gpt-profile-native-256-eager-*.txt")
