@@ -44,7 +44,7 @@ for d in "${torch_inc[@]}"; do host_flags+=(-isystem "$d"); done
 # $1 source, $2 log, $3 the folder whose diagnostics count; prints them, fails when there are any.
 host_check() {
   local src=$1 log=$2 mine=$3 extra=()
-  case "$src" in */cuda/*) extra=(-DDILATED_ATTENTION_WITH_CUDA "${cuda_inc[@]}") ;; esac
+  case "$src" in */cuda/* | */views/*) extra=(-DDILATED_ATTENTION_WITH_CUDA "${cuda_inc[@]}") ;; esac
   [ "$src" = csrc/dilated_attention.cpp ] && extra=(-DDILATED_ATTENTION_WITH_CUDA "${cuda_inc[@]}")
   "$CXX" "${host_flags[@]}" "${extra[@]}" "$src" >"$log" 2>&1 || true
   if grep -E "^${mine}[^:]*:[0-9]+:[0-9]+: (error|warning|fatal error):" "$log" | grep -E "error|c\+\+20|C\+\+20" >"$log.mine"; then
@@ -92,7 +92,7 @@ if "$NVCC" "${nv_flags[@]}" -cuda "$work/planted.cu" -o "$work/planted.ii" >/dev
   exit 1
 fi
 n=0
-for src in csrc/cuda/*.cu csrc/cuda/tc/*.cu; do
+for src in csrc/cuda/*.cu csrc/cuda/tc/*.cu csrc/views/*.cu; do
   # A .cu file with host code (torch's headers, which this torch builds as C++20) is compiled by
   # check_cuda_build.sh with the flags of the build itself; here only the kernel-only files.
   if grep -qE '^#include <(ATen|torch|c10/cuda)/' "$src"; then

@@ -87,7 +87,7 @@ fi
 
 echo "check_simt_sm60: nvcc $major ($virtual PTX), ptxas $ptxas_version, targets ${targets_txt% }"
 failed=0
-for src in csrc/cuda/*.cu csrc/cuda/tc/*.cu; do
+for src in csrc/cuda/*.cu csrc/cuda/tc/*.cu csrc/views/*.cu; do
   # A .cu file with host code (torch's headers, which this torch builds as C++20) is compiled by
   # check_cuda_build.sh with the flags of the build itself; here only the kernel-only files.
   if grep -qE '^#include <(ATen|torch|c10/cuda)/' "$src"; then
