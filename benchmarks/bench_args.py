@@ -44,6 +44,22 @@ def int_list(text: str) -> list[int]:
     return [_int(p) for p in parts]
 
 
+def names_among(choices: Sequence[str], what: str = "backends") -> Callable[[str], list[str]]:
+    """A ``type=`` for comma-separated names, each one of ``choices`` (``dense,auto,native``)."""
+
+    def parse(text: str) -> list[str]:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+        bad = [n for n in names if n not in choices]
+        if not names or bad:
+            raise argparse.ArgumentTypeError(
+                f"expected {what} among {','.join(choices)}, got {text!r}"
+                + (f" ({', '.join(bad)} unknown)" if bad else "")
+            )
+        return names
+
+    return parse
+
+
 def _at_least(parse: Callable[[str], Any], low: float, strict: bool = False) -> Callable[[str], Any]:
     """``parse`` (a number or a list of numbers), then every value ``>= low`` (``> low`` if strict)."""
     bound = f"> {low}" if strict else f">= {low}"

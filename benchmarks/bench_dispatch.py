@@ -65,16 +65,7 @@ class DispatchCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
 
-def backend_list(text: str) -> list[str]:
-    """Comma-separated backend names of the package (``native,sdpa``)."""
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [n for n in names if n not in BACKEND_CHOICES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"expected backends among {','.join(BACKEND_CHOICES)}, got {text!r}"
-            + (f" ({', '.join(bad)} unknown)" if bad else "")
-        )
-    return names
+backend_list = ba.names_among(BACKEND_CHOICES)
 
 
 def count_call(

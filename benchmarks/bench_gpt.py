@@ -127,15 +127,7 @@ class Row:
 # ----------------------------------------------------------------------------------------------
 
 
-def backend_list(text: str) -> list[str]:
-    """Comma-separated attention backends of the example (``dense,auto,native,sdpa``)."""
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [n for n in names if n not in ATTENTION_BACKENDS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"expected backends among {','.join(ATTENTION_BACKENDS)}, got {text!r}"
-        )
-    return names
+backend_list = ba.names_among(ATTENTION_BACKENDS)
 
 
 def profile_spec(text: str) -> tuple[str, int, bool]:

@@ -121,7 +121,7 @@ def native_measured_slower(device: DeviceLike = None) -> bool:
     return record is not None and record.native_over_gather < 1.0
 
 
-_said_unverified: set[tuple] = set()
+_said: set[tuple] = set()
 
 DeviceLike = str | int | torch.device | None
 
@@ -276,9 +276,9 @@ def recommended_backends(
 
 def _say_once(key: tuple, message: str) -> None:
     """Log ``message`` at INFO the first time ``key`` is seen."""
-    if key in _said_unverified:
+    if key in _said:
         return
-    _said_unverified.add(key)
+    _said.add(key)
     logger.info("%s", message)
 
 
@@ -286,22 +286,17 @@ def _say_unverified(
     dev: torch.device, cap: tuple[int, int] | None, dtype: torch.dtype | None, head_dim: int | None
 ) -> None:
     family = kernel_family(dev, dtype if dtype is not None else recommended_dtype(dev), head_dim or 64)
-    key = (cap, family or "-")
-    if key in _said_unverified:
-        return
-    _said_unverified.add(key)
     here = f"sm_{cap[0]}{cap[1]}" if cap is not None else "this GPU"
     done = ", ".join(
         f"sm_{c[0]}{c[1]} ({v.gpu}, {'/'.join(v.families)}, commit {v.commit})"
         for c, v in sorted(CUDA_KERNELS_VERIFIED.items())
     )
-    logger.info(
-        "dilated_attention: the native CUDA kernels (%s family) have not been verified on %s (verified on: %s), "
-        "so backend='auto' does not choose them there (it takes flash_attn_3/flash_attn_2, xformers or sdpa); "
-        "pass backend='native' to run them, and scripts/gpu_check.sh verifies them on this GPU",
-        family,
-        here,
-        done or "no GPU yet",
+    _say_once(
+        (cap, family or "-"),
+        f"dilated_attention: the native CUDA kernels ({family} family) have not been verified on {here} "
+        f"(verified on: {done or 'no GPU yet'}), so backend='auto' does not choose them there (it takes "
+        "flash_attn_3/flash_attn_2, xformers or sdpa); pass backend='native' to run them, and "
+        "scripts/gpu_check.sh verifies them on this GPU",
     )
 
 

@@ -102,7 +102,7 @@ def test_half_precision_on_simt_kernels_goes_after_sdpa(fake_cuda, verified, cap
 
 def test_unverified_cuda_kernels_are_said_once_at_info(fake_cuda, verified, monkeypatch, caplog):
     verified(False)
-    monkeypatch.setattr(hardware, "_said_unverified", set())
+    monkeypatch.setattr(hardware, "_said", set())
     with caplog.at_level("INFO", logger="dilated_attention.hardware"):
         hardware.recommended_backends("cuda")
         hardware.recommended_backends("cuda", torch.bfloat16, 64)

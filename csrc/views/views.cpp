@@ -415,8 +415,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
   // The values the kernels read (merged.py's kernel_values): with causal masking, a non-finite
   // v[x] taken as 0, as the forward's kernels took it, so that 0 * inf does not carry it into the
   // dout . v of the rows before x, nor through delta into the gradients of their other branches'
-  // keys (dv reads no v). Unconditional: no host synchronisation to look first.
-  const at::Tensor v = is_causal ? at::nan_to_num(v_in, 0.0, 0.0, 0.0).contiguous() : v_in.contiguous();
+  // keys (dv reads no v). A copy only where v has such entries; on CUDA always, since looking
+  // first would synchronise with the host.
+  const bool zero_nonfinite = is_causal && (cuda || !at::isfinite(v_in).all().item<bool>());
+  const at::Tensor v = zero_nonfinite ? at::nan_to_num(v_in, 0.0, 0.0, 0.0).contiguous() : v_in.contiguous();
   auto [q, scale, sign] = positive_scale(q_in.contiguous(), softmax_scale);
   const at::ScalarType acc = lse_dtype(q.scalar_type());
   const at::Tensor lse_bnh = lse.to(acc).permute({0, 2, 1}).contiguous();

@@ -40,6 +40,7 @@ import logging
 import torch
 
 from ..op import views
+from .views import last_dim_contiguous
 
 __all__ = [
     "cpp_driver_runs",
@@ -116,11 +117,6 @@ def _heads(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x.contiguous() if h > 1 and x.stride(2) == 0 else x
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x with its last dimension contiguous, as every fused operator reads it (a copy otherwise)."""
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
-
-
 def _is_one_key(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.shape[1] == 1 and k.shape[1] == 1
 
@@ -157,7 +153,7 @@ def cudnn_backward_layouts(out: torch.Tensor, dout: torch.Tensor) -> tuple[torch
 
 def cuda_forward(q, k, v, *, is_causal: bool, scale: float):
     """(out (Bb, m, h, D), lse (Bb, h, >= m) float32, extra) on the chosen CUDA operator."""
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     if _is_one_key(q, k):
         out, lse = one_key_forward(q, k, v, scale=scale)
         return out, lse, ("one-key",)
@@ -198,7 +194,7 @@ def _cudnn_stats(lse: torch.Tensor, layout: tuple) -> torch.Tensor:
 def cuda_backward(dout, q, k, v, out, lse, extra, *, is_causal: bool, scale: float):
     """(dq, dk, dv) of one call on the operator its forward ran on, fed ``out`` and ``lse``."""
     hk = k.shape[2]
-    dout, q, k, v, out = _rows(dout), _rows(q), _rows(k), _rows(v), _rows(out)
+    dout, q, k, v, out = (last_dim_contiguous(x) for x in (dout, q, k, v, out))
     kind = extra[0]
     if kind == "one-key":
         dq, dk, dv = one_key_backward(dout, q, k, v, out, lse, scale=scale)
