@@ -245,27 +245,29 @@ inline Problem check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, con
                       is_causal, softmax_scale);
 }
 
-// The sequences of cu_seqlens, checked: cu_seqlens[0] = 0, non-decreasing, cu_seqlens[S] = T and
-// no sequence longer than max_seqlen. Reads the S + 1 values on the host (on CUDA: one small copy
-// that waits for the stream).
+// The sequences of cu_seqlens, checked in this order: cu_seqlens[0] = 0, non-decreasing,
+// cu_seqlens[S] = T, then no sequence longer than max_seqlen (so a cu_seqlens that is not a packing
+// at all is named as such, not by the length it happens to give). Reads the S + 1 values on the
+// host (on CUDA: one small copy that waits for the stream).
 inline std::vector<Sequence> varlen_sequences(const at::Tensor& cu_seqlens, int64_t T, int64_t max_seqlen) {
   const at::Tensor c = cu_seqlens.to(at::kCPU).contiguous();
   const int32_t* cu = c.data_ptr<int32_t>();
   const int64_t S = c.size(0) - 1;
   TORCH_CHECK(cu[0] == 0, "dilated_attention varlen: cu_seqlens[0] must be 0, got ", cu[0]);
-  std::vector<Sequence> seqs;
-  seqs.reserve(S);
-  for (int64_t i = 0; i < S; ++i) {
+  for (int64_t i = 0; i < S; ++i)
     TORCH_CHECK(cu[i + 1] >= cu[i],
                 "dilated_attention varlen: cu_seqlens must be non-decreasing, got cu_seqlens[", i,
                 "] = ", cu[i], " > cu_seqlens[", i + 1, "] = ", cu[i + 1]);
+  TORCH_CHECK(cu[S] == T, "dilated_attention varlen: cu_seqlens[", S, "] (the last) must equal T = ", T,
+              " (the rows of q), got ", cu[S]);
+  std::vector<Sequence> seqs;
+  seqs.reserve(S);
+  for (int64_t i = 0; i < S; ++i) {
     const int64_t len = (int64_t)cu[i + 1] - cu[i];
     TORCH_CHECK(len <= max_seqlen, "dilated_attention varlen: sequence ", i, " has length ", len,
                 " > max_seqlen = ", max_seqlen);
     seqs.push_back({0, cu[i], len});
   }
-  TORCH_CHECK(cu[S] == T, "dilated_attention varlen: cu_seqlens[", S, "] (the last) must equal T = ", T,
-              " (the rows of q), got ", cu[S]);
   return seqs;
 }
 

@@ -202,8 +202,9 @@ def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: Any) -
 
 
 def varlen_lengths(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> list[int]:
-    """The sequence lengths of ``cu_seqlens`` (read on the host), checked: ``cu_seqlens[0] = 0``,
-    non-decreasing, ``cu_seqlens[-1] = T`` and no length above ``max_seqlen``.
+    """The sequence lengths of ``cu_seqlens`` (read on the host), checked in this order (the C++
+    op's): ``cu_seqlens[0] = 0``, non-decreasing, ``cu_seqlens[-1] = T``, then no length above
+    ``max_seqlen``.
 
     A ``cu_seqlens`` vmapped by ``torch.func.vmap`` has no values to read: ``ValueError`` naming it
     (q, k and v may be vmapped, the packing is shared)."""
@@ -215,19 +216,18 @@ def varlen_lengths(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> list[in
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0]}")
-    lengths = []
-    for i in range(len(cu) - 1):
-        n = cu[i + 1] - cu[i]
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    for i, n in enumerate(lengths):
         if n < 0:
             raise ValueError(
                 f"cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {cu[i]} > "
                 f"cu_seqlens[{i + 1}] = {cu[i + 1]}"
             )
-        if n > max_seqlen:
-            raise ValueError(f"sequence {i} has length {n} > max_seqlen = {max_seqlen}")
-        lengths.append(n)
     if cu[-1] != T:
         raise ValueError(
             f"cu_seqlens[-1] (cu_seqlens[{len(cu) - 1}]) must equal T = {T}, the rows of q, got {cu[-1]}"
         )
+    for i, n in enumerate(lengths):
+        if n > max_seqlen:
+            raise ValueError(f"sequence {i} has length {n} > max_seqlen = {max_seqlen}")
     return lengths

@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 
-__all__ = ["LIBSTDCXX_INTERNALS", "link_args", "problems"]
+__all__ = ["LIBSTDCXX_INTERNALS", "link_args", "loaded_libstdcxx", "problems"]
 
 #: Symbols (demangled) that only libstdc++ itself defines: a library that defines one carries a copy
 #: of libstdc++'s locale and stream code. Inline template code that every TU may instantiate
@@ -40,13 +40,40 @@ LIBSTDCXX_INTERNALS = re.compile(
 )
 
 
+def loaded_libstdcxx() -> str | None:
+    """The path of the libstdc++ this process has loaded (torch's), from ``/proc/self/maps``; None
+    when there is none or no such file (not Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if line.strip() else ""
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isfile(path):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
 def link_args() -> list[str]:
     """Linker arguments that take libstdc++ and libgcc from their shared libraries (Linux, GCC or
     Clang driver): placed before the driver's own ``-lstdc++``, they resolve every libstdc++ symbol
-    from ``libstdc++.so``, so a ``-static-libstdc++`` from elsewhere links nothing from the archive."""
+    from ``libstdc++.so``, so a ``-static-libstdc++`` from elsewhere links nothing from the archive.
+
+    libstdc++ is named by its file, not by ``-lstdc++``: the linker takes the first directory that
+    holds ``libstdc++.so`` *or* ``libstdc++.a``, and a relocated toolchain (a compiler copied under
+    its own prefix, whose ``libstdc++.so`` link points nowhere) has only the archive in its own
+    library directory, which comes first. The file is the one this process runs with (torch's,
+    so the one the extension will be loaded next to), else ``-l:libstdc++.so.6`` (that exact name
+    on the search path)."""
     if not sys.platform.startswith("linux"):
         return []
-    return ["-shared-libgcc", "-Wl,--push-state,-Bdynamic,--no-as-needed", "-lstdc++", "-Wl,--pop-state"]
+    lib = loaded_libstdcxx()
+    return [
+        "-shared-libgcc",
+        "-Wl,--push-state,-Bdynamic,--no-as-needed",
+        lib if lib is not None else "-l:libstdc++.so.6",
+        "-Wl,--pop-state",
+    ]
 
 
 def _run(tool: str, *args: str) -> str | None:
@@ -90,8 +117,14 @@ def message(path: str, found: list[str]) -> str:
         f"{os.path.basename(path)} carries its own copy of libstdc++: {'; '.join(found)}. Its error "
         "messages then format numbers with a second copy of libstdc++'s locale code (wrong messages, "
         "or a segmentation fault on a refused call). Remove -static-libstdc++ from LDFLAGS and the "
-        "compiler's flags and rebuild."
+        f"compiler's flags, or build with another compiler ({compilers()}), and rebuild."
     )
+
+
+def compilers() -> str:
+    """The compilers the build takes from the environment (CC, CXX), for the error message."""
+    named = [f"{var}={os.environ[var]}" for var in ("CC", "CXX") if os.environ.get(var)]
+    return ", ".join(named) if named else "CC and CXX are unset: the default c++"
 
 
 def main(argv: list[str]) -> int:

@@ -25,7 +25,7 @@
 #                   MAX_JOBS = the CPUs, nvcc "-Xptxas -v" (registers and spills per kernel).
 #                   Skipped when the in-place build is up to date (same sources, setup.py and
 #                   architecture; GPU_CHECK_REBUILD=1 forces it)                     -> build.log
-#   tests      220  pytest tests/test_{decode_cuda,backends_views,cuda,ring_pieces}.py -m cuda (GPU_CHECK_TESTS=all:
+#   tests      280  pytest tests/test_{decode_cuda,backends_views,cuda,ring_pieces}.py -m cuda (GPU_CHECK_TESTS=all:
 #                   the whole files; GPU_CHECK_SLOW=1 adds DILATED_ATTENTION_SLOW=1), in
 #                   GPU_CHECK_WORKERS processes (default: the CPUs but two, at most 14) where
 #                   pytest-xdist is installed                                           -> tests.log
@@ -75,7 +75,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, not a
 export PYTHONUNBUFFERED=1
 ALL_STEPS=(build tests backtrace smoke memcheck racecheck synccheck bench profile)
 SANITIZER_TOOLS=(memcheck racecheck synccheck)
-declare -A BUDGET=([build]=200 [tests]=220 [backtrace]=60 [smoke]=90 [memcheck]=90 [racecheck]=120 [synccheck]=60 [bench]=150 [profile]=90)
+declare -A BUDGET=([build]=200 [tests]=280 [backtrace]=60 [smoke]=90 [memcheck]=90 [racecheck]=120 [synccheck]=60 [bench]=150 [profile]=90)
 declare -A PHASE_STEPS=([tests]="build tests backtrace smoke" [sanitize]="build memcheck racecheck synccheck bench" [profile]="build profile" [all]="${ALL_STEPS[*]}")
 
 usage() {

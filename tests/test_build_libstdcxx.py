@@ -66,6 +66,47 @@ def test_the_link_rule_keeps_libstdcxx_shared_under_a_static_flag(tmp_path):
     assert check_libstdcxx.problems(_library(tmp_path, *args, "-static-libstdc++")) == []
 
 
+def _relocated_libdir(tmp_path) -> str:
+    """A library folder like a relocated toolchain's (a compiler copied under its own prefix, as on
+    the GPU machine, where CXX is such a wrapper): libstdc++'s archive, and a libstdc++.so link
+    that points nowhere."""
+    libdir = tmp_path / "toolchain-lib"
+    libdir.mkdir()
+    archive = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isfile(archive):
+        pytest.skip("no libstdc++.a to model the relocated toolchain with")
+    shutil.copy(archive, libdir / "libstdc++.a")
+    os.symlink("../missing/libstdc++.so.6", libdir / "libstdc++.so")
+    return str(libdir)
+
+
+@needs_binutils
+@needs_gxx
+@pytest.mark.parametrize("by", ["loaded file", "soname"])
+def test_the_link_rule_keeps_libstdcxx_shared_with_a_relocated_toolchain(tmp_path, monkeypatch, by):
+    """A toolchain whose own library folder holds only libstdc++'s archive: ``-lstdc++`` takes the
+    archive from there (the build that carried a copy of libstdc++ on the GPU machine); the link
+    rule names the shared library's file and stays clean."""
+    libdir = _relocated_libdir(tmp_path)
+    plain = check_libstdcxx.problems(_library(tmp_path, "-L" + libdir, "-Wl,--no-as-needed", "-lstdc++"))
+    assert plain and any("locale/stream symbols" in f for f in plain), "the model of the toolchain"
+    if by == "soname":
+        monkeypatch.setattr(check_libstdcxx, "loaded_libstdcxx", lambda: None)
+    args = check_libstdcxx.link_args()
+    assert ("-l:libstdc++.so.6" in args) == (by == "soname")
+    assert check_libstdcxx.problems(_library(tmp_path, "-L" + libdir, *args, "-static-libstdc++")) == []
+
+
+def test_the_loaded_libstdcxx_is_a_file_of_this_process():
+    import torch  # noqa: F401  (torch's libstdc++ is loaded)
+
+    path = check_libstdcxx.loaded_libstdcxx()
+    if not sys.platform.startswith("linux"):
+        assert path is None
+        return
+    assert path is not None and os.path.isfile(path) and "libstdc++.so" in os.path.basename(path)
+
+
 def test_refused_calls_keep_their_numbers_call_after_call():
     """A refused call raises with the values it names, every time (the second refused call is the
     one that crashed with a copy of libstdc++ inside the extension)."""

@@ -345,7 +345,14 @@ BAD = [
         10,
         r"non-decreasing, got cu_seqlens\[1\] = 6 > cu_seqlens\[2\] = 4",
     ),
+    (
+        "jump back",  # the first wrong value is a length above max_seqlen: the order is named first
+        lambda: torch.tensor([0, 2, 1000, 6, 10], dtype=torch.int32),
+        6,
+        r"non-decreasing, got cu_seqlens\[2\] = 1000 > cu_seqlens\[3\] = 6",
+    ),
     ("last", lambda: torch.tensor([0, 4, 9], dtype=torch.int32), 10, r"must equal T = 10.*got 9"),
+    ("last before length", lambda: torch.tensor([0, 9], dtype=torch.int32), 5, r"must equal T = 10.*got 9"),
     (
         "max_seqlen",
         lambda: torch.tensor([0, 4, 10], dtype=torch.int32),
