@@ -216,7 +216,7 @@ def varlen_lengths(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> list[in
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {cu[0]}")
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    lengths = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     for i, n in enumerate(lengths):
         if n < 0:
             raise ValueError(

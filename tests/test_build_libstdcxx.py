@@ -72,7 +72,9 @@ def _relocated_libdir(tmp_path) -> str:
     that points nowhere."""
     libdir = tmp_path / "toolchain-lib"
     libdir.mkdir()
-    archive = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    archive = subprocess.run(
+        ["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True
+    ).stdout.strip()
     if not os.path.isfile(archive):
         pytest.skip("no libstdc++.a to model the relocated toolchain with")
     shutil.copy(archive, libdir / "libstdc++.a")

@@ -944,6 +944,10 @@ SCALED_SCORES = [
     pytest.param(205, 63, 2, 2, 32, [8, 128], [4, 1], True, 12, id="two-branches-causal-d32"),
     pytest.param(206, 9, 2, 1, 8, [8], [1], True, 10, id="one-branch-gqa-causal"),
     pytest.param(210, 57, 2, 1, 8, [4, 8, 16], [1, 4, 1], True, 12, id="three-branches-causal"),
+    # head dim 256: a score summed in float put 1.5-1.9x the rule's bound into dk on the CPU kernel;
+    # both kernels now sum a score's products in double (tests/test_op_large_logits.py DOUBLE_SCORES)
+    pytest.param(305, 53, 2, 2, 256, [53], [1], False, 24, id="one-segment-d256"),
+    pytest.param(336, 32, 2, 1, 256, [16], [1], False, 24, id="gqa-d256"),
 ]
 
 

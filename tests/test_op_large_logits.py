@@ -10,7 +10,9 @@ asks for ``float64_lse=True`` and returns float32 to the caller), read in base 2
 The scores are the rounded dot products times ``softmax_scale * log2(e)``, as plain PyTorch scales
 its scores: dot products of queries scaled first (one more rounding per term, and the scaled
 queries no longer those that dk is summed over) put up to 2.4x the rule's bound into dk at logit
-standard deviations of 10-12 (``SCALED_SCORES``).
+standard deviations of 10-12 (``SCALED_SCORES``). And each score sums its D products in double,
+rounded once: summed in float, at D = 256 the D roundings put up to 1.9x the rule's bound into dk
+and dq (``DOUBLE_SCORES``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ SCALED_SCORES = [
     pytest.param(205, 63, 2, 2, 32, [8, 128], [4, 1], True, 12, id="two-branches-causal-d32"),
     pytest.param(206, 9, 2, 1, 8, [8], [1], True, 10, id="one-branch-gqa-causal"),
     pytest.param(210, 57, 2, 1, 8, [4, 8, 16], [1, 4, 1], True, 12, id="three-branches-causal"),
+]
+
+
+# (seed, N, Hq, Hkv, D, segment_lengths, dilation_rates, is_causal, logit std): head dim 256, where
+# a score summed in float (D roundings) put 1.1-1.9x the rule's bound into dk or dq; the kernels
+# now sum each score's products in double and round once (docs/cpu-kernel.md).
+DOUBLE_SCORES = [
+    pytest.param(305, 53, 2, 2, 256, [53], [1], False, 24, id="one-segment-d256"),
+    pytest.param(324, 49, 2, 2, 256, [49], [1], False, 16, id="dq-d256"),
+    pytest.param(336, 32, 2, 1, 256, [16], [1], False, 24, id="gqa-d256"),
+    pytest.param(340, 64, 2, 2, 256, [32, 64], [1, 2], False, 12, id="two-branches-d256"),
 ]
 
 
@@ -92,7 +105,7 @@ def _scaled_inputs(seed, N, Hq, Hkv, D, std):
     return (q, k, v), dout, dlse
 
 
-@pytest.mark.parametrize("seed,N,Hq,Hkv,D,segs,rates,is_causal,std", SCALED_SCORES)
+@pytest.mark.parametrize("seed,N,Hq,Hkv,D,segs,rates,is_causal,std", SCALED_SCORES + DOUBLE_SCORES)
 def test_scores_scaled_after_the_dot_product(seed, N, Hq, Hkv, D, segs, rates, is_causal, std):
     (q, k, v), dout, dlse = _scaled_inputs(seed, N, Hq, Hkv, D, std)
     leaves = tuple(t.float().requires_grad_() for t in (q, k, v))

@@ -315,6 +315,107 @@ DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const
   }
 }
 
+/*
+ * The scores of float rows: C (m x R*W) = alpha * A (m x K) * B (K x R*W), every product and sum in
+ * double, times alpha in double and rounded to float once (cmax: the running column max, as in
+ * micro). A float sum of the D products of a score rounds D times, and at large logits that error,
+ * through the exps, is the largest part of the gradients' error: up to 2.5x plain PyTorch's at
+ * D = 256 (whose matmul sums in another order), past the 2x of SPEC section 4. In double the
+ * score is the exact dot product of the float rows rounded once; forward and backward sum in the
+ * same order, so the backward still recomputes the forward's scores bit for bit.
+ */
+/* A vector register of doubles (d), and the floats of half a float vector that convert into it
+ * (v; vu for unaligned loads and stores). */
+template <int B>
+struct HalfVec {
+  typedef double d __attribute__((vector_size(B)));
+  typedef float v __attribute__((vector_size(B / 2)));
+  typedef float vu __attribute__((vector_size(B / 2), aligned(4), may_alias));
+};
+
+template <int B, int M, int R>
+DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, int64_t ak, const float* Bm,
+                            int64_t ldb, int64_t K, float* cmax, float alpha) {
+  typedef Vec<float, B> X;
+  typedef typename X::v V;
+  typedef typename HalfVec<B>::d VD;
+  typedef typename HalfVec<B>::v VH;
+  typedef typename HalfVec<B>::vu VHu;
+  const int W = X::W, H = W / 2;
+  VD c[M][R][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) c[i][j][0] = c[i][j][1] = VD{};
+  for (int64_t k = 0; k < K; ++k) {
+    VD b[R][2];
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      const VH lo = *(const VHu*)(Bm + k * ldb + j * W), hi = *(const VHu*)(Bm + k * ldb + j * W + H);
+      b[j][0] = __builtin_convertvector(lo, VD);
+      b[j][1] = __builtin_convertvector(hi, VD);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const double a = A[i * as + k * ak];
+#pragma GCC unroll 8
+      for (int j = 0; j < R; ++j) {
+        c[i][j][0] += a * b[j][0];
+        c[i][j][1] += a * b[j][1];
+      }
+    }
+  }
+  const double al = alpha;
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      *(VHu*)(C + i * ldc + j * W) = __builtin_convertvector(c[i][j][0] * al, VH);
+      *(VHu*)(C + i * ldc + j * W + H) = __builtin_convertvector(c[i][j][1] * al, VH);
+    }
+  if (cmax) {
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      V mx = X::load(cmax + j * W);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const V x = X::load(C + i * ldc + j * W);
+        mx = x > mx ? x : mx;
+      }
+      X::store(cmax + j * W, mx);
+    }
+  }
+}
+
+/*
+ * S = alpha * A B (m x nv*W), the scores of the forward (S^T = scale2 K Q^T, with the column max)
+ * and of the backward (S2 = scale2 Q K^T): gemm for double rows; for float rows micro_scores, in
+ * panels of half the vectors of gemm's (its double accumulators take twice the registers).
+ */
+template <typename T, int B>
+DA_INLINE void gemm_scores(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
+                           int64_t m, int64_t nv, int64_t K, T* cmax, T alpha) {
+  if constexpr (std::is_same<T, double>::value) {
+    gemm<T, B>(C, ldc, A, as, ak, Bm, ldb, m, nv, K, false, cmax, alpha);
+  } else {
+    const int W = Vec<T, B>::W, MR = Vec<T, B>::MR, NV = Vec<T, B>::NV > 1 ? Vec<T, B>::NV / 2 : 1;
+    for (int64_t v0 = 0; v0 < nv;) {
+      const bool full = v0 + NV <= nv;  // a panel of NV vectors, else the last ones one by one
+      T* c = C + v0 * W;
+      const T* bb = Bm + v0 * W;
+      T* cm = cmax ? cmax + v0 * W : nullptr;
+      int64_t i = 0;
+      for (; i + MR <= m; i += MR)
+        full ? micro_scores<B, MR, NV>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K, cm, alpha)
+             : micro_scores<B, MR, 1>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K, cm, alpha);
+      for (; i < m; ++i)
+        full ? micro_scores<B, 1, NV>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K, cm, alpha)
+             : micro_scores<B, 1, 1>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K, cm, alpha);
+      v0 += full ? NV : 1;
+    }
+  }
+}
+
 /* dst[d * ld + i] = src[i * stride + d] * s for i < n, d < D; lanes n..ld zeroed. */
 template <typename T>
 DA_INLINE void pack_transposed(T* dst, int64_t ld, const T* src, int64_t stride, int64_t n, int64_t D, T s) {
@@ -570,8 +671,8 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
           const int64_t nk = da_min64(KF, nk_all - kt0);
           const bool diag = P.causal && kt0 + nk - 1 > jq0;
           for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
-          gemm<T, B>(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, false, diag ? nullptr : s->tmax,
-                     P.scale2);  // S^T = scale2 K Q^T and its column max
+          gemm_scores<T, B>(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, diag ? nullptr : s->tmax,
+                            P.scale2);  // S^T = scale2 K Q^T and its column max
           if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - jq0);
           online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
           for (int64_t i = 0; i < nq; ++i) {
@@ -1087,7 +1188,7 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
         }
         const T* qi = qp + qt0 * qs;
         const T* doi = dop + qt0 * dos;
-        gemm<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, false, nullptr, P.scale2);  // S2 = scale2 Q K^T
+        gemm_scores<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, nullptr, P.scale2);  // S2 = scale2 Q K^T
         if (P.out)                                                                        // dO (V - O)^T
           gemm<T, B, true>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
                            P.out + (doi - P.dout));

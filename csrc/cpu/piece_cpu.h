@@ -64,8 +64,8 @@ DA_INLINE void piece_fwd_tile_impl(const PieceArgs<T>& P, int64_t b, int64_t h, 
     const int64_t nk = da_min64(KF, nk_all - kt0);
     const bool diag = P.causal && kt0 + nk - 1 > qt0 + P.offset;  // the first query misses some
     for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
-    gemm<T, B>(s->st, ld, kp + kt0 * P.k_sn, P.k_sn, 1, s->qt, ld, nk, nv, D, false, diag ? nullptr : s->tmax,
-               P.scale2);  // S^T = scale2 K Q^T and its column max
+    gemm_scores<T, B>(s->st, ld, kp + kt0 * P.k_sn, P.k_sn, 1, s->qt, ld, nk, nv, D, diag ? nullptr : s->tmax,
+                      P.scale2);  // S^T = scale2 K Q^T and its column max
     if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - qt0 - P.offset);
     online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
     for (int64_t i = 0; i < nq; ++i) {
@@ -140,8 +140,8 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
         const T* qi = qp + qt0 * P.q_sn;
         const T* doi = dop + qt0 * P.do_sn;
         // the forward's scores bit for bit, so that they cancel its lse
-        gemm<T, B>(s->s, ld, qi, P.q_sn, 1, s->kt, ld, nq, nv, D, false, nullptr,
-                   P.scale2);  // S2 = scale2 Q K^T
+        gemm_scores<T, B>(s->s, ld, qi, P.q_sn, 1, s->kt, ld, nq, nv, D, nullptr,
+                          P.scale2);  // S2 = scale2 Q K^T
         gemm<T, B, true>(s->dp, ld, doi, P.do_sn, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
                          P.out + (doi - P.dout));  // dO (V - O)^T
         ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 + P.offset - kt0, s->lse, s->lselo, s->delta,

@@ -9,7 +9,7 @@
 // converted to the accumulation type acc_t (float, or double for float64) in shared memory.
 // Pairs with probability 0 are skipped, as in the CPU kernel, so non-finite values only reach the
 // rows that read them. As in the CPU kernel, every pass computes a pair's score as the same dot
-// product, in the same order, times scale * log2 e (da_mul_rn), so the backward's probabilities
+// product, in the same order, times scale * log2 e (simt_score), so the backward's probabilities
 // match the forward's lse, and float accumulators sum in levels (kSumSteps) whose error does not grow with
 // the segment length. Attention dropout (p.drop) scales each lane's weight by its pair's factor
 // (common.cuh da_dropout_factor): in the forward after the weight went into the denominator, in the
@@ -91,6 +91,23 @@ __device__ __forceinline__ acc_t simt_dot(const acc_t* a, const acc_t* b, int64_
   acc_t s = 0;
   for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
   return s;
+}
+
+// A pair's score: the dot product of two rows in shared memory times sl2 = scale * log2 e, the
+// same bits in every pass. float rows sum their products in double (each product of two floats is
+// exact there) and round once, after sl2, as the CPU kernel's scores: a float sum of the D products
+// rounds D times, and at large logits that rounding, through the exps, is the largest part of the
+// gradients' error (up to 2.5x plain PyTorch's at D = 256, past SPEC section 4's 2x). Cost: the
+// D multiply-adds in double (half the float rate on A100/H100, far less on GPUs with slow double).
+template <typename acc_t>
+__device__ __forceinline__ acc_t simt_score(const acc_t* a, const acc_t* b, int64_t D, acc_t sl2) {
+  if constexpr (sizeof(acc_t) == 4) {
+    double s = 0;
+    for (int64_t d = 0; d < D; ++d) s = fma((double)a[d], (double)b[d], s);
+    return (float)(s * (double)sl2);
+  } else {
+    return da_mul_rn(simt_dot(a, b, D), sl2);
+  }
 }
 
 // Fills the fixed fields of a SIMT walk; the warp's rows are its rows_per_warp rows.
@@ -221,8 +238,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
       if (cur.jrow[i] < 0) continue;  // same for the whole warp
       const int j = cur.o0 + lane;
       const bool ok = lane < KT && cur.pair_active(cur.jrow[i], j);
-      const acc_t s =
-          ok ? da_mul_rn(simt_dot(sQ + (warp * rpw + i) * D, sK + lane * ld, D), sl2) : -da_inf<acc_t>();
+      const acc_t s = ok ? simt_score(sQ + (warp * rpw + i) * D, sK + lane * ld, D, sl2) : -da_inf<acc_t>();
       const acc_t m_new = da_max(m[i], warp_max(s));
       const acc_t m_use = m_new == -da_inf<acc_t>() ? (acc_t)0 : m_new;
       const acc_t corr = da_exp2(m[i] - m_use);
@@ -392,7 +408,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
       acc_t ds = 0;
       if (ok) {
         const int64_t row = warp * rpw + i;
-        const acc_t s = da_mul_rn(simt_dot(sQ + row * D, sK + lane * ld, D), sl2);
+        const acc_t s = simt_score(sQ + row * D, sK + lane * ld, D, sl2);
         const acc_t dp = simt_dot(sdO + row * D, sV + lane * ld, D) *
                          da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T
         const acc_t pr = da_exp2((s - lse2[i]) - lse2lo[i]);
@@ -536,8 +552,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       acc_t pr = 0, ds = 0;
       if (ok) {
         const int64_t row = warp * rpw + i;
-        const acc_t s =
-            da_mul_rn(simt_dot(sQ + lane * ld, sK + row * D, D), sl2);  // the forward's, bit for bit
+        const acc_t s = simt_score(sQ + lane * ld, sK + row * D, D, sl2);  // the forward's, bit for bit
         const acc_t dp = simt_dot(sV + row * D, sdO + lane * ld, D);
         const acc_t f = da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T, and P M for dV
         pr = da_exp2((s - sL[lane]) - sLlo[lane]);

@@ -365,6 +365,7 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
       check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   const bool cuda = q_in.is_cuda();
   const int kind = cuda ? cuda_kind(q_in) : 0;
+  (void)kind;  // read by the CUDA kernels only
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
   auto [q, scale, sign] = positive_scale(q_in.contiguous(), softmax_scale);
   (void)sign;
