@@ -236,3 +236,79 @@ def test_large_logits_gqa_bfloat16_within_the_rule():
     q = (q * 12).to(torch.bfloat16).requires_grad_()
     k, v = k.to(torch.bfloat16).requires_grad_(), v.to(torch.bfloat16).requires_grad_()
     _check(_op(segs, rates, True), B, N, Hq, Hkv, D, segs, rates, True, torch.bfloat16, q, k, v)
+
+
+# torch.func: the C++ driver under grad, vjp, jacrev and vmap
+# ----------------------------------------------------------------------------------------------
+
+
+def _counting(monkeypatch) -> list[int]:
+    """Counts the sdpa backend's calls of the C++ driver."""
+    calls = [0]
+    real = _views_op.views_attention
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(_views_op, "views_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_torch_func_runs_the_cpp_driver(monkeypatch, is_causal):
+    """grad, vjp, jacrev, vmap (over any input) and vmap of grad through backend='sdpa' take the C++
+    driver (its vmap rules fold the vmapped dimension into the batch) and match the float64
+    reference under the same transform."""
+    from torch.func import grad, jacrev, vjp, vmap
+
+    calls = _counting(monkeypatch)
+    segs, rates = [4, 8], [1, 2]
+    q, k, v = make_inputs(2, 13, 4, 2, 8, torch.float64, requires_grad=False)
+
+    def f(q, k, v):
+        out, lse = dattn(q, k, v, segs, rates, is_causal=is_causal, return_lse=True, backend="sdpa")
+        return out.sin().sum() + lse.cos().sum()
+
+    def ref(q, k, v):
+        out, lse = reference_attention(q, k, v, segs, rates, is_causal)
+        return out.sin().sum() + lse.cos().sum()
+
+    for a, e in zip(grad(f, argnums=(0, 1, 2))(q, k, v), grad(ref, argnums=(0, 1, 2))(q, k, v), strict=True):
+        torch.testing.assert_close(a, e)
+    (_, pull), (_, pull_ref) = vjp(f, q, k, v), vjp(ref, q, k, v)
+    one = torch.ones((), dtype=torch.float64)
+    for a, e in zip(pull(one), pull_ref(one), strict=True):
+        torch.testing.assert_close(a, e)
+    x0 = q[:1, :8].clone()  # jacrev: a vmap over the vjps of one small call
+    k0, v0 = k[:1, :8], v[:1, :8]
+    torch.testing.assert_close(
+        jacrev(lambda x: dattn(x, k0, v0, segs, rates, is_causal=is_causal, backend="sdpa"))(x0),
+        jacrev(lambda x: reference_attention(x, k0, v0, segs, rates, is_causal)[0])(x0),
+    )
+    ks = torch.randn(3, *k.shape, dtype=torch.float64)
+    out = vmap(lambda kk: dattn(q, kk, v, segs, rates, is_causal=is_causal, backend="sdpa"))(ks)
+    torch.testing.assert_close(
+        out, torch.stack([reference_attention(q, x, v, segs, rates, is_causal)[0] for x in ks])
+    )
+    qs = torch.randn(3, *q.shape, dtype=torch.float64)
+    torch.testing.assert_close(
+        vmap(grad(f), in_dims=(0, None, None))(qs, k, v), torch.stack([grad(ref)(x, k, v) for x in qs])
+    )
+    assert calls[0] >= 5
+
+
+def test_forward_mode_is_refused_by_name():
+    """torch.func.jvp and torch.autograd.forward_ad through the C++ driver raise an error that
+    names the backend (no silent zero tangent)."""
+    q, k, v = make_inputs(1, 16, 2, 2, 4, torch.float64, requires_grad=False)
+
+    def f(q):
+        return dattn(q, k, v, [4, 8], [1, 2], backend="sdpa")
+
+    with pytest.raises(RuntimeError, match="'sdpa' backend has no forward-mode gradients"):
+        torch.func.jvp(f, (q,), (torch.ones_like(q),))
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="'sdpa' backend has no forward-mode gradients"):
+        f(fwAD.make_dual(q, torch.ones_like(q)))

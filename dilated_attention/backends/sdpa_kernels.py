@@ -359,24 +359,12 @@ def cpu_exact_backward(
     return dq, dk, dv
 
 
-def _transformed(*xs: torch.Tensor) -> bool:
-    """Whether a tensor is under a ``torch.func`` transform or carries a forward-mode tangent."""
-    for x in xs:
-        if torch._C._functorch.is_functorch_wrapped_tensor(x):
-            return True
-        if torch.autograd.forward_ad.unpack_dual(x).tangent is not None:
-            return True
-    return False
-
-
 def cpp_driver_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
-    """Whether the sdpa backend runs the C++ driver: no dropout, not under a ``torch.func``
-    transform nor forward-mode AD (the op has neither a vmap rule nor a forward-mode formula; the
-    Python driver refuses forward mode by name), a device the extension registers it for and, on
-    CUDA, a float16/bfloat16 call that cuDNN or flash attention takes (head dim a multiple of 8)."""
+    """Whether the sdpa backend runs the C++ driver: no dropout, a device the extension registers
+    it for and, on CUDA, a float16/bfloat16 call that cuDNN or flash attention takes (head dim a
+    multiple of 8). torch.func transforms run it too (:class:`~dilated_attention.op.views.ViewsAttention`);
+    forward-mode AD raises there, as in the Python driver, naming the backend."""
     if dropout_p != 0.0:
-        return False
-    if not torch.compiler.is_compiling() and _transformed(q, k, v):
         return False
     dev = q.device.type
     if not views.available(dev):

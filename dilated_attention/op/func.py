@@ -24,7 +24,15 @@ import torch
 from .autograd import forward_mode_message, no_double_backward
 from .library import _C
 
-__all__ = ["NativeAttention", "NativeVarlenAttention", "native_attention", "native_varlen_attention"]
+__all__ = [
+    "NativeAttention",
+    "NativeVarlenAttention",
+    "batched_bwd_rule",
+    "batched_fwd_rule",
+    "fused_backward",
+    "native_attention",
+    "native_varlen_attention",
+]
 
 _FORWARD_MODE = forward_mode_message("native")
 
@@ -36,21 +44,33 @@ def _fold(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
     return x.reshape(size * x.shape[1], *x.shape[2:])
 
 
-def _fwd_vmap(info: Any, in_dims: tuple[Any, ...], q, k, v, *rest):
-    V = info.batch_size
-    q, k, v = (_fold(t, d, V) for t, d in zip((q, k, v), in_dims[:3], strict=True))
-    out, lse = torch.ops.dilated_attention.fwd(q, k, v, *rest)
-    return (out.unflatten(0, (V, -1)), lse.unflatten(0, (V, -1))), (0, 0)
+def batched_fwd_rule(name: str) -> Any:
+    """The vmap rule of a fixed-length forward op ``dilated_attention::<name>`` (q, k, v, ...) ->
+    (out (B, ...), lse (B, ...)): the vmapped dimension folded into the batch, one call."""
+
+    def rule(info: Any, in_dims: tuple[Any, ...], q, k, v, *rest):
+        V = info.batch_size
+        q, k, v = (_fold(t, d, V) for t, d in zip((q, k, v), in_dims[:3], strict=True))
+        out, lse = getattr(torch.ops.dilated_attention, name)(q, k, v, *rest)
+        return (out.unflatten(0, (V, -1)), lse.unflatten(0, (V, -1))), (0, 0)
+
+    return rule
 
 
-def _bwd_vmap(info: Any, in_dims: tuple[Any, ...], dout, q, k, v, out, lse, dlse, *rest):
-    V = info.batch_size
-    tensors = [
-        None if t is None else _fold(t, d, V)
-        for t, d in zip((dout, q, k, v, out, lse, dlse), in_dims[:7], strict=True)
-    ]
-    grads = torch.ops.dilated_attention.bwd(*tensors, *rest)
-    return tuple(g.unflatten(0, (V, -1)) for g in grads), (0, 0, 0)
+def batched_bwd_rule(name: str) -> Any:
+    """The vmap rule of a fixed-length backward op ``dilated_attention::<name>`` (dout, q, k, v,
+    out, lse, dlse, ...) -> (dq, dk, dv), as :func:`batched_fwd_rule`."""
+
+    def rule(info: Any, in_dims: tuple[Any, ...], dout, q, k, v, out, lse, dlse, *rest):
+        V = info.batch_size
+        tensors = [
+            None if t is None else _fold(t, d, V)
+            for t, d in zip((dout, q, k, v, out, lse, dlse), in_dims[:7], strict=True)
+        ]
+        grads = getattr(torch.ops.dilated_attention, name)(*tensors, *rest)
+        return tuple(g.unflatten(0, (V, -1)) for g in grads), (0, 0, 0)
+
+    return rule
 
 
 def _fold_lse(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
@@ -89,23 +109,24 @@ def _varlen_bwd_vmap(info: Any, in_dims: tuple[Any, ...], dout, q, k, v, out, ls
 
 
 if _C is not None:
-    torch.library.register_vmap("dilated_attention::fwd", _fwd_vmap)
-    torch.library.register_vmap("dilated_attention::bwd", _bwd_vmap)
+    torch.library.register_vmap("dilated_attention::fwd", batched_fwd_rule("fwd"))
+    torch.library.register_vmap("dilated_attention::bwd", batched_bwd_rule("bwd"))
     torch.library.register_vmap("dilated_attention::varlen_fwd", _varlen_fwd_vmap)
     torch.library.register_vmap("dilated_attention::varlen_bwd", _varlen_bwd_vmap)
 
 
-def _fused_backward(
-    op: Any, ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
+def fused_backward(
+    op: Any, ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None, backend: str = "native"
 ) -> tuple[Any, ...]:
-    """The backward of :class:`NativeAttention` and :class:`NativeVarlenAttention`: the op's
-    backward ``op`` on the saved ``(q, k, v, out, lse, *extra)`` and ``ctx.config``; no gradient
-    for ``extra`` (cu_seqlens) and the configuration."""
+    """The backward of :class:`NativeAttention`, :class:`NativeVarlenAttention` and the views
+    driver's ``ViewsAttention``: the op's backward ``op`` on the saved ``(q, k, v, out, lse,
+    *extra)`` and ``ctx.config``; no gradient for ``extra`` (cu_seqlens) and the configuration;
+    ``backend`` names the backend in the error of a second derivative."""
     q, k, v, out, lse, *extra = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = op(dout, q, k, v, out, lse, dlse, *extra, *ctx.config)
-    dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
+    dq, dk, dv = no_double_backward(backend, (dq, dk, dv), (dout, dlse, q, k, v))
     return (dq, dk, dv) + (None,) * (len(extra) + len(ctx.config))
 
 
@@ -130,7 +151,7 @@ class NativeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _fused_backward(torch.ops.dilated_attention.bwd, ctx, dout, dlse)
+        return fused_backward(torch.ops.dilated_attention.bwd, ctx, dout, dlse)
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -182,7 +203,7 @@ class NativeVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _fused_backward(torch.ops.dilated_attention.varlen_bwd, ctx, dout, dlse)
+        return fused_backward(torch.ops.dilated_attention.varlen_bwd, ctx, dout, dlse)
 
     @staticmethod
     def jvp(ctx, *tangents):

@@ -17,8 +17,14 @@ backward) and adds the gradients into float32 accumulators. A forward and its ba
 dispatched operator each, which ``torch.compile(fullgraph=True)`` keeps as one node each.
 
 :func:`dilated_attention.backends.sdpa_kernels.cpp_driver_runs` says where the sdpa backend takes
-this driver; elsewhere (dropout, packed sequences, ``torch.func`` transforms, float32 on CUDA) the
-Python driver of :mod:`dilated_attention.backends.gathered` runs.
+this driver; elsewhere (dropout, packed sequences, float32 on CUDA) the Python driver of
+:mod:`dilated_attention.backends.gathered` runs.
+
+Under ``torch.func`` (``grad``, ``vjp``, ``jacrev``, ``vmap``) the forward runs through
+:class:`ViewsAttention`, an ``autograd.Function`` with ``setup_context``, as the native op's
+:class:`~dilated_attention.op.func.NativeAttention`; both ops have vmap rules that fold the vmapped
+dimension into the batch (one call for the whole vmapped batch). Forward-mode AD raises an error
+that names it.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from typing import Any
 import torch
 
 from . import checks
-from .autograd import no_double_backward
+from .autograd import forward_mode_message
+from .func import batched_bwd_rule, batched_fwd_rule, fused_backward
 from .library import _C, lse_dtype
 
-__all__ = ["available", "views_attention"]
+__all__ = ["ViewsAttention", "available", "views_attention"]
 
 
 def _registered(key: str) -> bool:
@@ -54,6 +61,31 @@ def available(device_type: str) -> bool:
     return _AVAILABLE.get(device_type, False)
 
 
+class ViewsAttention(torch.autograd.Function):
+    """``(out, lse)`` of ``views_fwd``, with ``views_bwd`` as its backward; what torch.func
+    transforms run (the op's ``register_autograd`` formula is the kind they refuse)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale):
+        return torch.ops.dilated_attention.views_fwd(
+            q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return fused_backward(torch.ops.dilated_attention.views_bwd, ctx, dout, dlse, "sdpa")
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(forward_mode_message("sdpa"))
+
+
 def views_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -63,10 +95,14 @@ def views_attention(
     is_causal: bool,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N) of the C++ driver; differentiable (first order)."""
-    return torch.ops.dilated_attention.views_fwd(
-        q, k, v, list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale)
-    )
+    """``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N) of the C++ driver; differentiable (first
+    order, reverse mode), also under torch.func transforms."""
+    args = (q, k, v, list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
+    if torch.compiler.is_compiling():
+        # Dynamo traces the op and its register_autograd formula (as native_attention).
+        return torch.ops.dilated_attention.views_fwd(*args)
+    out, lse = ViewsAttention.apply(*args)
+    return out, lse
 
 
 def _views_fwd_fake(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale):
@@ -90,15 +126,12 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.dilated_attention.views_bwd(dout, q, k, v, out, lse, dlse, *ctx.config)
-    dq, dk, dv = no_double_backward("sdpa", (dq, dk, dv), (dout, dlse, q, k, v))
-    return (dq, dk, dv) + (None,) * 4
+    return fused_backward(torch.ops.dilated_attention.views_bwd, ctx, dout, dlse, "sdpa")
 
 
 if _C is not None and hasattr(torch.ops.dilated_attention, "views_fwd"):
     torch.library.register_fake("dilated_attention::views_fwd")(_views_fwd_fake)
     torch.library.register_fake("dilated_attention::views_bwd")(_views_bwd_fake)
     torch.library.register_autograd("dilated_attention::views_fwd", _backward, setup_context=_setup_context)
+    torch.library.register_vmap("dilated_attention::views_fwd", batched_fwd_rule("views_fwd"))
+    torch.library.register_vmap("dilated_attention::views_bwd", batched_bwd_rule("views_bwd"))
