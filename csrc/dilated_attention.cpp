@@ -36,6 +36,8 @@
 //     -> (out, lse) and views_bwd(dout, q, k, v, out, lse, dlse, ...) -> (dq, dk, dv): the sdpa
 //     backend's driver (csrc/views/): PyTorch's fused attention operators on strided views of q,
 //     k, v, merged by log-sum-exp; lse float32 (float64 for float64 inputs); no dropout.
+//     views_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, ...) and views_varlen_bwd(...): the same on
+//     packed sequences (shapes as varlen_fwd / varlen_bwd), each sequence a batch of its own.
 //
 // The fixed-length op is the packed one with S = B sequences of N rows: both run the same kernels.
 //
@@ -110,6 +112,14 @@ TORCH_LIBRARY(dilated_attention, m) {
       "views_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
       "int[] segment_lengths, int[] dilation_rates, bool is_causal, float softmax_scale) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "views_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int[] "
+      "segment_lengths, "
+      "int[] dilation_rates, bool is_causal, float softmax_scale) -> (Tensor out, Tensor lse)");
+  m.def(
+      "views_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+      "Tensor cu_seqlens, int max_seqlen, int[] segment_lengths, int[] dilation_rates, bool is_causal, "
+      "float softmax_scale) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "dropout_mask(int B, int H, int Nq, int Nk, float dropout_p, int dropout_seed, int dropout_offset) -> "
       "Tensor");

@@ -169,16 +169,18 @@ def _attention_varlen(
     impl = (selector or default_selector()).select(
         backend, q.unsqueeze(0), k.unsqueeze(0), dropout_p, len(segs)
     )
-    # The native op checks cu_seqlens itself; the others need the lengths on the host. Under
-    # torch.compile nothing is read back, so that the native op stays in one graph.
-    if lengths is None and not (impl.name == "native" and has_no_data(cu_seqlens)):
-        if has_no_data(cu_seqlens):
+    # The lengths, read and checked on the host where cu_seqlens has data. Under torch.compile
+    # (or on the meta device) nothing is read back: the ops that check cu_seqlens themselves (the
+    # native op, sdpa's C++ driver) stay in one graph, and the others cannot run.
+    if lengths is None:
+        if not has_no_data(cu_seqlens):
+            lengths = V.varlen_lengths(cu_seqlens, T, max_seqlen)
+        elif impl.varlen_reads_lengths(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p):
             raise ValueError(
                 f"the {impl.name!r} backend reads the sequence lengths of cu_seqlens on the host, which "
                 f"a meta or fake tensor, or one under torch.compile, does not have; the 'native' backend "
-                f"reads them on the device"
+                f"and the 'sdpa' backend without dropout read them in their ops"
             )
-        lengths = V.varlen_lengths(cu_seqlens, T, max_seqlen)
     if T == 0:
         return _empty(q, k, v, (Hq, 0), return_lse)
     out, lse = impl.forward_varlen(

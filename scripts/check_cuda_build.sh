@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles and links the extension with its CUDA kernels in a scratch directory, then loads the
 # result and checks that dilated_attention::fwd, bwd, varlen_fwd, varlen_bwd, piece_fwd, piece_bwd,
-# decode_step, views_fwd and views_bwd have CPU and CUDA kernels. Needs nvcc and a CUDA-enabled
+# decode_step, views_fwd, views_bwd, views_varlen_fwd and views_varlen_bwd have CPU and CUDA kernels. Needs nvcc and a CUDA-enabled
 # torch, no GPU. The installed extension (dilated_attention/_C*.so) is left alone.
 #
 #   scripts/check_cuda_build.sh                                   # sm_75 and sm_80 (a few minutes on 2 cores)
@@ -68,7 +68,10 @@ import torch
 libs = glob.glob(f"{sys.argv[1]}/dilated_attention/_C*.so")
 assert len(libs) == 1, f"expected one built library, found {libs}"
 torch.ops.load_library(libs[0])
-ops = ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "piece_fwd", "piece_bwd", "decode_step", "views_fwd", "views_bwd")
+ops = (
+    "fwd", "bwd", "varlen_fwd", "varlen_bwd", "piece_fwd", "piece_bwd", "decode_step",
+    "views_fwd", "views_bwd", "views_varlen_fwd", "views_varlen_bwd",
+)
 missing = [f"{op} on {key}" for op in ops for key in ("CPU", "CUDA")
            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dilated_attention::{op}", key)]
 if missing:

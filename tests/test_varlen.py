@@ -218,9 +218,13 @@ def test_torch_compile_fullgraph_forward_and_backward():
         torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4)
 
 
-def test_varlen_patterns_are_cached():
+def test_varlen_patterns_are_cached(monkeypatch):
+    """The Python driver (which runs dropout, and every packed call with the C++ driver off) plans
+    a packing once."""
+    from dilated_attention.backends.sdpa import SdpaBackend
     from dilated_attention.backends.views import plan_branches
 
+    monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
     cu, _ = cu_of([9, 30, 4])
     q = torch.randn(43, 2, 8)
     dilated_attention_varlen(q, q, q, cu, 30, [8], [2], backend="sdpa")

@@ -32,6 +32,7 @@
 #include "checks.h"
 #include "views/merge.h"
 #include "views/plan.h"
+#include "views/views.h"
 
 #ifdef DILATED_ATTENTION_WITH_CUDA
 namespace dilated_attention {
@@ -355,8 +356,7 @@ Problem check_views_inputs(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace
 
-// dilated_attention::views_fwd: out (B, N, Hq, D) in q's dtype and lse (B, Hq, N) float32
-// (float64 for float64 inputs) of every branch merged (SPEC sections 2-3).
+// dilated_attention::views_fwd (views.h).
 std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
                                              const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                              at::IntArrayRef dilation_rates, bool is_causal,
@@ -400,8 +400,7 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   return {out_acc.to(q.scalar_type()), lse_acc.permute({0, 2, 1}).contiguous()};
 }
 
-// dilated_attention::views_bwd: (dq, dk, dv) in the inputs' dtypes, the exact gradients of out
-// (and of lse, dlse given) through the mixing weights, from the merged out and lse.
+// dilated_attention::views_bwd (views.h).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,

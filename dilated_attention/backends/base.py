@@ -128,6 +128,14 @@ class Backend:
         (B, Hq, N) in float32 (float64 for float64 inputs). Arguments are already validated."""
         raise NotImplementedError
 
+    def varlen_reads_lengths(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+    ) -> bool:
+        """Whether :meth:`forward_varlen` needs the sequence lengths on the host (read from
+        ``cu_seqlens`` before the call; a ``cu_seqlens`` without data, under torch.compile or on
+        the meta device, then raises). False for a backend whose op reads ``cu_seqlens`` itself."""
+        return True
+
     def forward_varlen(
         self,
         q: torch.Tensor,

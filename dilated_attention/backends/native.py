@@ -86,6 +86,9 @@ class NativeBackend(Backend):
             q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p
         )
 
+    def varlen_reads_lengths(self, q, k, v, dropout_p):
+        return False  # the op reads cu_seqlens itself
+
     def forward_varlen(
         self,
         q,

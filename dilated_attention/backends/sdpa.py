@@ -89,12 +89,15 @@ class SdpaBackend(GatheredBackend):
     #: call (:func:`.sdpa_kernels.cpp_driver_runs`); the Python driver below elsewhere.
     cpp_driver = True
 
-    def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
-        if (
+    def _cpp_runs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+        return (
             self.cpp_driver
             and not self.cpu_kernel_backward
             and sdpa_kernels.cpp_driver_runs(q, k, v, dropout_p)
-        ):
+        )
+
+    def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
+        if self._cpp_runs(q, k, v, dropout_p):
             _refuse_untraceable(self.name, q.shape[1])
             return views_op.views_attention(
                 q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
@@ -103,6 +106,43 @@ class SdpaBackend(GatheredBackend):
             q,
             k,
             v,
+            segment_lengths,
+            dilation_rates,
+            is_causal=is_causal,
+            softmax_scale=softmax_scale,
+            dropout_p=dropout_p,
+        )
+
+    def varlen_reads_lengths(self, q, k, v, dropout_p):
+        return not self._cpp_runs(q, k, v, dropout_p)  # the C++ driver reads cu_seqlens itself
+
+    def forward_varlen(
+        self,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        lengths,
+        segment_lengths,
+        dilation_rates,
+        *,
+        is_causal,
+        softmax_scale,
+        dropout_p=0.0,
+    ):
+        if self._cpp_runs(q, k, v, dropout_p):
+            _refuse_untraceable(self.name, tuple(lengths) if lengths is not None else q.shape[0])
+            return views_op.views_varlen_attention(
+                q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
+            )
+        return super().forward_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            max_seqlen,
+            lengths,
             segment_lengths,
             dilation_rates,
             is_causal=is_causal,

@@ -29,6 +29,8 @@ __all__ = [
     "NativeVarlenAttention",
     "batched_bwd_rule",
     "batched_fwd_rule",
+    "batched_varlen_bwd_rule",
+    "batched_varlen_fwd_rule",
     "fused_backward",
     "native_attention",
     "native_varlen_attention",
@@ -88,31 +90,44 @@ def _fold_cu_seqlens(cu: torch.Tensor, bdim: int | None, size: int, rows: int) -
     return torch.cat([cu[0, :1], (cu[:, 1:] + starts).reshape(-1)])
 
 
-def _varlen_fwd_vmap(info: Any, in_dims: tuple[Any, ...], q, k, v, cu_seqlens, *rest):
-    V = info.batch_size
-    q, k, v = (_fold(t, d, V) for t, d in zip((q, k, v), in_dims[:3], strict=True))
-    T = q.shape[0] // V
-    cu = _fold_cu_seqlens(cu_seqlens, in_dims[3], V, T)
-    out, lse = torch.ops.dilated_attention.varlen_fwd(q, k, v, cu, *rest)
-    return (out.unflatten(0, (V, T)), lse.unflatten(1, (V, T))), (0, 1)
+def batched_varlen_fwd_rule(name: str) -> Any:
+    """The vmap rule of a packed forward op ``dilated_attention::<name>`` (q, k, v, cu_seqlens,
+    ...) -> (out (T, ...), lse (Hq, T)): the vmapped examples' rows one after the other, their
+    sequences in one cu_seqlens, one call."""
+
+    def rule(info: Any, in_dims: tuple[Any, ...], q, k, v, cu_seqlens, *rest):
+        V = info.batch_size
+        q, k, v = (_fold(t, d, V) for t, d in zip((q, k, v), in_dims[:3], strict=True))
+        T = q.shape[0] // V
+        cu = _fold_cu_seqlens(cu_seqlens, in_dims[3], V, T)
+        out, lse = getattr(torch.ops.dilated_attention, name)(q, k, v, cu, *rest)
+        return (out.unflatten(0, (V, T)), lse.unflatten(1, (V, T))), (0, 1)
+
+    return rule
 
 
-def _varlen_bwd_vmap(info: Any, in_dims: tuple[Any, ...], dout, q, k, v, out, lse, dlse, cu_seqlens, *rest):
-    V = info.batch_size
-    rows = [_fold(t, d, V) for t, d in zip((dout, q, k, v, out), in_dims[:5], strict=True)]
-    T = rows[1].shape[0] // V
-    lse = _fold_lse(lse, in_dims[5], V)
-    dlse = None if dlse is None else _fold_lse(dlse, in_dims[6], V)
-    cu = _fold_cu_seqlens(cu_seqlens, in_dims[7], V, T)
-    grads = torch.ops.dilated_attention.varlen_bwd(*rows, lse, dlse, cu, *rest)
-    return tuple(g.unflatten(0, (V, T)) for g in grads), (0, 0, 0)
+def batched_varlen_bwd_rule(name: str) -> Any:
+    """The vmap rule of a packed backward op ``dilated_attention::<name>`` (dout, q, k, v, out,
+    lse, dlse, cu_seqlens, ...) -> (dq, dk, dv), as :func:`batched_varlen_fwd_rule`."""
+
+    def rule(info: Any, in_dims: tuple[Any, ...], dout, q, k, v, out, lse, dlse, cu_seqlens, *rest):
+        V = info.batch_size
+        rows = [_fold(t, d, V) for t, d in zip((dout, q, k, v, out), in_dims[:5], strict=True)]
+        T = rows[1].shape[0] // V
+        lse = _fold_lse(lse, in_dims[5], V)
+        dlse = None if dlse is None else _fold_lse(dlse, in_dims[6], V)
+        cu = _fold_cu_seqlens(cu_seqlens, in_dims[7], V, T)
+        grads = getattr(torch.ops.dilated_attention, name)(*rows, lse, dlse, cu, *rest)
+        return tuple(g.unflatten(0, (V, T)) for g in grads), (0, 0, 0)
+
+    return rule
 
 
 if _C is not None:
     torch.library.register_vmap("dilated_attention::fwd", batched_fwd_rule("fwd"))
     torch.library.register_vmap("dilated_attention::bwd", batched_bwd_rule("bwd"))
-    torch.library.register_vmap("dilated_attention::varlen_fwd", _varlen_fwd_vmap)
-    torch.library.register_vmap("dilated_attention::varlen_bwd", _varlen_bwd_vmap)
+    torch.library.register_vmap("dilated_attention::varlen_fwd", batched_varlen_fwd_rule("varlen_fwd"))
+    torch.library.register_vmap("dilated_attention::varlen_bwd", batched_varlen_bwd_rule("varlen_bwd"))
 
 
 def fused_backward(

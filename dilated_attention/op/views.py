@@ -6,7 +6,11 @@ The schema lives in ``csrc/dilated_attention.cpp``, the driver in ``csrc/views/`
   softmax_scale) -> (out, lse)``: q (B, N, Hq, D), k and v (B, N, Hkv, D); out (B, N, Hq, D) in q's
   dtype, lse (B, Hq, N) float32 (float64 for float64 inputs);
 * ``torch.ops.dilated_attention.views_bwd(dout, q, k, v, out, lse, dlse, segment_lengths,
-  dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``.
+  dilation_rates, is_causal, softmax_scale) -> (dq, dk, dv)``;
+* ``views_varlen_fwd(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal,
+  softmax_scale) -> (out, lse)`` and ``views_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens,
+  max_seqlen, ...) -> (dq, dk, dv)``: packed sequences (SPEC section 7; shapes as the native
+  ``varlen_fwd``), each sequence run as a batch of its own (``csrc/views/varlen.cpp``).
 
 The forward plans every branch's kernel calls as strided views of q, k and v (the plan of
 :mod:`dilated_attention.backends.views`), runs PyTorch's fused attention operator on each (CPU:
@@ -17,7 +21,7 @@ backward) and adds the gradients into float32 accumulators. A forward and its ba
 dispatched operator each, which ``torch.compile(fullgraph=True)`` keeps as one node each.
 
 :func:`dilated_attention.backends.sdpa_kernels.cpp_driver_runs` says where the sdpa backend takes
-this driver; elsewhere (dropout, packed sequences, float32 on CUDA) the Python driver of
+this driver; elsewhere (dropout, float32 on CUDA) the Python driver of
 :mod:`dilated_attention.backends.gathered` runs.
 
 Under ``torch.func`` (``grad``, ``vjp``, ``jacrev``, ``vmap``) the forward runs through
@@ -35,10 +39,16 @@ import torch
 
 from . import checks
 from .autograd import forward_mode_message
-from .func import batched_bwd_rule, batched_fwd_rule, fused_backward
+from .func import (
+    batched_bwd_rule,
+    batched_fwd_rule,
+    batched_varlen_bwd_rule,
+    batched_varlen_fwd_rule,
+    fused_backward,
+)
 from .library import _C, lse_dtype
 
-__all__ = ["ViewsAttention", "available", "views_attention"]
+__all__ = ["ViewsAttention", "ViewsVarlenAttention", "available", "views_attention", "views_varlen_attention"]
 
 
 def _registered(key: str) -> bool:
@@ -105,6 +115,61 @@ def views_attention(
     return out, lse
 
 
+class ViewsVarlenAttention(torch.autograd.Function):
+    """``(out, lse)`` of ``views_varlen_fwd``, with ``views_varlen_bwd`` as its backward (as
+    :class:`ViewsAttention`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale):
+        return torch.ops.dilated_attention.views_varlen_fwd(
+            q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _varlen_setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return fused_backward(torch.ops.dilated_attention.views_varlen_bwd, ctx, dout, dlse, "sdpa")
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(forward_mode_message("sdpa"))
+
+
+def views_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    is_causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` (T, Hq, D) and ``lse`` (Hq, T) of the C++ driver on packed sequences;
+    differentiable (first order, reverse mode), also under torch.func transforms."""
+    args = (
+        q,
+        k,
+        v,
+        cu_seqlens,
+        int(max_seqlen),
+        list(segment_lengths),
+        list(dilation_rates),
+        bool(is_causal),
+        float(softmax_scale),
+    )
+    if torch.compiler.is_compiling():
+        return torch.ops.dilated_attention.views_varlen_fwd(*args)
+    out, lse = ViewsVarlenAttention.apply(*args)
+    return out, lse
+
+
 def _views_fwd_fake(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale):
     checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
     B, N, Hq, D = q.shape
@@ -115,6 +180,64 @@ def _views_bwd_fake(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rat
     checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
     checks._check_backward_inputs(q, dout, out, lse, dlse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _views_varlen_fwd_fake(
+    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
+):
+    checks.check_varlen(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale, 0.0)
+    T, Hq, D = q.shape
+    return q.new_empty((T, Hq, D)), q.new_empty((Hq, T), dtype=lse_dtype(q.dtype))
+
+
+def _views_varlen_bwd_fake(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    cu_seqlens,
+    max_seqlen,
+    segment_lengths,
+    dilation_rates,
+    is_causal,
+    softmax_scale,
+):
+    checks.check_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        segment_lengths,
+        dilation_rates,
+        softmax_scale,
+        0.0,
+        (dout, out, lse, dlse),
+    )
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(
+    ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+    ctx.config = (
+        int(max_seqlen),
+        list(segment_lengths),
+        list(dilation_rates),
+        bool(is_causal),
+        float(softmax_scale),
+    )
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+    return fused_backward(torch.ops.dilated_attention.views_varlen_bwd, ctx, dout, dlse, "sdpa")
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -135,3 +258,14 @@ if _C is not None and hasattr(torch.ops.dilated_attention, "views_fwd"):
     torch.library.register_autograd("dilated_attention::views_fwd", _backward, setup_context=_setup_context)
     torch.library.register_vmap("dilated_attention::views_fwd", batched_fwd_rule("views_fwd"))
     torch.library.register_vmap("dilated_attention::views_bwd", batched_bwd_rule("views_bwd"))
+    torch.library.register_fake("dilated_attention::views_varlen_fwd")(_views_varlen_fwd_fake)
+    torch.library.register_fake("dilated_attention::views_varlen_bwd")(_views_varlen_bwd_fake)
+    torch.library.register_autograd(
+        "dilated_attention::views_varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context
+    )
+    torch.library.register_vmap(
+        "dilated_attention::views_varlen_fwd", batched_varlen_fwd_rule("views_varlen_fwd")
+    )
+    torch.library.register_vmap(
+        "dilated_attention::views_varlen_bwd", batched_varlen_bwd_rule("views_varlen_bwd")
+    )
