@@ -105,6 +105,29 @@ def test_compile_matches_eager_without_host_timers(cluster4):
         assert got["breaks"] <= 1, got
 
 
+def graphs_over_calls(rank: int, P: int) -> list[int]:
+    """The graphs Dynamo has compiled after 3 and after 7 calls of the compiled module (forward and
+    backward): the calls after the first few compile nothing (the communication counters are not
+    guarded values of the graph)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = torch.compile(RingDilatedAttention([4 * P], [2], comm="all_gather"), backend="aot_eager")
+    seen = []
+    for call in range(7):
+        q, k, v = (t.requires_grad_() for t in inputs(1, 4, 2, 2, 8, seed=10 + call)[:3])
+        module(q, k, v).sum().backward()
+        if call in (2, 6):
+            seen.append(int(counters["stats"]["unique_graphs"]))
+    return seen
+
+
+def test_compiled_module_is_not_recompiled_at_every_call(cluster4):
+    for rank, (early, late) in enumerate(cluster4.run(graphs_over_calls)):
+        assert late == early, f"rank {rank}: {early} graphs after 3 calls, {late} after 7"
+
+
 def _tiny_model(E: int, H: int, group_args: dict) -> torch.nn.Module:
     """Embedding-free: a projection in, the multi-head ring attention, a projection out."""
     from dilated_attention.ring import RingMultiheadDilatedAttention

@@ -29,6 +29,10 @@ _TIMING = [False]  # whether wait_s is measured (host timers): only when asked, 
 
 
 def _count(phase: str, sent: int, received: int, seconds: float = 0.0) -> None:
+    if torch.compiler.is_compiling():
+        # Not in a compiled graph: Dynamo would guard on the counters' values and compile the
+        # module again at every call (then fall back to eager once its cache is full).
+        return
     entry = _STATS.setdefault(phase, {"sent": 0, "received": 0, "calls": 0, "wait_s": 0.0})
     entry["sent"] += int(sent)
     entry["received"] += int(received)
@@ -49,7 +53,8 @@ def comm_stats() -> dict[str, dict[str, float]]:
     "calls", "wait_s"}``, where ``wait_s`` is the time this process spent in the calls and
     waiting for their completion (communication not hidden behind computation), measured only
     after ``reset_comm_stats(timing=True)`` (0 otherwise). Bytes a rank keeps for itself are not
-    counted.
+    counted, nor the calls of code compiled by ``torch.compile`` (counting there would make every
+    call recompile).
     """
     return {phase: dict(entry) for phase, entry in _STATS.items()}
 
