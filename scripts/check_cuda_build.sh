@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Compiles and links the extension with its CUDA kernels in a scratch directory, then loads the
 # result and checks that dilated_attention::fwd, bwd, varlen_fwd, varlen_bwd, piece_fwd, piece_bwd,
-# decode_step, views_fwd, views_bwd, views_varlen_fwd and views_varlen_bwd have CPU and CUDA kernels. Needs nvcc and a CUDA-enabled
-# torch, no GPU. The installed extension (dilated_attention/_C*.so) is left alone.
+# decode_step, views_fwd, views_bwd, views_varlen_fwd and views_varlen_bwd have CPU and CUDA
+# kernels. Needs nvcc and a CUDA-enabled torch, no GPU. The installed extension
+# (dilated_attention/_C*.so) is left alone.
 #
 #   scripts/check_cuda_build.sh                                   # sm_75 and sm_80 (a few minutes on 2 cores)
 #   DILATED_ATTENTION_CHECK_ARCHS="7.5;8.0;8.6;8.9;9.0" scripts/check_cuda_build.sh
