@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.14.1
 # The tested range of the optional extra `transformers` (pyproject.toml), so that its tests run.
 TRANSFORMERS_SPEC ?= transformers>=5.0,<5.25
 
-.PHONY: help deps install lint typecheck format test test-slow train longcontext bench cuda-check gpu-check dist dist-check clean
+.PHONY: help deps install lint typecheck format test test-slow train longcontext bench cuda-check gpu-check gpu-session dist dist-check clean
 
 help:
 	@echo "make install     install $(TORCH_SPEC), transformers, matplotlib and pytest, then build and install the package (editable) into the current Python"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench       CPU benchmark of every backend against the alternatives"
 	@echo "make cuda-check  compile the CUDA kernels, and check they assemble for sm_60/61 (no GPU needed)"
 	@echo "make gpu-check   verify the CUDA kernels on this machine's GPU (scripts/gpu_check.sh tests, then sanitize)"
+	@echo "make gpu-session one GPU command (< 10 min): tests, views driver, GPT at 16K vs dense, a profiled step"
 	@echo "make dist        build the source distribution and a wheel into dist/"
 	@echo "make dist-check  build the sdist, build a wheel from it in a fresh venv, install it there and import it"
 
@@ -89,6 +90,12 @@ GPU_CHECK_OUT ?= gpu_check_out
 gpu-check:
 	bash scripts/gpu_check.sh tests $(GPU_CHECK_OUT)/tests; rc=$$?; \
 		bash scripts/gpu_check.sh sanitize $(GPU_CHECK_OUT)/sanitize && exit $$rc
+
+# One command on a GPU machine, under 10 minutes: the tests phase, the views driver's GPU tests,
+# the example GPT at 16K against dense attention and a profiled step (scripts/gpu_session.sh).
+GPU_SESSION_OUT ?= gpu_session_out
+gpu-session:
+	bash scripts/gpu_session.sh $(GPU_SESSION_OUT)
 
 # The sdist and a wheel, built against the torch installed here (no download of another torch).
 dist:

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One GPU command that checks and measures what a user's training runs on, in under 10 minutes,
+# its results in at most 8 files of one folder (what a short lease on a GPU machine brings back):
+#
+#   1. scripts/gpu_check.sh tests (build for the visible GPU, the cuda-marked tests, the smoke test)
+#   2. the C++ views driver's cuda-marked tests (tests/test_views_driver.py)
+#   3. benchmarks/bench_gpt.py: the example GPT at block 16K, dense attention, sdpa and native,
+#      without torch.compile, side by side
+#   4. benchmarks/bench_gpt.py --profile sdpa:16k:eager: one profiled training step
+#
+#   scripts/gpu_session.sh [OUT_DIR] [--deadline SECONDS] [--dry-run]
+#
+# OUT_DIR defaults to $OUT when set, else gpu_session_out/. The deadline (default 560 s) bounds the
+# whole run: the check gets what the later steps leave it, and a step that would start with less
+# than 20 s is reported "not run". Files written: summary.md (this run's table, then the check's
+# summary), tests.log, smoke.log, views.log, gpt.md, gpt.csv, profile.txt. Exit status: 0 when
+# every step passed, 1 when one did not, 2 on a usage error. Without a GPU it says so and exits 0.
+# The sanitizers, bench_cuda.py and the Nsight profile are `scripts/gpu_check.sh sanitize` and
+# `scripts/gpu_check.sh profile`, for a second command.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+out_dir="" deadline=560 dry=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h | --help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+    --dry-run) dry=1 ;;
+    --deadline) [ $# -ge 2 ] || { echo "gpu_session: --deadline needs seconds" >&2; exit 2; }; deadline=$2; shift ;;
+    --deadline=*) deadline=${1#--deadline=} ;;
+    -*) echo "gpu_session: unknown option '$1'" >&2; exit 2 ;;
+    *) [ -z "$out_dir" ] || { echo "gpu_session: one output folder only, got '$out_dir' and '$1'" >&2; exit 2; }
+       out_dir=$1 ;;
+  esac
+  shift
+done
+[[ "$deadline" =~ ^[0-9]+$ ]] || { echo "gpu_session: the deadline must be whole seconds, got '$deadline'" >&2; exit 2; }
+out_dir=${out_dir:-${OUT:-gpu_session_out}}
+mkdir -p "$out_dir" && out_dir=$(cd "$out_dir" && pwd) || { echo "gpu_session: cannot create '$out_dir'" >&2; exit 2; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Seconds each later step is given (its own limit inside the command); the check gets the rest.
+VIEWS=60 GPT=110 PROFILE=60
+start=$(date +%s)
+left() { echo $((deadline - ($(date +%s) - start))); }
+
+if [ "$dry" = 0 ] && ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_session: no CUDA GPU here; nothing to check, skipping."
+  printf '# GPU session: skipped\n\nno CUDA GPU here\n' >"$out_dir/summary.md"
+  exit 0
+fi
+
+declare -a rows=()
+status=0
+step() {  # step NAME LIMIT COMMAND...: runs COMMAND under timeout LIMIT, records its status and time
+  local name=$1 limit=$2
+  shift 2
+  local t0 rc
+  if [ "$(left)" -lt 20 ] || [ "$limit" -lt 20 ]; then
+    rows+=("| $name | not run: $(left) s left of the deadline | 0 |")
+    status=1
+    return
+  fi
+  [ "$limit" -le "$(left)" ] || limit=$(left)
+  if [ "$dry" = 1 ]; then
+    echo "$name (${limit} s): $*"
+    rows+=("| $name | dry run | 0 |")
+    return
+  fi
+  echo "gpu_session: $name (up to ${limit} s) ..."
+  t0=$(date +%s)
+  if [ -n "${STEP_LOG:-}" ]; then timeout "$limit" "$@" >"$STEP_LOG" 2>&1; else timeout "$limit" "$@"; fi
+  rc=$?
+  local took=$(($(date +%s) - t0))
+  if [ "$rc" = 0 ]; then
+    rows+=("| $name | pass | $took |")
+  elif [ "$rc" = 124 ]; then
+    rows+=("| $name | FAIL: out of time (${limit} s) | $took |")
+    status=1
+  else
+    rows+=("| $name | FAIL (exit status $rc) | $took |")
+    status=1
+  fi
+  echo "gpu_session: $name: ${rows[-1]}"
+}
+
+check_limit=$(($(left) - VIEWS - GPT - PROFILE))
+step check "$check_limit" bash scripts/gpu_check.sh tests "$work/check" --deadline $((check_limit - 10))
+xdist=()
+"$PYTHON" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
+STEP_LOG=$out_dir/views.log step views "$VIEWS" "$PYTHON" -m pytest -q -p no:cacheprovider "${xdist[@]}" -m cuda tests/test_views_driver.py
+step gpt "$GPT" "$PYTHON" benchmarks/bench_gpt.py --blocks 16k --compile off --backends dense,sdpa,native \
+  --steps 5 --warmup 2 --budget $((GPT - 15)) --out "$work/gpt"
+step profile "$PROFILE" "$PYTHON" benchmarks/bench_gpt.py --profile sdpa:16k:eager --out "$work/profile"
+
+if [ "$dry" = 0 ]; then
+  for f in tests.log smoke.log; do [ -f "$work/check/$f" ] && cp "$work/check/$f" "$out_dir/$f"; done
+  for ext in md csv; do
+    g=$(ls "$work/gpt"/gpt-*."$ext" 2>/dev/null | head -1)
+    [ -n "$g" ] && cp "$g" "$out_dir/gpt.$ext"
+  done
+  p=$(ls "$work/profile"/gpt-profile-*.txt 2>/dev/null | head -1)
+  [ -n "$p" ] && cp "$p" "$out_dir/profile.txt"
+fi
+{
+  echo "# GPU session"
+  echo
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo unknown)"
+  echo
+  echo "| step | status | seconds |"
+  echo "| --- | --- | --- |"
+  printf '%s\n' "${rows[@]}"
+  echo
+  [ -f "$work/check/summary.md" ] && cat "$work/check/summary.md"
+  [ -f "$out_dir/gpt.md" ] && { echo; cat "$out_dir/gpt.md"; }
+} >"$out_dir/summary.md"
+printf '%s\n' "${rows[@]}"
+exit $status
