@@ -47,6 +47,7 @@ from .func import (
     fused_backward,
 )
 from .library import _C, lse_dtype
+from .varlen import _varlen_bwd_fake, _varlen_fwd_fake, _varlen_setup_context  # the packed ops' own
 
 __all__ = ["ViewsAttention", "ViewsVarlenAttention", "available", "views_attention", "views_varlen_attention"]
 
@@ -182,60 +183,6 @@ def _views_bwd_fake(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rat
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _views_varlen_fwd_fake(
-    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
-):
-    checks.check_varlen(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, softmax_scale, 0.0)
-    T, Hq, D = q.shape
-    return q.new_empty((T, Hq, D)), q.new_empty((Hq, T), dtype=lse_dtype(q.dtype))
-
-
-def _views_varlen_bwd_fake(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    dlse,
-    cu_seqlens,
-    max_seqlen,
-    segment_lengths,
-    dilation_rates,
-    is_causal,
-    softmax_scale,
-):
-    checks.check_varlen(
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        segment_lengths,
-        dilation_rates,
-        softmax_scale,
-        0.0,
-        (dout, out, lse, dlse),
-    )
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _varlen_setup_context(
-    ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
-) -> None:
-    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.config = (
-        int(max_seqlen),
-        list(segment_lengths),
-        list(dilation_rates),
-        bool(is_causal),
-        float(softmax_scale),
-    )
-    ctx.set_materialize_grads(False)
-
-
 def _varlen_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
     return fused_backward(torch.ops.dilated_attention.views_varlen_bwd, ctx, dout, dlse, "sdpa")
 
@@ -258,8 +205,10 @@ if _C is not None and hasattr(torch.ops.dilated_attention, "views_fwd"):
     torch.library.register_autograd("dilated_attention::views_fwd", _backward, setup_context=_setup_context)
     torch.library.register_vmap("dilated_attention::views_fwd", batched_fwd_rule("views_fwd"))
     torch.library.register_vmap("dilated_attention::views_bwd", batched_bwd_rule("views_bwd"))
-    torch.library.register_fake("dilated_attention::views_varlen_fwd")(_views_varlen_fwd_fake)
-    torch.library.register_fake("dilated_attention::views_varlen_bwd")(_views_varlen_bwd_fake)
+    # the fake kernels and saved context of varlen_fwd / varlen_bwd, whose arguments these ops
+    # share (without float64_lse and dropout, whose defaults they take)
+    torch.library.register_fake("dilated_attention::views_varlen_fwd")(_varlen_fwd_fake)
+    torch.library.register_fake("dilated_attention::views_varlen_bwd")(_varlen_bwd_fake)
     torch.library.register_autograd(
         "dilated_attention::views_varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context
     )
