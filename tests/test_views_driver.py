@@ -333,13 +333,32 @@ def _cu(lengths):
     return torch.tensor(cu, dtype=torch.int32), cu
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+_CUDA = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not _views_op.available("cuda"), reason="needs a CUDA GPU and CUDA kernels"),
+]
+VARLEN_DEVICES = [
+    pytest.param("cpu", torch.float32, id="cpu-float32"),
+    pytest.param("cpu", torch.float64, id="cpu-float64"),
+    pytest.param("cpu", torch.bfloat16, id="cpu-bfloat16"),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bfloat16", marks=_CUDA),
+    pytest.param("cuda", torch.float16, id="cuda-float16", marks=_CUDA),
+]
+
+
+@pytest.mark.parametrize("device,dtype", VARLEN_DEVICES)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("lengths,Hq,Hkv,D,segs,rates", PACKINGS)
-def test_varlen_matches_the_reference(monkeypatch, lengths, Hq, Hkv, D, segs, rates, is_causal, dtype):
+def test_varlen_matches_the_reference(
+    monkeypatch, lengths, Hq, Hkv, D, segs, rates, is_causal, device, dtype
+):
     """dilated_attention_varlen(backend='sdpa') runs views_varlen_fwd/bwd (one call each way) and
     its out, lse and dq, dk, dv (the lse gradient included) are within SPEC section 4's rule of the
-    per-sequence float64 reference."""
+    per-sequence float64 reference (on CUDA: cuDNN or flash attention, head dims times 8)."""
+    if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0)):
+        pytest.skip("needs an sm_80+ GPU")
+    if device == "cuda":
+        D *= 8
     from reference import reference_varlen
     from tolerance import assert_within_rule
 
@@ -355,12 +374,21 @@ def test_varlen_matches_the_reference(monkeypatch, lengths, Hq, Hkv, D, segs, ra
     monkeypatch.setattr(_views_op, "views_varlen_attention", counted)
     cu, cu_list = _cu(lengths)
     T = cu_list[-1]
-    q, k, v = (t[0] for t in make_inputs(1, T, Hq, Hkv, D, dtype, requires_grad=False))
+    q, k, v = (t[0] for t in make_inputs(1, T, Hq, Hkv, D, dtype, requires_grad=False, device=device))
     leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
     out, lse = dilated_attention_varlen(
-        *leaves, cu, max(lengths), segs, rates, is_causal=is_causal, return_lse=True, backend="sdpa"
+        *leaves,
+        cu.to(device),
+        max(lengths),
+        segs,
+        rates,
+        is_causal=is_causal,
+        return_lse=True,
+        backend="sdpa",
     )
     assert calls[0] == 1
+    out, lse = out.cpu(), lse.cpu()
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     out64, lse64 = reference_varlen(q64, k64, v64, cu_list, segs, rates, is_causal)
     ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -370,7 +398,7 @@ def test_varlen_matches_the_reference(monkeypatch, lengths, Hq, Hkv, D, segs, ra
     g = torch.Generator().manual_seed(3)
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
     dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
-    got = grads(out, lse, leaves, dout, dlse)
+    got = [t.cpu() for t in grads(out, lse, leaves, dout, dlse)]
     ref = grads(out64, lse64, (q64, k64, v64), dout, dlse)
     plain = grads(outl, lsel, (ql, kl, vl), dout, dlse)
     for name, a, e, p in zip(("dq", "dk", "dv"), got, ref, plain, strict=True):
