@@ -393,3 +393,24 @@ def test_bad_shapes():
     out, lse = torch.ops.dilated_attention.varlen_fwd(q, k, v, cu, 10, [4], [1], False, 0.5)
     with pytest.raises(RuntimeError, match=r"lse must have shape \(Hq, T\)"):
         torch.ops.dilated_attention.varlen_bwd(out, q, k, v, out, lse[:1], None, cu, 10, [4], [1], False, 0.5)
+
+
+@pytest.mark.parametrize("backend", ["native", "sdpa", "manual"])
+def test_which_backends_compile_without_reading_cu_seqlens(backend):
+    """Under torch.compile(fullgraph=True) cu_seqlens has no values: the native op and sdpa's C++
+    driver read it in their ops and compile; manual, which needs the lengths on the host, raises a
+    ValueError that names it and the backends that compile."""
+    cu, cu_list = cu_of([6, 10])
+    q = torch.randn(cu_list[-1], 2, 8)
+
+    def f(q):
+        return dilated_attention_varlen(q, q, q, cu, 10, [4, 8], [1, 2], is_causal=True, backend=backend)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    if backend == "manual":
+        with pytest.raises(
+            Exception, match="'manual' backend reads the sequence lengths of cu_seqlens on the host"
+        ):
+            compiled(q)
+        return
+    torch.testing.assert_close(compiled(q), f(q), rtol=1e-5, atol=1e-5)
