@@ -591,8 +591,10 @@ def emu(tmp_path_factory):
     so.da_emu_piece.argtypes = [ctypes.c_int64, ctypes.c_int64]
     so.da_emu_lse64.argtypes = [ctypes.c_int]
     so.da_emu_dropout.argtypes = [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
+    so.da_emu_scores.argtypes = [ctypes.c_int]
     yield so
     so.da_emu_options(0, 1, 0)
+    so.da_emu_scores(0)
 
 
 _EMU_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -951,18 +953,24 @@ SCALED_SCORES = [
 ]
 
 
+@pytest.mark.parametrize("scores", ["double", "compensated"])
 @pytest.mark.parametrize("seed,N,Hq,Hkv,D,segs,rates,is_causal,std", SCALED_SCORES)
 def test_emulated_simt_scores_scaled_after_the_dot_product(
-    emu, seed, N, Hq, Hkv, D, segs, rates, is_causal, std
+    emu, seed, N, Hq, Hkv, D, segs, rates, is_causal, std, scores
 ):
-    """The SIMT kernels' scores are the rounded dot products times scale * log2(e), as the CPU
-    kernel's: every gradient within the rule at logit standard deviations of 10-12."""
+    """The SIMT kernels' scores are the dot products times scale * log2(e), summed exactly enough
+    to round once (in double, or in compensated float where doubles are slow), as the CPU kernel's:
+    every gradient within the rule at logit standard deviations of 10-24, head dims up to 256."""
+    emu.da_emu_scores(int(scores == "compensated"))
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64) * std).float()
     k, v = (torch.randn(1, N, Hkv, D, generator=g, dtype=torch.float64).float() for _ in range(2))
     dout = torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64)
     dlse = torch.randn(1, Hq, N, generator=g, dtype=torch.float64)
-    _check_simt_float32_float64_lse(emu, q, k, v, dout, dlse, segs, rates, is_causal)
+    try:
+        _check_simt_float32_float64_lse(emu, q, k, v, dout, dlse, segs, rates, is_causal)
+    finally:
+        emu.da_emu_scores(0)
 
 
 def test_emulated_float64_lse_in_every_family(emu):

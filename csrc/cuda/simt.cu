@@ -93,18 +93,65 @@ __device__ __forceinline__ acc_t simt_dot(const acc_t* a, const acc_t* b, int64_
   return s;
 }
 
+// Whether float scores sum in double (simt_score): on GPUs whose double multiply-add runs at half
+// the float rate (sm_60 GP100, sm_70 V100, sm_80 A100, sm_90 H100/H200, sm_100 B200); elsewhere
+// (GeForce/RTX parts, 1/32-1/64 of the float rate) in compensated float. The emulation runs either.
+__device__ __forceinline__ bool simt_scores_in_double() {
+#if defined(DA_CUDA_EMULATION)
+  return !da_emu::options().compensated_scores;
+#elif defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 600 || __CUDA_ARCH__ == 700 || __CUDA_ARCH__ == 800 || \
+                                 __CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Rounded float sum and difference, never contracted with a neighbouring product into an FMA
+// (compensated sums depend on every rounding as written).
+#if defined(DA_CUDA_EMULATION)
+__device__ __forceinline__ float da_add_rn(float a, float b) {
+  return a + b;
+}
+__device__ __forceinline__ float da_sub_rn(float a, float b) {
+  return a - b;
+}
+#else
+__device__ __forceinline__ float da_add_rn(float a, float b) {
+  return __fadd_rn(a, b);
+}
+__device__ __forceinline__ float da_sub_rn(float a, float b) {
+  return __fsub_rn(a, b);
+}
+#endif
+
 // A pair's score: the dot product of two rows in shared memory times sl2 = scale * log2 e, the
-// same bits in every pass. float rows sum their products in double (each product of two floats is
-// exact there) and round once, after sl2, as the CPU kernel's scores: a float sum of the D products
+// same bits in every pass. float rows sum their D products exactly enough to round once: in double
+// (each product of two floats is exact there), or, where doubles are slow, in compensated float
+// (each product split into its rounded value and its exact error by an FMA, summed with the
+// error of every addition kept: Ogita, Rump and Oishi's Dot2). A float sum of the D products
 // rounds D times, and at large logits that rounding, through the exps, is the largest part of the
-// gradients' error (up to 2.5x plain PyTorch's at D = 256, past SPEC section 4's 2x). Cost: the
-// D multiply-adds in double (half the float rate on A100/H100, far less on GPUs with slow double).
+// gradients' error (up to 2.5x plain PyTorch's at D = 256, past SPEC section 4's 2x). Cost: the D
+// multiply-adds in double, or about 10 float operations per product.
 template <typename acc_t>
 __device__ __forceinline__ acc_t simt_score(const acc_t* a, const acc_t* b, int64_t D, acc_t sl2) {
   if constexpr (sizeof(acc_t) == 4) {
-    double s = 0;
-    for (int64_t d = 0; d < D; ++d) s = fma((double)a[d], (double)b[d], s);
-    return (float)(s * (double)sl2);
+    if (simt_scores_in_double()) {
+      double s = 0;
+      for (int64_t d = 0; d < D; ++d) s = fma((double)a[d], (double)b[d], s);
+      return (float)(s * (double)sl2);
+    }
+    float s = 0, c = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = a[d], y = b[d];
+      const float p = da_mul_rn(x, y);
+      const float e = fmaf(x, y, -p);  // x * y = p + e exactly
+      const float t = da_add_rn(s, p);
+      const float z = da_sub_rn(t, s);  // s + p = t + ((s - (t - z)) + (p - z)) exactly
+      c = da_add_rn(c, da_add_rn(da_add_rn(da_sub_rn(s, da_sub_rn(t, z)), da_sub_rn(p, z)), e));
+      s = t;
+    }
+    return da_mul_rn(da_add_rn(s, c), sl2);
   } else {
     return da_mul_rn(simt_dot(a, b, D), sl2);
   }

@@ -119,6 +119,7 @@ struct Options {
   int order = 0;
   unsigned seed = 1;
   bool eager_copies = false;
+  bool compensated_scores = false;  // the SIMT kernels' float scores as on a GPU with slow doubles
 };
 
 inline Options& options() {

@@ -283,6 +283,12 @@ extern "C" void da_emu_options(int order, unsigned seed, int eager) {
   da_emu::options().eager_copies = eager != 0;
 }
 
+// The SIMT kernels' float scores for the calls that follow: summed in double (0, as on A100/H100)
+// or in compensated float (1, as on GPUs with slow double arithmetic); simt.cu simt_score.
+extern "C" void da_emu_scores(int compensated) {
+  da_emu::options().compensated_scores = compensated != 0;
+}
+
 // Packed sequences for the calls that follow: cu_seqlens[0..S] (0 .. N, non-decreasing), which the
 // calls then take with B = 1; S < 0 returns to fixed-length batches.
 extern "C" void da_emu_varlen(const int32_t* cu_seqlens, int64_t S) {
