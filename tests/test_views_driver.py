@@ -9,6 +9,7 @@ import torch
 from common import grads, make_inputs
 from reference import reference_attention
 from test_backends_views import GEOMETRIES, _check
+from test_varlen import cu_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dilated_attention import dilated_attention as dattn
@@ -326,13 +327,6 @@ PACKINGS = [
 ]
 
 
-def _cu(lengths):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32), cu
-
-
 _CUDA = [
     pytest.mark.cuda,
     pytest.mark.skipif(not _views_op.available("cuda"), reason="needs a CUDA GPU and CUDA kernels"),
@@ -372,7 +366,7 @@ def test_varlen_matches_the_reference(
         return real(*args)
 
     monkeypatch.setattr(_views_op, "views_varlen_attention", counted)
-    cu, cu_list = _cu(lengths)
+    cu, cu_list = cu_of(lengths)
     T = cu_list[-1]
     q, k, v = (t[0] for t in make_inputs(1, T, Hq, Hkv, D, dtype, requires_grad=False, device=device))
     leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
@@ -408,7 +402,7 @@ def test_varlen_matches_the_reference(
 def test_varlen_opcheck_and_errors():
     """opcheck of both packed ops (fake kernels, autograd, schema), and the errors of a bad
     cu_seqlens, named as the native packed op names them."""
-    cu, cu_list = _cu([5, 0, 9])
+    cu, cu_list = cu_of([5, 0, 9])
     q, k, v = (t[0] for t in make_inputs(1, cu_list[-1], 4, 2, 8, torch.float64))
     args = (q, k, v, cu, 9, [4, 8], [1, 2], True, 0.35)
     torch.library.opcheck(torch.ops.dilated_attention.views_varlen_fwd.default, args)
@@ -431,7 +425,7 @@ def test_varlen_vmap_and_compile():
     equals a loop; torch.compile(fullgraph=True) keeps the op as one node each way."""
     from dilated_attention import dilated_attention_varlen
 
-    cu, cu_list = _cu([7, 12])
+    cu, cu_list = cu_of([7, 12])
     q, k, v = (t[0] for t in make_inputs(1, cu_list[-1], 2, 1, 8, torch.float64, requires_grad=False))
 
     def f(q):
