@@ -21,14 +21,14 @@ namespace dilated_attention {
 namespace views {
 namespace {
 
-std::vector<Sequence> packed_sequences(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       const at::Tensor& cu_seqlens, int64_t max_seqlen,
+std::vector<Sequence> packed_sequences(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                                        at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
                                        bool is_causal, double softmax_scale) {
   const Problem P = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates,
                                         is_causal, softmax_scale);
-  TORCH_CHECK(q.is_cpu() || q.is_cuda(),
-              "dilated_attention::views_varlen_fwd: q, k, v must be on the CPU or CUDA, got ", q.device());
+  TORCH_CHECK(q.is_cpu() || q.is_cuda(), "dilated_attention::", op,
+              ": q, k, v must be on the CPU or CUDA, got ", q.device());
   return varlen_sequences(cu_seqlens, P.N, max_seqlen);
 }
 
@@ -45,8 +45,9 @@ std::tuple<at::Tensor, at::Tensor> views_varlen_fwd(const at::Tensor& q, const a
                                                     int64_t max_seqlen, at::IntArrayRef segment_lengths,
                                                     at::IntArrayRef dilation_rates, bool is_causal,
                                                     double softmax_scale) {
-  const std::vector<Sequence> seqs = packed_sequences(q, k, v, cu_seqlens, max_seqlen, segment_lengths,
-                                                      dilation_rates, is_causal, softmax_scale);
+  const std::vector<Sequence> seqs =
+      packed_sequences("views_varlen_fwd", q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates,
+                       is_causal, softmax_scale);
   const at::Tensor out = at::empty(q.sizes(), q.options());
   const at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
   for (const Sequence& s : seqs) {
@@ -65,8 +66,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_varlen_bwd(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const at::Tensor& cu_seqlens, int64_t max_seqlen, at::IntArrayRef segment_lengths,
     at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
-  const std::vector<Sequence> seqs = packed_sequences(q, k, v, cu_seqlens, max_seqlen, segment_lengths,
-                                                      dilation_rates, is_causal, softmax_scale);
+  const std::vector<Sequence> seqs =
+      packed_sequences("views_varlen_bwd", q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates,
+                       is_causal, softmax_scale);
   check_varlen_backward_shapes(q, dout, out, lse, dlse);
   const bool has_dlse = dlse.has_value() && dlse->defined();
   const at::Tensor dq = at::zeros(q.sizes(), q.options());
