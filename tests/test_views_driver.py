@@ -324,6 +324,8 @@ PACKINGS = [
     pytest.param([5, 0, 1, 37, 20], 4, 2, 8, [8, 16], [1, 2], id="gqa-empty-one-row"),
     pytest.param([29, 13], 2, 2, 16, [4, 8, 32], [1, 2, 4], id="three-branches"),
     pytest.param([17, 0, 23], 3, 1, 8, [8, 16], [1, 5], id="mqa-r-above-heads"),
+    # runs of equal lengths (one batched call each), an empty sequence inside a run
+    pytest.param([9, 9, 0, 9, 4, 4, 11], 2, 1, 8, [4, 8], [1, 2], id="equal-length-runs"),
 ]
 
 

@@ -2,11 +2,12 @@
 // (FlashAttention's varlen convention, SPEC section 7), one op each way.
 //
 // q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S + 1,) on q's device; sequence i is the
-// rows [cu_seqlens[i], cu_seqlens[i + 1]) and attends as a sequence of its own: its rows run
-// views_fwd / views_bwd (views.h) as a batch of one of their own length, on views of the packed
-// tensors, and their results are written into the packed out (T, Hq, D), lse (Hq, T) and
-// gradients. cu_seqlens is read on the host once per call (one small copy that waits for the
-// stream on CUDA), and checked as the native varlen op checks it (checks.h varlen_sequences).
+// rows [cu_seqlens[i], cu_seqlens[i + 1]) and attends as a sequence of its own: consecutive
+// sequences of one length run views_fwd / views_bwd (views.h) as one batch (a sequence of its
+// own length is a batch of one), on views of the packed tensors, and their results are written into
+// the packed out (T, Hq, D), lse (Hq, T) and gradients. cu_seqlens is read on the host once per
+// call (one small copy that waits for the stream on CUDA), and checked as the native varlen op
+// checks it (checks.h varlen_sequences).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -32,9 +33,34 @@ std::vector<Sequence> packed_sequences(const char* op, const at::Tensor& q, cons
   return varlen_sequences(cu_seqlens, P.N, max_seqlen);
 }
 
-// Rows [start, start + len) of a packed (T, H, D) tensor as a (1, len, H, D) batch.
-at::Tensor rows(const at::Tensor& x, const Sequence& s) {
-  return x.narrow(0, s.start, s.len).unsqueeze(0);
+// A run of `count` consecutive sequences of one length `len` from row `start`: one batch of the
+// fixed-length driver.
+struct Run {
+  int64_t start, count, len;
+};
+
+// The non-empty sequences grouped into runs of equal lengths (a packing of sequences of one
+// length is one batched call, not one call per sequence).
+std::vector<Run> runs_of(const std::vector<Sequence>& seqs) {
+  std::vector<Run> runs;
+  for (const Sequence& s : seqs) {
+    if (s.len == 0) continue;
+    if (!runs.empty() && runs.back().len == s.len && runs.back().start + runs.back().count * s.len == s.start)
+      ++runs.back().count;
+    else
+      runs.push_back({s.start, 1, s.len});
+  }
+  return runs;
+}
+
+// The rows of a run of a packed (T, H, D) tensor as a (count, len, H, D) batch.
+at::Tensor rows(const at::Tensor& x, const Run& r) {
+  return x.narrow(0, r.start, r.count * r.len).unflatten(0, {r.count, r.len});
+}
+
+// The columns of a run of a packed (H, T) lse as (count, H, len).
+at::Tensor cols(const at::Tensor& x, const Run& r) {
+  return x.narrow(1, r.start, r.count * r.len).unflatten(1, {r.count, r.len}).transpose(0, 1);
 }
 
 }  // namespace
@@ -50,12 +76,11 @@ std::tuple<at::Tensor, at::Tensor> views_varlen_fwd(const at::Tensor& q, const a
                        is_causal, softmax_scale);
   const at::Tensor out = at::empty(q.sizes(), q.options());
   const at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
-  for (const Sequence& s : seqs) {
-    if (s.len == 0) continue;
-    auto [o, l] = views_fwd(rows(q, s), rows(k, s), rows(v, s), segment_lengths, dilation_rates, is_causal,
+  for (const Run& r : runs_of(seqs)) {
+    auto [o, l] = views_fwd(rows(q, r), rows(k, r), rows(v, r), segment_lengths, dilation_rates, is_causal,
                             softmax_scale);
-    out.narrow(0, s.start, s.len).copy_(o[0]);
-    lse.narrow(1, s.start, s.len).copy_(l[0]);
+    rows(out, r).copy_(o);
+    cols(lse, r).copy_(l);
   }
   return {out, lse};
 }
@@ -74,16 +99,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_varlen_bwd(
   const at::Tensor dq = at::zeros(q.sizes(), q.options());
   const at::Tensor dk = at::zeros(k.sizes(), k.options());
   const at::Tensor dv = at::zeros(v.sizes(), v.options());
-  for (const Sequence& s : seqs) {
-    if (s.len == 0) continue;
-    const std::optional<at::Tensor> dl =
-        has_dlse ? std::optional<at::Tensor>(dlse->narrow(1, s.start, s.len).unsqueeze(0)) : std::nullopt;
-    auto [gq, gk, gv] = views_bwd(rows(dout, s), rows(q, s), rows(k, s), rows(v, s), rows(out, s),
-                                  lse.narrow(1, s.start, s.len).unsqueeze(0), dl, segment_lengths,
-                                  dilation_rates, is_causal, softmax_scale);
-    dq.narrow(0, s.start, s.len).copy_(gq[0]);
-    dk.narrow(0, s.start, s.len).copy_(gk[0]);
-    dv.narrow(0, s.start, s.len).copy_(gv[0]);
+  for (const Run& r : runs_of(seqs)) {
+    const std::optional<at::Tensor> dl = has_dlse ? std::optional<at::Tensor>(cols(*dlse, r)) : std::nullopt;
+    auto [gq, gk, gv] =
+        views_bwd(rows(dout, r), rows(q, r), rows(k, r), rows(v, r), rows(out, r), cols(lse, r), dl,
+                  segment_lengths, dilation_rates, is_causal, softmax_scale);
+    rows(dq, r).copy_(gq);
+    rows(dk, r).copy_(gk);
+    rows(dv, r).copy_(gv);
   }
   return {dq, dk, dv};
 }
