@@ -304,7 +304,12 @@ def test_vmap_over_any_input_matches_a_loop(backend, in_dims, B, N, Hq, Hkv, D, 
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "manual"])
-def test_jit_trace_is_refused_by_name(backend):
+def test_jit_trace_is_refused_by_name(monkeypatch, backend):
+    """The gather-based drivers plan their kernel calls for the example's length: refused (sdpa
+    with its C++ driver switched off; the C++ driver traces, test_cpp_driver_traces_and_exports)."""
+    from dilated_attention.backends.sdpa import SdpaBackend
+
+    monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
     q, k, v = make_inputs(1, 16, 2, 2, 4, torch.float32, requires_grad=False)
     with pytest.raises(RuntimeError, match=rf"'{backend}' backend cannot be traced with torch.jit.trace"):
         torch.jit.trace(lambda q, k, v: dattn(q, k, v, SEGS, RATES, backend=backend), (q, k, v))
@@ -390,13 +395,30 @@ def test_compiled_self_attention_in_one_graph(backend):
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "manual"])
-def test_export_static_length_works_dynamic_refused(backend):
+def test_export_static_length_works_dynamic_refused(monkeypatch, backend):
+    from dilated_attention.backends.sdpa import SdpaBackend
+
+    monkeypatch.setattr(SdpaBackend, "cpp_driver", False)  # the Python driver
     q, k, v = make_inputs(1, 16, 2, 2, 4, torch.float32, requires_grad=False)
     ep = torch.export.export(_Attn(backend), (q, k, v))
     torch.testing.assert_close(ep.module()(q, k, v), _Attn(backend)(q, k, v))
     n = torch.export.Dim("n", min=2, max=64)
     with pytest.raises(Exception, match="dynamic sequence length"):
         torch.export.export(_Attn(backend), (q, k, v), dynamic_shapes=({1: n}, {1: n}, {1: n}))
+
+
+def test_cpp_driver_traces_and_exports():
+    """sdpa's C++ driver is one op that plans its calls for whatever N it gets: torch.jit.trace and
+    torch.export with a dynamic sequence length give graphs that run other lengths as eager does
+    (within the float64 reference's rounding)."""
+    q, k, v = make_inputs(1, 16, 2, 2, 4, torch.float64, requires_grad=False)
+    q2, k2, v2 = make_inputs(1, 37, 2, 2, 4, torch.float64, seed=5, requires_grad=False)
+    want = reference_attention(q2, k2, v2, SEGS, RATES, True)[0]
+    traced = torch.jit.trace(_Attn("sdpa"), (q, k, v))
+    torch.testing.assert_close(traced(q2, k2, v2), want)
+    n = torch.export.Dim("n", min=2, max=64)
+    ep = torch.export.export(_Attn("sdpa"), (q, k, v), dynamic_shapes=({1: n}, {1: n}, {1: n}))
+    torch.testing.assert_close(ep.module()(q2, k2, v2), want)
 
 
 # ----------------------------------------------------------------------------------------------

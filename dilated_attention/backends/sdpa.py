@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..op import views as views_op
 from . import sdpa_kernels
 from .base import BackendRequest, Capabilities, check_device_dtype
-from .gathered import GatheredBackend, _refuse_untraceable, lse_with_grad
+from .gathered import GatheredBackend, lse_with_grad
 
 __all__ = ["SdpaBackend"]
 
@@ -98,7 +98,7 @@ class SdpaBackend(GatheredBackend):
 
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
         if self._cpp_runs(q, k, v, dropout_p):
-            _refuse_untraceable(self.name, q.shape[1])
+            # one op that plans its calls for the N it is given: traceable, exportable with any N
             return views_op.views_attention(
                 q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
             )
@@ -132,7 +132,6 @@ class SdpaBackend(GatheredBackend):
         dropout_p=0.0,
     ):
         if self._cpp_runs(q, k, v, dropout_p):
-            _refuse_untraceable(self.name, tuple(lengths) if lengths is not None else q.shape[0])
             return views_op.views_varlen_attention(
                 q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
             )
