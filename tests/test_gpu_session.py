@@ -31,11 +31,12 @@ def test_usage_errors():
 
 
 def test_dry_run_names_every_step_within_the_deadline(tmp_path):
-    r = _run(str(tmp_path / "out"), "--dry-run", "--deadline", "560")
+    r = _run(str(tmp_path / "out"), "--dry-run", "--deadline", "575")
     assert r.returncode == 0, r.stderr
     limits = dict(re.findall(r"^(\w+) \((\d+) s\): ", r.stdout, flags=re.M))
     assert list(limits) == ["check", "views", "gpt", "profile"], r.stdout
-    assert sum(int(s) for s in limits.values()) <= 560
+    assert sum(int(s) for s in limits.values()) <= 575
+    assert int(limits["check"]) >= 400, "the tests phase needs about 390 s on an H200 (build, tests, smoke)"
     assert "scripts/gpu_check.sh tests" in r.stdout and "tests/test_views_driver.py" in r.stdout
     assert "--profile sdpa:16k:eager" in r.stdout and "--blocks 16k" in r.stdout
     summary = (tmp_path / "out" / "summary.md").read_text()
