@@ -44,7 +44,7 @@ def test_dry_run_names_every_step_within_the_deadline(tmp_path):
 
 
 def test_a_short_deadline_leaves_steps_not_run(tmp_path):
-    r = _run(str(tmp_path / "out"), "--dry-run", "--deadline", "200")
+    r = _run(str(tmp_path / "out"), "--dry-run", "--deadline", "150")
     assert r.returncode == 1
     assert "| check | not run" in r.stdout
 
