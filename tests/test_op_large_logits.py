@@ -10,9 +10,9 @@ asks for ``float64_lse=True`` and returns float32 to the caller), read in base 2
 The scores are the rounded dot products times ``softmax_scale * log2(e)``, as plain PyTorch scales
 its scores: dot products of queries scaled first (one more rounding per term, and the scaled
 queries no longer those that dk is summed over) put up to 2.4x the rule's bound into dk at logit
-standard deviations of 10-12 (``SCALED_SCORES``). And each score sums its D products in double,
-rounded once: summed in float, at D = 256 the D roundings put up to 1.9x the rule's bound into dk
-and dq (``DOUBLE_SCORES``).
+standard deviations of 10-12 (``SCALED_SCORES``). And above D = 64 each score sums its D products
+in double, rounded once: summed in float, at D = 256 the D roundings put up to 1.9x the rule's
+bound into dk and dq (``DOUBLE_SCORES``).
 """
 
 from __future__ import annotations

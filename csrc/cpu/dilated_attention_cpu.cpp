@@ -315,15 +315,6 @@ DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const
   }
 }
 
-/*
- * The scores of float rows: C (m x R*W) = alpha * A (m x K) * B (K x R*W), every product and sum in
- * double, times alpha in double and rounded to float once (cmax: the running column max, as in
- * micro). A float sum of the D products of a score rounds D times, and at large logits that error,
- * through the exps, is the largest part of the gradients' error: up to 2.5x plain PyTorch's at
- * D = 256 (whose matmul sums in another order), past the 2x of SPEC section 4. In double the
- * score is the exact dot product of the float rows rounded once; forward and backward sum in the
- * same order, so the backward still recomputes the forward's scores bit for bit.
- */
 /* A vector register of doubles (d), and the floats of half a float vector that convert into it
  * (v; vu for unaligned loads and stores). */
 template <int B>
@@ -333,6 +324,16 @@ struct HalfVec {
   typedef float vu __attribute__((vector_size(B / 2), aligned(4), may_alias));
 };
 
+/*
+ * The scores of float rows with a head dim above kFloatScoresMaxHeadDim: C (m x R*W) = alpha *
+ * A (m x K) * B (K x R*W), every product and sum in double, times alpha in double and rounded to
+ * float once (cmax: the running column max, as in micro). A float sum of the D products of a score
+ * rounds D times, and at large logits that error, through the exps, is the largest part of the
+ * gradients' error: up to 2.5x plain PyTorch's at D = 256 (whose matmul sums in another order),
+ * past the 2x of SPEC section 4. In double the score is the exact dot product of the float rows
+ * rounded once; forward and backward sum in the same order, so the backward still recomputes the
+ * forward's scores bit for bit.
+ */
 template <int B, int M, int R>
 DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, int64_t ak, const float* Bm,
                             int64_t ldb, int64_t K, float* cmax, float alpha) {
@@ -388,14 +389,25 @@ DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, i
 }
 
 /*
+ * The largest head dim whose float scores are summed in float (gemm): up to 64 products the float
+ * sum's rounding stays well within SPEC section 4 at large logits (worst 0.75 of the bound in 250
+ * random float32 cases at D = 64, logit standard deviations 4-32), at D = 128 it exceeded the
+ * bound in 2 of 250 (1.35x), at D = 256 in 17 of 1,000 comparisons (2.16x).
+ */
+constexpr int64_t kFloatScoresMaxHeadDim = 64;
+
+/*
  * S = alpha * A B (m x nv*W), the scores of the forward (S^T = scale2 K Q^T, with the column max)
- * and of the backward (S2 = scale2 Q K^T): gemm for double rows; for float rows micro_scores, in
- * panels of half the vectors of gemm's (its double accumulators take twice the registers).
+ * and of the backward (S2 = scale2 Q K^T), K = D: gemm for double rows and for float rows of up to
+ * kFloatScoresMaxHeadDim values; above, micro_scores (sums in double), in panels of half the
+ * vectors of gemm's (its double accumulators take twice the registers).
  */
 template <typename T, int B>
 DA_INLINE void gemm_scores(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
                            int64_t m, int64_t nv, int64_t K, T* cmax, T alpha) {
   if constexpr (std::is_same<T, double>::value) {
+    gemm<T, B>(C, ldc, A, as, ak, Bm, ldb, m, nv, K, false, cmax, alpha);
+  } else if (K <= kFloatScoresMaxHeadDim) {
     gemm<T, B>(C, ldc, A, as, ak, Bm, ldb, m, nv, K, false, cmax, alpha);
   } else {
     const int W = Vec<T, B>::W, MR = Vec<T, B>::MR, NV = Vec<T, B>::NV > 1 ? Vec<T, B>::NV / 2 : 1;

@@ -93,6 +93,10 @@ __device__ __forceinline__ acc_t simt_dot(const acc_t* a, const acc_t* b, int64_
   return s;
 }
 
+// The largest head dim whose float scores sum in float (as the CPU kernel's: within SPEC section
+// 4 up to D = 64 at large logits, not always above).
+constexpr int64_t kFloatScoresMaxHeadDim = 64;
+
 // Whether float scores sum in double (simt_score): on GPUs whose double multiply-add runs at half
 // the float rate (sm_60 GP100, sm_70 V100, sm_80 A100, sm_90 H100/H200, sm_100 B200); elsewhere
 // (GeForce/RTX parts, 1/32-1/64 of the float rate) in compensated float. The emulation runs either.
@@ -132,10 +136,12 @@ __device__ __forceinline__ float da_sub_rn(float a, float b) {
 // error of every addition kept: Ogita, Rump and Oishi's Dot2). A float sum of the D products
 // rounds D times, and at large logits that rounding, through the exps, is the largest part of the
 // gradients' error (up to 2.5x plain PyTorch's at D = 256, past SPEC section 4's 2x). Cost: the D
-// multiply-adds in double, or about 10 float operations per product.
+// multiply-adds in double, or about 10 float operations per product. Head dims up to
+// kFloatScoresMaxHeadDim sum in float.
 template <typename acc_t>
 __device__ __forceinline__ acc_t simt_score(const acc_t* a, const acc_t* b, int64_t D, acc_t sl2) {
   if constexpr (sizeof(acc_t) == 4) {
+    if (D <= kFloatScoresMaxHeadDim) return da_mul_rn(simt_dot(a, b, D), sl2);
     if (simt_scores_in_double()) {
       double s = 0;
       for (int64_t d = 0; d < D; ++d) s = fma((double)a[d], (double)b[d], s);
