@@ -320,6 +320,7 @@ DA_INLINE void gemm(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const
 template <int B>
 struct HalfVec {
   typedef double d __attribute__((vector_size(B)));
+  typedef double du __attribute__((vector_size(B), aligned(8), may_alias));
   typedef float v __attribute__((vector_size(B / 2)));
   typedef float vu __attribute__((vector_size(B / 2), aligned(4), may_alias));
 };
@@ -334,12 +335,13 @@ struct HalfVec {
  * rounded once; forward and backward sum in the same order, so the backward still recomputes the
  * forward's scores bit for bit.
  */
-template <int B, int M, int R>
+template <int B, int M, int R, bool Wide>
 DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, int64_t ak, const float* Bm,
-                            int64_t ldb, int64_t K, float* cmax, float alpha) {
+                            const double* Bw, int64_t ldb, int64_t K, float* cmax, float alpha) {
   typedef Vec<float, B> X;
   typedef typename X::v V;
   typedef typename HalfVec<B>::d VD;
+  typedef typename HalfVec<B>::du VDu;
   typedef typename HalfVec<B>::v VH;
   typedef typename HalfVec<B>::vu VHu;
   const int W = X::W, H = W / 2;
@@ -352,9 +354,14 @@ DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, i
     VD b[R][2];
 #pragma GCC unroll 8
     for (int j = 0; j < R; ++j) {
-      const VH lo = *(const VHu*)(Bm + k * ldb + j * W), hi = *(const VHu*)(Bm + k * ldb + j * W + H);
-      b[j][0] = __builtin_convertvector(lo, VD);
-      b[j][1] = __builtin_convertvector(hi, VD);
+      if constexpr (Wide) {  // B already in double (widen_operand)
+        b[j][0] = *(const VDu*)(Bw + k * ldb + j * W);
+        b[j][1] = *(const VDu*)(Bw + k * ldb + j * W + H);
+      } else {
+        const VH lo = *(const VHu*)(Bm + k * ldb + j * W), hi = *(const VHu*)(Bm + k * ldb + j * W + H);
+        b[j][0] = __builtin_convertvector(lo, VD);
+        b[j][1] = __builtin_convertvector(hi, VD);
+      }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
@@ -396,35 +403,65 @@ DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, i
  */
 constexpr int64_t kFloatScoresMaxHeadDim = 64;
 
+/* micro_scores over the panels of C: MR rows by half of gemm's vectors (its double accumulators take
+ * twice the registers), the last vectors one by one. */
+template <int B, bool Wide>
+DA_INLINE void scores_panels(float* C, int64_t ldc, const float* A, int64_t as, int64_t ak, const float* Bm,
+                             const double* Bw, int64_t ldb, int64_t m, int64_t nv, int64_t K, float* cmax,
+                             float alpha) {
+  const int W = Vec<float, B>::W, MR = Vec<float, B>::MR,
+            NV = Vec<float, B>::NV > 1 ? Vec<float, B>::NV / 2 : 1;
+  for (int64_t v0 = 0; v0 < nv;) {
+    const bool full = v0 + NV <= nv;  // a panel of NV vectors, else the last ones one by one
+    float* c = C + v0 * W;
+    const float* bb = Bm + v0 * W;
+    const double* bw = Wide ? Bw + v0 * W : nullptr;
+    float* cm = cmax ? cmax + v0 * W : nullptr;
+    int64_t i = 0;
+    for (; i + MR <= m; i += MR)
+      full ? micro_scores<B, MR, NV, Wide>(c + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K, cm, alpha)
+           : micro_scores<B, MR, 1, Wide>(c + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K, cm, alpha);
+    for (; i < m; ++i)
+      full ? micro_scores<B, 1, NV, Wide>(c + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K, cm, alpha)
+           : micro_scores<B, 1, 1, Wide>(c + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K, cm, alpha);
+    v0 += full ? NV : 1;
+  }
+}
+
+/* The reused operand B of the scores (K x ld floats: packed queries in the forward, keys in the
+ * backward) in double, once per tile, where micro_scores runs (float rows, head dim above
+ * kFloatScoresMaxHeadDim), so that its inner loop loads doubles instead of converting every step;
+ * nullptr elsewhere. */
+template <typename T>
+DA_INLINE const double* widen_operand(const T* src, int64_t K, int64_t ld, std::vector<double>& dst) {
+  if constexpr (std::is_same<T, double>::value) {
+    return nullptr;
+  } else {
+    if (K <= kFloatScoresMaxHeadDim) return nullptr;
+    dst.resize((size_t)(K * ld));
+    for (int64_t i = 0; i < K * ld; ++i) dst[(size_t)i] = (double)src[i];
+    return dst.data();
+  }
+}
+
 /*
  * S = alpha * A B (m x nv*W), the scores of the forward (S^T = scale2 K Q^T, with the column max)
  * and of the backward (S2 = scale2 Q K^T), K = D: gemm for double rows and for float rows of up to
- * kFloatScoresMaxHeadDim values; above, micro_scores (sums in double), in panels of half the
- * vectors of gemm's (its double accumulators take twice the registers).
+ * kFloatScoresMaxHeadDim values; above, micro_scores (sums in double) in scores_panels, reading B
+ * from Bw when it is given (B in double: widen_operand).
  */
 template <typename T, int B>
 DA_INLINE void gemm_scores(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
-                           int64_t m, int64_t nv, int64_t K, T* cmax, T alpha) {
+                           int64_t m, int64_t nv, int64_t K, T* cmax, T alpha, const double* Bw = nullptr) {
   if constexpr (std::is_same<T, double>::value) {
     gemm<T, B>(C, ldc, A, as, ak, Bm, ldb, m, nv, K, false, cmax, alpha);
   } else if (K <= kFloatScoresMaxHeadDim) {
     gemm<T, B>(C, ldc, A, as, ak, Bm, ldb, m, nv, K, false, cmax, alpha);
   } else {
-    const int W = Vec<T, B>::W, MR = Vec<T, B>::MR, NV = Vec<T, B>::NV > 1 ? Vec<T, B>::NV / 2 : 1;
-    for (int64_t v0 = 0; v0 < nv;) {
-      const bool full = v0 + NV <= nv;  // a panel of NV vectors, else the last ones one by one
-      T* c = C + v0 * W;
-      const T* bb = Bm + v0 * W;
-      T* cm = cmax ? cmax + v0 * W : nullptr;
-      int64_t i = 0;
-      for (; i + MR <= m; i += MR)
-        full ? micro_scores<B, MR, NV>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K, cm, alpha)
-             : micro_scores<B, MR, 1>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K, cm, alpha);
-      for (; i < m; ++i)
-        full ? micro_scores<B, 1, NV>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K, cm, alpha)
-             : micro_scores<B, 1, 1>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K, cm, alpha);
-      v0 += full ? NV : 1;
-    }
+    if (Bw)
+      scores_panels<B, true>(C, ldc, A, as, ak, Bm, Bw, ldb, m, nv, K, cmax, alpha);
+    else
+      scores_panels<B, false>(C, ldc, A, as, ak, Bm, Bw, ldb, m, nv, K, cmax, alpha);
   }
 }
 
@@ -513,6 +550,7 @@ struct FwdScratch {
   T *qt, *st;                // (D, QT) queries, transposed; (KF, QT) scores, then weights
   T *mt, *lt, *corr, *tmax;  // (QT) tile state
   T* acct;                   // (QT, Dp)
+  std::vector<double> wide;  // qt in double, for the scores of head dims above kFloatScoresMaxHeadDim
   FwdScratch(int64_t QB, int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)QB, (size_t)QB, (size_t)(QB * Dp), (size_t)(D * QT), (size_t)(KF * QT),
                               QT, QT, QT, QT, (size_t)(QT * Dp)})) {
@@ -673,6 +711,7 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
         const int64_t jq0 = g.j0 + q0;  // dilated index of the tile's first query
         const T* qp = P.q + b * P.q_sb + (g.first + q0 * r) * P.q_sn + h * P.q_sh;
         pack_transposed(s->qt, ld, qp, r * P.q_sn, nq, D, (T)1);
+        const double* qt_wide = widen_operand(s->qt, D, ld, s->wide);
         for (int64_t i = 0; i < ld; ++i) {
           s->mt[i] = neg_inf<T>();
           s->lt[i] = 0;
@@ -684,7 +723,7 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
           const bool diag = P.causal && kt0 + nk - 1 > jq0;
           for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
           gemm_scores<T, B>(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, diag ? nullptr : s->tmax,
-                            P.scale2);  // S^T = scale2 K Q^T and its column max
+                            P.scale2, qt_wide);  // S^T = scale2 K Q^T and its column max
           if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - jq0);
           online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
           for (int64_t i = 0; i < nq; ++i) {
@@ -1084,13 +1123,14 @@ struct Bwd {
 template <typename T>
 struct BwdScratch {
   Arena<T> arena;
-  T *kt, *vt;      // (D, KB) keys and values of the tile, transposed
-  T *dkt, *dvt;    // (KB, Dp) their gradients
-  T *s, *dp;       // (QT, KB): scores then P; dout . v then dS
-  T *lse, *lselo;  // (QT): lse in base 2 (lse / unit) as hi + lo (lse_base2)
-  T* delta;        // (QT)
-  T* dqt;          // (QT, Dp): one key tile's share of dq
-  T* mask;         // (QT, KB): dropout's factors (0 or 1 / (1 - p)) of the tile
+  T *kt, *vt;                // (D, KB) keys and values of the tile, transposed
+  T *dkt, *dvt;              // (KB, Dp) their gradients
+  T *s, *dp;                 // (QT, KB): scores then P; dout . v then dS
+  T *lse, *lselo;            // (QT): lse in base 2 (lse / unit) as hi + lo (lse_base2)
+  T* delta;                  // (QT)
+  T* dqt;                    // (QT, Dp): one key tile's share of dq
+  T* mask;                   // (QT, KB): dropout's factors (0 or 1 / (1 - p)) of the tile
+  std::vector<double> wide;  // kt in double, for the scores of head dims above kFloatScoresMaxHeadDim
   BwdScratch(int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp), (size_t)(KB * Dp),
                               QT * KB, QT * KB, QT, QT, QT, (size_t)(QT * Dp), QT * KB})) {
@@ -1183,6 +1223,7 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
   for (int64_t kt0 = 0; kt0 < c; kt0 += KB) {
     const int64_t nk = da_min64(KB, c - kt0), nv = da_ceil_div(nk, W), ld = nv * W;
     pack_transposed(s->kt, ld, kp + kt0 * ks, ks, nk, D, (T)1);
+    const double* kt_wide = widen_operand(s->kt, D, ld, s->wide);
     pack_transposed(s->vt, ld, vp + kt0 * vs, vs, nk, D, (T)1);
     for (int64_t i = 0; i < nk * Dp; ++i) s->dkt[i] = s->dvt[i] = 0;
     int64_t tiles = 0;  // query tiles summed into dkt and dvt
@@ -1200,8 +1241,9 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
         }
         const T* qi = qp + qt0 * qs;
         const T* doi = dop + qt0 * dos;
-        gemm_scores<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, nullptr, P.scale2);  // S2 = scale2 Q K^T
-        if (P.out)                                                                        // dO (V - O)^T
+        gemm_scores<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, nullptr, P.scale2,
+                          kt_wide);  // S2 = scale2 Q K^T
+        if (P.out)                   // dO (V - O)^T
           gemm<T, B, true>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
                            P.out + (doi - P.dout));
         else  // dP = dO V^T

@@ -51,6 +51,7 @@ DA_INLINE void piece_fwd_tile_impl(const PieceArgs<T>& P, int64_t b, int64_t h, 
   const int64_t D = P.D, Dp = P.Dp, hk = h / (P.Hq / P.Hkv);
   const int64_t nq = da_min64(QT, P.nq - qt0), nv = da_ceil_div(nq, W), ld = nv * W;
   pack_transposed(s->qt, ld, P.q + b * P.q_sb + qt0 * P.q_sn + h * P.q_sh, P.q_sn, nq, D, (T)1);
+  const double* qt_wide = widen_operand(s->qt, D, ld, s->wide);
   for (int64_t i = 0; i < ld; ++i) {
     s->mt[i] = neg_inf<T>();
     s->lt[i] = 0;
@@ -65,7 +66,7 @@ DA_INLINE void piece_fwd_tile_impl(const PieceArgs<T>& P, int64_t b, int64_t h, 
     const bool diag = P.causal && kt0 + nk - 1 > qt0 + P.offset;  // the first query misses some
     for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
     gemm_scores<T, B>(s->st, ld, kp + kt0 * P.k_sn, P.k_sn, 1, s->qt, ld, nk, nv, D, diag ? nullptr : s->tmax,
-                      P.scale2);  // S^T = scale2 K Q^T and its column max
+                      P.scale2, qt_wide);  // S^T = scale2 K Q^T and its column max
     if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - qt0 - P.offset);
     online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
     for (int64_t i = 0; i < nq; ++i) {
@@ -123,6 +124,7 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
     if (q_first >= P.nq) break;  // no query sees this tile or any later one
     const int64_t nk = da_min64(KB, P.nk - kt0), nv = da_ceil_div(nk, W), ld = nv * W;
     pack_transposed(s->kt, ld, kp + kt0 * P.k_sn, P.k_sn, nk, D, (T)1);
+    const double* kt_wide = widen_operand(s->kt, D, ld, s->wide);
     pack_transposed(s->vt, ld, vp + kt0 * P.v_sn, P.v_sn, nk, D, (T)1);
     for (int64_t i = 0; i < nk * Dp; ++i) s->dkt[i] = s->dvt[i] = 0;
     for (int64_t h = hk * G; h < (hk + 1) * G; ++h) {
@@ -140,8 +142,8 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
         const T* qi = qp + qt0 * P.q_sn;
         const T* doi = dop + qt0 * P.do_sn;
         // the forward's scores bit for bit, so that they cancel its lse
-        gemm_scores<T, B>(s->s, ld, qi, P.q_sn, 1, s->kt, ld, nq, nv, D, nullptr,
-                          P.scale2);  // S2 = scale2 Q K^T
+        gemm_scores<T, B>(s->s, ld, qi, P.q_sn, 1, s->kt, ld, nq, nv, D, nullptr, P.scale2,
+                          kt_wide);  // S2 = scale2 Q K^T
         gemm<T, B, true>(s->dp, ld, doi, P.do_sn, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
                          P.out + (doi - P.dout));  // dO (V - O)^T
         ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 + P.offset - kt0, s->lse, s->lselo, s->delta,
