@@ -243,16 +243,17 @@ def test_large_logits_gqa_bfloat16_within_the_rule():
 # ----------------------------------------------------------------------------------------------
 
 
-def _counting(monkeypatch) -> list[int]:
-    """Counts the sdpa backend's calls of the C++ driver."""
+def _counting(monkeypatch, name: str = "views_attention") -> list[int]:
+    """Counts the sdpa backend's calls of the C++ driver's ``name`` (views_attention, or
+    views_varlen_attention for packed sequences)."""
     calls = [0]
-    real = _views_op.views_attention
+    real = getattr(_views_op, name)
 
     def counted(*args):
         calls[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(_views_op, "views_attention", counted)
+    monkeypatch.setattr(_views_op, name, counted)
     return calls
 
 
@@ -360,14 +361,7 @@ def test_varlen_matches_the_reference(
 
     from dilated_attention import dilated_attention_varlen
 
-    calls = [0]
-    real = _views_op.views_varlen_attention
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(_views_op, "views_varlen_attention", counted)
+    calls = _counting(monkeypatch, "views_varlen_attention")
     cu, cu_list = cu_of(lengths)
     T = cu_list[-1]
     q, k, v = (t[0] for t in make_inputs(1, T, Hq, Hkv, D, dtype, requires_grad=False, device=device))
@@ -453,14 +447,7 @@ def test_varlen_under_torch_func(monkeypatch):
 
     from dilated_attention import dilated_attention_varlen
 
-    calls = [0]
-    real = _views_op.views_varlen_attention
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(_views_op, "views_varlen_attention", counted)
+    calls = _counting(monkeypatch, "views_varlen_attention")
     cu, cu_list = cu_of([5, 0, 7])
     q, k, v = (t[0] for t in make_inputs(1, 12, 2, 1, 4, torch.float64, requires_grad=False))
 
