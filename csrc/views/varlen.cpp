@@ -96,9 +96,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_varlen_bwd(
                        is_causal, softmax_scale);
   check_varlen_backward_shapes(q, dout, out, lse, dlse);
   const bool has_dlse = dlse.has_value() && dlse->defined();
-  const at::Tensor dq = at::zeros(q.sizes(), q.options());
-  const at::Tensor dk = at::zeros(k.sizes(), k.options());
-  const at::Tensor dv = at::zeros(v.sizes(), v.options());
+  // every row belongs to one non-empty sequence (cu_seqlens covers 0..T), so every row is written
+  const at::Tensor dq = at::empty(q.sizes(), q.options());
+  const at::Tensor dk = at::empty(k.sizes(), k.options());
+  const at::Tensor dv = at::empty(v.sizes(), v.options());
   for (const Run& r : runs_of(seqs)) {
     const std::optional<at::Tensor> dl = has_dlse ? std::optional<at::Tensor>(cols(*dlse, r)) : std::nullopt;
     auto [gq, gk, gv] =
