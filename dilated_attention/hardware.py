@@ -89,7 +89,11 @@ class Verification:
 #: passed the GPU verification of ``scripts/gpu_check.sh`` (docs/cuda.md), each with its record.
 #: ``auto`` picks ``native`` on CUDA only on these capabilities and for the families recorded.
 #: An entry is added by the commit that records a passing check (the check's summary.md prints it).
-CUDA_KERNELS_VERIFIED: dict[tuple[int, int], Verification] = {}
+CUDA_KERNELS_VERIFIED: dict[tuple[int, int], Verification] = {
+    # benchmarks/results/gpu-check-h200-199db38.md: tests phase 373 passed, smoke 11/11, the
+    # sanitizers clean; native stays after sdpa there (CUDA_SPEED_MEASURED).
+    (9, 0): Verification("NVIDIA H200", "199db38", "2026-11-27", ("tensor-core", "simt")),
+}
 
 
 @dataclass(frozen=True)

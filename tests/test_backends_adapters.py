@@ -279,13 +279,10 @@ def test_selection_with_doubles_on_a_fake_gpu(fake_gpu, fake_flash, fake_flash3,
     sel = resolve("flash_attn_3", cuda_bf16)
     assert sel.name == "flash_attn_2"
     assert "compute capability 9.x, got 8.0 (FAKE sm_80)" in sel.skipped[0][1][0]
-    # auto on Hopper: FlashAttention-3 unless native's CUDA kernels are verified and built here.
+    # auto on Hopper: FlashAttention-3 (native, verified there, was measured slower: after sdpa).
     fake_gpu["cap"] = (9, 0)
-    assert resolve("auto", cuda_bf16).name == (
-        "native"
-        if hardware.CUDA_KERNELS_VERIFIED and get_backend("native").can_run(cuda_bf16)
-        else "flash_attn_3"
-    )
+    assert hardware.native_measured_slower("cuda")
+    assert resolve("auto", cuda_bf16).name == "flash_attn_3"
     # float32 is not a FlashAttention dtype; sdpa takes it.
     sel = resolve("flash_attn_2", BackendRequest(torch.device("cuda", 0), torch.float32, 64))
     assert sel.name == "sdpa" and "supports float16, bfloat16, got float32" in sel.skipped[0][1][0]

@@ -178,6 +178,33 @@ def test_recorded_verifications_are_well_formed():
         assert record.families and set(record.families) <= set(hardware.KERNEL_FAMILIES), record
 
 
+def test_shipped_records_on_hopper(fake_cuda):
+    """The shipped tables on sm_90: native verified for both families but measured slower, so it
+    follows sdpa in half precision, and takes float32 (where auto leaves sdpa out) before manual."""
+    fake_cuda["cap"] = (9, 0)
+    assert hardware.cuda_kernels_verified("cuda", torch.bfloat16, 64)
+    assert hardware.cuda_kernels_verified("cuda", torch.float32, 64)  # the SIMT family
+    assert hardware.native_measured_slower("cuda")
+    assert hardware.recommended_backends("cuda", torch.bfloat16, 64) == [
+        "flash_attn_3",
+        "flash_attn_2",
+        "xformers",
+        "sdpa",
+        "native",
+        "manual",
+    ]
+    assert hardware.recommended_backends("cuda", torch.float32, 64) == [
+        "flash_attn_3",
+        "flash_attn_2",
+        "xformers",
+        "native",
+        "manual",
+    ]
+    # An sm_89 (Ada) card is not covered by the sm_90 record.
+    fake_cuda["cap"] = (8, 9)
+    assert not hardware.cuda_kernels_verified("cuda", torch.bfloat16, 64)
+
+
 def test_native_warns_once_when_half_precision_runs_on_simt_kernels(fake_cuda, monkeypatch):
     from types import SimpleNamespace
 
