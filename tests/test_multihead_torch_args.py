@@ -242,3 +242,34 @@ def test_float_padding_masks_other_than_torchs_are_refused_by_value():
     got, want = m(x, key_padding_mask=as_float)[0], m(x, key_padding_mask=real)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(m(x, key_padding_mask=torch.zeros_like(ones))[0], m(x)[0], rtol=0, atol=0)
+
+
+def test_in_a_torch_decoder_layer_a_bool_padding_mask_is_refused():
+    """nn.TransformerDecoderLayer passes its bool tgt_key_padding_mask (torch's convention, True =
+    padding) to self_attn as given, with need_weights=False: read in this module's convention it
+    took every real token for padding, silently. A bool mask in a call that names need_weights is
+    now a ValueError naming DropInMultiheadAttention; the float form is read as torch reads it and
+    equals the same layer with nn.MultiheadAttention at the real positions."""
+    torch.manual_seed(0)
+    ref = nn.TransformerDecoderLayer(E, H, 32, dropout=0.0, batch_first=True, dtype=torch.float64).eval()
+    with torch.no_grad():
+        ref.self_attn.in_proj_bias.normal_(0.0, 0.1)
+    ours = copy.deepcopy(ref)
+    ours.self_attn = MultiheadDilatedAttention.from_torch(ref.self_attn, [16], [1])
+    x, memory = torch.randn(2, 10, E, dtype=torch.float64), torch.randn(2, 6, E, dtype=torch.float64)
+    padding = torch.zeros(2, 10, dtype=torch.bool)
+    padding[1, 7:] = True
+    with pytest.raises(
+        ValueError, match=r"bool mask in a call that passes need_weights.*DropInMultiheadAttention"
+    ):
+        ours(x, memory, tgt_key_padding_mask=padding)
+    as_float = torch.zeros(2, 10, dtype=torch.float64).masked_fill(padding, float("-inf"))
+    got = ours(x, memory, tgt_key_padding_mask=as_float)
+    want = ref(x, memory, tgt_key_padding_mask=as_float)
+    torch.testing.assert_close(got[~padding], want[~padding], rtol=1e-10, atol=1e-10)
+    # Called directly, the module's own bool convention (True = a real token) still holds.
+    m = ours.self_attn
+    direct = m(x, key_padding_mask=~padding)[0]
+    torch.testing.assert_close(direct[~padding], m(x, key_padding_mask=as_float)[0][~padding])
+    with pytest.raises(ValueError, match="leave need_weights out"):
+        m(x, key_padding_mask=~padding, need_weights=False)

@@ -24,6 +24,26 @@ from .dilated import DilatedAttention
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
 
+def _refuse_torch_bool_mask(mask: Any) -> None:
+    """A bool ``key_padding_mask`` in a call that names ``need_weights`` is refused.
+
+    That is how torch's transformer layers call their ``self_attn`` (``nn.TransformerDecoderLayer``
+    passes ``need_weights=False`` and its bool ``tgt_key_padding_mask`` as given, True = padding),
+    and this module reads a bool mask the other way round (True = a real token): every real token
+    would be taken for padding and every padded one for a real token, without an error.
+    """
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        raise ValueError(
+            "key_padding_mask is a bool mask in a call that passes need_weights, as torch's "
+            "transformer layers (nn.TransformerDecoderLayer) call nn.MultiheadAttention with torch's "
+            "mask (True = padding); MultiheadDilatedAttention reads a bool mask the other way round "
+            "(True = a real token, SPEC section 7). Inside torch's layers use "
+            "dilated_attention.DropInMultiheadAttention, which takes torch's masks as they are; "
+            "called directly, leave need_weights out (its only allowed value is False) or give the "
+            "mask as floats (0 = a real key, -inf = padding)"
+        )
+
+
 def _real_tokens(mask: Any, B: int, N: int) -> Any:
     """``key_padding_mask`` as :class:`DilatedAttention` takes it (True = a real token).
 
@@ -80,7 +100,7 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
     Both spellings of the width and head count are accepted (``embed_dim``/``dim``,
     ``num_heads``/``heads``); giving both with different values is an error.
 
-    ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False,
+    ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=None,
     attn_mask=None, average_attn_weights=True, is_causal=False) -> (out, None)``: the arguments
     of ``nn.MultiheadAttention.forward``, in its order. query, key and value are (B, N, E) (or
     (N, E) unbatched), all of the same length N; ``forward(x)`` is self-attention.
@@ -91,15 +111,16 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
     ValueError naming it). That is the form ``nn.TransformerEncoderLayer`` passes its
     ``src_key_padding_mask`` on in (it converts torch's bool mask, True = padding, to the input's
     dtype), so inside that layer give ``src_key_padding_mask`` in torch's convention.
-    ``nn.TransformerDecoderLayer`` passes its masks on as given: a bool ``tgt_key_padding_mask``
-    reaches this module in torch's convention and is read in this one's, so use
-    :class:`~dilated_attention.DropInMultiheadAttention` there. Each row's real tokens must be
+    ``nn.TransformerDecoderLayer`` passes its masks on as given, with ``need_weights=False``: a
+    bool ``key_padding_mask`` in a call that names ``need_weights`` (the way torch's layers call
+    their ``self_attn``) is therefore a ValueError, since it would arrive in torch's convention and
+    be read in this one's; use :class:`~dilated_attention.DropInMultiheadAttention` there. Each row's real tokens must be
     one contiguous run and are attended as a sequence of their own (see :class:`DilatedAttention`);
     padded positions get attention output 0 (the output projection's bias still applies) and pass
     no gradient to the real tokens. The second
     result stands where ``nn.MultiheadAttention`` returns its attention weights, which dilated
     attention never forms: ``need_weights=True`` is an error, and ``average_attn_weights`` is
-    accepted and changes nothing. ``attn_mask`` (N, N) or (B * H, N, N) may be the causal mask
+    accepted and changes nothing (``need_weights`` None or False: no weights). ``attn_mask`` (N, N) or (B * H, N, N) may be the causal mask
     (boolean, True above the diagonal, or float, -inf above the diagonal and 0 elsewhere), which
     means ``is_causal=True``, or a mask that masks nothing (all False, or all 0), which means no
     mask; any other mask is an error, since a dilated pattern is not a dense mask, and so is
@@ -237,13 +258,14 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = False,
+        need_weights: bool | None = None,
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
         """``(out, None)``; see the class docstring for the arguments."""
-        V.check_bool(need_weights, "need_weights")
+        if need_weights is not None:
+            V.check_bool(need_weights, "need_weights")
         V.check_bool(average_attn_weights, "average_attn_weights")
         is_causal = V.check_bool(is_causal, "is_causal")
         if need_weights:
@@ -252,6 +274,8 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
                 "memory stays linear in N; a query attends to a few dilated segments, not to a dense "
                 "row), so there are none to return. Pass need_weights=False; the second result is None."
             )
+        if need_weights is not None:
+            _refuse_torch_bool_mask(key_padding_mask)
         if (key is None) != (value is None):
             raise ValueError(
                 "give both key and value, or neither (self-attention), got only "
@@ -314,7 +338,7 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
             key: torch.Tensor | None = None,
             value: torch.Tensor | None = None,
             key_padding_mask: torch.Tensor | None = None,
-            need_weights: bool = False,
+            need_weights: bool | None = None,
             attn_mask: torch.Tensor | None = None,
             average_attn_weights: bool = True,
             is_causal: bool = False,
