@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,3 +105,52 @@ def needs_cuda_kernels(built: bool) -> pytest.MarkDecorator:
     if not built:
         missing.append(f"the extension's CUDA kernels ({cuda_build_reason()})")
     return pytest.mark.skipif(bool(missing), reason="needs " + " and ".join(missing))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cuda_headers() -> Path | None:
+    """A directory with cuda_runtime.h, cuda_fp16.h and cuda_bf16.h (no GPU or driver needed):
+    CUDA_HOME, CUDA_PATH, torch's CUDA_HOME, /usr/local/cuda or the toolkit of the nvcc on PATH."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOME, "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        try:
+            dry = subprocess.run(
+                [nvcc, "-v", "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            for line in (dry.stdout + dry.stderr).splitlines():
+                if line.startswith("#$ TOP="):
+                    roots.append(line.split("=", 1)[1].strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    for root in roots:
+        inc = Path(root) / "include" if root else None
+        if inc and all((inc / h).exists() for h in ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")):
+            return inc
+    return None
+
+
+def build_emulation(runner: str, out_dir: Path, opt: str = "-O1") -> ctypes.CDLL:
+    """csrc/cuda/emulation/<runner>.cpp compiled with the host C++ compiler for the CPU emulation
+    of the CUDA kernels and loaded; skips the test where no compiler or CUDA headers are found."""
+    from torch.utils.cpp_extension import include_paths
+
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    inc = cuda_headers()
+    if cxx is None or inc is None:
+        pytest.skip("the CPU emulation of the CUDA kernels needs a C++ compiler and the CUDA headers")
+    lib = out_dir / f"{runner}.so"
+    cmd = [cxx, "-std=c++17", opt, "-shared", "-fPIC", "-DDA_CUDA_EMULATION", "-Wno-attributes"]
+    cmd += [f"-I{ROOT / 'csrc'}", f"-I{inc}", *(f"-I{p}" for p in include_paths())]
+    cmd += [str(ROOT / "csrc" / "cuda" / "emulation" / f"{runner}.cpp"), "-o", str(lib)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert res.returncode == 0, f"building the emulation runner {runner} failed:\n{res.stderr[-4000:]}"
+    return ctypes.CDLL(str(lib))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from common import grads, load_script, needs_cuda_kernels
+from common import build_emulation, grads, load_script, needs_cuda_kernels
 from common import make_inputs as _make_inputs
 from reference import multiplicity, reference_attention, reference_piece, reference_varlen
 from tolerance import assert_causal_segment_within_rule, assert_within_rule
@@ -526,62 +526,10 @@ def test_chosen_tiling_computes_few_masked_pairs_on_longnet_branches(walk_lib, N
 # ----------------------------------------------------------------------------------------------
 
 
-def _cuda_headers() -> Path | None:
-    """A directory with cuda_runtime.h, cuda_fp16.h and cuda_bf16.h (no GPU or driver needed)."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOME, "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        try:
-            dry = subprocess.run(
-                [nvcc, "-v", "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-            )
-            for line in (dry.stdout + dry.stderr).splitlines():
-                if line.startswith("#$ TOP="):
-                    roots.append(line.split("=", 1)[1].strip())
-        except (OSError, subprocess.SubprocessError):
-            pass
-    for root in roots:
-        if root and all(
-            (Path(root) / "include" / h).exists() for h in ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")
-        ):
-            return Path(root) / "include"
-    return None
-
-
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     """csrc/cuda's kernels compiled for the CPU emulation (csrc/cuda/emulation/run_kernels.cpp)."""
-    from torch.utils.cpp_extension import include_paths
-
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    inc = _cuda_headers()
-    if cxx is None or inc is None:
-        pytest.skip("the CPU emulation of the CUDA kernels needs a C++ compiler and the CUDA headers")
-    lib = tmp_path_factory.mktemp("emu") / "run_kernels.so"
-    cmd = [
-        cxx,
-        "-std=c++17",
-        "-O2",
-        "-shared",
-        "-fPIC",
-        "-DDA_CUDA_EMULATION",
-        "-Wno-attributes",
-        f"-I{ROOT / 'csrc'}",
-        f"-I{inc}",
-        *(f"-I{p}" for p in include_paths()),
-        str(ROOT / "csrc" / "cuda" / "emulation" / "run_kernels.cpp"),
-        "-o",
-        str(lib),
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert res.returncode == 0, f"building the emulation of csrc/cuda failed:\n{res.stderr[-4000:]}"
-    so = ctypes.CDLL(str(lib))
+    so = build_emulation("run_kernels", tmp_path_factory.mktemp("emu"), "-O2")
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     head = [ctypes.c_int, ctypes.c_int] + [i64] * 6 + [vp, vp, ctypes.c_int, ctypes.c_double] + [i64] * 4
     so.da_emu_forward.argtypes = head + [vp] * 5 + [ctypes.c_char_p, ctypes.c_int]

@@ -6,14 +6,11 @@ the float64 reference through ``BoundedDilatedKVCache``."""
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from common import make_inputs, needs_cuda_kernels, one_thread  # noqa: F401  (one_thread: autouse)
+from common import build_emulation, make_inputs, needs_cuda_kernels, one_thread  # noqa: F401  (one_thread: autouse)
 from reference import reference_attention
 
 from dilated_attention.decode import BoundedDilatedKVCache
@@ -24,32 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
-def _cuda_headers() -> Path | None:
-    """A directory with cuda_runtime.h, cuda_fp16.h and cuda_bf16.h (no GPU or driver needed)."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), CUDA_HOME, "/usr/local/cuda"):
-        inc = Path(root) / "include" if root else None
-        if inc and all((inc / h).exists() for h in ("cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h")):
-            return inc
-    return None
-
-
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    from torch.utils.cpp_extension import include_paths
-
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    inc = _cuda_headers()
-    if cxx is None or inc is None or not has_decode_kernel("cpu"):
-        pytest.skip("the emulation needs a C++ compiler, the CUDA headers and the CPU decode op")
-    lib = tmp_path_factory.mktemp("emu") / "run_decode.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-DDA_CUDA_EMULATION", "-Wno-attributes"]
-    cmd += [f"-I{ROOT / 'csrc'}", f"-I{inc}", *(f"-I{p}" for p in include_paths())]
-    cmd += [str(ROOT / "csrc" / "cuda" / "emulation" / "run_decode.cpp"), "-o", str(lib)]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    assert res.returncode == 0, f"building the emulation of the decode kernels failed:\n{res.stderr[-4000:]}"
-    so = ctypes.CDLL(str(lib))
+    if not has_decode_kernel("cpu"):
+        pytest.skip("the emulation is compared with the CPU decode op, which this build lacks")
+    so = build_emulation("run_decode", tmp_path_factory.mktemp("emu"))
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     so.da_emu_decode.argtypes = [ctypes.c_int] + [i64] * 7 + [vp] * 3 + [ctypes.c_double] + [vp] * 8
     return so

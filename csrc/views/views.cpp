@@ -32,6 +32,7 @@
 #include "checks.h"
 #include "views/merge.h"
 #include "views/plan.h"
+#include "views/rows.h"
 #include "views/views.h"
 
 #ifdef DILATED_ATTENTION_WITH_CUDA
@@ -294,23 +295,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at:
     const at::Tensor ds = p * t;
     return {ds * kf * scale, ds * qf * scale, p * dof};
   }
-  auto run = [&](const at::Tensor& d_o, const at::Tensor& vv, const at::Tensor& o) {
+  // d_o and o (Bb, n, m, D), lt (Bb, n, m): for cuDNN contiguous, for flash any strides
+  auto run = [&](const at::Tensor& d_o, const at::Tensor& vv, const at::Tensor& o, const at::Tensor& lt) {
     const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = vv.transpose(1, 2);
-    const at::Tensor lt = lse.transpose(1, 2).contiguous();  // (Bb, n, m)
     if (kind == 2) {
       const at::Tensor seed = at::empty({}, q.options().dtype(at::kLong));
       const at::Tensor offset = at::empty({}, q.options().dtype(at::kLong));
-      return at::_scaled_dot_product_cudnn_attention_backward(
-          d_o.transpose(1, 2).contiguous(), qt, kt, vt, o.transpose(1, 2).contiguous(), lt.unsqueeze(-1),
-          seed, offset, at::Tensor(), at::Tensor(), at::Tensor(), m, mk, 0.0, is_causal, scale);
+      return at::_scaled_dot_product_cudnn_attention_backward(d_o, qt, kt, vt, o, lt.unsqueeze(-1), seed,
+                                                              offset, at::Tensor(), at::Tensor(),
+                                                              at::Tensor(), m, mk, 0.0, is_causal, scale);
     }
     const at::Tensor seed = at::empty({}, at::TensorOptions().dtype(at::kLong));
     const at::Tensor offset = at::empty({}, at::TensorOptions().dtype(at::kLong));
-    return at::_scaled_dot_product_flash_attention_backward(d_o.transpose(1, 2), qt, kt, vt,
-                                                            o.transpose(1, 2), lt, at::Tensor(), at::Tensor(),
-                                                            m, mk, 0.0, is_causal, seed, offset, scale);
+    return at::_scaled_dot_product_flash_attention_backward(
+        d_o, qt, kt, vt, o, lt, at::Tensor(), at::Tensor(), m, mk, 0.0, is_causal, seed, offset, scale);
   };
-  auto g = run(dout, v, out);
+  // (Bb, m, n, D) -> (Bb, n, m, D) as the kernel reads it
+  auto for_kernel = [&](const at::Tensor& x) {
+    return kind == 2 ? x.transpose(1, 2).contiguous() : x.transpose(1, 2);
+  };
+  at::Tensor d_o, o, lt;
+  if (kind == 2) {  // dout, out and the statistics made contiguous in one launch
+    d_o = at::empty({q.size(0), q.size(2), m, q.size(3)}, dout.options());
+    o = at::empty(d_o.sizes(), out.options());
+    lt = at::empty({q.size(0), q.size(2), m}, lse.options());
+    move_rows_cuda_({d_o.transpose(1, 2), o.transpose(1, 2), lt.transpose(1, 2).unsqueeze(-1)},
+                    {dout, out, lse.unsqueeze(-1)}, false);
+  } else {
+    d_o = dout.transpose(1, 2);
+    o = out.transpose(1, 2);
+    lt = lse.transpose(1, 2).contiguous();
+  }
+  auto g = run(d_o, v, o, lt);
   // in the inputs' dtype, added into the float32 accumulators as they are (one rounding less
   // than a cast first); the dlse term summed with them in float32
   at::Tensor dq = std::get<0>(g).transpose(1, 2), dk = std::get<1>(g).transpose(1, 2);
@@ -320,7 +336,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at:
     unit.select(-1, 0).fill_(1);
     at::Tensor d_unit = at::zeros_like(q, at::MemoryFormat::Contiguous);
     d_unit.select(-1, 0).copy_(dlse.neg());
-    auto e = run(d_unit, at::zeros_like(v, at::MemoryFormat::Contiguous), unit);
+    auto e = run(for_kernel(d_unit), at::zeros_like(v, at::MemoryFormat::Contiguous), for_kernel(unit), lt);
     dq = dq.to(at::kFloat).add_(std::get<0>(e).transpose(1, 2));
     dk = dk.to(at::kFloat).add_(std::get<1>(e).transpose(1, 2));
   }
@@ -460,9 +476,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
               cuda_backward(kind, call_view(dout, c, c.q, b), call_view(q, c, c.q, b), repeat_heads(kv, n),
                             repeat_heads(vv, n), call_view(out, c, c.q, b), call_view3(lse_bnh, c, c.q, b),
                             has_dlse ? call_view3(dlse_bnh, c, c.q, b) : at::Tensor(), is_causal, scale);
+          const int64_t hk = kv.size(2);
+          if (!c.kv.expanded() && hk == n && gk.scalar_type() == gq.scalar_type() &&
+              gv.scalar_type() == gq.scalar_type()) {  // the three adds in one launch
+            move_rows_cuda_({call_view(dq, c, c.q, b), call_view(dk, c, c.kv, b), call_view(dv, c, c.kv, b)},
+                            {gq, gk, gv}, true);
+            continue;
+          }
           call_view(dq, c, c.q, b).add_(gq);
           Strided skv = c.kv;
-          const int64_t hk = kv.size(2);
           if (c.kv.expanded()) {  // one head read by every head of the call: the sum, in float32
             skv = Strided{c.kv.p0, c.kv.dp, c.kv.c0, 1, 1};
             gk = at::sum(gk, {2}, true, at::kFloat);

@@ -1,0 +1,42 @@
+// Runs rows_kernel.cuh (the views driver's row moves) on the CPU through cuda_emulation.h, for
+// tests without a GPU (tests/test_views_rows.py loads it with ctypes). It builds the job with
+// add_row_pair and picks the kernel with with_rows_kernel, as rows_cuda.cu does, and runs the grid
+// block by block. Build:
+//   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>
+//       csrc/cuda/emulation/run_rows.cpp -o run_rows.so
+#ifndef DA_CUDA_EMULATION
+#error "build with -DDA_CUDA_EMULATION"
+#endif
+
+#include "views/rows_kernel.cuh"
+
+using dilated_attention::views::add_row_pair;
+using dilated_attention::views::kRowThreads;
+using dilated_attention::views::RowJob;
+using dilated_attention::views::RowSource;
+using dilated_attention::views::RowTensor;
+using dilated_attention::views::with_rows_kernel;
+
+// Moves `count` pairs: meta holds, per pair, the element bytes of dst and of src, then dst's four
+// sizes and four strides and src's (18 values); ptrs holds dst0, src0, dst1, src1, ...
+// source: 0 float32, 1 bfloat16, 2 float16 (adds only). Returns 0, or 1 where a pair does not fit
+// the kernel (nothing moved).
+extern "C" int da_emu_rows(int add, int source, int count, const int64_t* meta, void** ptrs) {
+  RowJob job;
+  for (int i = 0; i < count; ++i) {
+    const int64_t* m = meta + 18 * i;
+    RowTensor dst{ptrs[2 * i], m[0], {m[2], m[3], m[4], m[5]}, {m[6], m[7], m[8], m[9]}};
+    RowTensor src{ptrs[2 * i + 1], m[1], {m[10], m[11], m[12], m[13]}, {m[14], m[15], m[16], m[17]}};
+    if (!add_row_pair(job, dst, src, !add)) return 1;
+  }
+  const dim3 grid((unsigned)((job.max_rows * 32 + kRowThreads - 1) / kRowThreads), (unsigned)job.count);
+  const RowSource src = source == 1   ? RowSource::kBFloat16
+                        : source == 2 ? RowSource::kHalf
+                                      : RowSource::kFloat;
+  with_rows_kernel(add != 0, src, [&](auto kernel) {
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x)
+        da_emu::run_block(grid, dim3(x, y, 1), kRowThreads, [&] { kernel(job); });
+  });
+  return 0;
+}

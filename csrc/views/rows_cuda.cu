@@ -1,0 +1,75 @@
+// The launch of rows_kernel.cuh for views.cpp (rows.h).
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <optional>
+
+#include "views/rows.h"
+#include "views/rows_kernel.cuh"
+
+namespace dilated_attention {
+namespace views {
+
+namespace {
+
+RowTensor row_tensor(const at::Tensor& t) {
+  RowTensor r{t.data_ptr(), static_cast<int64_t>(t.element_size()), {1, 1, 1, 1}, {0, 0, 0, 0}};
+  const int64_t pad = 4 - t.dim();
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    r.size[pad + i] = t.size(i);
+    r.stride[pad + i] = t.stride(i);
+  }
+  return r;
+}
+
+std::optional<RowSource> row_source(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return RowSource::kFloat;
+    case at::kBFloat16: return RowSource::kBFloat16;
+    case at::kHalf: return RowSource::kHalf;
+    default: return std::nullopt;
+  }
+}
+
+}  // namespace
+
+void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add) {
+  TORCH_CHECK(!dst.empty() && dst.size() == src.size() && dst.size() <= static_cast<size_t>(kRowPairs),
+              "move_rows_cuda_: 1 to ", kRowPairs, " (dst, src) pairs, got ", dst.size(), " and ",
+              src.size());
+  RowJob job;
+  bool fits = true;
+  const std::optional<RowSource> source = row_source(src[0].scalar_type());
+  for (size_t i = 0; i < dst.size(); ++i) {
+    TORCH_CHECK(dst[i].sizes() == src[i].sizes() && dst[i].dim() <= 4 && dst[i].is_cuda() &&
+                    src[i].device() == dst[i].device(),
+                "move_rows_cuda_: pair ", i, " has sizes ", dst[i].sizes(), " and ", src[i].sizes());
+    if (add)
+      fits = fits && dst[i].scalar_type() == at::kFloat && src[i].scalar_type() == src[0].scalar_type() &&
+             source.has_value();
+    else
+      fits = fits && dst[i].scalar_type() == src[i].scalar_type();
+    fits = fits && add_row_pair(job, row_tensor(dst[i]), row_tensor(src[i]), !add);
+  }
+  if (!fits) {
+    for (size_t i = 0; i < dst.size(); ++i) {
+      if (add)
+        dst[i].add_(src[i]);
+      else
+        dst[i].copy_(src[i]);
+    }
+    return;
+  }
+  if (job.max_rows == 0) return;
+  const c10::cuda::CUDAGuard guard(dst[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const dim3 grid(static_cast<unsigned>((job.max_rows * 32 + kRowThreads - 1) / kRowThreads),
+                  static_cast<unsigned>(job.count));
+  with_rows_kernel(add, source.value_or(RowSource::kFloat),
+                   [&](auto kernel) { kernel<<<grid, kRowThreads, 0, stream>>>(job); });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace views
+}  // namespace dilated_attention

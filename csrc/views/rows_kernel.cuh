@@ -1,0 +1,125 @@
+// Whole-row moves between strided tensors for the views driver's CUDA backward (views.cpp), up to
+// three tensors in one launch where a copy or add per tensor took a launch each:
+//
+//   * the copies that give cuDNN's backward its dout, out and statistics contiguous, (Bb, n, m, D)
+//     and (Bb, n, m), from a call's strided (Bb, m, n, ...) views: moved as 16-bit words, so that
+//     tensors of different dtypes (bfloat16 dout/out, float32 statistics) share the launch and the
+//     bytes arrive unchanged;
+//   * the adds of a call's dq, dk, dv into strided views of the float32 accumulators, in float32
+//     (the source converted exactly first), as at::add_ computes them.
+//
+// One warp per row (i0, i1, i2) of the pair blockIdx.y, its lanes over the row's elements. Compiled
+// for the CPU emulation of the tests as well (csrc/cuda/emulation/run_rows.cpp); the launch is in
+// rows_cuda.cu.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <stdint.h>
+
+#if defined(DA_CUDA_EMULATION)
+#include "cuda/emulation/cuda_emulation.h"
+#else
+#include <cuda_runtime.h>
+#endif
+
+namespace dilated_attention {
+namespace views {
+
+constexpr int kRowPairs = 3;      // tensors moved by one launch at the most
+constexpr int kRowThreads = 128;  // threads a block: four rows
+
+// A tensor of at most four dims as the job takes it: its data, the bytes of one element, and its
+// sizes and strides (elements), padded in front with size-1 dims. The last dim is the row.
+struct RowTensor {
+  void* data;
+  int64_t elem_bytes;
+  int64_t size[4];
+  int64_t stride[4];
+};
+
+// One (dst, src) pair: rows[0] x rows[1] x rows[2] rows of len elements each; strides in elements
+// of the type the kernel moves.
+struct RowPair {
+  char* dst;
+  const char* src;
+  int64_t rows[3];
+  int64_t len;
+  int64_t ds[4], ss[4];
+};
+
+struct RowJob {
+  RowPair pair[kRowPairs];
+  int count = 0;
+  int64_t max_rows = 0;  // the most rows of a pair: the grid's x covers them
+};
+
+// Adds dst <- src to job. words: a plain copy moved as 16-bit words, for elements of the same size
+// (a multiple of 2 bytes) whose row is contiguous in both tensors or one element long. False where
+// the pair does not fit (the job is full, the sizes differ, or words cannot be used): the caller
+// then moves that pair itself.
+inline bool add_row_pair(RowJob& job, const RowTensor& dst, const RowTensor& src, bool words) {
+  if (job.count >= kRowPairs) return false;
+  RowPair p;
+  p.dst = static_cast<char*>(dst.data);
+  p.src = static_cast<const char*>(src.data);
+  for (int i = 0; i < 4; ++i) {
+    if (dst.size[i] != src.size[i]) return false;
+    p.ds[i] = dst.stride[i];
+    p.ss[i] = src.stride[i];
+  }
+  for (int i = 0; i < 3; ++i) p.rows[i] = dst.size[i];
+  p.len = dst.size[3];
+  if (words) {
+    if (dst.elem_bytes != src.elem_bytes || dst.elem_bytes % 2 != 0) return false;
+    const int64_t w = dst.elem_bytes / 2;  // words an element
+    if (p.len > 1 && (p.ds[3] != 1 || p.ss[3] != 1)) return false;
+    for (int i = 0; i < 3; ++i) {
+      p.ds[i] *= w;
+      p.ss[i] *= w;
+    }
+    p.len *= w;
+    p.ds[3] = p.ss[3] = 1;
+  }
+  const int64_t rows = p.rows[0] * p.rows[1] * p.rows[2];
+  job.pair[job.count++] = p;
+  if (rows > job.max_rows) job.max_rows = rows;
+  return true;
+}
+
+// dst = src (kAdd: dst = dst + src in dst_t, src converted first) for every row of every pair.
+template <typename dst_t, typename src_t, bool kAdd>
+__global__ void __launch_bounds__(kRowThreads) rows_kernel(RowJob job) {
+  const RowPair& p = job.pair[blockIdx.y];
+  const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.rows[0] * p.rows[1] * p.rows[2]) return;
+  const int64_t i2 = row % p.rows[2], i1 = row / p.rows[2] % p.rows[1], i0 = row / (p.rows[1] * p.rows[2]);
+  dst_t* d = reinterpret_cast<dst_t*>(p.dst) + i0 * p.ds[0] + i1 * p.ds[1] + i2 * p.ds[2];
+  const src_t* s = reinterpret_cast<const src_t*>(p.src) + i0 * p.ss[0] + i1 * p.ss[1] + i2 * p.ss[2];
+  for (int64_t e = lane; e < p.len; e += 32) {
+    const dst_t v = static_cast<dst_t>(s[e * p.ss[3]]);
+    if (kAdd)
+      d[e * p.ds[3]] = d[e * p.ds[3]] + v;
+    else
+      d[e * p.ds[3]] = v;
+  }
+}
+
+// The source elements of an add (a copy moves words whatever the dtypes).
+enum class RowSource { kFloat, kBFloat16, kHalf };
+
+// Calls launch(kernel) with the rows_kernel of a copy (add false) or of an add of src elements
+// into float32.
+template <typename Launch>
+void with_rows_kernel(bool add, RowSource src, Launch&& launch) {
+  if (!add) return launch(rows_kernel<uint16_t, uint16_t, false>);
+  switch (src) {
+    case RowSource::kFloat: return launch(rows_kernel<float, float, true>);
+    case RowSource::kBFloat16: return launch(rows_kernel<float, c10::BFloat16, true>);
+    case RowSource::kHalf: return launch(rows_kernel<float, c10::Half, true>);
+  }
+}
+
+}  // namespace views
+}  // namespace dilated_attention

@@ -1,0 +1,113 @@
+"""The row moves of the C++ views driver's CUDA backward (csrc/views/rows_kernel.cuh), run on the
+CPU through the kernels' emulation (csrc/cuda/emulation/run_rows.cpp): the copies that give cuDNN's
+backward contiguous dout, out and statistics from a call's strided views, and the adds of a call's
+gradients into strided views of the float32 accumulators, several tensors in one launch. Each is
+compared with what PyTorch's own copy_ and add_ make of the same views, element by element, and
+every element outside the views must keep its value."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from common import build_emulation
+
+SOURCES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    so = build_emulation("run_rows", tmp_path_factory.mktemp("emu"))
+    so.da_emu_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    return so
+
+
+def _four(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.numel() == 0 else t[(None,) * (4 - t.dim())]
+
+
+def move(so, dst: list[torch.Tensor], src: list[torch.Tensor], add: bool) -> int:
+    meta = []
+    for d, s in zip(dst, src, strict=True):
+        d4, s4 = _four(d), _four(s)
+        meta += [d.element_size(), s.element_size(), *d4.shape, *d4.stride(), *s4.shape, *s4.stride()]
+    meta_t = torch.tensor(meta, dtype=torch.int64)
+    ptrs = (ctypes.c_void_p * (2 * len(dst)))(
+        *[p for d, s in zip(dst, src, strict=True) for p in (d.data_ptr(), s.data_ptr())]
+    )
+    source = SOURCES.get(src[0].dtype, 0)
+    return so.da_emu_rows(int(add), source, len(dst), meta_t.data_ptr(), ptrs)
+
+
+def call_view(x: torch.Tensor, r: int, phase: int, heads: slice) -> torch.Tensor:
+    """The (Bb, m, n, D) view of a dilated call as the driver makes it: rows phase::r of x's
+    segments of 8 (folded into the batch) at the heads of ``heads``."""
+    B, N, H, D = x.shape
+    seg = x.view(B * N // 8, 8, H, D)
+    return seg[:, phase::r, heads]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "r,phase,heads", [(1, 0, slice(None)), (2, 1, slice(1, None, 2)), (4, 3, slice(3, 4))]
+)
+def test_cudnn_inputs_are_copied_contiguous_in_one_launch(emu, dtype, r, phase, heads):
+    """dout and out (Bb, m, n, D) and the float32 statistics (Bb, m, n) of a call, each into a
+    contiguous (Bb, n, m, ...) tensor, as views.cpp hands them to cuDNN: bytes unchanged."""
+    torch.manual_seed(r)
+    B, N, H, D = 2, 32, 6, 24
+    dout, out = torch.randn(B, N, H, D).to(dtype), torch.randn(B, N, H, D).to(dtype)
+    lse = torch.randn(B, N, H)
+    dv, ov = call_view(dout, r, phase, heads), call_view(out, r, phase, heads)
+    lv = call_view(lse.unsqueeze(-1), r, phase, heads).squeeze(-1)
+    Bb, m, n, _ = dv.shape
+    d_o = torch.full((Bb, n, m, D), float("nan"), dtype=dtype)
+    o = torch.full_like(d_o, float("nan"))
+    lt = torch.full((Bb, n, m), float("nan"))
+    rc = move(
+        emu,
+        [d_o.transpose(1, 2), o.transpose(1, 2), lt.transpose(1, 2).unsqueeze(-1)],
+        [dv, ov, lv.unsqueeze(-1)],
+        False,
+    )
+    assert rc == 0
+    assert torch.equal(d_o, dv.transpose(1, 2).contiguous())
+    assert torch.equal(o, ov.transpose(1, 2).contiguous())
+    assert torch.equal(lt, lv.transpose(1, 2).contiguous())
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "r,phase,heads", [(1, 0, slice(None)), (2, 0, slice(0, None, 2)), (8, 5, slice(5, 6))]
+)
+def test_gradients_are_added_into_the_accumulators_in_one_launch(emu, src_dtype, r, phase, heads):
+    """A call's dq, dk, dv (the kernel's output layout: a transposed (Bb, n, m, D) tensor) added into
+    the call's strided views of float32 accumulators that already hold other calls' sums: equal to
+    at::add_ of the same views, and nothing outside the views changes."""
+    torch.manual_seed(10 * r + phase)
+    B, N, H, D = 2, 32, 6, 40
+    acc = [torch.randn(B, N, H, D) for _ in range(3)]
+    want = [a.clone() for a in acc]
+    dst = [call_view(a, r, phase, heads) for a in acc]
+    Bb, m, n, _ = dst[0].shape
+    grads = [torch.randn(Bb, n, m, D).to(src_dtype).transpose(1, 2) for _ in range(3)]
+    for w, g in zip(want, grads, strict=True):
+        call_view(w, r, phase, heads).add_(g)
+    assert move(emu, dst, grads, True) == 0
+    for a, w in zip(acc, want, strict=True):
+        torch.testing.assert_close(a, w, rtol=0, atol=0)
+
+
+def test_pairs_of_different_row_counts_and_a_full_job(emu):
+    """Pairs of different shapes share a launch (the grid covers the longest); a fourth pair or
+    sizes that differ within a pair are refused (the caller moves those itself)."""
+    a, b = torch.randn(3, 5, 7), torch.randn(1, 2, 9)
+    da, db = torch.zeros_like(a), torch.zeros_like(b)
+    assert move(emu, [da, db], [a, b], False) == 0
+    assert torch.equal(da, a) and torch.equal(db, b)
+    x = torch.randn(2, 3)
+    assert move(emu, [torch.zeros(2, 3)] * 4, [x] * 4, False) == 1
+    assert move(emu, [torch.zeros(2, 4)], [x], False) == 1
+    # a copy as words needs rows contiguous in both tensors
+    assert move(emu, [torch.zeros(3, 2).t()], [x], False) == 1
