@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -36,6 +38,11 @@ def normalize_branches(segment_lengths: Any, dilation_rates: Any) -> tuple[list[
     def as_list(x: Any, name: str) -> list[int]:
         if isinstance(x, (str, bytes)) or x is None:
             raise ValueError(f"{name} must be a sequence of integers, got {x!r}")
+        if isinstance(x, (AbstractSet, Mapping)):
+            raise ValueError(
+                f"{name} must be a sequence of integers (a list or tuple), got a {type(x).__name__}, "
+                f"{x!r}: it has no order by which to pair segment lengths with dilation rates"
+            )
         if isinstance(x, numbers.Integral) and not isinstance(x, bool):
             x = [x]
         try:

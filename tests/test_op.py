@@ -250,6 +250,8 @@ BAD_ARGS = [
     ("float segment", lambda q, k, v: (q, k, v, [4.0], [1]), {}, "must be an integer, got 4.0"),
     ("bool rate", lambda q, k, v: (q, k, v, [4], [True]), {}, "must be an integer, got True"),
     ("string segments", lambda q, k, v: (q, k, v, "4", [1]), {}, "sequence of integers"),
+    ("set segments", lambda q, k, v: (q, k, v, {4, 8}, [1, 2]), {}, "got a set, .*: it has no order"),
+    ("dict rates", lambda q, k, v: (q, k, v, [4], {1: 1}), {}, "dilation_rates must be a sequence"),
     ("head dim", lambda q, k, v: (torch.randn(1, 8, 2, 257),) * 3 + ([4], [1]), {}, "head dim"),
     ("scale nan", lambda q, k, v: (q, k, v, [4], [1]), {"softmax_scale": float("nan")}, "finite"),
     ("dropout", lambda q, k, v: (q, k, v, [4], [1]), {"dropout_p": 1.5}, "dropout_p"),
