@@ -180,6 +180,24 @@ def check_bool(value: Any, name: str) -> bool:
     return value
 
 
+def cache_dtype_device(dtype: Any, device: Any) -> tuple[torch.dtype, torch.device | None]:
+    """The dtype (None: torch's default) and device (None: torch's default) of a key/value cache,
+    checked: a floating dtype of :data:`FLOAT_DTYPES` and a device torch can name."""
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(t) for t in FLOAT_DTYPES)
+        raise ValueError(f"dtype must be one of {names} (or None), got {dtype!r}")
+    if device is None:
+        return dtype, None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device must be a torch.device, a device string or None, got {device!r}: {e}"
+        ) from None
+    return dtype, dev
+
+
 def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: Any) -> int:
     """Check a packed batch: q (T, Hq, D), k and v (T, Hkv, D) (as :func:`check_qkv`), cu_seqlens an
     int32 (S + 1,) tensor on q's device, max_seqlen an int in [0, 2^40). Returns max_seqlen as an int."""

@@ -214,6 +214,10 @@ def test_bad_arguments_name_the_value():
         dilated_attention_decode(q, kc, kc, 1, 4, 1, backend="fast")
     with pytest.raises(ValueError, match="layer must be in"):
         DilatedKVCache(1, 2, 4, 2, 8).attend(1, q, q[:, :, :2], q[:, :, :2], 4, 1)
+    with pytest.raises(ValueError, match=r"dtype must be one of .* got torch\.int64"):
+        DilatedKVCache(1, 2, 4, 2, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="device must be .* got 'gpu0'"):
+        DilatedKVCache(1, 2, 4, 2, 8, device="gpu0")
 
 
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd-transposed", "sliced", "d-strided", "expanded-batch"])

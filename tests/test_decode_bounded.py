@@ -167,6 +167,12 @@ def test_bad_arguments_name_the_value():
         BoundedDilatedKVCache(1, 2, 4, 3, 8, 4, 1)
     with pytest.raises(ValueError, match="dilation_rates"):
         BoundedDilatedKVCache(1, 2, 4, 2, 8, 4, 5)
+    with pytest.raises(ValueError, match=r"dtype must be one of .* got torch\.int32"):
+        BoundedDilatedKVCache(1, 2, 4, 2, 8, 4, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="device must be .* got 'gpu0'"):
+        BoundedDilatedKVCache(1, 2, 4, 2, 8, 4, 1, device="gpu0")
+    with pytest.raises(ValueError, match="fused must be a bool, got 'yes'"):
+        BoundedDilatedKVCache(1, 2, 4, 2, 8, 4, 1, fused="yes")
     with pytest.raises(ValueError, match="cache lengths must grow"):
         cache.advance(-1)
     out = cache.attend(0, q[:, :0], k[:, :0], k[:, :0])

@@ -48,7 +48,7 @@ class DilatedKVCache:
             if V._as_int(value, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         shape = (batch_size, max_seqlen, num_kv_heads, head_dim)
-        dtype = dtype or torch.get_default_dtype()
+        dtype, device = V.cache_dtype_device(dtype, device)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int64, device=device)

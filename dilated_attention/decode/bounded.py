@@ -77,12 +77,14 @@ class BoundedDilatedKVCache:
         self.segment_lengths, self.dilation_rates = V.normalize_branches(segment_lengths, dilation_rates)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_seqlen = max_seqlen
+        if fused is not None:
+            V.check_bool(fused, "fused")
         self.fused = fused  # the fused step op (None: where the extension has it for the device)
         self.group = num_heads // num_kv_heads
         self.layout = branch_slots(self.segment_lengths, self.dilation_rates, self.group, max_seqlen)
         slots = self.layout[-1].offset + self.layout[-1].rows * self.layout[-1].length
         shape = (batch_size, num_kv_heads, slots, head_dim)
-        dtype = dtype or torch.get_default_dtype()
+        dtype, device = V.cache_dtype_device(dtype, device)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int64, device=device)
