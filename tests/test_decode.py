@@ -216,7 +216,7 @@ def test_bad_arguments_name_the_value():
         DilatedKVCache(1, 2, 4, 2, 8).attend(1, q, q[:, :, :2], q[:, :, :2], 4, 1)
     with pytest.raises(ValueError, match=r"dtype must be one of .* got torch\.int64"):
         DilatedKVCache(1, 2, 4, 2, 8, dtype=torch.int64)
-    with pytest.raises(ValueError, match="device must be .* got 'gpu0'"):
+    with pytest.raises(ValueError, match=r"device must be .* got 'gpu0'"):
         DilatedKVCache(1, 2, 4, 2, 8, device="gpu0")
 
 

@@ -169,7 +169,7 @@ def test_bad_arguments_name_the_value():
         BoundedDilatedKVCache(1, 2, 4, 2, 8, 4, 5)
     with pytest.raises(ValueError, match=r"dtype must be one of .* got torch\.int32"):
         BoundedDilatedKVCache(1, 2, 4, 2, 8, 4, 1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="device must be .* got 'gpu0'"):
+    with pytest.raises(ValueError, match=r"device must be .* got 'gpu0'"):
         BoundedDilatedKVCache(1, 2, 4, 2, 8, 4, 1, device="gpu0")
     with pytest.raises(ValueError, match="fused must be a bool, got 'yes'"):
         BoundedDilatedKVCache(1, 2, 4, 2, 8, 4, 1, fused="yes")
