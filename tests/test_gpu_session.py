@@ -36,7 +36,9 @@ def test_dry_run_names_every_step_within_the_deadline(tmp_path):
     limits = dict(re.findall(r"^(\w+) \((\d+) s\): ", r.stdout, flags=re.M))
     assert list(limits) == ["check", "views", "gpt", "profile"], r.stdout
     assert sum(int(s) for s in limits.values()) <= 575
-    assert int(limits["check"]) >= 400, "the tests phase needs about 390 s on an H200 (build, tests, smoke)"
+    assert int(limits["check"]) >= 400, (
+        "the tests phase needs about 390 s on an H200 (build 97 s, tests 246 s, smoke 36 s at 199db38)"
+    )
     assert "scripts/gpu_check.sh tests" in r.stdout and "tests/test_views_driver.py" in r.stdout
     assert "--profile sdpa:16k:eager" in r.stdout and "--blocks 16k" in r.stdout
     summary = (tmp_path / "out" / "summary.md").read_text()
