@@ -30,6 +30,14 @@ def import_optional(name: str) -> tuple[object | None, str | None]:
         return None, f"{name} failed to import ({type(exc).__name__}: {exc})"
 
 
+#: Why a backend whose kernels drop each call's weights cannot apply dropout to several branches.
+BRANCH_DROPOUT = (
+    "attention dropout over several branches drops the merged weights (SPEC section 3), and its "
+    "kernels drop each branch's weights on their own, so a key read through two branches would be "
+    "dropped twice, independently"
+)
+
+
 @dataclass(frozen=True)
 class BackendRequest:
     """The facts about a call that decide which backends can run it."""
@@ -103,10 +111,7 @@ class Backend:
         branches needs the merged weights): what selection goes by."""
         why = list(self.reasons(request))
         if request.merged_dropout and not self.drops_merged_weights:
-            why.append(
-                "attention dropout over several branches drops the merged weights (SPEC section 3), "
-                "and its kernels drop each branch's weights on their own (use native)"
-            )
+            why.append(f"{BRANCH_DROPOUT} (use native)")
         return why
 
     def can_run(self, request: BackendRequest) -> bool:

@@ -39,7 +39,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..merge import merge as merge_branches
 from ..op.autograd import first_order_only
-from .base import Backend, lse_dtype
+from .base import BRANCH_DROPOUT, Backend, lse_dtype
 from .merged import MergedAttention, TracedMergedAttention, kernel_backward, kernel_values
 from .views import Call, batches, last_dim_contiguous, plan_branches, view, write
 
@@ -344,10 +344,8 @@ def _refuse_branch_dropout(name: str, segment_lengths: Any, dilation_rates: Any,
         raise ValueError(
             f"dilated_attention: the {name!r} backend cannot apply attention dropout (dropout_p="
             f"{dropout_p}) to several branches (segment_lengths={list(segment_lengths)}, dilation_rates="
-            f"{list(dilation_rates)}): its kernels drop each branch's weights on their own, so a key "
-            "read through two branches would be dropped twice independently, where dropout drops "
-            "the merged weights (docs/SPEC.md section 3). Use backend='native', or dropout_p=0, or "
-            "one branch."
+            f"{list(dilation_rates)}): {BRANCH_DROPOUT}. Use backend='native', or dropout_p=0, or one "
+            "branch."
         )
 
 
