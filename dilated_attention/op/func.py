@@ -32,11 +32,10 @@ __all__ = [
     "batched_varlen_bwd_rule",
     "batched_varlen_fwd_rule",
     "fused_backward",
+    "fused_function",
     "native_attention",
     "native_varlen_attention",
 ]
-
-_FORWARD_MODE = forward_mode_message("native")
 
 
 def _fold(x: torch.Tensor, bdim: int | None, size: int) -> torch.Tensor:
@@ -145,32 +144,66 @@ def fused_backward(
     return (dq, dk, dv) + (None,) * (len(extra) + len(ctx.config))
 
 
-class NativeAttention(torch.autograd.Function):
-    """``(out, lse)`` of the fused op, lse in float64 (the op's ``float64_lse=True``), so that the
-    backward recomputes the probabilities without lse's rounding to float32 (see :mod:`.fixed`)."""
+def fused_function(
+    name: str, fwd: str, bwd: str, tensors: int, backend: str, lse64_at: int | None, doc: str
+) -> type[torch.autograd.Function]:
+    """An ``autograd.Function`` (``setup_context`` style, what torch.func transforms take) whose
+    forward runs ``torch.ops.dilated_attention.<fwd>`` on its inputs (with ``float64_lse=True``
+    inserted at ``lse64_at`` where given) and whose backward runs ``<bwd>`` through
+    :func:`fused_backward`. It saves q, k, v, out, lse and the tensor inputs ``3 .. tensors - 1``
+    (cu_seqlens), and keeps the other inputs as the configuration the backward op takes after
+    them; forward mode raises an error naming ``backend``."""
 
-    generate_vmap_rule = True
+    def forward(*args: Any) -> Any:
+        op = getattr(torch.ops.dilated_attention, fwd)
+        return op(*args) if lse64_at is None else op(*args[:lse64_at], True, *args[lse64_at:])
 
-    @staticmethod
-    def forward(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout):
-        return torch.ops.dilated_attention.fwd(
-            q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, True, *dropout
-        )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, *config = inputs  # segment_lengths ... softmax_scale, dropout_p, seed, offset
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = tuple(config)
+        ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:tensors])
+        ctx.config = tuple(inputs[tensors:])
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return fused_backward(torch.ops.dilated_attention.bwd, ctx, dout, dlse)
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        return fused_backward(getattr(torch.ops.dilated_attention, bwd), ctx, dout, dlse, backend)
 
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(_FORWARD_MODE)
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise RuntimeError(forward_mode_message(backend))
+
+    body = {
+        "__doc__": doc,
+        "__module__": __name__,
+        "generate_vmap_rule": True,
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+        "jvp": staticmethod(jvp),
+    }
+    return type(name, (torch.autograd.Function,), body)
+
+
+NativeAttention = fused_function(
+    "NativeAttention",
+    "fwd",
+    "bwd",
+    3,
+    "native",
+    7,
+    """``(out, lse)`` of the fused op, lse in float64 (the op's ``float64_lse=True``), so that the
+    backward recomputes the probabilities without lse's rounding to float32 (see :mod:`.fixed`);
+    inputs ``(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout)``.""",
+)
+
+NativeVarlenAttention = fused_function(
+    "NativeVarlenAttention",
+    "varlen_fwd",
+    "varlen_bwd",
+    4,
+    "native",
+    9,
+    """``(out, lse)`` of the fused packed op (lse in float64, as :class:`NativeAttention`); inputs
+    ``(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale,
+    *dropout)``.""",
+)
 
 
 def native_attention(
@@ -195,34 +228,6 @@ def native_attention(
         return torch.ops.dilated_attention.fwd(*args, True, *dropout)
     out, lse = NativeAttention.apply(*args, *dropout)
     return out, lse
-
-
-class NativeVarlenAttention(torch.autograd.Function):
-    """``(out, lse)`` of the fused packed op (lse in float64, as :class:`NativeAttention`)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(
-        q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout
-    ):
-        args = (q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale)
-        return torch.ops.dilated_attention.varlen_fwd(*args, True, *dropout)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens, *config = inputs  # max_seqlen ... softmax_scale, dropout_p, seed, offset
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.config = tuple(config)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return fused_backward(torch.ops.dilated_attention.varlen_bwd, ctx, dout, dlse)
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(_FORWARD_MODE)
 
 
 def native_varlen_attention(

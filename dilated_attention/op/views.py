@@ -38,13 +38,13 @@ from typing import Any
 import torch
 
 from . import checks
-from .autograd import forward_mode_message
 from .func import (
     batched_bwd_rule,
     batched_fwd_rule,
     batched_varlen_bwd_rule,
     batched_varlen_fwd_rule,
     fused_backward,
+    fused_function,
 )
 from .library import _C, lse_dtype
 from .varlen import _varlen_bwd_fake, _varlen_fwd_fake, _varlen_setup_context  # the packed ops' own
@@ -72,29 +72,16 @@ def available(device_type: str) -> bool:
     return _AVAILABLE.get(device_type, False)
 
 
-class ViewsAttention(torch.autograd.Function):
+ViewsAttention = fused_function(
+    "ViewsAttention",
+    "views_fwd",
+    "views_bwd",
+    3,
+    "sdpa",
+    None,
     """``(out, lse)`` of ``views_fwd``, with ``views_bwd`` as its backward; what torch.func
-    transforms run (the op's ``register_autograd`` formula is the kind they refuse)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale):
-        return torch.ops.dilated_attention.views_fwd(
-            q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
-        )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return fused_backward(torch.ops.dilated_attention.views_bwd, ctx, dout, dlse, "sdpa")
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(forward_mode_message("sdpa"))
+    transforms run (the op's ``register_autograd`` formula is the kind they refuse).""",
+)
 
 
 def views_attention(
@@ -116,29 +103,16 @@ def views_attention(
     return out, lse
 
 
-class ViewsVarlenAttention(torch.autograd.Function):
+ViewsVarlenAttention = fused_function(
+    "ViewsVarlenAttention",
+    "views_varlen_fwd",
+    "views_varlen_bwd",
+    4,
+    "sdpa",
+    None,
     """``(out, lse)`` of ``views_varlen_fwd``, with ``views_varlen_bwd`` as its backward (as
-    :class:`ViewsAttention`)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale):
-        return torch.ops.dilated_attention.views_varlen_fwd(
-            q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
-        )
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _varlen_setup_context(ctx, inputs, output)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return fused_backward(torch.ops.dilated_attention.views_varlen_bwd, ctx, dout, dlse, "sdpa")
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError(forward_mode_message("sdpa"))
+    :class:`ViewsAttention`).""",
+)
 
 
 def views_varlen_attention(
