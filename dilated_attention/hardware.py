@@ -20,8 +20,8 @@ Two rules change the CUDA rows:
   capability (on sm_90: 0.25-0.47x the speed of gathering into PyTorch's flash kernel, measured on an
   H200, ``benchmarks/results/cuda-h200-bf16-256k.md``), ``native`` goes after ``sdpa`` there too:
   the fastest correct path first. Training the example GPT (GPT-2 small shape, block 16K, bf16) on
-  an H200 agreed: ``sdpa`` through its C++ driver 0.93x dense attention's speed, ``native`` 0.59x
-  (``benchmarks/results/gpu-check-h200-8cad19d.md``).
+  an H200 agreed: ``sdpa`` through its C++ driver 0.96x dense attention's speed, ``native`` 0.58x
+  (``benchmarks/results/gpu-check-h200-199db38.md``).
 * ``auto`` puts ``native`` on CUDA only on a GPU whose compute capability is in
   :data:`CUDA_KERNELS_VERIFIED` (the kernels passed ``scripts/gpu_check.sh`` on such a GPU) for the
   kernel family the call would run (``"tensor-core"`` or ``"simt"``, see :func:`kernel_family`):
