@@ -20,6 +20,7 @@ from . import (
 )
 from ._warnings import (
     BackendFallbackWarning,
+    CacheUsageWarning,
     DenseWeightsWarning,
     DilatedAttentionWarning,
     ExtensionWarning,
@@ -62,6 +63,7 @@ __all__ = [
     "BACKEND_NAMES",
     "BackendFallbackWarning",
     "BoundedDilatedKVCache",
+    "CacheUsageWarning",
     "DenseWeightsWarning",
     "DilatedAttention",
     "DilatedAttentionWarning",

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "BackendFallbackWarning",
+    "CacheUsageWarning",
     "DenseWeightsWarning",
     "DilatedAttentionWarning",
     "ExtensionWarning",
@@ -66,6 +67,11 @@ class SequenceSplitWarning(DilatedAttentionWarning):
 class DenseWeightsWarning(DilatedAttentionWarning):
     """A model whose weights were trained with dense attention now runs dilated attention: unlike a
     switch between eager, SDPA and FlashAttention, this changes the function the model computes."""
+
+
+class CacheUsageWarning(DilatedAttentionWarning):
+    """A key/value cache is used out of its order of calls (a layer attended twice in one step,
+    without ``advance`` between): the second call's tokens overwrite the first's positions."""
 
 
 class VersionWarning(DilatedAttentionWarning):

@@ -4,6 +4,7 @@ the float64 reference of causal dilated attention over each whole sequence, toke
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -203,3 +204,34 @@ def test_nan_query_gives_nan_like_the_reference(fused, dtype):
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol, equal_nan=True)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["bounded", "full"])
+def test_attending_a_layer_again_before_advance_warns(kind):
+    """A layer that takes new tokens twice without advance() between writes the second call's tokens
+    over the first's positions: a CacheUsageWarning says so (once) and names advance(); the
+    documented order (every layer, then advance) stays silent."""
+    from dilated_attention import CacheUsageWarning
+    from dilated_attention._warnings import reset_warnings
+
+    reset_warnings()
+    cache = (
+        BoundedDilatedKVCache(2, 1, 2, 1, 4, [4], [1], dtype=torch.float64)
+        if kind == "bounded"
+        else DilatedKVCache(2, 1, 8, 1, 4, dtype=torch.float64)
+    )
+    q, k = torch.randn(1, 1, 2, 4, dtype=torch.float64), torch.randn(1, 1, 1, 4, dtype=torch.float64)
+    extra = () if kind == "bounded" else ([4], [1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheUsageWarning)
+        for _ in range(3):  # three steps in the documented order
+            cache.attend(0, q, k, k, *extra)
+            cache.attend(1, q, k, k, *extra)
+            cache.advance(1)
+    with pytest.warns(CacheUsageWarning, match=r"attend\(layer=0\) was called again before advance\(\)"):
+        cache.attend(0, q, k, k, *extra)
+        cache.attend(0, q, k, k, *extra)
+    cache.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheUsageWarning)
+        cache.attend(0, q, k, k, *extra)  # reset() starts a new step

@@ -8,6 +8,7 @@ from typing import Literal, overload
 import torch
 
 from .. import _validation as V
+from .._warnings import CacheUsageWarning, warn_once
 from ..backends import check_backend_name
 from ..flops import accumulation_dtype
 from ..functional import _attention
@@ -245,3 +246,28 @@ def dilated_attention_decode(
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     lse = torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]
     return (out, lse) if return_lse else out
+
+
+class StepGuard:
+    """Which layers of a cache took new tokens since its last ``advance``: a layer that attends
+    again before it is warned about (:class:`~dilated_attention.CacheUsageWarning`), since its new
+    tokens go to the positions of the previous call's, which they overwrite."""
+
+    def __init__(self, num_layers: int, owner: str) -> None:
+        self.owner = owner
+        self.attended = [False] * num_layers
+
+    def attend(self, layer: int) -> None:
+        if self.attended[layer]:
+            warn_once(
+                ("cache-attend-again", self.owner),
+                f"{self.owner}.attend(layer={layer}) was called again before advance(): its new tokens "
+                "take the positions of the previous call's on this layer and overwrite them. Call "
+                "cache.advance(n) once after the last layer of every step (n: the step's new tokens); "
+                "repeating a step with the same tokens is harmless.",
+                CacheUsageWarning,
+            )
+        self.attended[layer] = True
+
+    def advance(self) -> None:
+        self.attended = [False] * len(self.attended)

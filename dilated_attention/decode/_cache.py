@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import _validation as V
-from ._api import _as_lengths, dilated_attention_decode
+from ._api import StepGuard, _as_lengths, dilated_attention_decode
 
 
 class DilatedKVCache:
@@ -53,6 +53,7 @@ class DilatedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.max_seqlen = max_seqlen
+        self._step = StepGuard(num_layers, type(self).__name__)
 
     def attend(
         self,
@@ -83,6 +84,7 @@ class DilatedKVCache:
             softmax_scale=softmax_scale,
             backend=backend,
         )
+        self._step.attend(layer)
         return out.to(q.dtype)
 
     def advance(self, n: int | torch.Tensor) -> None:
@@ -91,7 +93,9 @@ class DilatedKVCache:
         if int(new.min()) < 0 or int(new.max()) > self.max_seqlen:
             raise ValueError(f"cache lengths must stay in [0, {self.max_seqlen}], got {new.tolist()}")
         self.seqlens = new
+        self._step.advance()
 
     def reset(self) -> None:
         """Forget every cached position."""
         self.seqlens.zero_()
+        self._step.advance()

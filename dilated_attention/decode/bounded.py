@@ -18,7 +18,7 @@ from ..flops import accumulation_dtype
 from ..functional import _attention
 from ..op.decode import decode_step
 from ..op.slots import attend_slots, branch_slots, write_slots
-from ._api import _as_lengths
+from ._api import StepGuard, _as_lengths
 
 __all__ = ["BoundedDilatedKVCache"]
 
@@ -89,6 +89,7 @@ class BoundedDilatedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self._host = [0] * batch_size  # seqlens on the host: no device sync per step
+        self._step = StepGuard(num_layers, type(self).__name__)
 
     @property
     def slots(self) -> int:
@@ -156,6 +157,7 @@ class BoundedDilatedKVCache:
         ends = [n + c for n, c in zip(self._host, counts, strict=True)]
         if self.max_seqlen is not None and max(ends) > self.max_seqlen:
             raise ValueError(f"sequence lengths would reach {ends}, beyond max_seqlen={self.max_seqlen}")
+        self._step.attend(layer)
         if m == 0:
             out = q.new_zeros(q.shape)
             lse = torch.full((B, Hq, 0), float("-inf"), dtype=accumulation_dtype(dtype), device=q.device)
@@ -225,9 +227,11 @@ class BoundedDilatedKVCache:
         if min(counts) < 0 or (self.max_seqlen is not None and max(new) > self.max_seqlen):
             raise ValueError(f"cache lengths must grow and stay in [0, {self.max_seqlen}], got {new}")
         self._host = new
+        self._step.advance()
         self.seqlens = torch.tensor(new, dtype=torch.int64, device=self.seqlens.device)
 
     def reset(self) -> None:
         """Forget every cached position."""
         self._host = [0] * len(self._host)
         self.seqlens = torch.zeros_like(self.seqlens)
+        self._step.advance()
