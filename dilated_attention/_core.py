@@ -171,16 +171,20 @@ def _attention_varlen(
     )
     # The lengths, read and checked on the host where cu_seqlens has data. Under torch.compile
     # (or on the meta device) nothing is read back: the ops that check cu_seqlens themselves (the
-    # native op, sdpa's C++ driver) stay in one graph, and the others cannot run.
+    # native op, sdpa's C++ driver) stay in one graph; for the others torch.compile breaks the
+    # graph to read them (an error with fullgraph=True, naming why), and meta or fake tensors
+    # outside torch.compile cannot run them.
     if lengths is None:
         if not has_no_data(cu_seqlens):
             lengths = V.varlen_lengths(cu_seqlens, T, max_seqlen)
         elif impl.varlen_reads_lengths(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p):
-            raise ValueError(
-                f"the {impl.name!r} backend reads the sequence lengths of cu_seqlens on the host, which "
-                f"a meta or fake tensor, or one under torch.compile, does not have; the 'native' backend "
-                f"and the 'sdpa' backend without dropout read them in their ops"
-            )
+            if not torch.compiler.is_compiling():
+                raise ValueError(
+                    f"the {impl.name!r} backend reads the sequence lengths of cu_seqlens on the host, "
+                    f"which a meta or fake tensor does not have; the 'native' backend and the 'sdpa' "
+                    f"backend without dropout read them in their ops"
+                )
+            lengths = _lengths_on_the_host(cu_seqlens, T, max_seqlen)
     if T == 0:
         return _empty(q, k, v, (Hq, 0), return_lse)
     out, lse = impl.forward_varlen(
@@ -197,6 +201,16 @@ def _attention_varlen(
         dropout_p=dropout_p,
     )
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable(
+    reason="a backend that reads the lengths of cu_seqlens on the host (manual, flash_attn, xformers, "
+    "sdpa with dropout): the graph breaks to read them; backend='native' and 'sdpa' without dropout "
+    "read them in their ops, in one graph"
+)
+def _lengths_on_the_host(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> list[int]:
+    """The sequence lengths of ``cu_seqlens``, read and checked outside torch.compile's graph."""
+    return V.varlen_lengths(cu_seqlens, T, max_seqlen)
 
 
 def _check_options(

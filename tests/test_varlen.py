@@ -398,8 +398,10 @@ def test_bad_shapes():
 @pytest.mark.parametrize("backend", ["native", "sdpa", "manual"])
 def test_which_backends_compile_without_reading_cu_seqlens(backend):
     """Under torch.compile(fullgraph=True) cu_seqlens has no values: the native op and sdpa's C++
-    driver read it in their ops and compile; manual, which needs the lengths on the host, raises a
-    ValueError that names it and the backends that compile."""
+    driver read it in their ops and compile; manual, which needs the lengths on the host, breaks
+    the graph to read them, which fullgraph refuses with the reason; without fullgraph it runs and
+    equals eager, forward and backward (it was a ValueError). On fake tensors outside
+    torch.compile it is a ValueError naming the backends that read cu_seqlens themselves."""
     cu, cu_list = cu_of([6, 10])
     q = torch.randn(cu_list[-1], 2, 8)
 
@@ -408,9 +410,19 @@ def test_which_backends_compile_without_reading_cu_seqlens(backend):
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     if backend == "manual":
-        with pytest.raises(
-            Exception, match="'manual' backend reads the sequence lengths of cu_seqlens on the host"
-        ):
+        with pytest.raises(Exception, match="reads the lengths of cu_seqlens on the host"):
             compiled(q)
+        torch._dynamo.reset()
+        leaf = q.clone().requires_grad_()
+        got = torch.compile(f, backend="aot_eager")(leaf)
+        torch.testing.assert_close(got, f(q), rtol=1e-5, atol=1e-5)
+        want = torch.autograd.grad(f(leaf).sum(), leaf)[0]
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), leaf)[0], want, rtol=1e-5, atol=1e-5)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            fq, fcu = mode.from_tensor(q), mode.from_tensor(cu)
+            with pytest.raises(ValueError, match="'manual' backend reads the sequence lengths of cu_seqlens"):
+                dilated_attention_varlen(fq, fq, fq, fcu, 10, [4, 8], [1, 2], backend="manual")
         return
     torch.testing.assert_close(compiled(q), f(q), rtol=1e-5, atol=1e-5)
