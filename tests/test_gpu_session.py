@@ -46,7 +46,8 @@ def test_dry_run_names_every_step_within_the_deadline(tmp_path):
 
 
 def test_a_short_deadline_leaves_steps_not_run(tmp_path):
-    r = _run(str(tmp_path / "out"), "--dry-run", "--deadline", "150")
+    """A deadline that leaves the check less than 20 s after the later steps' limits (50 + 45 + 30 s)."""
+    r = _run(str(tmp_path / "out"), "--dry-run", "--deadline", "130")
     assert r.returncode == 1
     assert "| check | not run" in r.stdout
 
