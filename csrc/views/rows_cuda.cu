@@ -61,10 +61,10 @@ void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::T
     }
     return;
   }
-  if (job.max_rows == 0) return;
+  if (job.max_warps == 0) return;
   const c10::cuda::CUDAGuard guard(dst[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const dim3 grid(static_cast<unsigned>((job.max_rows * 32 + kRowThreads - 1) / kRowThreads),
+  const dim3 grid(static_cast<unsigned>((job.max_warps * 32 + kRowThreads - 1) / kRowThreads),
                   static_cast<unsigned>(job.count));
   with_rows_kernel(add, source.value_or(RowSource::kFloat),
                    [&](auto kernel) { kernel<<<grid, kRowThreads, 0, stream>>>(job); });

@@ -8,7 +8,8 @@
 //   * the adds of a call's dq, dk, dv into strided views of the float32 accumulators, in float32
 //     (the source converted exactly first), as at::add_ computes them.
 //
-// One warp per row (i0, i1, i2) of the pair blockIdx.y, its lanes over the row's elements. Compiled
+// Each row (i0, i1, i2) of the pair blockIdx.y gets `lanes` threads of a warp over its elements (32
+// for rows of 32 elements or more, fewer for short rows: a warp then moves several rows). Compiled
 // for the CPU emulation of the tests as well (csrc/cuda/emulation/run_rows.cpp); the launch is in
 // rows_cuda.cu.
 #pragma once
@@ -46,12 +47,13 @@ struct RowPair {
   int64_t rows[3];
   int64_t len;
   int64_t ds[4], ss[4];
+  int lanes;  // threads a row: a power of two, at most 32
 };
 
 struct RowJob {
   RowPair pair[kRowPairs];
   int count = 0;
-  int64_t max_rows = 0;  // the most rows of a pair: the grid's x covers them
+  int64_t max_warps = 0;  // the most warps a pair needs: the grid's x covers them
 };
 
 // Adds dst <- src to job. words: a plain copy moved as 16-bit words, for elements of the same size
@@ -81,9 +83,12 @@ inline bool add_row_pair(RowJob& job, const RowTensor& dst, const RowTensor& src
     p.len *= w;
     p.ds[3] = p.ss[3] = 1;
   }
-  const int64_t rows = p.rows[0] * p.rows[1] * p.rows[2];
+  p.lanes = 1;
+  while (p.lanes < 32 && p.lanes < p.len) p.lanes *= 2;
+  const int64_t rows = p.rows[0] * p.rows[1] * p.rows[2], per_warp = 32 / p.lanes;
+  const int64_t warps = (rows + per_warp - 1) / per_warp;
   job.pair[job.count++] = p;
-  if (rows > job.max_rows) job.max_rows = rows;
+  if (warps > job.max_warps) job.max_warps = warps;
   return true;
 }
 
@@ -91,13 +96,14 @@ inline bool add_row_pair(RowJob& job, const RowTensor& dst, const RowTensor& src
 template <typename dst_t, typename src_t, bool kAdd>
 __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowJob job) {
   const RowPair& p = job.pair[blockIdx.y];
-  const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
+  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int64_t row = warp * (32 / p.lanes) + lane / p.lanes;
   if (row >= p.rows[0] * p.rows[1] * p.rows[2]) return;
   const int64_t i2 = row % p.rows[2], i1 = row / p.rows[2] % p.rows[1], i0 = row / (p.rows[1] * p.rows[2]);
   dst_t* d = reinterpret_cast<dst_t*>(p.dst) + i0 * p.ds[0] + i1 * p.ds[1] + i2 * p.ds[2];
   const src_t* s = reinterpret_cast<const src_t*>(p.src) + i0 * p.ss[0] + i1 * p.ss[1] + i2 * p.ss[2];
-  for (int64_t e = lane; e < p.len; e += 32) {
+  for (int64_t e = lane % p.lanes; e < p.len; e += p.lanes) {
     const dst_t v = static_cast<dst_t>(s[e * p.ss[3]]);
     if (kAdd)
       d[e * p.ds[3]] = d[e * p.ds[3]] + v;

@@ -29,7 +29,7 @@ extern "C" int da_emu_rows(int add, int source, int count, const int64_t* meta, 
     RowTensor src{ptrs[2 * i + 1], m[1], {m[10], m[11], m[12], m[13]}, {m[14], m[15], m[16], m[17]}};
     if (!add_row_pair(job, dst, src, !add)) return 1;
   }
-  const dim3 grid((unsigned)((job.max_rows * 32 + kRowThreads - 1) / kRowThreads), (unsigned)job.count);
+  const dim3 grid((unsigned)((job.max_warps * 32 + kRowThreads - 1) / kRowThreads), (unsigned)job.count);
   const RowSource src = source == 1   ? RowSource::kBFloat16
                         : source == 2 ? RowSource::kHalf
                                       : RowSource::kFloat;
