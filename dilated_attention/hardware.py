@@ -4,7 +4,7 @@
 device                        recommended dtype   backend order of ``auto``
 ============================  ==================  ===================================================
 CPU                           float32             native, sdpa, manual
-CUDA sm_90 (Hopper)           bfloat16            flash_attn_3, flash_attn_2, xformers, sdpa, native, manual
+CUDA sm_90 (Hopper)           bfloat16            flash_attn_3, sdpa, flash_attn_2, xformers, native, manual
 CUDA sm_80+ (Ampere, Ada...)  bfloat16            native, flash_attn_2, xformers, sdpa, manual
 CUDA sm_7x (Volta, Turing)    float16             native, xformers, sdpa, manual
 CUDA sm_6x (Pascal) or older  float32             native, xformers, sdpa, manual
@@ -17,9 +17,12 @@ Two rules change the CUDA rows:
   or a head dim outside 32..256 or not a multiple of 8; see ``docs/cuda.md``) try ``native`` after
   ``xformers`` and ``sdpa``: without tensor cores it is the slower choice.
 * where :data:`CUDA_SPEED_MEASURED` records ``native`` slower than the gather path on a compute
-  capability (on sm_90: 0.25-0.47x the speed of gathering into PyTorch's flash kernel, measured on an
-  H200, ``benchmarks/results/cuda-h200-bf16-256k.md``), ``native`` goes after ``sdpa`` there too:
-  the fastest correct path first. Training the example GPT (GPT-2 small shape, block 16K, bf16) on
+  capability (on sm_90: 0.19-0.47x the speed of gathering into PyTorch's flash kernel, measured on
+  an H200, ``benchmarks/results/cuda-h200-bf16-199db38.md``), ``native`` goes after ``sdpa`` there
+  too; where it records ``sdpa`` (its C++ driver) faster than that gather path in every
+  configuration (on sm_90: 1.12-1.38x), ``sdpa`` goes before ``flash_attn_2`` and ``xformers``
+  (gather backends of the same kernel family; ``flash_attn_3`` was not measured): the fastest
+  correct path first. Training the example GPT (GPT-2 small shape, block 16K, bf16) on
   an H200 agreed: ``sdpa`` through its C++ driver 0.96x dense attention's speed, ``native`` 0.58x
   (``benchmarks/results/gpu-check-h200-199db38.md``).
 * ``auto`` puts ``native`` on CUDA only on a GPU whose compute capability is in
@@ -63,6 +66,7 @@ __all__ = [
     "native_measured_slower",
     "recommended_backends",
     "recommended_dtype",
+    "sdpa_measured_faster",
     "uses_simt_kernels",
 ]
 
@@ -100,23 +104,38 @@ CUDA_KERNELS_VERIFIED: dict[tuple[int, int], Verification] = {
 class SpeedMeasurement:
     """A run of ``benchmarks/bench_cuda.py`` on one GPU: its name, the commit, the date (UTC,
     ``YYYY-MM-DD``), the best time ratio of ``native`` over the gather path with PyTorch's flash
-    kernel over the configurations measured (> 1: ``native`` faster) and the committed table."""
+    kernel over the configurations measured (> 1: ``native`` faster), the committed table, and
+    the worst time ratio of ``sdpa`` (its C++ driver) over that gather path (> 1: ``sdpa`` faster
+    in every configuration measured; None: not measured)."""
 
     gpu: str
     commit: str
     date: str
     native_over_gather: float
     table: str
+    sdpa_over_gather: float | None = None
 
 
-#: The compute capabilities on which ``benchmarks/bench_cuda.py`` compared ``native`` with the
-#: gather path, each with its record. Where ``native`` was slower (ratio < 1), ``auto`` tries it
-#: after ``sdpa`` (fastest correct path first).
+#: The compute capabilities on which ``benchmarks/bench_cuda.py`` compared ``native`` and
+#: ``sdpa`` with the gather path, each with its record. Where ``native`` was slower (ratio < 1),
+#: ``auto`` tries it after ``sdpa``; where ``sdpa`` was faster in every configuration, ``auto``
+#: tries it before the gather backends that run PyTorch's kernel family (``flash_attn_2``,
+#: ``xformers``): fastest correct path first. ``flash_attn_3`` was not measured and keeps its place.
 CUDA_SPEED_MEASURED: dict[tuple[int, int], SpeedMeasurement] = {
+    # bf16, B = 1, H = 16, D = 64 and 128, N = 256K and 1M, causal and not: native 0.19-0.47x the
+    # gather path; sdpa 1.12-1.38x it in all 12 warm configurations
     (9, 0): SpeedMeasurement(
-        "NVIDIA H200", "7c2b202", "2026-11-26", 0.47, "benchmarks/results/cuda-h200-bf16-256k.md"
+        "NVIDIA H200", "199db38", "2026-11-27", 0.47, "benchmarks/results/cuda-h200-bf16-199db38.md", 1.12
     ),
 }
+
+
+def sdpa_measured_faster(device: DeviceLike = None) -> bool:
+    """Whether a benchmark on this device's compute capability measured ``sdpa`` faster than the
+    gather path in every configuration (:data:`CUDA_SPEED_MEASURED`). False where not measured."""
+    cap = compute_capability(device)
+    record = CUDA_SPEED_MEASURED.get(cap) if cap is not None else None
+    return record is not None and record.sdpa_over_gather is not None and record.sdpa_over_gather > 1.0
 
 
 def native_measured_slower(device: DeviceLike = None) -> bool:
@@ -264,6 +283,10 @@ def recommended_backends(
     if cap is None or cap >= (8, 0):
         order.append("flash_attn_2")
     order += ["xformers", "sdpa"]
+    if sdpa_measured_faster(dev):  # before the gather backends of PyTorch's kernel family
+        order.remove("sdpa")
+        first_gather = next((i for i, n in enumerate(order) if n in ("flash_attn_2", "xformers")), len(order))
+        order.insert(first_gather, "sdpa")
     if dtype == torch.float32:
         order.remove("sdpa")
         _say_once(

@@ -46,8 +46,9 @@ def verified(monkeypatch, fake_cuda):
         ((7, 5), torch.float16, ["native", "xformers", "sdpa", "manual"]),
         ((8, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
         ((8, 9), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
-        # sm_90: native measured slower than the gather path (CUDA_SPEED_MEASURED) goes after sdpa
-        ((9, 0), torch.bfloat16, ["flash_attn_3", "flash_attn_2", "xformers", "sdpa", "native", "manual"]),
+        # sm_90 (CUDA_SPEED_MEASURED): native measured slower than the gather path goes after sdpa,
+        # and sdpa measured faster than it goes before flash_attn_2 and xformers
+        ((9, 0), torch.bfloat16, ["flash_attn_3", "sdpa", "flash_attn_2", "xformers", "native", "manual"]),
         ((10, 0), torch.bfloat16, ["native", "flash_attn_2", "xformers", "sdpa", "manual"]),
     ],
 )
@@ -90,10 +91,8 @@ def test_half_precision_on_simt_kernels_goes_after_sdpa(fake_cuda, verified, cap
     assert hardware.uses_simt_kernels("cuda", dtype, head_dim) == simt
     order = hardware.recommended_backends("cuda", dtype, head_dim)
     assert order[-1] == "manual"
-    if simt or cap == (9, 0):  # sm_90: measured slower than the gather path
-        assert order.index("native") == order.index("sdpa") + 1 and order.index("xformers") < order.index(
-            "sdpa"
-        )
+    if simt or cap == (9, 0):  # after sdpa, last but manual (sm_90: measured slower than the gather path)
+        assert order.index("sdpa") < order.index("native") == len(order) - 2
     else:
         assert order[0] == "native"
     verified(False)
@@ -184,12 +183,12 @@ def test_shipped_records_on_hopper(fake_cuda):
     fake_cuda["cap"] = (9, 0)
     assert hardware.cuda_kernels_verified("cuda", torch.bfloat16, 64)
     assert hardware.cuda_kernels_verified("cuda", torch.float32, 64)  # the SIMT family
-    assert hardware.native_measured_slower("cuda")
+    assert hardware.native_measured_slower("cuda") and hardware.sdpa_measured_faster("cuda")
     assert hardware.recommended_backends("cuda", torch.bfloat16, 64) == [
         "flash_attn_3",
+        "sdpa",
         "flash_attn_2",
         "xformers",
-        "sdpa",
         "native",
         "manual",
     ]
@@ -283,6 +282,30 @@ def test_a_speed_measurement_orders_native(fake_cuda, verified, monkeypatch):
     assert not hardware.native_measured_slower("cuda")
     assert hardware.recommended_backends("cuda", torch.bfloat16, 64)[0] == "native"
     assert not hardware.native_measured_slower("cpu")
+
+
+def test_a_speed_measurement_orders_sdpa(fake_cuda, verified, monkeypatch):
+    """A benchmark that measured sdpa faster than the gather path in every configuration puts it
+    before flash_attn_2 and xformers on that capability (flash_attn_3 keeps its place); one that
+    measured it slower anywhere, or none, leaves the order as it was; float32 still leaves it out."""
+    fake_cuda["cap"] = (8, 6)
+    verified(False)
+    base = ["flash_attn_2", "xformers", "sdpa", "manual"]
+    monkeypatch.setattr(hardware, "CUDA_SPEED_MEASURED", {})
+    assert hardware.recommended_backends("cuda", torch.bfloat16, 64) == base
+    faster = hardware.SpeedMeasurement("FAKE GPU", "0123abc", "2026-11-24", 0.5, "table.md", 1.1)
+    monkeypatch.setattr(hardware, "CUDA_SPEED_MEASURED", {(8, 6): faster})
+    assert hardware.sdpa_measured_faster("cuda") and not hardware.sdpa_measured_faster("cpu")
+    assert hardware.recommended_backends("cuda", torch.bfloat16, 64) == [
+        "sdpa",
+        "flash_attn_2",
+        "xformers",
+        "manual",
+    ]
+    assert "sdpa" not in hardware.recommended_backends("cuda", torch.float32, 64)
+    slower = hardware.SpeedMeasurement("FAKE GPU", "0123abc", "2026-11-24", 0.5, "table.md", 0.9)
+    monkeypatch.setattr(hardware, "CUDA_SPEED_MEASURED", {(8, 6): slower})
+    assert hardware.recommended_backends("cuda", torch.bfloat16, 64) == base
 
 
 def test_speed_measurements_name_committed_tables():
