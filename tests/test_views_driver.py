@@ -75,6 +75,59 @@ def test_cuda_matches_the_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dt
     _check(_op(segs, rates, is_causal), B, N, Hq, Hkv, D * 8, segs, rates, is_causal, dtype, q, k, v)
 
 
+_LAYOUT_DEVICES = [("cpu", torch.float32), ("cpu", torch.bfloat16)] + (
+    [pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)] if _views_op.available("cuda") else []
+)
+
+
+@pytest.mark.parametrize("device,dtype", _LAYOUT_DEVICES)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_views_of_a_fused_projection(device, dtype, is_causal):
+    """q, k, v as the example GPT makes them, views of one fused projection (qkv.split(...).view):
+    the driver reads them in place (their rows 3 E apart, batch and sequence still folding) and
+    matches the reference as contiguous inputs do, forward and every gradient."""
+    B, N, Hq, Hkv, D, segs, rates = 2, 40, 4, 2, 16, [8, 16, 40], [1, 2, 4]
+    torch.manual_seed(3)
+    qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D, dtype=torch.float64)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (qkv,)]
+    q, k, v = ref_leaves[0].split([Hq * D, Hkv * D, Hkv * D], dim=2)
+    q, k, v = q.view(B, N, Hq, D), k.view(B, N, Hkv, D), v.view(B, N, Hkv, D)
+    out64, _ = reference_attention(q, k, v, segs, rates, is_causal)
+    dout = torch.randn(B, N, Hq, D, dtype=torch.float64)
+    (g64,) = torch.autograd.grad((out64 * dout).sum(), ref_leaves)
+    fused = qkv.to(device=device, dtype=dtype).requires_grad_()
+    q, k, v = fused.split([Hq * D, Hkv * D, Hkv * D], dim=2)
+    q, k, v = q.view(B, N, Hq, D), k.view(B, N, Hkv, D), v.view(B, N, Hkv, D)
+    assert not q.is_contiguous() and q.stride(1) == (Hq + 2 * Hkv) * D
+    out, _ = _op(segs, rates, is_causal)(q, k, v)
+    (g,) = torch.autograd.grad((out.double() * dout.to(device)).sum(), fused)
+    # the same values given contiguous
+    leaves = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    out_c, _ = _op(segs, rates, is_causal)(*leaves)
+    gc = torch.autograd.grad((out_c.double() * dout.to(device)).sum(), leaves)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out.double().cpu(), out64, **tol)
+    torch.testing.assert_close(g.double().cpu(), g64, **tol)
+    torch.testing.assert_close(out, out_c, **tol)
+    torch.testing.assert_close(g, torch.cat(gc, dim=2).flatten(2), **tol)
+
+
+@pytest.mark.parametrize("device,dtype", _LAYOUT_DEVICES)
+def test_inputs_whose_batch_does_not_fold_are_copied(device, dtype):
+    """The first N positions of longer sequences (x[:, :N]): batch entries are not N rows apart,
+    so the folded views of the segments would read the wrong rows; the driver copies such inputs
+    (and matches the reference)."""
+    B, N, H, D, segs, rates = 2, 24, 2, 16, [8, 24], [1, 2]
+    torch.manual_seed(4)
+    longer = torch.randn(B, 2 * N, H, D, dtype=torch.float64)
+    out64, _ = reference_attention(*(longer[:, :N],) * 3, segs, rates, True)
+    xs = longer.to(device=device, dtype=dtype)[:, :N]  # sliced after the conversion: still strided
+    assert xs.stride(0) != N * xs.stride(1)
+    out, _ = _op(segs, rates, True)(xs, xs, xs)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out.double().cpu(), out64, **tol)
+
+
 @pytest.mark.parametrize("scale", [-0.4, 0.0])
 def test_non_positive_scale(scale):
     B, N, Hq, Hkv, D, segs, rates = 2, 37, 4, 2, 8, [8, 16], [1, 2]

@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -94,6 +95,21 @@ std::tuple<at::Tensor, double, double> positive_scale(const at::Tensor& q, doubl
   if (scale > 0) return {q, scale, 1.0};
   if (scale < 0) return {q.neg(), -scale, -1.0};
   return {at::zeros_like(q), 1.0, 0.0};
+}
+
+// x (B, N, H, D) itself where the driver's strided views can read it in place: the head dim
+// contiguous, the heads one after another, rows that do not overlap, batch and sequence dims that
+// fold (x.stride(0) == N x.stride(1)) and, on CUDA, strides that are multiples of 8 elements from a
+// 16-byte aligned start (what cuDNN and flash attention take); else a contiguous copy. The views
+// of a fused projection (q, k, v = qkv.split(...)) are read in place.
+at::Tensor driver_layout(const at::Tensor& x) {
+  const int64_t B = x.size(0), N = x.size(1), H = x.size(2), D = x.size(3);
+  bool in_place = x.stride(3) == 1 && x.stride(2) == D && x.stride(1) >= H * D &&
+                  (B == 1 || x.stride(0) == N * x.stride(1));
+  if (in_place && x.is_cuda())
+    in_place = D % 8 == 0 && x.stride(1) % 8 == 0 && x.stride(0) % 8 == 0 &&
+               reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  return in_place ? x : x.contiguous();
 }
 
 // Key/value heads x (Bb, m, hk, D) repeated to q's h heads for a kernel that takes as many as q
@@ -382,8 +398,8 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   const bool cuda = q_in.is_cuda();
   const int kind = cuda ? cuda_kind(q_in) : 0;
   (void)kind;  // read by the CUDA kernels only
-  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
-  auto [q, scale, sign] = positive_scale(q_in.contiguous(), softmax_scale);
+  const at::Tensor k = driver_layout(k_in), v = driver_layout(v_in);
+  auto [q, scale, sign] = positive_scale(driver_layout(q_in), softmax_scale);
   (void)sign;
   const at::ScalarType acc = lse_dtype(q.scalar_type());
   const at::Tensor out_acc = at::zeros({P.B, P.N, P.Hq, P.D}, q.options().dtype(acc));
@@ -427,15 +443,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
   const bool cuda = q_in.is_cuda();
   const int kind = cuda ? cuda_kind(q_in) : 0;
   (void)kind;  // read by the CUDA kernels only
-  const at::Tensor k = k_in.contiguous(), dout = dout_in.contiguous();
+  const at::Tensor k = driver_layout(k_in), dout = driver_layout(dout_in);
   // The values the kernels read (merged.py's kernel_values): with causal masking, a non-finite
   // v[x] taken as 0, as the forward's kernels took it, so that 0 * inf does not carry it into the
   // dout . v of the rows before x, nor through delta into the gradients of their other branches'
   // keys (dv reads no v). A copy only where v has such entries; on CUDA always, since looking
   // first would synchronise with the host.
   const bool zero_nonfinite = is_causal && (cuda || !at::isfinite(v_in).all().item<bool>());
-  const at::Tensor v = zero_nonfinite ? at::nan_to_num(v_in, 0.0, 0.0, 0.0).contiguous() : v_in.contiguous();
-  auto [q, scale, sign] = positive_scale(q_in.contiguous(), softmax_scale);
+  const at::Tensor v =
+      zero_nonfinite ? at::nan_to_num(v_in, 0.0, 0.0, 0.0).contiguous() : driver_layout(v_in);
+  auto [q, scale, sign] = positive_scale(driver_layout(q_in), softmax_scale);
   const at::ScalarType acc = lse_dtype(q.scalar_type());
   const at::Tensor lse_bnh = lse.to(acc).permute({0, 2, 1}).contiguous();
   const bool has_dlse = dlse.has_value() && dlse->defined();
