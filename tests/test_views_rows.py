@@ -3,7 +3,8 @@ CPU through the kernels' emulation (csrc/cuda/emulation/run_rows.cpp): the copie
 backward contiguous dout, out and statistics from a call's strided views, and the adds of a call's
 gradients into strided views of the float32 accumulators, several tensors in one launch. Each is
 compared with what PyTorch's own copy_ and add_ make of the same views, element by element, and
-every element outside the views must keep its value."""
+every element outside the views must keep its value. The same kernel checks the forward's inputs
+for non-finite entries (one flag for q, k and v), against torch.isfinite."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _four(t: torch.Tensor) -> torch.Tensor:
     return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.numel() == 0 else t[(None,) * (4 - t.dim())]
 
 
-def move(so, dst: list[torch.Tensor], src: list[torch.Tensor], add: bool) -> int:
+def move(so, dst: list[torch.Tensor], src: list[torch.Tensor], add: bool, op: int | None = None) -> int:
+    """Runs the kernel on (dst, src) pairs: op 0 copy, 1 add (``add`` picks one of the two), 2 check."""
     meta = []
     for d, s in zip(dst, src, strict=True):
         d4, s4 = _four(d), _four(s)
@@ -37,7 +39,7 @@ def move(so, dst: list[torch.Tensor], src: list[torch.Tensor], add: bool) -> int
         *[p for d, s in zip(dst, src, strict=True) for p in (d.data_ptr(), s.data_ptr())]
     )
     source = SOURCES.get(src[0].dtype, 0)
-    return so.da_emu_rows(int(add), source, len(dst), meta_t.data_ptr(), ptrs)
+    return so.da_emu_rows(int(add) if op is None else op, source, len(dst), meta_t.data_ptr(), ptrs)
 
 
 def call_view(x: torch.Tensor, r: int, phase: int, heads: slice) -> torch.Tensor:
@@ -111,3 +113,23 @@ def test_pairs_of_different_row_counts_and_a_full_job(emu):
     assert move(emu, [torch.zeros(2, 4)], [x], False) == 1
     # a copy as words needs rows contiguous in both tensors
     assert move(emu, [torch.zeros(3, 2).t()], [x], False) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_nonfinite_check_of_q_k_v_in_one_launch(emu, dtype, bad, where):
+    """q, k, v (strided views, as a fused projection gives them) checked at once: the flag is set
+    exactly when one of them holds a NaN or an infinity, wherever it is (here the last element of
+    the tensor `where`)."""
+    B, N, Hq, Hkv, D = 2, 9, 4, 2, 8
+    qkv = torch.randn(B, N, (Hq + 2 * Hkv) * D).to(dtype)
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=2)
+    q, k, v = q.view(B, N, Hq, D), k.view(B, N, Hkv, D), v.view(B, N, Hkv, D)
+    if bad is not None:
+        (q, k, v)[where][-1, -1, -1, -1] = bad
+    flag = torch.zeros(1, dtype=torch.int32)
+    dst = [flag.expand(t.shape) for t in (q, k, v)]  # the flag at every element (zero strides)
+    assert move(emu, dst, [q, k, v], False, op=2) == 0
+    want = not all(bool(torch.isfinite(t).all()) for t in (q, k, v))
+    assert bool(flag.item()) == want

@@ -1,5 +1,5 @@
-// Whole-row moves of the views driver's CUDA backward (rows_kernel.cuh): up to three (dst, src)
-// pairs of tensors in one launch.
+// Whole-row moves of the views driver's CUDA backward, and its forward's check for non-finite
+// inputs (rows_kernel.cuh): up to three tensors in one launch.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,6 +16,10 @@ namespace views {
 // of float32, bfloat16 or float16 into float32 sources of one dtype), else at::Tensor::copy_ /
 // add_ pair by pair (rows_cuda.cu).
 void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add);
+
+// Whether every entry of xs (1 to 3 CUDA tensors of one dtype, at most four dims) is finite: one
+// launch and one read of the flag back to the host (at::isfinite and all per tensor elsewhere).
+bool all_finite_cuda(const std::vector<at::Tensor>& xs);
 #endif
 
 }  // namespace views

@@ -32,6 +32,15 @@ std::optional<RowSource> row_source(at::ScalarType t) {
   }
 }
 
+void launch(const RowJob& job, RowOp op, RowSource source, const at::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const dim3 grid(static_cast<unsigned>((job.max_warps * 32 + kRowThreads - 1) / kRowThreads),
+                  static_cast<unsigned>(job.count));
+  with_rows_kernel(op, source, [&](auto kernel) { kernel<<<grid, kRowThreads, 0, stream>>>(job); });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add) {
@@ -62,13 +71,32 @@ void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::T
     return;
   }
   if (job.max_warps == 0) return;
-  const c10::cuda::CUDAGuard guard(dst[0].device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const dim3 grid(static_cast<unsigned>((job.max_warps * 32 + kRowThreads - 1) / kRowThreads),
-                  static_cast<unsigned>(job.count));
-  with_rows_kernel(add, source.value_or(RowSource::kFloat),
-                   [&](auto kernel) { kernel<<<grid, kRowThreads, 0, stream>>>(job); });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch(job, add ? RowOp::kAdd : RowOp::kCopy, source.value_or(RowSource::kFloat), dst[0].device());
+}
+
+bool all_finite_cuda(const std::vector<at::Tensor>& xs) {
+  TORCH_CHECK(!xs.empty(), "all_finite_cuda: no tensor");
+  const std::optional<RowSource> source = row_source(xs[0].scalar_type());
+  const at::Tensor flag = at::zeros({1}, xs[0].options().dtype(at::kInt));
+  RowJob job;
+  bool fits = source.has_value() && xs.size() <= static_cast<size_t>(kRowPairs);
+  for (size_t i = 0; fits && i < xs.size(); ++i) {
+    const at::Tensor& x = xs[i];
+    fits = x.dim() <= 4 && x.is_cuda() && x.scalar_type() == xs[0].scalar_type();
+    if (!fits) break;
+    RowTensor src = row_tensor(x), dst = src;  // the flag, read at every element (zero strides)
+    dst.data = flag.data_ptr();
+    dst.elem_bytes = 4;
+    for (int d = 0; d < 4; ++d) dst.stride[d] = 0;
+    fits = add_row_pair(job, dst, src, false);
+  }
+  if (!fits) {
+    for (const at::Tensor& x : xs)
+      if (!at::isfinite(x).all().item<bool>()) return false;
+    return true;
+  }
+  if (job.max_warps > 0) launch(job, RowOp::kCheck, *source, xs[0].device());
+  return flag.item<int>() == 0;
 }
 
 }  // namespace views

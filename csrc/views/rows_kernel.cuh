@@ -6,7 +6,8 @@
 //     tensors of different dtypes (bfloat16 dout/out, float32 statistics) share the launch and the
 //     bytes arrive unchanged;
 //   * the adds of a call's dq, dk, dv into strided views of the float32 accumulators, in float32
-//     (the source converted exactly first), as at::add_ computes them.
+//     (the source converted exactly first), as at::add_ computes them;
+//   * the forward's check for non-finite entries in q, k and v: one flag set by any of them.
 //
 // Each row (i0, i1, i2) of the pair blockIdx.y gets `lanes` threads of a warp over its elements (32
 // for rows of 32 elements or more, fewer for short rows: a warp then moves several rows). Compiled
@@ -92,8 +93,11 @@ inline bool add_row_pair(RowJob& job, const RowTensor& dst, const RowTensor& src
   return true;
 }
 
-// dst = src (kAdd: dst = dst + src in dst_t, src converted first) for every row of every pair.
-template <typename dst_t, typename src_t, bool kAdd>
+// What rows_kernel does with each element: dst = src; dst = dst + src (in dst_t, src converted
+// first); or, for a src element that is not finite, *dst = 1 (dst: one int flag, zero strides).
+enum class RowOp { kCopy, kAdd, kCheck };
+
+template <typename dst_t, typename src_t, RowOp kOp>
 __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowJob job) {
   const RowPair& p = job.pair[blockIdx.y];
   const int lane = threadIdx.x % 32;
@@ -104,26 +108,38 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowJob job) {
   dst_t* d = reinterpret_cast<dst_t*>(p.dst) + i0 * p.ds[0] + i1 * p.ds[1] + i2 * p.ds[2];
   const src_t* s = reinterpret_cast<const src_t*>(p.src) + i0 * p.ss[0] + i1 * p.ss[1] + i2 * p.ss[2];
   for (int64_t e = lane % p.lanes; e < p.len; e += p.lanes) {
-    const dst_t v = static_cast<dst_t>(s[e * p.ss[3]]);
-    if (kAdd)
-      d[e * p.ds[3]] = d[e * p.ds[3]] + v;
-    else
-      d[e * p.ds[3]] = v;
+    if constexpr (kOp == RowOp::kCheck) {
+      const float x = static_cast<float>(s[e * p.ss[3]]);
+      if (!(x - x == 0.0f)) *d = 1;  // inf - inf and NaN - NaN are NaN
+    } else {
+      const dst_t v = static_cast<dst_t>(s[e * p.ss[3]]);
+      if constexpr (kOp == RowOp::kAdd)
+        d[e * p.ds[3]] = d[e * p.ds[3]] + v;
+      else
+        d[e * p.ds[3]] = v;
+    }
   }
 }
 
-// The source elements of an add (a copy moves words whatever the dtypes).
+// The source elements of an add or a check (a copy moves words whatever the dtypes).
 enum class RowSource { kFloat, kBFloat16, kHalf };
 
-// Calls launch(kernel) with the rows_kernel of a copy (add false) or of an add of src elements
-// into float32.
+// Calls launch(kernel) with the rows_kernel of a copy, of an add of src elements into float32, or
+// of a check of src elements into an int flag.
 template <typename Launch>
-void with_rows_kernel(bool add, RowSource src, Launch&& launch) {
-  if (!add) return launch(rows_kernel<uint16_t, uint16_t, false>);
+void with_rows_kernel(RowOp op, RowSource src, Launch&& launch) {
+  if (op == RowOp::kCopy) return launch(rows_kernel<uint16_t, uint16_t, RowOp::kCopy>);
+  if (op == RowOp::kAdd) {
+    switch (src) {
+      case RowSource::kFloat: return launch(rows_kernel<float, float, RowOp::kAdd>);
+      case RowSource::kBFloat16: return launch(rows_kernel<float, c10::BFloat16, RowOp::kAdd>);
+      case RowSource::kHalf: return launch(rows_kernel<float, c10::Half, RowOp::kAdd>);
+    }
+  }
   switch (src) {
-    case RowSource::kFloat: return launch(rows_kernel<float, float, true>);
-    case RowSource::kBFloat16: return launch(rows_kernel<float, c10::BFloat16, true>);
-    case RowSource::kHalf: return launch(rows_kernel<float, c10::Half, true>);
+    case RowSource::kFloat: return launch(rows_kernel<int, float, RowOp::kCheck>);
+    case RowSource::kBFloat16: return launch(rows_kernel<int, c10::BFloat16, RowOp::kCheck>);
+    case RowSource::kHalf: return launch(rows_kernel<int, c10::Half, RowOp::kCheck>);
   }
 }
 

@@ -126,6 +126,14 @@ at::Tensor reads(const at::Tensor& x, bool is_causal) {
   return is_causal ? x.cumsum(1) : x.sum(1, true);
 }
 
+// Whether q, k and v hold only finite values: one device synchronisation (on CUDA one launch).
+bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#ifdef DILATED_ATTENTION_WITH_CUDA
+  if (q.is_cuda()) return all_finite_cuda({q, k, v});
+#endif
+  return (at::isfinite(q).all() & at::isfinite(k).all() & at::isfinite(v).all()).item<bool>();
+}
+
 // Non-finite inputs (gathered.py's _NonFinite): v_kernel is v with non-finite entries replaced
 // by 0 where causal masking would multiply them by 0, v_bad the entries themselves; zq and zk are
 // 0 for a finite row and NaN for a non-finite one.
@@ -140,9 +148,7 @@ struct NonFinite {
 #ifdef DILATED_ATTENTION_WITH_CUDA
     capturing = q.is_cuda() && cuda_capturing();
 #endif
-    if (!capturing &&
-        (at::isfinite(q).all() & at::isfinite(k).all() & at::isfinite(v).all()).item<bool>())  // one sync
-      return;
+    if (!capturing && all_finite(q, k, v)) return;
     if (is_causal && (capturing || !at::isfinite(v).all().item<bool>())) {
       v_kernel = at::nan_to_num(v, 0.0, 0.0, 0.0);
       v_bad = v - v_kernel;

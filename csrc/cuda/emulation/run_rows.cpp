@@ -13,27 +13,29 @@
 using dilated_attention::views::add_row_pair;
 using dilated_attention::views::kRowThreads;
 using dilated_attention::views::RowJob;
+using dilated_attention::views::RowOp;
 using dilated_attention::views::RowSource;
 using dilated_attention::views::RowTensor;
 using dilated_attention::views::with_rows_kernel;
 
 // Moves `count` pairs: meta holds, per pair, the element bytes of dst and of src, then dst's four
 // sizes and four strides and src's (18 values); ptrs holds dst0, src0, dst1, src1, ...
-// source: 0 float32, 1 bfloat16, 2 float16 (adds only). Returns 0, or 1 where a pair does not fit
-// the kernel (nothing moved).
-extern "C" int da_emu_rows(int add, int source, int count, const int64_t* meta, void** ptrs) {
+// op: 0 copy, 1 add, 2 check (dst: an int flag); source: 0 float32, 1 bfloat16, 2 float16 (adds
+// and checks). Returns 0, or 1 where a pair does not fit the kernel (nothing moved).
+extern "C" int da_emu_rows(int op, int source, int count, const int64_t* meta, void** ptrs) {
   RowJob job;
   for (int i = 0; i < count; ++i) {
     const int64_t* m = meta + 18 * i;
     RowTensor dst{ptrs[2 * i], m[0], {m[2], m[3], m[4], m[5]}, {m[6], m[7], m[8], m[9]}};
     RowTensor src{ptrs[2 * i + 1], m[1], {m[10], m[11], m[12], m[13]}, {m[14], m[15], m[16], m[17]}};
-    if (!add_row_pair(job, dst, src, !add)) return 1;
+    if (!add_row_pair(job, dst, src, op == 0)) return 1;
   }
   const dim3 grid((unsigned)((job.max_warps * 32 + kRowThreads - 1) / kRowThreads), (unsigned)job.count);
   const RowSource src = source == 1   ? RowSource::kBFloat16
                         : source == 2 ? RowSource::kHalf
                                       : RowSource::kFloat;
-  with_rows_kernel(add != 0, src, [&](auto kernel) {
+  const RowOp kind = op == 0 ? RowOp::kCopy : op == 1 ? RowOp::kAdd : RowOp::kCheck;
+  with_rows_kernel(kind, src, [&](auto kernel) {
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x)
         da_emu::run_block(grid, dim3(x, y, 1), kRowThreads, [&] { kernel(job); });
