@@ -25,6 +25,7 @@ from .autograd import forward_mode_message, no_double_backward
 from .library import _C
 
 __all__ = [
+    "FusedFunction",
     "NativeAttention",
     "NativeVarlenAttention",
     "batched_bwd_rule",
@@ -144,10 +145,25 @@ def fused_backward(
     return (dq, dk, dv) + (None,) * (len(extra) + len(ctx.config))
 
 
+class FusedFunction(torch.autograd.Function):
+    """What :func:`fused_function` makes: an ``autograd.Function`` over one op, and :meth:`call`."""
+
+    @classmethod
+    def call(cls, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)``: the Function applied to ``args``, or, under torch.compile and
+        torch.export, the op itself (Dynamo traces it and its ``register_autograd`` formula, which
+        saves the same lse; it does not trace autograd.Functions that define ``jvp`` or take one
+        tensor twice, as self-attention's ``q = k = v``)."""
+        if torch.compiler.is_compiling():
+            return cls.forward(*args)
+        out, lse = cls.apply(*args)
+        return out, lse
+
+
 def fused_function(
     name: str, fwd: str, bwd: str, tensors: int, backend: str, lse64_at: int | None, doc: str
-) -> type[torch.autograd.Function]:
-    """An ``autograd.Function`` (``setup_context`` style, what torch.func transforms take) whose
+) -> type[FusedFunction]:
+    """A :class:`FusedFunction` (``setup_context`` style, what torch.func transforms take) whose
     forward runs ``torch.ops.dilated_attention.<fwd>`` on its inputs (with ``float64_lse=True``
     inserted at ``lse64_at`` where given) and whose backward runs ``<bwd>`` through
     :func:`fused_backward`. It saves q, k, v, out, lse and the tensor inputs ``3 .. tensors - 1``
@@ -178,7 +194,7 @@ def fused_function(
         "backward": staticmethod(backward),
         "jvp": staticmethod(jvp),
     }
-    return type(name, (torch.autograd.Function,), body)
+    return type(name, (FusedFunction,), body)
 
 
 NativeAttention = fused_function(
@@ -221,13 +237,7 @@ def native_attention(
     """``(out, lse)`` of the fused op through :class:`NativeAttention` (lse in float64), with
     attention dropout ``(dropout_p, dropout_seed, dropout_offset)`` (csrc/dropout.h)."""
     dropout = (dropout_p, dropout_seed, dropout_offset) if dropout_p > 0 else ()
-    args = (q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale)
-    if torch.compiler.is_compiling():
-        # Dynamo traces the op itself (its register_autograd formula saves the same float64 lse):
-        # it does not trace autograd.Functions that define jvp or take one tensor twice (q = k = v).
-        return torch.ops.dilated_attention.fwd(*args, True, *dropout)
-    out, lse = NativeAttention.apply(*args, *dropout)
-    return out, lse
+    return NativeAttention.call(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout)
 
 
 def native_varlen_attention(
@@ -245,8 +255,4 @@ def native_varlen_attention(
     """``(out, lse)`` of the fused packed op through :class:`NativeVarlenAttention` (lse in
     float64); ``dropout`` is ``(dropout_p, dropout_seed, dropout_offset)`` or empty."""
     args = (q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale)
-    if torch.compiler.is_compiling():
-        # As native_attention: Dynamo traces the op and its register_autograd formula.
-        return torch.ops.dilated_attention.varlen_fwd(*args, True, *dropout)
-    out, lse = NativeVarlenAttention.apply(*args, *dropout)
-    return out, lse
+    return NativeVarlenAttention.call(*args, *dropout)

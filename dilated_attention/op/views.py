@@ -96,11 +96,7 @@ def views_attention(
     """``out`` (B, N, Hq, D) and ``lse`` (B, Hq, N) of the C++ driver; differentiable (first
     order, reverse mode), also under torch.func transforms."""
     args = (q, k, v, list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
-    if torch.compiler.is_compiling():
-        # Dynamo traces the op and its register_autograd formula (as native_attention).
-        return torch.ops.dilated_attention.views_fwd(*args)
-    out, lse = ViewsAttention.apply(*args)
-    return out, lse
+    return ViewsAttention.call(*args)
 
 
 ViewsVarlenAttention = fused_function(
@@ -128,21 +124,10 @@ def views_varlen_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` (T, Hq, D) and ``lse`` (Hq, T) of the C++ driver on packed sequences;
     differentiable (first order, reverse mode), also under torch.func transforms."""
-    args = (
-        q,
-        k,
-        v,
-        cu_seqlens,
-        int(max_seqlen),
-        list(segment_lengths),
-        list(dilation_rates),
-        bool(is_causal),
+    return ViewsVarlenAttention.call(
+        q, k, v, cu_seqlens, int(max_seqlen), list(segment_lengths), list(dilation_rates), bool(is_causal),
         float(softmax_scale),
-    )
-    if torch.compiler.is_compiling():
-        return torch.ops.dilated_attention.views_varlen_fwd(*args)
-    out, lse = ViewsVarlenAttention.apply(*args)
-    return out, lse
+    )  # fmt: skip
 
 
 def _views_fwd_fake(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale):
