@@ -130,19 +130,22 @@ CUDA_SPEED_MEASURED: dict[tuple[int, int], SpeedMeasurement] = {
 }
 
 
+def _speed_record(device: DeviceLike) -> SpeedMeasurement | None:
+    cap = compute_capability(device)
+    return CUDA_SPEED_MEASURED.get(cap) if cap is not None else None
+
+
 def sdpa_measured_faster(device: DeviceLike = None) -> bool:
     """Whether a benchmark on this device's compute capability measured ``sdpa`` faster than the
     gather path in every configuration (:data:`CUDA_SPEED_MEASURED`). False where not measured."""
-    cap = compute_capability(device)
-    record = CUDA_SPEED_MEASURED.get(cap) if cap is not None else None
+    record = _speed_record(device)
     return record is not None and record.sdpa_over_gather is not None and record.sdpa_over_gather > 1.0
 
 
 def native_measured_slower(device: DeviceLike = None) -> bool:
     """Whether a benchmark on this device's compute capability measured ``native`` slower than the
     gather path (:data:`CUDA_SPEED_MEASURED`). False where nothing was measured."""
-    cap = compute_capability(device)
-    record = CUDA_SPEED_MEASURED.get(cap) if cap is not None else None
+    record = _speed_record(device)
     return record is not None and record.native_over_gather < 1.0
 
 

@@ -154,3 +154,16 @@ def build_emulation(runner: str, out_dir: Path, opt: str = "-O1") -> ctypes.CDLL
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert res.returncode == 0, f"building the emulation runner {runner} failed:\n{res.stderr[-4000:]}"
     return ctypes.CDLL(str(lib))
+
+
+def assert_grad_and_vjp_agree(f, ref, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """torch.func's ``grad`` (over q, k, v) and ``vjp`` of the scalar functions ``f`` and ``ref``
+    agree (``ref``: the float64 reference)."""
+    from torch.func import grad, vjp
+
+    for a, e in zip(grad(f, argnums=(0, 1, 2))(q, k, v), grad(ref, argnums=(0, 1, 2))(q, k, v), strict=True):
+        torch.testing.assert_close(a, e)
+    (_, pull), (_, pull_ref) = vjp(f, q, k, v), vjp(ref, q, k, v)
+    one = torch.ones((), dtype=q.dtype)
+    for a, e in zip(pull(one), pull_ref(one), strict=True):
+        torch.testing.assert_close(a, e)

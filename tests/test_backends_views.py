@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from common import grads, make_inputs
+from common import assert_grad_and_vjp_agree, grads, make_inputs
 from reference import reference_attention
 from tolerance import assert_within_rule
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -238,7 +238,7 @@ def _f(backend):
 @pytest.mark.parametrize("backend", ["sdpa", "manual"])
 def test_torch_func_grad_vjp_jacrev_vmap(backend):
     """Every transform against the float64 reference under the same transform."""
-    from torch.func import grad, jacrev, vjp, vmap
+    from torch.func import grad, jacrev, vmap
 
     q, k, v = make_inputs(1, 16, 2, 1, 4, torch.float64, requires_grad=False)
 
@@ -247,12 +247,7 @@ def test_torch_func_grad_vjp_jacrev_vmap(backend):
         return out.sin().sum() + lse.cos().sum()
 
     f = _f(backend)
-    for a, e in zip(grad(f, argnums=(0, 1, 2))(q, k, v), grad(ref, argnums=(0, 1, 2))(q, k, v), strict=True):
-        torch.testing.assert_close(a, e)
-    (_, pull), (_, pull_ref) = vjp(f, q, k, v), vjp(ref, q, k, v)
-    one = torch.ones((), dtype=torch.float64)
-    for a, e in zip(pull(one), pull_ref(one), strict=True):
-        torch.testing.assert_close(a, e)
+    assert_grad_and_vjp_agree(f, ref, q, k, v)
 
     def out_of(q):
         return dattn(q, k, v, SEGS, RATES, is_causal=True, backend=backend)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import grads, make_inputs
+from common import assert_grad_and_vjp_agree, grads, make_inputs
 from reference import reference_attention
 from test_backends_views import GEOMETRIES, _check
 from test_varlen import cu_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dilated_attention import dilated_attention as dattn
+from dilated_attention import dilated_attention_varlen
 from dilated_attention.backends import sdpa_kernels
 from dilated_attention.backends.sdpa import SdpaBackend
 from dilated_attention.op import views as _views_op
@@ -284,6 +285,31 @@ def test_nonfinite_rows_as_the_python_driver():
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+def test_packed_nonfinite_rows_as_the_python_driver(monkeypatch):
+    """Packed sequences of two lengths (two runs of the C++ op), a NaN in the first sequence's q
+    and an inf in the last one's v: the packed op checks its whole inputs once and every run
+    applies the corrections, as the Python driver's rows show (causal)."""
+    lengths = [10, 10, 7]
+    cu, cu_list = cu_of(lengths)
+    T = cu_list[-1]
+    torch.manual_seed(6)
+    q, k, v = torch.randn(T, 4, 8), torch.randn(T, 2, 8), torch.randn(T, 2, 8)
+    q[3, 1, 2] = float("nan")
+    v[T - 2, 0, 0] = float("inf")
+
+    def run():
+        return dilated_attention_varlen(
+            q, k, v, cu, max(lengths), [4, 8], [1, 2], is_causal=True, return_lse=True, backend="sdpa"
+        )
+
+    out, lse = run()
+    monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
+    ref, ref_lse = run()
+    assert out.isnan().any() and not out[:3].isnan().any()  # the rows before the NaN stay finite
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_large_logits_gqa_bfloat16_within_the_rule():
     B, N, Hq, Hkv, D, segs, rates = 2, 256, 4, 2, 32, [128, 256], [1, 2]
     q, k, v = make_inputs(B, N, Hq, Hkv, D, torch.float64, seed=3, requires_grad=False)
@@ -315,7 +341,7 @@ def test_torch_func_runs_the_cpp_driver(monkeypatch, is_causal):
     """grad, vjp, jacrev, vmap (over any input) and vmap of grad through backend='sdpa' take the C++
     driver (its vmap rules fold the vmapped dimension into the batch) and match the float64
     reference under the same transform."""
-    from torch.func import grad, jacrev, vjp, vmap
+    from torch.func import grad, jacrev, vmap
 
     calls = _counting(monkeypatch)
     segs, rates = [4, 8], [1, 2]
@@ -329,12 +355,7 @@ def test_torch_func_runs_the_cpp_driver(monkeypatch, is_causal):
         out, lse = reference_attention(q, k, v, segs, rates, is_causal)
         return out.sin().sum() + lse.cos().sum()
 
-    for a, e in zip(grad(f, argnums=(0, 1, 2))(q, k, v), grad(ref, argnums=(0, 1, 2))(q, k, v), strict=True):
-        torch.testing.assert_close(a, e)
-    (_, pull), (_, pull_ref) = vjp(f, q, k, v), vjp(ref, q, k, v)
-    one = torch.ones((), dtype=torch.float64)
-    for a, e in zip(pull(one), pull_ref(one), strict=True):
-        torch.testing.assert_close(a, e)
+    assert_grad_and_vjp_agree(f, ref, q, k, v)
     x0 = q[:1, :8].clone()  # jacrev: a vmap over the vjps of one small call
     k0, v0 = k[:1, :8], v[:1, :8]
     torch.testing.assert_close(

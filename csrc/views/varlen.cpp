@@ -76,9 +76,10 @@ std::tuple<at::Tensor, at::Tensor> views_varlen_fwd(const at::Tensor& q, const a
                        is_causal, softmax_scale);
   const at::Tensor out = at::empty(q.sizes(), q.options());
   const at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
+  const bool finite = inputs_finite(q, k, v);  // once for every run
   for (const Run& r : runs_of(seqs)) {
     auto [o, l] = views_fwd(rows(q, r), rows(k, r), rows(v, r), segment_lengths, dilation_rates, is_causal,
-                            softmax_scale);
+                            softmax_scale, finite);
     rows(out, r).copy_(o);
     cols(lse, r).copy_(l);
   }

@@ -126,12 +126,14 @@ at::Tensor reads(const at::Tensor& x, bool is_causal) {
   return is_causal ? x.cumsum(1) : x.sum(1, true);
 }
 
-// Whether q, k and v hold only finite values: one device synchronisation (on CUDA one launch).
-bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// Whether the current CUDA stream of q is being captured into a graph.
+bool capturing(const at::Tensor& q) {
 #ifdef DILATED_ATTENTION_WITH_CUDA
-  if (q.is_cuda()) return all_finite_cuda({q, k, v});
+  return q.is_cuda() && cuda_capturing();
+#else
+  (void)q;
+  return false;
 #endif
-  return (at::isfinite(q).all() & at::isfinite(k).all() & at::isfinite(v).all()).item<bool>();
 }
 
 // Non-finite inputs (gathered.py's _NonFinite): v_kernel is v with non-finite entries replaced
@@ -140,16 +142,13 @@ bool all_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 struct NonFinite {
   at::Tensor v_kernel, v_bad, zq, zk;
 
-  // The corrections for q, k, v (contiguous, (B, N, H, D)); none where every entry is finite.
-  // While a CUDA graph is captured the values cannot be read: the corrections are applied as if
-  // there were non-finite entries (exact either way).
-  NonFinite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal) : v_kernel(v) {
-    bool capturing = false;
-#ifdef DILATED_ATTENTION_WITH_CUDA
-    capturing = q.is_cuda() && cuda_capturing();
-#endif
-    if (!capturing && all_finite(q, k, v)) return;
-    if (is_causal && (capturing || !at::isfinite(v).all().item<bool>())) {
+  // The corrections for q, k, v ((B, N, H, D)); none where every entry is finite (finite, from
+  // inputs_finite). While a CUDA graph is captured the values cannot be read: the corrections are
+  // applied as if there were non-finite entries (exact either way).
+  NonFinite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal, bool finite)
+      : v_kernel(v) {
+    if (finite) return;
+    if (is_causal && (capturing(q) || !at::isfinite(v).all().item<bool>())) {
       v_kernel = at::nan_to_num(v, 0.0, 0.0, 0.0);
       v_bad = v - v_kernel;
     }
@@ -394,13 +393,23 @@ Problem check_views_inputs(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace
 
+// inputs_finite (views.h).
+bool inputs_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (capturing(q)) return false;
+#ifdef DILATED_ATTENTION_WITH_CUDA
+  if (q.is_cuda()) return all_finite_cuda({q, k, v});
+#endif
+  return (at::isfinite(q).all() & at::isfinite(k).all() & at::isfinite(v).all()).item<bool>();
+}
+
 // dilated_attention::views_fwd (views.h).
 std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
                                              const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                              at::IntArrayRef dilation_rates, bool is_causal,
-                                             double softmax_scale) {
+                                             double softmax_scale, std::optional<bool> finite) {
   const Problem P =
       check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
+  if (!finite) finite = inputs_finite(q_in, k_in, v_in);
   const bool cuda = q_in.is_cuda();
   const int kind = cuda ? cuda_kind(q_in) : 0;
   (void)kind;  // read by the CUDA kernels only
@@ -411,7 +420,7 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   const at::Tensor out_acc = at::zeros({P.B, P.N, P.Hq, P.D}, q.options().dtype(acc));
   const at::Tensor lse_acc =
       at::full({P.B, P.N, P.Hq}, -std::numeric_limits<double>::infinity(), q.options().dtype(acc));
-  const NonFinite nf(q, k, v, is_causal);
+  const NonFinite nf(q, k, v, is_causal, *finite);
   const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
   for (size_t br = 0; br < plan->branches.size(); ++br) {
     for (const Call& c : plan->branches[br]) {
@@ -529,14 +538,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
 
 }  // namespace views
 
+namespace views {
+namespace {
+// The op views_fwd: the forward checking its own inputs for non-finite entries.
+std::tuple<at::Tensor, at::Tensor> views_fwd_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                at::IntArrayRef segment_lengths,
+                                                at::IntArrayRef dilation_rates, bool is_causal,
+                                                double softmax_scale) {
+  return views_fwd(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, std::nullopt);
+}
+}  // namespace
+}  // namespace views
+
 TORCH_LIBRARY_IMPL(dilated_attention, CPU, m) {
-  m.impl("views_fwd", &views::views_fwd);
+  m.impl("views_fwd", &views::views_fwd_op);
   m.impl("views_bwd", &views::views_bwd);
 }
 
 #ifdef DILATED_ATTENTION_WITH_CUDA
 TORCH_LIBRARY_IMPL(dilated_attention, CUDA, m) {
-  m.impl("views_fwd", &views::views_fwd);
+  m.impl("views_fwd", &views::views_fwd_op);
   m.impl("views_bwd", &views::views_bwd);
 }
 #endif
