@@ -100,6 +100,22 @@ def _visible_arch_list() -> str | None:
     return ";".join(f"{major}.{minor}" for major, minor in caps) + "+PTX"
 
 
+def _sm90a(archs: str) -> tuple[str, list[str]]:
+    """``(TORCH_CUDA_ARCH_LIST, extra nvcc flags)`` with sm_90 compiled as sm_90a: the sm90
+    forward's warpgroup MMA (csrc/cuda/tc90_kernels.cuh) exists only in sm_90a code, which every
+    compute capability 9.0 GPU (H100, H200, GH200) runs. A "9.0+PTX" keeps its PTX as compute_90
+    (sm_90a's PTX would not run on newer GPUs)."""
+    out, flags = [], []
+    for item in re.split(r"[;\s]+", archs.strip()):
+        if item in ("9.0", "9.0+PTX"):
+            out.append("9.0a")
+            if item.endswith("+PTX"):
+                flags.append("-gencode=arch=compute_90,code=compute_90")
+        elif item:
+            out.append(item)
+    return ";".join(dict.fromkeys(out)), flags
+
+
 def _cuda_plan() -> tuple[str | None, str]:
     """``(TORCH_CUDA_ARCH_LIST to build, why)``; None: the CPU kernels only."""
     if _flag("DILATED_ATTENTION_CPU_ONLY"):
@@ -155,11 +171,16 @@ def _extension():
         root = _toolkit_root()
         if root and root != CUDA_HOME:
             cpp_extension.CUDA_HOME = root  # read by CUDAExtension and BuildExtension at build time
-        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
-        print(f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} ({why})")
+        built, arch_flags = _sm90a(archs)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = built
+        print(
+            f"dilated_attention: building CPU and CUDA kernels for TORCH_CUDA_ARCH_LIST={archs} ({why})"
+            + (f", sm_90 as sm_90a: {built}" if built != archs else "")
+        )
         # csrc/cuda: the op's CUDA half (host code in .cpp, kernels in .cu; see docs/cuda.md), and
         # csrc/cuda/tc: one file per instantiation of the tensor-core kernels, compiled in parallel.
         nvcc = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+        nvcc += arch_flags
         nvcc += shlex.split(os.environ.get("DILATED_ATTENTION_NVCC_FLAGS", ""))  # e.g. "-Xptxas -v"
         cuda_sources = [
             *sorted(glob.glob("csrc/cuda/*.cpp")),

@@ -1,6 +1,8 @@
 """GPU speed of dilated attention in bf16, every way this project can compute it, in one run:
 
 * ``native``: ``dilated_attention(..., backend="native")``, the fused CUDA kernels;
+* ``native sm90``: the same with ``DILATED_ATTENTION_CUDA_SM90=1``, whose forward runs the warpgroup
+  (wgmma) kernel on a GPU that runs sm_90a code (an H100 or H200), else what ``native`` runs;
 * ``sdpa``: ``dilated_attention(..., backend="sdpa")``, whatever that backend is in this checkout;
 * ``gather+flash``: the gather driver (``backends/gathered.py``) with PyTorch's flash kernel on the
   gathered sub-sequences, merged by log-sum-exp, its backward the flash backward fed the merged
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
 import platform
 import sys
 from collections.abc import Callable
@@ -50,6 +53,7 @@ from bench_cuda_lib import METHODS, Clock, Row, print_table, write
 from dilated_attention.flops import attention_flops, attention_pairs, matmul_flops
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SM90_ENV = "DILATED_ATTENTION_CUDA_SM90"  # the forward on the warpgroup kernel (csrc/cuda/tc90_kernels.cuh)
 
 
 def longnet_branches(N: int, w0: int = 2048) -> tuple[list[int], list[int]]:
@@ -187,8 +191,22 @@ def run_config(B, N, H, D, causal, args, clock: Clock, baseline, methods) -> Row
     def dense_view(x):
         return x.view(B * N // L, L, H, D).transpose(1, 2)  # (B', H, L, D), no copy
 
+    def native(sm90: bool) -> torch.Tensor:
+        saved = os.environ.pop(SM90_ENV, None)
+        if sm90:
+            os.environ[SM90_ENV] = "1"
+        try:
+            return dilated_attention(
+                q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="native"
+            )
+        finally:
+            os.environ.pop(SM90_ENV, None)
+            if saved is not None:
+                os.environ[SM90_ENV] = saved
+
     fwds: dict[str, Callable[[], torch.Tensor]] = {
-        "native": lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="native"),
+        "native": lambda: native(False),
+        "native90": lambda: native(True),
         "sdpa": lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="sdpa"),
         "gather": lambda: baseline.forward(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale)[0],
         "dense": lambda: dense_attention(dense_view(q), dense_view(k), dense_view(v), causal, scale),

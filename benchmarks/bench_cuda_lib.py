@@ -15,6 +15,12 @@ import torch
 #: The implementations measured, in the order of the table: key, column label, what it is.
 METHODS: tuple[tuple[str, str, str], ...] = (
     ("native", "native", "dilated_attention(..., backend='native'): the fused CUDA kernels"),
+    (
+        "native90",
+        "native sm90",
+        "backend='native' with DILATED_ATTENTION_CUDA_SM90=1: the forward on the warpgroup (wgmma) kernel "
+        "where the GPU runs sm_90a code (else the same kernels as native)",
+    ),
     ("sdpa", "sdpa", "dilated_attention(..., backend='sdpa'): whatever the sdpa backend is in this checkout"),
     (
         "gather",
@@ -137,13 +143,14 @@ def header() -> list[str]:
     cols = ["B", "N", "H", "D", "causal", "pass"]
     for _key, label, _ in METHODS:
         cols += [f"{label} ms", f"{label} TFLOP/s", f"{label} peak GiB"]
-    cols += ["native / sdpa", "native / gather+flash", "native / dense", "native / matmul"]
+    cols += ["native / sdpa", "native / gather+flash", "native / dense", "native / matmul", "sm90 / native"]
     return cols
 
 
 def table_rows(rows: list[Row], mm_tflops: float) -> list[list[str]]:
     """Per configuration and pass: time, useful TFLOP/s and peak memory of every method, then the
-    speed ratios (native's speed over each other's: > 1 means native is faster)."""
+    speed ratios (native's speed over each other's: > 1 means native is faster; last, the sm90
+    kernel's over native's: > 1 means the sm90 forward is faster)."""
     out = []
     for r in rows:
         for pass_, _ in PASSES:
@@ -165,6 +172,10 @@ def table_rows(rows: list[Row], mm_tflops: float) -> list[list[str]]:
                 )
             cells.append(fmt(ratio(r.tflops("native", pass_), r.tflops("dense", pass_)), ".0%"))
             cells.append(fmt(ratio(r.tflops("native", pass_), mm_tflops), ".0%"))
+            n90 = r.times.get(("native90", pass_))
+            cells.append(
+                fmt(ratio(None if nat is None else nat.seconds, None if n90 is None else n90.seconds), ".2f")
+            )
             out.append(cells)
     return out
 

@@ -13,6 +13,10 @@ case's dtype. The CPU op is itself tested against the dense float64 reference (t
   GPU's memory (float64 on an 80 GB GPU), the case runs its forward only and says so.
 * ``--cases sanitize``: tiny forward + backward runs of both kernel families (tensor-core bf16/fp16,
   SIMT fp32/fp64/bf16, a forced SIMT run and a forced tiling), short enough for compute-sanitizer.
+* ``--cases sm90``: the sm90 forward (wgmma, ``DILATED_ATTENTION_CUDA_SM90=1``) on float16 and
+  bfloat16 problems of every padded head dim, with the sm80 backward after it; on a compute
+  capability 9.0 GPU the first case also checks (torch.profiler) that the wgmma kernel ran, so that
+  a build without sm_90a code fails instead of passing on the sm80 kernel.
 * ``--cases errors``: calls the op must refuse (a softmax_scale the scores cannot hold, head dim
   257, a decreasing ``cu_seqlens``, dropout_p = 1.5), each round led by one of torch's own refused
   calls (``torch.mm`` of mismatched shapes) as a control; three rounds on the CPU and then on the
@@ -48,6 +52,9 @@ TOLERANCE = {
 }
 
 TWO_POW_31 = 2**31
+
+# The environment of the sm90 cases: the forward on the warpgroup kernel (tc90_kernels.cuh).
+SM90 = {"DILATED_ATTENTION_CUDA_SM90": "1"}
 
 
 @dataclass
@@ -145,7 +152,45 @@ def sanitize_cases() -> list[Case]:
         Case("simt-f64-d24", 1, 61, 4, 2, 24, [8, 32], [1, 2], False, f64),
         Case("simt-bf16-d24", 1, 61, 4, 2, 24, [8, 32], [1, 2], True, bf16),
         Case("simt-forced-bf16", 1, 100, 2, 2, 64, [16, 32], [1, 2], True, bf16, env=forced_simt),
+        Case("sm90-bf16-gqa-causal", 2, 150, 4, 2, 64, [16, 64], [1, 2], True, bf16, env=SM90),
+        Case("sm90-f16-d96", 1, 90, 2, 1, 96, [7, 200], [1, 5], False, f16, env=SM90),
     ]
+
+
+def sm90_cases() -> list[Case]:
+    """The sm90 forward at every padded head dim (32 and 96: the 64-byte swizzle; 40 padded to 64),
+    GQA, causal, irregular branches, uncovered rows, a batch."""
+    bf16, f16 = torch.bfloat16, torch.float16
+    return [
+        Case("sm90-bf16-d128-longnet", 1, 1024, 4, 2, 128, [128, 256, 512], [1, 2, 4], True, bf16, env=SM90),
+        Case("sm90-f16-d40-b8", 8, 300, 4, 4, 40, [32, 64, 128, 256], [1, 2, 4, 8], False, f16, env=SM90),
+        Case("sm90-bf16-d96-irregular", 1, 1000, 2, 1, 96, [100, 1000], [1, 7], True, bf16, env=SM90),
+        Case("sm90-bf16-d32-uncovered", 2, 77, 4, 4, 32, [16], [4], False, bf16, env=SM90),
+        Case("sm90-f16-d192", 1, 400, 6, 3, 192, [50, 100, 200, 400], [1, 2, 3, 4], True, f16, env=SM90),
+        Case("sm90-bf16-d256", 1, 257, 2, 1, 256, [64, 256], [1, 2], False, bf16, env=SM90),
+    ]
+
+
+def sm90_kernel_ran() -> bool | None:
+    """Whether the forward of an sm90 case runs the wgmma kernel (tc90_fwd_kernel), by the CUDA
+    kernels torch.profiler records; None where the GPU is not compute capability 9.0."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    q = torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
+    saved = os.environ.get("DILATED_ATTENTION_CUDA_SM90")
+    os.environ.update(SM90)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.ops.dilated_attention.fwd(q, q, q, [64, 128], [1, 2], True, 0.125)
+            torch.cuda.synchronize()
+    finally:
+        if saved is None:
+            os.environ.pop("DILATED_ATTENTION_CUDA_SM90", None)
+        else:
+            os.environ["DILATED_ATTENTION_CUDA_SM90"] = saved
+    return any("tc90_fwd_kernel" in e.key for e in prof.key_averages())
 
 
 def _round_up(x: int, m: int) -> int:
@@ -391,7 +436,10 @@ def run_error_cases(devices: Sequence[str]) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--cases", nargs="+", default=["small", "large"], choices=["small", "large", "sanitize", "errors"]
+        "--cases",
+        nargs="+",
+        default=["small", "large"],
+        choices=["small", "large", "sanitize", "sm90", "errors"],
     )
     p.add_argument("--error-child", metavar="DEVICE", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -414,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpu_smoke on {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
         )
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    sets = {"small": small_cases, "large": large_cases, "sanitize": sanitize_cases}
+    sets = {"small": small_cases, "large": large_cases, "sanitize": sanitize_cases, "sm90": sm90_cases}
     failures = skipped = total = 0
     for name in args.cases:
         if name == "errors":
@@ -425,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         cases = sets[name]()
         total += len(cases)
+        if name == "sm90" and args.device == "cuda":
+            ran = sm90_kernel_ran()
+            print(f"-- sm90: the wgmma kernel ran: {'n/a (not sm90)' if ran is None else ran}")
+            if ran is False:
+                print("FAIL sm90-code: DILATED_ATTENTION_CUDA_SM90=1 ran the sm80 forward (no sm_90a code?)")
+                failures += 1
         print(f"-- {name} cases")
         f, s = run_cases(cases, args.device, args.seed)
         failures, skipped = failures + f, skipped + s

@@ -737,6 +737,16 @@ def test_emulated_tensor_core_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling
     check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 0, (R, il, 16, 64))
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates,tiling", EMU_CONFIGS)
+def test_emulated_sm90_forward(emu, B, N, Hq, Hkv, D, segs, rates, tiling, is_causal):
+    """The sm90 forward (wgmma from swizzled shared-memory tiles, tc90_kernels.cuh; bf16), run on
+    the CPU with the sm80 backward after it, against the float64 reference: every head dim (the
+    128- and 64-byte swizzles), GQA, ragged segments, uncovered rows, N = 1."""
+    R, il = tiling or (0, 0)
+    check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 2, (R, il, 16, 64))
+
+
 @pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates,tiling", EMU_CONFIGS)
 def test_emulated_simt_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling):
     """The SIMT kernels (float32), run on the CPU, with several rows per warp and chunk sizes."""
@@ -748,8 +758,8 @@ def test_emulated_simt_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling):
 
 @pytest.mark.parametrize(
     "dtype,family",
-    [(torch.float16, 0), (torch.bfloat16, 1), (torch.float16, 1), (torch.float64, 1)],
-    ids=["tc-fp16", "simt-bf16", "simt-fp16", "simt-fp64"],
+    [(torch.float16, 0), (torch.float16, 2), (torch.bfloat16, 1), (torch.float16, 1), (torch.float64, 1)],
+    ids=["tc-fp16", "sm90-fp16", "simt-bf16", "simt-fp16", "simt-fp64"],
 )
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_emulated_other_dtypes(emu, dtype, family, is_causal):
@@ -776,13 +786,17 @@ def test_emulated_other_dtypes(emu, dtype, family, is_causal):
     ids=["reversed", "shuffled", "eager-copies", "shuffled-eager"],
 )
 def test_emulated_kernels_under_other_schedules(emu, order, eager):
-    """Reordered threads and cp.async copies landing early: a missing barrier or wait would show."""
+    """Reordered threads and cp.async copies landing early: a missing barrier or wait would show
+    (the sm90 forward's wgmma reads its tiles only when its wait retires it, every schedule)."""
     emu.da_emu_options(order, 12345, eager)
     try:
         check_emulated(
             emu, 1, 157, 4, 2, 64, [12, 48, 96], [1, 3, 4], True, torch.bfloat16, 0, (3, 0, 16, 64)
         )
         check_emulated(emu, 1, 95, 2, 1, 40, [12, 48, 96], [1, 3, 4], True, torch.float32, 1, (1, 1, 4, 32))
+        check_emulated(
+            emu, 1, 157, 4, 2, 96, [12, 48, 96], [1, 3, 4], True, torch.bfloat16, 2, (3, 0, 16, 64)
+        )
         if order == 2 and eager:  # the single-buffered dq and dk/dv kernels of the largest head dim
             check_emulated(
                 emu, 1, 100, 2, 1, 256, [64, 256], [1, 2], False, torch.bfloat16, 0, (0, 0, 16, 64)
@@ -795,7 +809,7 @@ def test_emulated_nan_stays_in_its_rows(emu):
     """A NaN query poisons only its own row; uncovered rows give out = 0 and lse = -inf."""
     q, k, v = (t.detach().contiguous() for t in make_inputs(1, 32, 2, 2, 32, torch.bfloat16, device="cpu"))
     q[0, 4, 0, 0] = float("nan")  # position 4 is at phase 0: head 0 reads it
-    for family in (0, 1):
+    for family in (0, 1, 2):
         out, lse = emulated(emu, q, k, v, [16], [4], False, family, (0, 0, 4, 32))
         assert torch.isnan(out[0, 4, 0]).all() and torch.isnan(lse[0, 0, 4])
         others = torch.ones(32, dtype=torch.bool)
@@ -960,7 +974,7 @@ def _subsequences_holding(N, Hkv, segs, rates, tainted):
     return inside, inside.view(Hkv, Hq // Hkv, N).any(1)
 
 
-@pytest.mark.parametrize("family", [0, 1], ids=["tensor-cores", "simt"])
+@pytest.mark.parametrize("family", [0, 1, 2], ids=["tensor-cores", "simt", "sm90"])
 @pytest.mark.parametrize(
     "tensor,value", [("v", math.inf), ("v", math.nan), ("k", math.nan), ("q", -math.inf)]
 )
@@ -969,8 +983,8 @@ def test_emulated_nonfinite_value_stays_with_its_readers_under_causal_mask(emu, 
     reaches exactly the rows that read it (for v, in its channel); backward, the gradients outside
     the dilated sub-sequences that hold it stay finite and as without it (docs/backends.md). The
     masked pairs' probability is exactly 0 and must not meet the value through 0 * inf."""
-    dtype = torch.bfloat16 if family == 0 else torch.float32
-    tiling = (0, 0, 16, 64) if family == 0 else (0, 0, 4, 32)
+    dtype = torch.float32 if family == 1 else torch.bfloat16
+    tiling = (0, 0, 4, 32) if family == 1 else (0, 0, 16, 64)
     B, N, Hq, Hkv, D = 1, 96, 4, 2, 32
     segs, rates = [32, 96], [1, 2]
     q, k, v = (t.detach().contiguous() for t in make_inputs(B, N, Hq, Hkv, D, dtype, device="cpu"))
@@ -1024,11 +1038,11 @@ def test_emulated_random_configs(emu):
         nb = ri(1, 3)
         segs = [ri(1, 200) for _ in range(nb)]
         rates = [ri(1, min(s, 8)) for s in segs]
-        family = ri(0, 1)
-        D = 8 * ri(4, 32) if family == 0 else ri(1, 160)
-        dtype = torch.bfloat16 if family == 0 else [torch.float32, torch.float64, torch.bfloat16][ri(0, 2)]
+        family = ri(0, 2)
+        D = ri(1, 160) if family == 1 else 8 * ri(4, 32)
+        dtype = [torch.float32, torch.float64, torch.bfloat16][ri(0, 2)] if family == 1 else torch.bfloat16
         R, il = [(0, 0), (1, 0), (1, 1), (ri(2, 9), ri(0, 1))][ri(0, 3)]
-        rpw, ot = (16, 64) if family == 0 else (ri(1, 4), [8, 16, 32][ri(0, 2)])
+        rpw, ot = (ri(1, 4), [8, 16, 32][ri(0, 2)]) if family == 1 else (16, 64)
         check_emulated(
             emu, ri(1, 2), N, Hq, Hkv, D, segs, rates, bool(ri(0, 1)), dtype, family, (R, il, rpw, ot)
         )
@@ -1082,6 +1096,7 @@ EMU_VARLEN_CONFIGS = [
 def test_emulated_kernels_on_packed_sequences(emu, lengths, Hq, Hkv, D, segs, rates, is_causal):
     check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 0, (0, 0, 16, 64))
     check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.float32, 1, (3, 1, 2, 16))
+    check_emulated_varlen(emu, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 2, (0, 0, 16, 64))
 
 
 # Attention dropout in the emulated kernels, against references that apply the CPU kernels' keep
@@ -1100,6 +1115,7 @@ EMU_DROPOUT_CONFIGS = [
 EMU_DROPOUT_KERNELS = [
     pytest.param(torch.float16, 0, (0, 0, 16, 64), id="tc-fp16"),
     pytest.param(torch.bfloat16, 0, (3, 1, 16, 64), id="tc-bf16-R3-interleaved"),
+    pytest.param(torch.bfloat16, 2, (0, 0, 16, 64), id="sm90-bf16"),
     pytest.param(torch.float32, 1, (0, 0, 4, 32), id="simt-fp32"),
     pytest.param(torch.bfloat16, 1, (2, 0, 2, 16), id="simt-bf16-R2"),
     pytest.param(torch.float16, 1, (0, 0, 1, 8), id="simt-fp16"),
@@ -1220,12 +1236,12 @@ EMU_PIECES = [
 ]
 
 
-@pytest.mark.parametrize("family", [0, 1], ids=["tensor-cores-bf16", "simt-fp32"])
+@pytest.mark.parametrize("family", [0, 1, 2], ids=["tensor-cores-bf16", "simt-fp32", "sm90-bf16"])
 @pytest.mark.parametrize("B,nq,nk,Hq,Hkv,D,offset", EMU_PIECES)
 def test_emulated_piece_kernels(emu, B, nq, nk, Hq, Hkv, D, offset, family):
     """The op's CUDA kernels running a piece (dilated_attention::piece_fwd/piece_bwd on CUDA), on
     the CPU, against the float64 reference."""
-    dtype, tiling = (torch.bfloat16, (0, 0, 16, 64)) if family == 0 else (torch.float32, (0, 0, 4, 32))
+    dtype, tiling = (torch.float32, (0, 0, 4, 32)) if family == 1 else (torch.bfloat16, (0, 0, 16, 64))
     check_emulated_piece(emu, B, nq, nk, Hq, Hkv, D, offset, dtype, family, tiling)
 
 

@@ -238,7 +238,7 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
         "cuda-gdb -batch " in lines["backtrace"] and "-ex run -ex bt -ex quit --args " in lines["backtrace"]
     )
     assert "-m pytest -x -q -p no:cacheprovider -p no:xdist CRASHED_TEST" in lines["backtrace"]
-    assert "gpu_smoke.py --cases errors small large" in lines["smoke"]
+    assert "gpu_smoke.py --cases errors small sm90 large" in lines["smoke"]
     assert "bench_cuda.py --out" in lines["bench"] and "--budget 120 " in lines["bench"]
     assert lines["profile"].startswith("profile (90 s): ") and "--clock-control none" in lines["profile"]
     assert "gpu_profile.py" in lines["profile"] and "--launch-count 6" in lines["profile"]
@@ -628,6 +628,13 @@ def test_smoke_cases_cover_what_the_check_promises(smoke):
     assert {torch.float32, torch.float64} <= {c.dtype for c in simt}
     assert any(c.env.get("DILATED_ATTENTION_CUDA_SIMT") == "1" for c in simt)
     assert all(c.backward for c in smoke.sanitize_cases())
+    # The sm90 forward: every padded head dim (both swizzles), both 16-bit dtypes, under the env.
+    sm90 = smoke.sm90_cases()
+    padded = {next(p for p in (32, 64, 96, 128, 192, 256) if c.D <= p) for c in sm90}
+    assert padded == {32, 64, 96, 128, 192, 256} and any(c.D == 40 for c in sm90)  # 40: zero columns
+    assert {c.dtype for c in sm90} == {torch.float16, torch.bfloat16}
+    assert all(c.env == {"DILATED_ATTENTION_CUDA_SM90": "1"} and c.backward for c in sm90)
+    assert any(c.env.get("DILATED_ATTENTION_CUDA_SM90") == "1" for c in smoke.sanitize_cases())
 
 
 def test_smoke_runs_on_cpu_tensors(smoke, capsys):

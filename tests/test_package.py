@@ -149,6 +149,22 @@ def test_sdist_carries_every_source_and_header(tmp_path):
     assert not [n for n in names if n.endswith(".so")]
 
 
+def test_wgmma_ptx_matches_its_generator():
+    """csrc/cuda/wgmma_ops.cuh is what scripts/generate_wgmma.py writes, and names every
+    accumulator register of each shape once."""
+    script = os.path.join(ROOT, "scripts", "generate_wgmma.py")
+    run = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    with open(os.path.join(ROOT, "csrc", "cuda", "wgmma_ops.cuh"), encoding="utf-8") as f:
+        text = f.read()
+    for n in (16, 64, 256):
+        block = text[text.index(f"struct WgmmaPtx<__nv_bfloat16, {n}>") :]
+        block = block[: block.index("};")]
+        assert block.count(f"m64n{n}k16.f32.bf16.bf16") == 2
+        assert block.count('"+f"(d[') == 2 * (n // 2)  # ss and rs
+        assert f"%{n // 2 - 1}}}" in block and f"%{n // 2}}}" not in block
+
+
 def test_tensor_core_instance_files_match_their_generator(tmp_path):
     """csrc/cuda/tc/ holds what scripts/generate_tc_instances.py writes (one file per instantiation
     of the tensor-core launchers), and its --check fails on a changed, missing or stray file."""
@@ -163,7 +179,7 @@ def test_tensor_core_instance_files_match_their_generator(tmp_path):
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     files = gen.instances()
-    assert len(files) == 3 * 2 * 6 and "dkv_bf16_d128.cu" in files
+    assert len(files) == 4 * 2 * 6 and "dkv_bf16_d128.cu" in files
     assert "template TcConfig tc_dkv_dp<__nv_bfloat16, 128>(" in files["dkv_bf16_d128.cu"]
     out = tmp_path / "tc"
     gen.write(str(out))
@@ -277,6 +293,20 @@ def test_setup_builds_for_the_visible_gpus_else_the_cpu_only(setup_py, monkeypat
     assert "CPU kernels only (DILATED_ATTENTION_CPU_ONLY=1)" in setup_py["cpu_only_message"](
         "DILATED_ATTENTION_CPU_ONLY=1"
     )
+
+
+def test_setup_compiles_sm90_as_sm90a(setup_py):
+    """The sm90 forward's wgmma exists only in sm_90a code: 9.0 is built as 9.0a (which every
+    compute capability 9.0 GPU runs), a 9.0 PTX stays compute_90 (newer GPUs JIT it), other
+    architectures are left alone."""
+    sm90a = setup_py["_sm90a"]
+    assert sm90a("9.0") == ("9.0a", [])
+    assert sm90a("7.5;8.0;8.6;8.9;9.0+PTX") == (
+        "7.5;8.0;8.6;8.9;9.0a",
+        ["-gencode=arch=compute_90,code=compute_90"],
+    )
+    assert sm90a("8.0 8.6+PTX") == ("8.0;8.6+PTX", [])
+    assert sm90a("9.0;9.0a") == ("9.0a", [])
 
 
 def test_setup_says_what_it_builds(setup_py, monkeypatch, capsys):

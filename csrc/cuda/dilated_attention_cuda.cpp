@@ -30,6 +30,9 @@
 //   DILATED_ATTENTION_CUDA_SIMT=1       use the SIMT kernels for float16/bfloat16 too;
 //   DILATED_ATTENTION_CUDA_TILING=R[,I] rows of a thread block at stride R, interleaved over the
 //                                       warps if I is 1 (tiling.h); default: chosen per call.
+//   DILATED_ATTENTION_CUDA_SM90=1       on sm90, the forward's tensor-core kernel is the warpgroup
+//                                       one (tc90_kernels.cuh, wgmma), where the build has sm_90a
+//                                       code; not yet verified on a GPU, so off by default.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -183,12 +186,14 @@ Params base_params(const Problem& P, const Seqs& S) {
 struct Device {
   int major;     // compute capability
   int max_smem;  // opt-in shared memory per block, bytes
+  bool sm90;     // the forward runs the warpgroup kernel (tc90_kernels.cuh)
 };
 
 Device device_info(int index) {
   Device d;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, index));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, index));
+  d.sm90 = d.major == 9 && env_flag("DILATED_ATTENTION_CUDA_SM90") && cuda::tc90_available(index);
   return d;
 }
 
@@ -225,10 +230,14 @@ void simt_plan(const Problem& P, DType t, const Device& prop, int kernel, int64_
               " needs more shared memory than the device offers (", prop.max_smem, " bytes per block)");
 }
 
-cuda::TcConfig tc_call(int kernel, DType t, const Params& p, bool launch, cudaStream_t stream) {
+cuda::TcConfig tc_call(int kernel, DType t, const Params& p, const Device& prop, bool launch,
+                       cudaStream_t stream) {
   const bool half = t == DType::kHalf;
   switch (kernel) {
-    case cuda::kFwd: return half ? cuda::tc_fwd_f16(p, launch, stream) : cuda::tc_fwd_bf16(p, launch, stream);
+    case cuda::kFwd:
+      if (prop.sm90)
+        return half ? cuda::tc90_fwd_f16(p, launch, stream) : cuda::tc90_fwd_bf16(p, launch, stream);
+      return half ? cuda::tc_fwd_f16(p, launch, stream) : cuda::tc_fwd_bf16(p, launch, stream);
     case cuda::kDq: return half ? cuda::tc_dq_f16(p, launch, stream) : cuda::tc_dq_bf16(p, launch, stream);
     default: return half ? cuda::tc_dkv_f16(p, launch, stream) : cuda::tc_dkv_bf16(p, launch, stream);
   }
@@ -237,7 +246,7 @@ cuda::TcConfig tc_call(int kernel, DType t, const Params& p, bool launch, cudaSt
 // Whether the tensor-core kernel `kernel` fits in the device's shared memory (it always does on
 // sm80/sm90; the check keeps other parts safe).
 bool tc_fits(int kernel, DType t, const Params& p, const Device& prop) {
-  const cuda::TcConfig cfg = tc_call(kernel, t, p, false, nullptr);
+  const cuda::TcConfig cfg = tc_call(kernel, t, p, prop, false, nullptr);
   if (cfg.smem_bytes <= prop.max_smem) return true;
   TORCH_WARN_ONCE("dilated_attention: the tensor-core CUDA kernel for head dim ", p.D, " needs ",
                   cfg.smem_bytes, " bytes of shared memory per block, the device offers ", prop.max_smem,
@@ -255,7 +264,7 @@ void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool us
     p.tiling = make_tiling(rows, P, piece, 16);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for ", rows, " rows");
-    tc_call(kernel, t, p, true, stream);
+    tc_call(kernel, t, p, prop, true, stream);
   } else {
     int64_t rpw = 4;
     simt_plan(P, t, prop, kernel, &rpw, &p.other_tile);

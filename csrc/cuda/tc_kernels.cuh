@@ -163,9 +163,10 @@ __device__ __forceinline__ bool tc_tile_nonfinite(const T* tile, int rows, int l
 // P[row][key] of the warp's rows g and g + 8 comes from lane 4g + key % 8 / 2 by shuffles. Rare:
 // only for chunks that need the mask and hold a non-finite value. Inlined: an out-of-line call
 // would take the accumulators out of registers (the call passes them through memory).
-template <typename T, int LDS, int NT, int CT>
-__device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const float (&P)[NT][4],
-                                                     const T* sB, int c0, int lane, int64_t D) {
+// b_at(key, d) is element d of the key's row of B (a shared tile in any layout).
+template <typename T, int NT, int CT, typename BAt>
+__device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const float (&P)[NT][4], BAt b_at,
+                                                     int c0, int lane, int64_t D) {
   const int tq = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -176,14 +177,14 @@ __device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const 
         const float p0 = round_to<T>(__shfl_sync(DA_FULL_MASK, P[nt][e], (lane & ~3) | src));
         const float p1 = round_to<T>(__shfl_sync(DA_FULL_MASK, P[nt][2 + e], (lane & ~3) | src));
         if (p0 == 0.f && p1 == 0.f) continue;
-        const T* b = sB + (nt * 8 + 2 * src + e) * LDS;  // the key's row of B
+        const int key = nt * 8 + 2 * src + e;
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
           for (int f = 0; f < 2; ++f) {
             const int d = c0 + ct * 8 + 2 * tq + f;
             if (d < D) {
-              const float bv = to_float<T>(b[d]);
+              const float bv = to_float<T>(b_at(key, d));
               if (p0 != 0.f) acc[ct][f] += p0 * bv;
               if (p1 != 0.f) acc[ct][2 + f] += p1 * bv;
             }
@@ -199,7 +200,7 @@ template <typename T, int DP, int LDS, int NT, int CT>
 __device__ __forceinline__ void tc_gemm_pb_masked(float (&acc)[CT][4], const float (&P)[NT][4], const T* sB,
                                                   int c0, int lane, int64_t D, bool need_mask) {
   if (need_mask && tc_tile_nonfinite<T, DP, LDS>(sB, 8 * NT, lane))
-    tc_gemm_pb_skip_zero<T, LDS, NT, CT>(acc, P, sB, c0, lane, D);
+    tc_gemm_pb_skip_zero<T, NT, CT>(acc, P, [&](int key, int d) { return sB[key * LDS + d]; }, c0, lane, D);
   else
     tc_gemm_pb<T, LDS, NT, CT>(acc, P, sB, c0, lane, D);
 }
@@ -227,6 +228,103 @@ inline int tc_dropout(const Params& p) {
 /* ------------------------------------------------------------------------------------------ */
 /* Forward                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
+
+// One chunk of the forward's online softmax, for both the sm80 and the sm90 kernels: S (the
+// warp's 16 rows x 8 NT keys, mma C fragments) scaled to base 2 by sl2, masked where need_mask
+// (pair_active), turned into probabilities against the updated running max m; l and the output
+// accumulators O rescaled; the probabilities times their dropout factors where DROPOUT.
+template <int NT, int DT, bool DROPOUT>
+__device__ __forceinline__ void tc_fwd_softmax(float (&S)[NT][4], float (&O)[DT][4], float (&m)[2],
+                                               float (&l)[2], const Walk<2>& cur, bool need_mask, float sl2,
+                                               int tq, const Params& p, uint32_t keep) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float s = S[nt][e] * sl2;
+      if (need_mask) {
+        const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
+        if (!cur.pair_active(cur.jrow[e >> 1], j)) s = -INFINITY;
+      }
+      S[nt][e] = s;
+    }
+  }
+
+  // Online softmax of this warp's two row slots (each row's values live in a quad).
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(S[nt][2 * ri], S[nt][2 * ri + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(DA_FULL_MASK, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(DA_FULL_MASK, mx, 2));
+    const float m_new = fmaxf(m[ri], mx);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked: exp2(-inf) = 0
+    const float corr = exp2f(m[ri] - m_use);
+    m[ri] = m_new;
+    l[ri] *= corr;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      O[dt][2 * ri] *= corr;
+      O[dt][2 * ri + 1] *= corr;
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      S[nt][2 * ri] = exp2f(S[nt][2 * ri] - m_use);
+      S[nt][2 * ri + 1] = exp2f(S[nt][2 * ri + 1] - m_use);
+      sum += S[nt][2 * ri] + S[nt][2 * ri + 1];
+    }
+    l[ri] += sum;  // this thread's columns; the quad is summed at the end
+  }
+  if (DROPOUT) {  // the denominator has the weights, the output their kept share
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[nt][e] *= da_dropout_factor<float>(p.drop, keep, nt * 4 + e);
+  }
+}
+
+// The forward's last step, for both the sm80 and the sm90 kernels: each row's out = O / l (0
+// where no branch covers the row) in T, or in float where p.out_f32, and its lse.
+template <typename T, int DT>
+__device__ __forceinline__ void tc_fwd_store(const Params& p, const SeqRows& sq, int64_t h,
+                                             const Walk<2>& cur, const float (&m)[2], const float (&l)[2],
+                                             const float (&O)[DT][4], float sl2, int tq) {
+  const int64_t N = sq.N, b = sq.b;
+  // out rows of T, or of float (p.out_f32: the backward's recomputation); offsets in elements
+  const int64_t out_at = b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
+  T* out = static_cast<T*>(p.out.data) + out_at;
+  float* out_f = static_cast<float*>(p.out.data) + out_at;
+  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    float lsum = l[ri];
+    lsum += __shfl_xor_sync(DA_FULL_MASK, lsum, 1);
+    lsum += __shfl_xor_sync(DA_FULL_MASK, lsum, 2);
+    const int64_t x = cur.pos[ri];
+    if (x >= N) continue;
+    const bool empty = lsum == 0.f;  // no branch covers the row (or every score was -inf)
+    const float inv = empty ? 0.f : 1.f / lsum;
+    T* o = out + x * p.out.sn;
+    float* of = out_f + x * p.out.sn;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      const int d = dt * 8 + 2 * tq;
+      if (d >= p.D) continue;
+      const float a = empty ? 0.f : O[dt][2 * ri] * inv, c = empty ? 0.f : O[dt][2 * ri + 1] * inv;
+      if (p.out_f32) {
+        of[d] = a;
+        of[d + 1] = c;
+      } else {
+        store2<T>(o + d, a, c);
+      }
+    }
+    if (tq == 0)
+      da_set_lse<float>(p, lse_row + x,
+                        empty ? -(double)INFINITY : da_lse_natural(m[ri], lsum, da_score_unit(p.scale, sl2)));
+  }
+}
 
 template <typename T, int DP, bool DROPOUT>
 __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
@@ -306,52 +404,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
       tc_gemm_abt<T, DP, LDS, NT>(S, sQ, sKs, warp, lane, p.D);
 
       const bool need_mask = cur.chunk_needs_mask();
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float s = S[nt][e] * sl2;
-          if (need_mask) {
-            const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
-            if (!cur.pair_active(cur.jrow[e >> 1], j)) s = -INFINITY;
-          }
-          S[nt][e] = s;
-        }
-      }
-
-      // Online softmax of this warp's two row slots (each row's values live in a quad).
-#pragma unroll
-      for (int ri = 0; ri < 2; ++ri) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(S[nt][2 * ri], S[nt][2 * ri + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(DA_FULL_MASK, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(DA_FULL_MASK, mx, 2));
-        const float m_new = fmaxf(m[ri], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked: exp2(-inf) = 0
-        const float corr = exp2f(m[ri] - m_use);
-        m[ri] = m_new;
-        l[ri] *= corr;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-          O[dt][2 * ri] *= corr;
-          O[dt][2 * ri + 1] *= corr;
-        }
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          S[nt][2 * ri] = exp2f(S[nt][2 * ri] - m_use);
-          S[nt][2 * ri + 1] = exp2f(S[nt][2 * ri + 1] - m_use);
-          sum += S[nt][2 * ri] + S[nt][2 * ri + 1];
-        }
-        l[ri] += sum;  // this thread's columns; the quad is summed at the end
-      }
-      if (DROPOUT) {  // the denominator has the weights, the output their kept share
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) S[nt][e] *= da_dropout_factor<float>(p.drop, keep, nt * 4 + e);
-      }
+      tc_fwd_softmax<NT, DT, DROPOUT>(S, O, m, l, cur, need_mask, sl2, tq, p, keep);
       tc_gemm_pb_masked<T, DP, LDS, NT, DT>(O, S, sVs, 0, lane, p.D, need_mask);
     }
     __syncthreads();  // the buffer of `stage` is free for the prefetch of the next iteration
@@ -360,38 +413,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   }
   cp_async_wait<0>();
 
-  // out rows of T, or of float (p.out_f32: the backward's recomputation); offsets in elements
-  const int64_t out_at = b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
-  T* out = static_cast<T*>(p.out.data) + out_at;
-  float* out_f = static_cast<float*>(p.out.data) + out_at;
-  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    float lsum = l[ri];
-    lsum += __shfl_xor_sync(DA_FULL_MASK, lsum, 1);
-    lsum += __shfl_xor_sync(DA_FULL_MASK, lsum, 2);
-    const int64_t x = cur.pos[ri];
-    if (x >= N) continue;
-    const bool empty = lsum == 0.f;  // no branch covers the row (or every score was -inf)
-    const float inv = empty ? 0.f : 1.f / lsum;
-    T* o = out + x * p.out.sn;
-    float* of = out_f + x * p.out.sn;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      const int d = dt * 8 + 2 * tq;
-      if (d >= p.D) continue;
-      const float a = empty ? 0.f : O[dt][2 * ri] * inv, c = empty ? 0.f : O[dt][2 * ri + 1] * inv;
-      if (p.out_f32) {
-        of[d] = a;
-        of[d + 1] = c;
-      } else {
-        store2<T>(o + d, a, c);
-      }
-    }
-    if (tq == 0)
-      da_set_lse<float>(p, lse_row + x,
-                        empty ? -(double)INFINITY : da_lse_natural(m[ri], lsum, da_score_unit(p.scale, sl2)));
-  }
+  tc_fwd_store<T, DT>(p, sq, h, cur, m, l, O, sl2, tq);
 #endif
 }
 

@@ -18,6 +18,17 @@
 // ldmatrix and mma.sync follow the fragment layouts of the PTX ISA ("Matrix Fragments for
 // mma.m16n8k16 with floating point type", "Warp-level matrix load instruction: ldmatrix"); mma
 // accumulates in float.
+//
+// sm90 (wgmma.h): the warpgroup MMA wgmma.mma_async m64nNk16 (f32 accumulators, f16/bf16 inputs,
+// A from a shared-memory descriptor or from registers, B from a descriptor, K-major or, with
+// imm-trans-b, MN-major) is a collective of the 128 threads of a warpgroup. It is asynchronous as
+// on the GPU: an issued MMA reads shared memory, the accumulators' old values and writes the new
+// ones only when a wgmma.wait_group retires its group, so that reading the accumulators or
+// overwriting a tile too early changes the results. Descriptors are decoded as the PTX ISA's
+// "Matrix Descriptor Format" and canonical layouts describe them (start address, leading and
+// stride byte offsets, no swizzle or a 32/64/128-byte swizzle, which XORs address bits [4, 4 + b)
+// with bits [7, 7 + b) of the shared-memory address); a wgmma that reads shared memory after a
+// thread's cp.async copies landed without a fence.proxy.async since aborts.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -51,6 +62,9 @@ constexpr size_t kSharedBytes = 232448;  // sm90's opt-in maximum
 constexpr size_t kStackBytes = 256 * 1024;
 
 enum Op { kShflXor = 1, kShfl, kAny, kAll, kLdsm, kLdsmT, kMmaF16, kMmaBF16 };
+
+// Warpgroup collectives (sm90).
+enum WgOp { kWgFence = 1, kWgMma, kWgCommit, kWgWait };
 
 struct Slot {
   int op;
@@ -110,6 +124,32 @@ struct Fiber {
   bool done = false;
   std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
   std::vector<Copy> open;                 // issued, not yet committed
+  bool unfenced = false;                  // cp.async copies landed since the last fence.proxy.async
+};
+
+// One thread's part of a wgmma.mma_async: its accumulators (read and written when the MMA
+// retires), its A fragment when A comes from registers (taken at issue), and the operands that
+// must be the same in the whole warpgroup.
+struct WgPost {
+  int op;
+  int arg;  // wait_group's N
+  float* acc;
+  uint32_t a[4];
+  bool a_regs, bf16, trans_b;
+  int n, scale_d;
+  uint64_t desc_a, desc_b;
+};
+
+struct WgMma {
+  WgPost t[128];
+};
+
+struct Warpgroup {
+  int arrived = 0;
+  unsigned gen = 0;
+  WgPost post[128];
+  std::vector<WgMma> open;                 // issued, not yet committed
+  std::vector<std::vector<WgMma>> groups;  // committed, oldest first
 };
 
 // How the emulation schedules: the order in which fibers run between synchronisation points
@@ -133,13 +173,14 @@ struct Block {
   ucontext_t sched;
   std::vector<Fiber> fibers;
   Warp warps[kMaxThreads / 32];
+  Warpgroup warpgroups[kMaxThreads / 128];
   int bar_arrived = 0;
   unsigned bar_gen = 0;
   int bar_or = 0, bar_or_result = 0;
   uint64_t progress = 0;
   void* sched_sp = nullptr;
   std::function<void()> body;
-  alignas(128) unsigned char shared[kSharedBytes];
+  alignas(1024) unsigned char shared[kSharedBytes];
   uint3 block_idx;
   dim3 grid_dim, block_dim;
 };
@@ -203,6 +244,11 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
   b.bar_arrived = 0;
   b.bar_or = 0;
   for (auto& w : b.warps) w.arrived = 0;
+  for (auto& g : b.warpgroups) {
+    g.arrived = 0;
+    g.open.clear();
+    g.groups.clear();
+  }
   memset(b.shared, 0xff, sizeof(b.shared));  // NaN in every float type: unwritten reads show
   b.fibers.resize(nthreads);
   for (int t = 0; t < nthreads; ++t) {
@@ -212,6 +258,7 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
     f.done = false;
     f.groups.clear();
     f.open.clear();
+    f.unfenced = false;
 #if DA_EMU_FAST_SWITCH
     f.sp = initial_sp(f.stack);
 #else
@@ -245,7 +292,11 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
       swapcontext(&b.sched, &b.fibers[t].ctx);
 #endif
     }
-    if (!live) break;
+    if (!live) {
+      for (const auto& g : b.warpgroups)
+        if (!g.open.empty() || !g.groups.empty()) fail("a block ended with wgmma operations not waited for");
+      break;
+    }
     if (b.progress == before) fail("deadlock: every thread waits at a barrier that nobody completes");
   }
 }
@@ -390,6 +441,7 @@ inline unsigned char* shared_memory() {
 }
 
 inline void land(const Copy& c) {
+  self().unfenced = true;
   if (c.src)
     memcpy(c.dst, c.src, 16);
   else
@@ -451,6 +503,162 @@ inline void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
   memcpy(&s.in[6], c, 16);
   const Slot& o = collective(s);
   for (int i = 0; i < 4; ++i) c[i] = from_bits<float>(o.out[i]);
+}
+
+/* sm90: warpgroup MMA ---------------------------------------------------------------------- */
+
+// The shared-memory address (offset in the block's shared memory) of a pointer into it.
+inline uint32_t shared_address(const void* p) {
+  const unsigned char* c = (const unsigned char*)p;
+  if (c < block().shared || c >= block().shared + kSharedBytes) fail("not a shared-memory address");
+  return (uint32_t)(c - block().shared);
+}
+
+inline void fence_proxy_async() {
+  self().unfenced = false;
+}
+
+// The byte address of element (mn, k) of a wgmma operand (mn: the row of A or the column of B;
+// k: the reduction index, 0..15) from its matrix descriptor, in the canonical layouts of the PTX
+// ISA (as CUTLASS writes them, in units of 16 bytes, T = 8 elements of 16 bits):
+//   K-major,  no swizzle:    ((8, m), (T, 2)) : ((1T, SBO), (1, LBO))
+//   K-major,  W-byte swizzle: ((8, m), (T, 2)) : ((W/16 T, SBO), (1, T))
+//   MN-major, no swizzle:    ((T, 1, m), (8, k)) : ((1, T, SBO), (1T, LBO))
+//   MN-major, W-byte swizzle: ((T, W/16, m), (8, k)) : ((1, T, LBO), (W/16 T, SBO))
+// then the swizzle: address bits [4, 4 + b) XOR bits [7, 7 + b), b = log2(W / 16).
+inline uint32_t operand_address(uint64_t desc, int mn, int k, bool mn_major) {
+  const uint32_t start = (uint32_t)(desc & 0x3fff) << 4;
+  const uint32_t lbo = (uint32_t)((desc >> 16) & 0x3fff) << 4;
+  const uint32_t sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
+  if ((desc >> 49) & 7) fail("wgmma descriptor: a matrix base offset other than 0 is not emulated");
+  const int mode = (int)(desc >> 62);  // 0 none, 1 128-byte, 2 64-byte, 3 32-byte swizzle
+  const uint32_t W = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 16;
+  const uint32_t bits = mode == 1 ? 3 : mode == 2 ? 2 : mode == 3 ? 1 : 0;
+  uint32_t a;
+  if (!mn_major) {
+    if (mode == 0)
+      a = start + (mn / 8) * sbo + (mn % 8) * 16 + (k / 8) * lbo + (k % 8) * 2;
+    else
+      a = start + (mn / 8) * sbo + (mn % 8) * W + k * 2;
+  } else {
+    if (mode == 0)
+      a = start + (mn / 8) * sbo + (mn % 8) * 2 + (k % 8) * 16 + (k / 8) * lbo;
+    else
+      a = start + (mn / (W / 2)) * lbo + (mn % (W / 2)) * 2 + (k % 8) * W + (k / 8) * sbo;
+  }
+  if (bits) a ^= ((a >> 7) & ((1u << bits) - 1)) << 4;
+  if (a + 2 > kSharedBytes) fail("wgmma descriptor: an operand outside shared memory");
+  return a;
+}
+
+inline float operand(uint64_t desc, int mn, int k, bool mn_major, bool bf16) {
+  uint16_t h;
+  memcpy(&h, block().shared + operand_address(desc, mn, k, mn_major), 2);
+  return bits_to_float(h, bf16);
+}
+
+// Retires one MMA: D (64 x n) = A (64 x 16) B (16 x n) (+ D when scale_d), every thread's
+// accumulator fragment: element 4 i + e is row 16 warp + lane / 4 + 8 (e / 2), column
+// 8 i + 2 (lane % 4) + e % 2 (the mma.m16n8 C layout per warp and 8 columns).
+inline void retire(const WgMma& op) {
+  const WgPost& z = op.t[0];
+  std::vector<float> A(64 * 16), Bm(16 * z.n);
+  for (int row = 0; row < 64; ++row)
+    for (int k = 0; k < 16; ++k) {
+      if (z.a_regs) {  // the mma.m16n8k16 A fragment of warp row / 16
+        const int w = row / 16, r = row % 16;
+        const WgPost& t = op.t[32 * w + (r % 8) * 4 + (k % 8) / 2];
+        A[row * 16 + k] = bits_to_float(half_at(t.a[(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2), z.bf16);
+      } else {
+        A[row * 16 + k] = operand(z.desc_a, row, k, false, z.bf16);
+      }
+    }
+  for (int k = 0; k < 16; ++k)
+    for (int c = 0; c < z.n; ++c) Bm[k * z.n + c] = operand(z.desc_b, c, k, z.trans_b, z.bf16);
+  for (int t = 0; t < 128; ++t) {
+    const int w = t / 32, l = t % 32;
+    for (int i = 0; i < z.n / 8; ++i)
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * w + l / 4 + 8 * (e >> 1), col = 8 * i + 2 * (l % 4) + (e & 1);
+        float acc = 0.f;
+        for (int k = 0; k < 16; ++k) acc += A[row * 16 + k] * Bm[k * z.n + col];
+        float& d = op.t[t].acc[4 * i + e];
+        d = z.scale_d ? d + acc : acc;
+      }
+  }
+}
+
+// A warpgroup collective: every thread of the warpgroup posts; the last one to arrive acts.
+inline void warpgroup_collective(const WgPost& mine) {
+  Block& b = block();
+  const int t = self().tid.x;
+  Warpgroup& g = b.warpgroups[t / 128];
+  g.post[t % 128] = mine;
+  const unsigned gen = g.gen;
+  if (++g.arrived < 128) {
+    while (g.gen == gen) yield();
+    return;
+  }
+  const WgPost& z = g.post[0];
+  for (int i = 0; i < 128; ++i)
+    if (g.post[i].op != z.op) fail("divergent warpgroup: threads issued different wgmma instructions");
+  switch (z.op) {
+    case kWgFence: break;
+    case kWgMma: {
+      for (int i = 0; i < 128; ++i) {
+        const WgPost& o = g.post[i];
+        if (o.n != z.n || o.a_regs != z.a_regs || o.bf16 != z.bf16 || o.trans_b != z.trans_b ||
+            o.scale_d != z.scale_d || o.desc_b != z.desc_b || (!z.a_regs && o.desc_a != z.desc_a))
+          fail("wgmma: threads of the warpgroup gave different operands");
+      }
+      for (const Fiber& f : b.fibers)
+        if (f.unfenced) fail("wgmma reads shared memory that cp.async wrote without a fence.proxy.async");
+      WgMma op;
+      memcpy(op.t, g.post, sizeof(op.t));
+      g.open.push_back(op);
+      break;
+    }
+    case kWgCommit:
+      g.groups.push_back(g.open);
+      g.open.clear();
+      break;
+    case kWgWait:
+      if (!g.open.empty()) fail("wgmma.wait_group with uncommitted wgmma operations");
+      while ((int)g.groups.size() > z.arg) {
+        for (const WgMma& op : g.groups.front()) retire(op);
+        g.groups.erase(g.groups.begin());
+      }
+      break;
+    default: fail("unknown warpgroup collective");
+  }
+  g.arrived = 0;
+  g.gen++;
+  b.progress++;
+}
+
+inline void wgmma_simple(int op, int arg) {
+  WgPost p{};
+  p.op = op;
+  p.arg = arg;
+  warpgroup_collective(p);
+}
+
+// wgmma.mma_async m64n{n}k16, f32 += f16/bf16: acc has n / 2 floats; A from registers (a, when
+// a_regs) or desc_a (K-major); B from desc_b, MN-major when trans_b.
+inline void wgmma(float* acc, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, int scale_d,
+                  bool bf16, bool trans_b) {
+  WgPost p{};
+  p.op = kWgMma;
+  p.acc = acc;
+  p.a_regs = a != nullptr;
+  if (a) memcpy(p.a, a, sizeof(p.a));
+  p.desc_a = desc_a;
+  p.desc_b = desc_b;
+  p.n = n;
+  p.scale_d = scale_d;
+  p.bf16 = bf16;
+  p.trans_b = trans_b;
+  warpgroup_collective(p);
 }
 
 }  // namespace da_emu

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../simt.cu"
+#include "../tc90_kernels.cuh"
 #include "../tc_kernels.cuh"
 
 namespace dilated_attention {
@@ -60,7 +61,7 @@ void run_grid(Kernel kernel, dim3 grid, size_t smem, const Params& p) {
 
 struct Problem4 {
   int dtype;   // 0 float16, 1 bfloat16, 2 float32, 3 float64
-  int family;  // 0 tensor cores, 1 SIMT
+  int family;  // 0 tensor cores (sm80), 1 SIMT, 2 the sm90 forward (wgmma) and the sm80 backward
   int64_t B, N, Hq, Hkv, D;
   da_branches br;
   int causal;
@@ -140,8 +141,8 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
     tile_rows = 0;
     for (size_t i = 0; i + 1 < cu.size(); ++i) tile_rows = std::max<int64_t>(tile_rows, cu[i + 1] - cu[i]);
   }
-  const int64_t rpw = P.family == 0 ? 16 : P.rows_per_warp;
-  if (P.family == 0 && (P.dtype > 1 || P.D < 32 || P.D > 256 || P.D % 8)) {
+  const int64_t rpw = P.family != 1 ? 16 : P.rows_per_warp;
+  if (P.family != 1 && (P.dtype > 1 || P.D < 32 || P.D > 256 || P.D % 8)) {
     snprintf(err, errlen, "the tensor-core kernels take float16/bfloat16 and D in 32..256, D %% 8 == 0");
     return 1;
   }
@@ -168,26 +169,35 @@ Params key_params(const Params& p) {
   return k;
 }
 
-template <typename T, bool DROP>
-void tc_forward_with(const Params& p) {
+// The sm80 forward, or the sm90 (wgmma) one where sm90.
+template <typename T, int DP, bool DROP>
+void tc_forward_dp(const Params& p, bool sm90) {
   const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
+  if (sm90)
+    run_grid(tc90_fwd_kernel<T, DP, DROP>, grid, Tc90FwdCfg<DP>::SMEM, p);
+  else
+    run_grid(tc_fwd_kernel<T, DP, DROP>, grid, TcFwdCfg<DP>::SMEM, p);
+}
+
+template <typename T, bool DROP>
+void tc_forward_with(const Params& p, bool sm90) {
   switch (tc_padded_dim(p.D)) {
-    case 32: run_grid(tc_fwd_kernel<T, 32, DROP>, grid, TcFwdCfg<32>::SMEM, p); break;
-    case 64: run_grid(tc_fwd_kernel<T, 64, DROP>, grid, TcFwdCfg<64>::SMEM, p); break;
-    case 96: run_grid(tc_fwd_kernel<T, 96, DROP>, grid, TcFwdCfg<96>::SMEM, p); break;
-    case 128: run_grid(tc_fwd_kernel<T, 128, DROP>, grid, TcFwdCfg<128>::SMEM, p); break;
-    case 192: run_grid(tc_fwd_kernel<T, 192, DROP>, grid, TcFwdCfg<192>::SMEM, p); break;
-    default: run_grid(tc_fwd_kernel<T, 256, DROP>, grid, TcFwdCfg<256>::SMEM, p); break;
+    case 32: tc_forward_dp<T, 32, DROP>(p, sm90); break;
+    case 64: tc_forward_dp<T, 64, DROP>(p, sm90); break;
+    case 96: tc_forward_dp<T, 96, DROP>(p, sm90); break;
+    case 128: tc_forward_dp<T, 128, DROP>(p, sm90); break;
+    case 192: tc_forward_dp<T, 192, DROP>(p, sm90); break;
+    default: tc_forward_dp<T, 256, DROP>(p, sm90); break;
   }
 }
 
 // The instantiation with or without dropout, as the host launches it (tc_dropout).
 template <typename T>
-void tc_forward(const Params& p) {
+void tc_forward(const Params& p, bool sm90) {
   if (tc_dropout(p))
-    tc_forward_with<T, true>(p);
+    tc_forward_with<T, true>(p, sm90);
   else
-    tc_forward_with<T, false>(p);
+    tc_forward_with<T, false>(p, sm90);
 }
 
 template <typename T, int DP, bool DROP>
@@ -334,11 +344,11 @@ extern "C" int da_emu_forward(int dtype, int family, int64_t B, int64_t N, int64
   p.out = contiguous4(go.data(), N, Hq, D);
   p.lse = gl.data();
   p.lse_f64 = lse64();
-  if (family == 0) {
+  if (family != 1) {
     if (dtype == 0)
-      tc_forward<__half>(p);
+      tc_forward<__half>(p, family == 2);
     else
-      tc_forward<__nv_bfloat16>(p);
+      tc_forward<__nv_bfloat16>(p, family == 2);
   } else {
     switch (dtype) {
       case 0: simt_forward<c10::Half, float>(p); break;
@@ -393,7 +403,7 @@ extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int6
     case 2: delta_pass<float, float>(p); break;
     default: delta_pass<double, double>(p); break;
   }
-  if (family == 0) {
+  if (family != 1) {  // the sm90 family's backward is the sm80 one
     if (dtype == 0)
       tc_backward<__half>(p);
     else
