@@ -1,8 +1,8 @@
 """GPU speed of dilated attention in bf16, every way this project can compute it, in one run:
 
 * ``native``: ``dilated_attention(..., backend="native")``, the fused CUDA kernels;
-* ``native sm90``: the same with ``DILATED_ATTENTION_CUDA_SM90=1``, whose forward runs the warpgroup
-  (wgmma) kernel on a GPU that runs sm_90a code (an H100 or H200), else what ``native`` runs;
+* ``native sm90``: the same with ``DILATED_ATTENTION_CUDA_SM90=1``, whose forward and backward run the
+  warpgroup (wgmma) kernels on a GPU that runs sm_90a code (an H100 or H200), else what ``native`` runs;
 * ``sdpa``: ``dilated_attention(..., backend="sdpa")``, whatever that backend is in this checkout;
 * ``gather+flash``: the gather driver (``backends/gathered.py``) with PyTorch's flash kernel on the
   gathered sub-sequences, merged by log-sum-exp, its backward the flash backward fed the merged
@@ -53,7 +53,7 @@ from bench_cuda_lib import METHODS, Clock, Row, print_table, write
 from dilated_attention.flops import attention_flops, attention_pairs, matmul_flops
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SM90_ENV = "DILATED_ATTENTION_CUDA_SM90"  # the forward on the warpgroup kernel (csrc/cuda/tc90_kernels.cuh)
+SM90_ENV = "DILATED_ATTENTION_CUDA_SM90"  # the warpgroup kernels (csrc/cuda/tc90_kernels.cuh)
 
 
 def longnet_branches(N: int, w0: int = 2048) -> tuple[list[int], list[int]]:

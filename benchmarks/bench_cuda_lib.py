@@ -18,7 +18,7 @@ METHODS: tuple[tuple[str, str, str], ...] = (
     (
         "native90",
         "native sm90",
-        "backend='native' with DILATED_ATTENTION_CUDA_SM90=1: the forward on the warpgroup (wgmma) kernel "
+        "backend='native' with DILATED_ATTENTION_CUDA_SM90=1: the tensor-core passes on the warpgroup (wgmma) kernels "
         "where the GPU runs sm_90a code (else the same kernels as native)",
     ),
     ("sdpa", "sdpa", "dilated_attention(..., backend='sdpa'): whatever the sdpa backend is in this checkout"),
@@ -150,7 +150,7 @@ def header() -> list[str]:
 def table_rows(rows: list[Row], mm_tflops: float) -> list[list[str]]:
     """Per configuration and pass: time, useful TFLOP/s and peak memory of every method, then the
     speed ratios (native's speed over each other's: > 1 means native is faster; last, the sm90
-    kernel's over native's: > 1 means the sm90 forward is faster)."""
+    kernel's over native's: > 1 means the sm90 kernels are faster)."""
     out = []
     for r in rows:
         for pass_, _ in PASSES:

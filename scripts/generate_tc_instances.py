@@ -1,7 +1,7 @@
 """Writes csrc/cuda/tc/: one translation unit per instantiation of the tensor-core launchers.
 
 The launchers ``tc_fwd_dp``, ``tc_dq_dp`` and ``tc_dkv_dp`` of csrc/cuda/tc_kernels.cuh and
-``tc_fwd90_dp`` of csrc/cuda/tc90_kernels.cuh are templates over the dtype and the padded head dim; each instantiation (with its two kernels,
+``tc_fwd90_dp``, ``tc_dq90_dp`` and ``tc_dkv90_dp`` of csrc/cuda/tc90_kernels.cuh are templates over the dtype and the padded head dim; each instantiation (with its two kernels,
 without and with dropout) is a file of its own, ``csrc/cuda/tc/<pass>_<dtype>_d<DP>.cu``, so that a
 parallel build compiles them side by side and its wall time is that of the slowest one, not that of
 a file holding a dozen of them. csrc/cuda/tc_dispatch.cu declares them (``extern template``) and
@@ -28,6 +28,8 @@ PASSES = {
     "dq": ("dq", "tc_kernels.cuh"),
     "dkv": ("dk/dv", "tc_kernels.cuh"),
     "fwd90": ("sm90 forward", "tc90_kernels.cuh"),
+    "dq90": ("sm90 dq", "tc90_kernels.cuh"),
+    "dkv90": ("sm90 dk/dv", "tc90_kernels.cuh"),
 }
 DTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)

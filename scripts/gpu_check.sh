@@ -44,7 +44,7 @@
 #                   it says so ("unavailable")       -> appended to tests.log, frames #0-#30 in summary.md
 #   smoke       90  scripts/gpu_smoke.py: the refused calls raise their errors on the CPU and the
 #                   GPU, each in a process of its own (a worker that dies there says which call);
-#                   fwd/bwd against the CPU op in float64, B = 64, the sm90 (wgmma) forward
+#                   fwd/bwd against the CPU op in float64, B = 64, the sm90 (wgmma) kernels
 #                   (that its kernel ran, on sm90), inputs of more than 2^31 elements    -> smoke.log
 #   memcheck    90  compute-sanitizer --tool memcheck  \
 #   racecheck  120  compute-sanitizer --tool racecheck  } on scripts/gpu_smoke.py --cases sanitize

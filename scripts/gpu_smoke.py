@@ -13,8 +13,8 @@ case's dtype. The CPU op is itself tested against the dense float64 reference (t
   GPU's memory (float64 on an 80 GB GPU), the case runs its forward only and says so.
 * ``--cases sanitize``: tiny forward + backward runs of both kernel families (tensor-core bf16/fp16,
   SIMT fp32/fp64/bf16, a forced SIMT run and a forced tiling), short enough for compute-sanitizer.
-* ``--cases sm90``: the sm90 forward (wgmma, ``DILATED_ATTENTION_CUDA_SM90=1``) on float16 and
-  bfloat16 problems of every padded head dim, with the sm80 backward after it; on a compute
+* ``--cases sm90``: the sm90 kernels (wgmma, ``DILATED_ATTENTION_CUDA_SM90=1``), forward and
+  backward, on float16 and bfloat16 problems of every padded head dim; on a compute
   capability 9.0 GPU the first case also checks (torch.profiler) that the wgmma kernel ran, so that
   a build without sm_90a code fails instead of passing on the sm80 kernel.
 * ``--cases errors``: calls the op must refuse (a softmax_scale the scores cannot hold, head dim
@@ -158,7 +158,7 @@ def sanitize_cases() -> list[Case]:
 
 
 def sm90_cases() -> list[Case]:
-    """The sm90 forward at every padded head dim (32 and 96: the 64-byte swizzle; 40 padded to 64),
+    """The sm90 kernels at every padded head dim (32 and 96: the 64-byte swizzle; 40 padded to 64),
     GQA, causal, irregular branches, uncovered rows, a batch."""
     bf16, f16 = torch.bfloat16, torch.float16
     return [

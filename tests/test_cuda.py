@@ -740,8 +740,8 @@ def test_emulated_tensor_core_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates,tiling", EMU_CONFIGS)
 def test_emulated_sm90_forward(emu, B, N, Hq, Hkv, D, segs, rates, tiling, is_causal):
-    """The sm90 forward (wgmma from swizzled shared-memory tiles, tc90_kernels.cuh; bf16), run on
-    the CPU with the sm80 backward after it, against the float64 reference: every head dim (the
+    """The sm90 kernels (wgmma from swizzled shared-memory tiles, tc90_kernels.cuh; bf16), forward
+    and backward, run on the CPU against the float64 reference: every head dim (the
     128- and 64-byte swizzles), GQA, ragged segments, uncovered rows, N = 1."""
     R, il = tiling or (0, 0)
     check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 2, (R, il, 16, 64))
@@ -787,7 +787,7 @@ def test_emulated_other_dtypes(emu, dtype, family, is_causal):
 )
 def test_emulated_kernels_under_other_schedules(emu, order, eager):
     """Reordered threads and cp.async copies landing early: a missing barrier or wait would show
-    (the sm90 forward's wgmma reads its tiles only when its wait retires it, every schedule)."""
+    (the sm90 kernels' wgmma reads its tiles only when its wait retires it, every schedule)."""
     emu.da_emu_options(order, 12345, eager)
     try:
         check_emulated(

@@ -628,7 +628,7 @@ def test_smoke_cases_cover_what_the_check_promises(smoke):
     assert {torch.float32, torch.float64} <= {c.dtype for c in simt}
     assert any(c.env.get("DILATED_ATTENTION_CUDA_SIMT") == "1" for c in simt)
     assert all(c.backward for c in smoke.sanitize_cases())
-    # The sm90 forward: every padded head dim (both swizzles), both 16-bit dtypes, under the env.
+    # The sm90 kernels: every padded head dim (both swizzles), both 16-bit dtypes, under the env.
     sm90 = smoke.sm90_cases()
     padded = {next(p for p in (32, 64, 96, 128, 192, 256) if c.D <= p) for c in sm90}
     assert padded == {32, 64, 96, 128, 192, 256} and any(c.D == 40 for c in sm90)  # 40: zero columns

@@ -179,7 +179,7 @@ def test_tensor_core_instance_files_match_their_generator(tmp_path):
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     files = gen.instances()
-    assert len(files) == 4 * 2 * 6 and "dkv_bf16_d128.cu" in files
+    assert len(files) == 6 * 2 * 6 and "dkv_bf16_d128.cu" in files
     assert "template TcConfig tc_dkv_dp<__nv_bfloat16, 128>(" in files["dkv_bf16_d128.cu"]
     out = tmp_path / "tc"
     gen.write(str(out))
@@ -296,7 +296,7 @@ def test_setup_builds_for_the_visible_gpus_else_the_cpu_only(setup_py, monkeypat
 
 
 def test_setup_compiles_sm90_as_sm90a(setup_py):
-    """The sm90 forward's wgmma exists only in sm_90a code: 9.0 is built as 9.0a (which every
+    """The sm90 kernels' wgmma exists only in sm_90a code: 9.0 is built as 9.0a (which every
     compute capability 9.0 GPU runs), a 9.0 PTX stays compute_90 (newer GPUs JIT it), other
     architectures are left alone."""
     sm90a = setup_py["_sm90a"]

@@ -30,8 +30,8 @@
 //   DILATED_ATTENTION_CUDA_SIMT=1       use the SIMT kernels for float16/bfloat16 too;
 //   DILATED_ATTENTION_CUDA_TILING=R[,I] rows of a thread block at stride R, interleaved over the
 //                                       warps if I is 1 (tiling.h); default: chosen per call.
-//   DILATED_ATTENTION_CUDA_SM90=1       on sm90, the forward's tensor-core kernel is the warpgroup
-//                                       one (tc90_kernels.cuh, wgmma), where the build has sm_90a
+//   DILATED_ATTENTION_CUDA_SM90=1       on sm90, the tensor-core kernels are the warpgroup ones
+//                                       (tc90_kernels.cuh, wgmma), where the build has sm_90a
 //                                       code; not yet verified on a GPU, so off by default.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -186,7 +186,7 @@ Params base_params(const Problem& P, const Seqs& S) {
 struct Device {
   int major;     // compute capability
   int max_smem;  // opt-in shared memory per block, bytes
-  bool sm90;     // the forward runs the warpgroup kernel (tc90_kernels.cuh)
+  bool sm90;     // the tensor-core passes run the warpgroup kernels (tc90_kernels.cuh)
 };
 
 Device device_info(int index) {
@@ -233,11 +233,9 @@ void simt_plan(const Problem& P, DType t, const Device& prop, int kernel, int64_
 cuda::TcConfig tc_call(int kernel, DType t, const Params& p, const Device& prop, bool launch,
                        cudaStream_t stream) {
   const bool half = t == DType::kHalf;
+  if (prop.sm90) return cuda::tc90_call(kernel, half, p, launch, stream);
   switch (kernel) {
-    case cuda::kFwd:
-      if (prop.sm90)
-        return half ? cuda::tc90_fwd_f16(p, launch, stream) : cuda::tc90_fwd_bf16(p, launch, stream);
-      return half ? cuda::tc_fwd_f16(p, launch, stream) : cuda::tc_fwd_bf16(p, launch, stream);
+    case cuda::kFwd: return half ? cuda::tc_fwd_f16(p, launch, stream) : cuda::tc_fwd_bf16(p, launch, stream);
     case cuda::kDq: return half ? cuda::tc_dq_f16(p, launch, stream) : cuda::tc_dq_bf16(p, launch, stream);
     default: return half ? cuda::tc_dkv_f16(p, launch, stream) : cuda::tc_dkv_bf16(p, launch, stream);
   }

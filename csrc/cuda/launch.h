@@ -70,10 +70,10 @@ TcConfig tc_dq_f16(const Params& p, bool launch, cudaStream_t stream);
 TcConfig tc_dq_bf16(const Params& p, bool launch, cudaStream_t stream);
 TcConfig tc_dkv_f16(const Params& p, bool launch, cudaStream_t stream);
 TcConfig tc_dkv_bf16(const Params& p, bool launch, cudaStream_t stream);
-// The sm90 forward (tc90_kernels.cuh, wgmma; sm_90a code only): the same results as tc_fwd_*.
-// tc90_available says whether the device runs its sm_90a code (a probe launched once per device).
-TcConfig tc90_fwd_f16(const Params& p, bool launch, cudaStream_t stream);
-TcConfig tc90_fwd_bf16(const Params& p, bool launch, cudaStream_t stream);
+// The sm90 kernels (tc90_kernels.cuh, wgmma; sm_90a code only) of pass `kernel` (kFwd, kDq, kDkv
+// below), float16 (half) or bfloat16: the same results as the tc_* kernels. tc90_available says
+// whether the device runs their sm_90a code (a probe launched once per device).
+TcConfig tc90_call(int kernel, bool half, const Params& p, bool launch, cudaStream_t stream);
 bool tc90_available(int device);
 
 // SIMT kernels (any arch, every dtype, 1 <= D <= 256; simt.cu). rows_per_warp (<= 4) comes from

@@ -22,17 +22,19 @@ namespace cuda {
 
 /*
  * The tiles the warpgroup MMAs read: `rows` rows of DP 16-bit elements, stored as DP / PW panels of
- * PW columns (PW = 64 where DP is a multiple of 64, else 32), each panel `rows` rows of PW * 2 =
+ * PW columns (by default 64 where DP is a multiple of 64, else 32), each panel `rows` rows of PW * 2 =
  * W bytes (128 or 64), the 16-byte chunks of a row XOR-swizzled by the row's address bits [7, 10)
  * (W = 128) or [7, 9) (W = 64): the canonical "128B" or "64B swizzle" layout of the PTX ISA, in
  * which both ldmatrix-free MMA operands (Q, K as K-major, V as MN-major) are read without bank
  * conflicts. A tile starts on a 1024-byte boundary (the swizzle works on absolute addresses).
  */
-template <int DP>
+template <int DP_, int PW_ = (DP_ % 64 == 0 ? 64 : 32)>
 struct Sw90 {
-  static constexpr int PW = DP % 64 == 0 ? 64 : 32;  // columns per panel
-  static constexpr int W = PW * 2;                   // bytes per row of a panel
-  static constexpr int MODE = PW == 64 ? 1 : 2;      // descriptor swizzle mode: 1 = 128B, 2 = 64B
+  static_assert((PW_ == 64 || PW_ == 32) && DP_ % PW_ == 0, "panels of 64 or 32 columns");
+  static constexpr int DP = DP_;                 // columns (the padded head dim)
+  static constexpr int PW = PW_;                 // columns per panel
+  static constexpr int W = PW * 2;               // bytes per row of a panel
+  static constexpr int MODE = PW == 64 ? 1 : 2;  // descriptor swizzle mode: 1 = 128B, 2 = 64B
   static constexpr int PANELS = DP / PW;
 
   // Byte offset of the 16-byte chunk `ch` (columns 8 ch .. 8 ch + 7) of row `row` in a tile of
@@ -63,22 +65,21 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t start, uint32_t lbo, uin
          ((uint64_t)((sbo >> 4) & 0x3fff) << 32) | ((uint64_t)mode << 62);
 }
 
-// K-major operand (A of 64 rows, or B of n rows) of a Sw90<DP> tile: columns 16 kk .. 16 kk + 15.
+// K-major operand (A of 64 rows, or B of n rows) of a Sw90 tile L: columns 16 kk .. 16 kk + 15.
 // Rows of 8 are W * 8 bytes apart (SBO); the leading offset is unused by swizzled K-major layouts.
-template <int DP>
+template <typename L>
 __device__ __forceinline__ uint64_t desc_k_major(const void* tile, int rows, int kk) {
-  using L = Sw90<DP>;
   const int col = 16 * kk, panel = col / L::PW;
   const uint32_t start = smem_address(tile) + (uint32_t)(panel * rows * L::W + (col % L::PW) * 2);
   return wgmma_desc(start, 16, 8 * L::W, L::MODE);
 }
 
-// MN-major B operand of a Sw90<DP> tile (rows = the reduction index): rows 16 kk .. 16 kk + 15, all
-// DP columns. Panels are rows * W bytes apart (LBO), groups of 8 rows W * 8 (SBO).
-template <int DP>
-__device__ __forceinline__ uint64_t desc_mn_major(const void* tile, int rows, int kk) {
-  using L = Sw90<DP>;
-  const uint32_t start = smem_address(tile) + (uint32_t)(16 * kk * L::W);
+// MN-major B operand of a Sw90 tile L (rows = the reduction index): rows 16 kk .. 16 kk + 15, the
+// columns from c0 (a multiple of L::PW) on. Panels are rows * W bytes apart (LBO), groups of 8 rows
+// W * 8 (SBO).
+template <typename L>
+__device__ __forceinline__ uint64_t desc_mn_major(const void* tile, int rows, int kk, int c0 = 0) {
+  const uint32_t start = smem_address(tile) + (uint32_t)((c0 / L::PW) * rows * L::W + 16 * kk * L::W);
   return wgmma_desc(start, (uint32_t)(rows * L::W), 8 * L::W, L::MODE);
 }
 

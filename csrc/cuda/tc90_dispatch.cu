@@ -1,6 +1,7 @@
-// The sm90 forward's launchers (launch.h): each picks the instantiation of tc_fwd90_dp
-// (tc90_kernels.cuh, compiled in csrc/cuda/tc/fwd90_<dtype>_d<DP>.cu) for the padded head dim, and
-// the probe that says whether the GPU runs the sm_90a code of these kernels.
+// The sm90 kernels' launcher (launch.h): tc90_call picks the instantiation of tc_fwd90_dp,
+// tc_dq90_dp or tc_dkv90_dp (tc90_kernels.cuh, each compiled in csrc/cuda/tc/<pass>90_<dtype>_d<DP>.cu)
+// for the dtype and the padded head dim; and the probe that says whether the GPU runs the sm_90a
+// code of these kernels.
 #include <atomic>
 
 #include "tc90_kernels.cuh"
@@ -8,36 +9,46 @@
 namespace dilated_attention {
 namespace cuda {
 
-#define DA_TC90_EXTERN(T)                                                          \
-  extern template TcConfig tc_fwd90_dp<T, 32>(const Params&, bool, cudaStream_t);  \
-  extern template TcConfig tc_fwd90_dp<T, 64>(const Params&, bool, cudaStream_t);  \
-  extern template TcConfig tc_fwd90_dp<T, 96>(const Params&, bool, cudaStream_t);  \
-  extern template TcConfig tc_fwd90_dp<T, 128>(const Params&, bool, cudaStream_t); \
-  extern template TcConfig tc_fwd90_dp<T, 192>(const Params&, bool, cudaStream_t); \
-  extern template TcConfig tc_fwd90_dp<T, 256>(const Params&, bool, cudaStream_t);
-DA_TC90_EXTERN(__half)
-DA_TC90_EXTERN(__nv_bfloat16)
+#define DA_TC90_EXTERN(FN, T)                                             \
+  extern template TcConfig FN<T, 32>(const Params&, bool, cudaStream_t);  \
+  extern template TcConfig FN<T, 64>(const Params&, bool, cudaStream_t);  \
+  extern template TcConfig FN<T, 96>(const Params&, bool, cudaStream_t);  \
+  extern template TcConfig FN<T, 128>(const Params&, bool, cudaStream_t); \
+  extern template TcConfig FN<T, 192>(const Params&, bool, cudaStream_t); \
+  extern template TcConfig FN<T, 256>(const Params&, bool, cudaStream_t);
+DA_TC90_EXTERN(tc_fwd90_dp, __half)
+DA_TC90_EXTERN(tc_fwd90_dp, __nv_bfloat16)
+DA_TC90_EXTERN(tc_dq90_dp, __half)
+DA_TC90_EXTERN(tc_dq90_dp, __nv_bfloat16)
+DA_TC90_EXTERN(tc_dkv90_dp, __half)
+DA_TC90_EXTERN(tc_dkv90_dp, __nv_bfloat16)
 #undef DA_TC90_EXTERN
 
-template <typename T>
-TcConfig tc90_fwd(const Params& p, bool launch, cudaStream_t stream) {
-  switch (tc_padded_dim(p.D)) {
-    case 32: return tc_fwd90_dp<T, 32>(p, launch, stream);
-    case 64: return tc_fwd90_dp<T, 64>(p, launch, stream);
-    case 96: return tc_fwd90_dp<T, 96>(p, launch, stream);
-    case 128: return tc_fwd90_dp<T, 128>(p, launch, stream);
-    case 192: return tc_fwd90_dp<T, 192>(p, launch, stream);
-    default: return tc_fwd90_dp<T, 256>(p, launch, stream);
+// FN<T, DP>(p, launch, stream) for the padded head dimension DP of p.D.
+#define DA_TC90_DISPATCH(FN, T)                     \
+  switch (tc_padded_dim(p.D)) {                     \
+    case 32: return FN<T, 32>(p, launch, stream);   \
+    case 64: return FN<T, 64>(p, launch, stream);   \
+    case 96: return FN<T, 96>(p, launch, stream);   \
+    case 128: return FN<T, 128>(p, launch, stream); \
+    case 192: return FN<T, 192>(p, launch, stream); \
+    default: return FN<T, 256>(p, launch, stream);  \
   }
+
+TcConfig tc90_call(int kernel, bool half, const Params& p, bool launch, cudaStream_t stream) {
+  if (kernel == kFwd) {
+    if (half) DA_TC90_DISPATCH(tc_fwd90_dp, __half)
+    DA_TC90_DISPATCH(tc_fwd90_dp, __nv_bfloat16)
+  }
+  if (kernel == kDq) {
+    if (half) DA_TC90_DISPATCH(tc_dq90_dp, __half)
+    DA_TC90_DISPATCH(tc_dq90_dp, __nv_bfloat16)
+  }
+  if (half) DA_TC90_DISPATCH(tc_dkv90_dp, __half)
+  DA_TC90_DISPATCH(tc_dkv90_dp, __nv_bfloat16)
 }
 
-TcConfig tc90_fwd_f16(const Params& p, bool launch, cudaStream_t stream) {
-  return tc90_fwd<__half>(p, launch, stream);
-}
-
-TcConfig tc90_fwd_bf16(const Params& p, bool launch, cudaStream_t stream) {
-  return tc90_fwd<__nv_bfloat16>(p, launch, stream);
-}
+#undef DA_TC90_DISPATCH
 
 __global__ void tc90_probe_kernel(int* flag) {
   *flag = DA_SM90A ? 1 : 2;

@@ -1,4 +1,5 @@
-// The sm90 forward (float16/bfloat16, sm_90a): tc_fwd_kernel's algorithm on the warpgroup MMA.
+// The sm90 kernels (float16/bfloat16, sm_90a): the forward, dq and dk/dv passes of tc_kernels.cuh on
+// the warpgroup MMA.
 //
 // A thread block is one warpgroup (4 warps, 128 threads) owning 64 rows of one head, as in
 // tc_kernels.cuh, and walks the same work (common.cuh's Walk over every branch, segment and chunk
@@ -17,9 +18,12 @@
 // is summed on CUDA cores, skipping the zero probabilities, in every warp of the block
 // (tc_gemm_pb_skip_zero), so that the value reaches only the rows that read it.
 //
-// Results: out and lse as the sm80 forward's (the same rounding of every probability to T before
-// P V, f32 accumulation; the sums' order inside an MMA may differ), so the sm80 backward (tc_dq_kernel,
-// tc_dkv_kernel) follows it unchanged.
+// The backward's two passes are those of tc_kernels.cuh the same way: dq (rows = queries) has
+// S = Q K^T and dP = dO V^T from shared memory and dQ += dS K with dS from registers; dk/dv (rows =
+// keys, over the G query heads of the group) S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and
+// dK += dS^T Q, head dims above 128 split over two thread blocks by columns. Results are the sm80
+// kernels' (the same roundings and f32 accumulation; the sums' order inside an MMA may differ), so
+// either pass may follow either forward.
 #pragma once
 
 #include "sm90.cuh"
@@ -37,31 +41,127 @@ struct Tc90FwdCfg {
   static constexpr int SMEM = Q_BYTES + STAGES * 2 * KV_BYTES + 1024;
 };
 
-// Loads `rows` rows of DP columns (D of them real) into a Sw90<DP> tile with cp.async; row_offset(i)
+template <int DP>
+struct Tc90DqCfg {
+  static constexpr int KT = TcDqCfg<DP>::KT;  // keys per step: 64 (DP <= 96), 32 (128), 16 (above)
+  static constexpr int STAGES = 2;
+  static constexpr int ROW_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;
+  static constexpr int SMEM = 2 * ROW_BYTES + STAGES * 2 * KV_BYTES + 1024;
+};
+
+template <int DP>
+struct Tc90DkvCfg {
+  // Queries per step: 32 (DP <= 32), 16 (above): the accumulators of dK and dV, of S^T and dP^T
+  // and the A fragments of two products stay in registers (QT = 32 spilled at DP = 128).
+  static constexpr int QT = DP <= 32 ? 32 : 16;
+  static constexpr int DC = TcDkvCfg<DP>::DC, CHUNKS = TcDkvCfg<DP>::CHUNKS;  // accumulator columns
+  static constexpr int STAGES = 2;
+  // Panels of 64 columns where both DP and the column chunks allow, else 32 (DP = 192: DC = 96).
+  static constexpr int PW = DP % 64 == 0 && DC % 64 == 0 ? 64 : 32;
+  static constexpr int ROW_BYTES = kTcRows * DP * 2, Q_BYTES = QT * DP * 2;
+  static constexpr int SMEM =
+      2 * ROW_BYTES + STAGES * 2 * Q_BYTES + STAGES * 2 * QT * (int)sizeof(float) + 1024;
+};
+
+// The dynamic shared memory from its first 1024-byte boundary (the swizzle works on addresses).
+__device__ __forceinline__ unsigned char* tc90_smem(unsigned char* raw) {
+  return raw + ((1024 - (smem_address(raw) & 1023)) & 1023);
+}
+
+// Loads `rows` rows of DP columns (D of them real) into a Sw90 tile L with cp.async; row_offset(i)
 // gives the element offset of row i in src or -1 for a zero row.
-template <typename T, int DP, typename RowOffset>
+template <typename T, typename L, typename RowOffset>
 __device__ __forceinline__ void tc90_load_rows(T* dst, const T* src, int rows, int64_t D,
                                                RowOffset row_offset) {
-  constexpr int CH = DP / 8;  // 16-byte chunks per row
+  constexpr int CH = L::DP / 8;  // 16-byte chunks per row
   unsigned char* base = reinterpret_cast<unsigned char*>(dst);
   for (int idx = threadIdx.x; idx < rows * CH; idx += kTcThreads) {
     const int row = idx / CH, ch = idx % CH;
     const int64_t off = row_offset(row);
     const bool ok = off >= 0 && ch * 8 < D;
-    cp_async16(base + Sw90<DP>::chunk_offset(rows, row, ch), ok ? src + off + ch * 8 : src, ok);
+    cp_async16(base + L::chunk_offset(rows, row, ch), ok ? src + off + ch * 8 : src, ok);
   }
 }
+
+// The block's 64 rows (tiling.h) of a (B, N, H, D) tensor t, head h, into a Sw90 tile L.
+template <typename T, typename L>
+__device__ __forceinline__ void tc90_load_block_rows(T* dst, const Tensor4& t, const SeqRows& sq, int64_t h,
+                                                     const da_tiling& tl, int64_t base, int64_t D) {
+  const T* src = static_cast<const T*>(t.data) + sq.b * t.sb + sq.start * t.sn + h * t.sh;
+  tc90_load_rows<T, L>(dst, src, kTcRows, D, [&](int row) -> int64_t {
+    const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
+    return x < sq.N ? x * t.sn : -1;
+  });
+}
+
+// The walk's current chunk of the other side (o0 .. o0 + rows - 1 of its segment; zero rows past
+// o_end) of a tensor whose head h starts at src, into a Sw90 tile L.
+template <typename T, typename L>
+__device__ __forceinline__ void tc90_load_chunk(T* dst, const T* src, int64_t sn, const Walk<2>& w, int rows,
+                                                int64_t D) {
+  tc90_load_rows<T, L>(dst, src, rows, D, [&](int jj) -> int64_t {
+    const int j = w.o0 + jj;
+    return j < w.o_end ? w.other_position(j) * sn : -1;
+  });
+}
+
+// Hands the tiles that this thread's cp.async copies filled to the MMAs: waits for all but the
+// newest N groups and fences them to the async proxy; the caller's barrier then covers every thread.
+template <int N>
+__device__ __forceinline__ void tc90_tiles_landed() {
+  cp_async_wait<N>();
+  fence_proxy_async();
+}
+
+// Issues S (the warpgroup's 64 rows x N, mma C fragments) = A B^T, A the 64 rows of a Sw90 tile L
+// and B its N rows of another, all DP columns (zero past D): one wgmma per 16 columns, committed as
+// one group. The caller waits (wgmma_wait) before it reads S.
+template <typename T, typename L, int N>
+__device__ __forceinline__ void tc90_gemm_abt(float (&S)[N / 8][4], const T* sA, const T* sB) {
+#pragma unroll
+  for (int kk = 0; kk < L::DP / 16; ++kk)
+    wgmma_ss<T, N>(S, desc_k_major<L>(sA, kTcRows, kk), desc_k_major<L>(sB, N, kk), kk > 0);
+}
+
+// acc (the warpgroup's 64 rows x 8 CT columns from c0, mma C fragments) += P (64 x 8 NT, f32 C
+// fragments) B, B the rows 0 .. 8 NT of the Sw90 tile L at `tile`: one wgmma per 16 rows of B, P
+// rounded to T as A fragments. Where a masked pair meets an inf or NaN of the tile anywhere in the
+// block, the block sums on CUDA cores instead, skipping the zero probabilities (the MMA would spread
+// 0 * inf to the rows of every warp). Block-wide (a barrier).
+template <typename T, typename L, int NT, int CT>
+__device__ __forceinline__ void tc90_gemm_pb(float (&acc)[CT][4], const float (&P)[NT][4], const T* tile,
+                                             int c0, bool need_mask, int lane, int64_t D) {
+  if (__syncthreads_or(need_mask && tc_tile_nonfinite<T, L::DP, L::DP>(tile, 8 * NT, lane))) {
+    tc_gemm_pb_skip_zero<T, NT, CT>(
+        acc, P, [&](int key, int d) { return tile[L::elem(8 * NT, key, d)]; }, c0, lane, D);
+    return;
+  }
+  uint32_t a[NT / 2][4];
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) c_to_a<T>(a[kk], P[2 * kk], P[2 * kk + 1]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk)
+    wgmma_rs<T, 8 * CT>(acc, a[kk], desc_mn_major<L>(tile, 8 * NT, kk, c0), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(acc);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
 
 template <typename T, int DP, bool DROPOUT>
 __global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
 #if DA_SM90A
   using Cfg = Tc90FwdCfg<DP>;
+  using L = Sw90<DP>;
   constexpr int KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
   DA_EXTERN_SMEM(smem_raw);
-  unsigned char* aligned = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
-  T* sQ = reinterpret_cast<T*>(aligned);                 // Sw90<DP> [64 rows]
-  T* sK = reinterpret_cast<T*>(aligned + Cfg::Q_BYTES);  // [STAGES] Sw90<DP> [KT rows]
-  T* sV = sK + Cfg::STAGES * KT * DP;                    // [STAGES] Sw90<DP> [KT rows]
+  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));  // [64 rows]
+  T* sK = sQ + kTcRows * DP;                          // [STAGES][KT rows]
+  T* sV = sK + Cfg::STAGES * KT * DP;                 // [STAGES][KT rows]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
@@ -69,41 +169,16 @@ __global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
-  const int64_t last = da_tile_last(&tl, base, N);
 
-  const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn + h * p.q.sh;
   const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
   const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
-
-  tc90_load_rows<T, DP>(sQ, q, kTcRows, p.D, [&](int row) -> int64_t {
-    const int64_t x = da_row_position(&tl, base, row >> 4, row & 15);
-    return x < N ? x * p.q.sn : -1;
-  });
+  tc90_load_block_rows<T, L>(sQ, p.q, sq, h, tl, base, p.D);
   cp_async_commit();
 
-  Walk<2> cur;
-  cur.N = N;
-  cur.base = base;
-  cur.last = last;
-  cur.h0 = h;
-  cur.G = 1;
-  cur.is_causal = p.is_causal;
-  cur.rows_are = DA_ROWS_ARE_QUERIES;
-  cur.other_tile = KT;
-  tc_thread_rows(tl, base, warp, lane, cur.pos);
-  cur.start(p);
-
+  Walk<2> cur = tc_walk_start(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, warp, lane);
   auto load_kv = [&](const Walk<2>& w, int stage) {
-    auto off_k = [&](int jj) -> int64_t {
-      const int j = w.o0 + jj;
-      return j < w.o_end ? w.other_position(j) * p.k.sn : -1;
-    };
-    auto off_v = [&](int jj) -> int64_t {
-      const int j = w.o0 + jj;
-      return j < w.o_end ? w.other_position(j) * p.v.sn : -1;
-    };
-    tc90_load_rows<T, DP>(sK + stage * KT * DP, k, KT, p.D, off_k);
-    tc90_load_rows<T, DP>(sV + stage * KT * DP, v, KT, p.D, off_v);
+    tc90_load_chunk<T, L>(sK + stage * KT * DP, k, p.k.sn, w, KT, p.D);
+    tc90_load_chunk<T, L>(sV + stage * KT * DP, v, p.v.sn, w, KT, p.D);
   };
 
   const float sl2 = (float)(p.scale * DA_LOG2E);
@@ -120,8 +195,7 @@ __global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
     nxt.next(p.br);  // block-wide: may synchronise
     if (!nxt.done) load_kv(nxt, stage ^ 1);
     cp_async_commit();
-    cp_async_wait<1>();  // everything but the prefetch just issued has landed
-    fence_proxy_async();
+    tc90_tiles_landed<1>();  // everything but the prefetch just issued
     const bool skip = cur.skip_chunk();
     if (__syncthreads_or(!skip)) {  // some warp has work in the chunk: the warpgroup multiplies
       const T* sKs = sK + stage * KT * DP;
@@ -129,32 +203,13 @@ __global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
       const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
       float S[NT][4];
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk)  // columns past D are zeros (no branch between the MMAs)
-        wgmma_ss<T, KT>(S, desc_k_major<DP>(sQ, kTcRows, kk), desc_k_major<DP>(sKs, KT, kk), kk > 0);
+      tc90_gemm_abt<T, L, KT>(S, sQ, sKs);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(S);
-
       const bool need_mask = skip || cur.chunk_needs_mask();
       tc_fwd_softmax<NT, DT, DROPOUT>(S, O, m, l, cur, need_mask, sl2, tq, p, keep);
-
-      // A masked pair meeting an inf or NaN of V anywhere in the block: the block sums on CUDA
-      // cores (the MMA would spread 0 * inf to the rows of every warp).
-      if (__syncthreads_or(need_mask && tc_tile_nonfinite<T, DP, DP>(sVs, KT, lane))) {
-        tc_gemm_pb_skip_zero<T, NT, DT>(
-            O, S, [&](int key, int d) { return sVs[Sw90<DP>::elem(KT, key, d)]; }, 0, lane, p.D);
-      } else {
-        uint32_t a[KT / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; ++kk) c_to_a<T>(a[kk], S[2 * kk], S[2 * kk + 1]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; ++kk) wgmma_rs<T, DP>(O, a[kk], desc_mn_major<DP>(sVs, KT, kk), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(O);
-      }
+      tc90_gemm_pb<T, L, NT, DT>(O, S, sVs, 0, need_mask, lane, p.D);
     }
     __syncthreads();  // the buffer of `stage` is free for the prefetch of the next iteration
     cur = nxt;
@@ -165,7 +220,190 @@ __global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
 #endif
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Backward: dq                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename T, int DP, bool DROPOUT>
+__global__ void __launch_bounds__(kTcThreads) tc90_dq_kernel(const Params p) {
+#if DA_SM90A
+  using Cfg = Tc90DqCfg<DP>;
+  using L = Sw90<DP>;
+  constexpr int KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
+  DA_EXTERN_SMEM(smem_raw);
+  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));  // [64 rows]
+  T* sdO = sQ + kTcRows * DP;                         // [64 rows]
+  T* sK = sdO + kTcRows * DP;                         // [STAGES][KT rows]
+  T* sV = sK + Cfg::STAGES * KT * DP;                 // [STAGES][KT rows]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+  const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
+  const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
+  const da_tiling tl = p.tiling;
+  const int64_t base = da_tile_base(&tl, blockIdx.x);
+  if (base >= N) return;
+
+  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
+  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
+  tc90_load_block_rows<T, L>(sQ, p.q, sq, h, tl, base, p.D);
+  tc90_load_block_rows<T, L>(sdO, p.dout, sq, h, tl, base, p.D);
+  cp_async_commit();
+
+  Walk<2> cur = tc_walk_start(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, warp, lane);
+
+  // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta, as tc_dq_kernel.
+  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
+  const float* delta = static_cast<const float*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
+  const float sl2 = (float)(p.scale * DA_LOG2E);
+  const double unit = da_score_unit(p.scale, sl2);
+  float lse2[2], dl[2], lo;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t x = cur.pos[ri];
+    lse2[ri] = da_lse_base2<float>(x < N ? da_get_lse<float>(p, lse_row + x) : 0.0, unit, &lo);
+    dl[ri] = x < N ? delta[x] : 0.f;
+  }
+
+  auto load_kv = [&](const Walk<2>& w, int stage) {
+    tc90_load_chunk<T, L>(sK + stage * KT * DP, k, p.k.sn, w, KT, p.D);
+    tc90_load_chunk<T, L>(sV + stage * KT * DP, v, p.v.sn, w, KT, p.D);
+  };
+
+  float dQ[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) dQ[dt][0] = dQ[dt][1] = dQ[dt][2] = dQ[dt][3] = 0.f;
+
+  int stage = 0;
+  if (!cur.done) load_kv(cur, 0);
+  cp_async_commit();
+  while (!cur.done) {
+    Walk<2> nxt = cur;
+    nxt.next(p.br);
+    if (!nxt.done) load_kv(nxt, stage ^ 1);
+    cp_async_commit();
+    tc90_tiles_landed<1>();
+    const bool skip = cur.skip_chunk();
+    if (__syncthreads_or(!skip)) {
+      const T* sKs = sK + stage * KT * DP;
+      const T* sVs = sV + stage * KT * DP;
+      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
+      float S[NT][4], dP[NT][4];
+      wgmma_fence();
+      tc90_gemm_abt<T, L, KT>(S, sQ, sKs);
+      tc90_gemm_abt<T, L, KT>(dP, sdO, sVs);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(S);
+      wgmma_fence_operands(dP);
+      const bool need_mask = skip || cur.chunk_needs_mask();
+      tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
+      tc90_gemm_pb<T, L, NT, DT>(dQ, S, sKs, 0, need_mask, lane, p.D);
+    }
+    __syncthreads();
+    stage ^= 1;
+    cur = nxt;
+  }
+  cp_async_wait<0>();
+  tc_dq_store<T, DT>(p, sq, h, cur, dQ, tq);
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Backward: dk, dv                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+template <typename T, int DP, bool DROPOUT>
+__global__ void __launch_bounds__(kTcThreads) tc90_dkv_kernel(const Params p) {
+#if DA_SM90A
+  using Cfg = Tc90DkvCfg<DP>;
+  using L = Sw90<DP, Cfg::PW>;
+  constexpr int QT = Cfg::QT, NT = QT / 8, DC = Cfg::DC, CT = DC / 8;
+  DA_EXTERN_SMEM(smem_raw);
+  T* sK = reinterpret_cast<T*>(tc90_smem(smem_raw));                  // [64 rows]
+  T* sV = sK + kTcRows * DP;                                          // [64 rows]
+  T* sQ = sV + kTcRows * DP;                                          // [STAGES][QT rows]
+  T* sdO = sQ + Cfg::STAGES * QT * DP;                                // [STAGES][QT rows]
+  float* sL = reinterpret_cast<float*>(sdO + Cfg::STAGES * QT * DP);  // [STAGES][QT] lse, log2 domain
+  float* sDl = sL + Cfg::STAGES * QT;                                 // [STAGES][QT] delta
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+  const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
+  const int64_t N = sq.N, b = sq.b, hk = blockIdx.y / Cfg::CHUNKS;
+  const int c0 = (int)(blockIdx.y % Cfg::CHUNKS) * DC;  // first accumulator column
+  const da_tiling tl = p.tiling;
+  const int64_t base = da_tile_base(&tl, blockIdx.x);
+  if (base >= N) return;
+
+  tc90_load_block_rows<T, L>(sK, p.k, sq, hk, tl, base, p.D);
+  tc90_load_block_rows<T, L>(sV, p.v, sq, hk, tl, base, p.D);
+  cp_async_commit();
+
+  Walk<2> cur = tc_walk_start(p, tl, N, base, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, QT, warp, lane);
+
+  const T* q_all = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
+  const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
+  const int64_t lse_all = b * p.Hq * p.N + sq.start;
+  const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N + sq.start;
+  const float sl2 = (float)(p.scale * DA_LOG2E);
+  const double unit = da_score_unit(p.scale, sl2);
+
+  // Queries o0 .. o0+QT-1 of the walk's current head and segment: q and dout rows, lse, delta.
+  auto load_q = [&](const Walk<2>& w, int stage) {
+    const int64_t h = w.head();
+    tc90_load_chunk<T, L>(sQ + stage * QT * DP, q_all + h * p.q.sh, p.q.sn, w, QT, p.D);
+    tc90_load_chunk<T, L>(sdO + stage * QT * DP, do_all + h * p.dout.sh, p.dout.sn, w, QT, p.D);
+    tc_dkv_load_stats(p, w, QT, lse_all, delta_all, unit, sL + stage * QT, sDl + stage * QT);
+  };
+
+  float dK[CT][4], dV[CT][4];
+#pragma unroll
+  for (int ct = 0; ct < CT; ++ct) {
+    dK[ct][0] = dK[ct][1] = dK[ct][2] = dK[ct][3] = 0.f;
+    dV[ct][0] = dV[ct][1] = dV[ct][2] = dV[ct][3] = 0.f;
+  }
+
+  int stage = 0;
+  if (!cur.done) load_q(cur, 0);
+  cp_async_commit();
+  while (!cur.done) {
+    Walk<2> nxt = cur;
+    nxt.next(p.br);
+    if (!nxt.done) load_q(nxt, stage ^ 1);
+    cp_async_commit();
+    tc90_tiles_landed<1>();
+    const bool skip = cur.skip_chunk();
+    if (__syncthreads_or(!skip)) {  // (the barrier also publishes sL, sDl)
+      const T* sQs = sQ + stage * QT * DP;
+      const T* sdOs = sdO + stage * QT * DP;
+      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + cur.head(), sq.start, tq) : 0u;
+      float St[NT][4], dPt[NT][4];  // (the warpgroup's 64 keys) x (QT queries)
+      wgmma_fence();
+      tc90_gemm_abt<T, L, QT>(St, sK, sQs);
+      tc90_gemm_abt<T, L, QT>(dPt, sV, sdOs);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(St);
+      wgmma_fence_operands(dPt);
+      const bool need_mask = skip || cur.chunk_needs_mask();
+      tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sDl + stage * QT, tq, p,
+                                 keep);
+      tc90_gemm_pb<T, L, NT, CT>(dV, St, sdOs, c0, need_mask, lane, p.D);
+      tc90_gemm_pb<T, L, NT, CT>(dK, dPt, sQs, c0, need_mask, lane, p.D);
+    }
+    __syncthreads();
+    stage ^= 1;
+    cur = nxt;
+  }
+  cp_async_wait<0>();
+  tc_dkv_store<T, CT>(p, sq, hk, c0, cur, dK, dV, tq);
+#endif
+}
+
 #ifndef DA_CUDA_EMULATION  // the CPU emulation of the tests calls the kernels itself
+
+/* ------------------------------------------------------------------------------------------ */
+/* Launchers                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
 
 template <typename T, int DP>
 TcConfig tc_fwd90_dp(const Params& p, bool launch, cudaStream_t stream) {
@@ -174,6 +412,31 @@ TcConfig tc_fwd90_dp(const Params& p, bool launch, cudaStream_t stream) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
     static SmemOptIn opt_in[2];  // without and with dropout
     tc_launch(tc_dropout(p) ? tc90_fwd_kernel<T, DP, true> : tc90_fwd_kernel<T, DP, false>, grid,
+              cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
+  }
+  return cfg;
+}
+
+template <typename T, int DP>
+TcConfig tc_dq90_dp(const Params& p, bool launch, cudaStream_t stream) {
+  const TcConfig cfg{16, kTcWarps, Tc90DqCfg<DP>::SMEM, 1};
+  if (launch) {
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
+    static SmemOptIn opt_in[2];
+    tc_launch(tc_dropout(p) ? tc90_dq_kernel<T, DP, true> : tc90_dq_kernel<T, DP, false>, grid,
+              cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
+  }
+  return cfg;
+}
+
+template <typename T, int DP>
+TcConfig tc_dkv90_dp(const Params& p, bool launch, cudaStream_t stream) {
+  const TcConfig cfg{16, kTcWarps, Tc90DkvCfg<DP>::SMEM, Tc90DkvCfg<DP>::CHUNKS};
+  if (launch) {
+    const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks),
+                    (unsigned)p.num_seqs);
+    static SmemOptIn opt_in[2];
+    tc_launch(tc_dropout(p) ? tc90_dkv_kernel<T, DP, true> : tc90_dkv_kernel<T, DP, false>, grid,
               cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
   }
   return cfg;

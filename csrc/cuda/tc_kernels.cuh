@@ -97,6 +97,26 @@ __device__ __forceinline__ void tc_thread_rows(const da_tiling& tl, int64_t base
   pos[1] = da_row_position(&tl, base, warp, (lane >> 2) + 8);
 }
 
+// The walk of a thread block of 64 rows from `base` (tiling.h), its threads following their two
+// rows: over head h0 (G = 1) or the G query heads from h0 (dk/dv), `other_tile` indices of the other
+// side per step. Block-wide (the walk may synchronise).
+__device__ __forceinline__ Walk<2> tc_walk_start(const Params& p, const da_tiling& tl, int64_t N,
+                                                 int64_t base, int64_t h0, int G, int rows_are,
+                                                 int other_tile, int warp, int lane) {
+  Walk<2> w;
+  w.N = N;
+  w.base = base;
+  w.last = da_tile_last(&tl, base, N);
+  w.h0 = h0;
+  w.G = G;
+  w.is_causal = p.is_causal;
+  w.rows_are = rows_are;
+  w.other_tile = other_tile;
+  tc_thread_rows(tl, base, warp, lane, w.pos);
+  w.start(p);
+  return w;
+}
+
 // S (16 x 8*NT per warp) = A_rows (16 x DP, from sA at warp rows) * B^T (B rows = sB rows).
 template <typename T, int DP, int LDS, int NT>
 __device__ __forceinline__ void tc_gemm_abt(float (&S)[NT][4], const T* sA, const T* sB, int warp, int lane,
@@ -342,7 +362,6 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
-  const int64_t last = da_tile_last(&tl, base, N);
 
   const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn + h * p.q.sh;
   const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
@@ -354,17 +373,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
   });
   cp_async_commit();
 
-  Walk<2> cur;
-  cur.N = N;
-  cur.base = base;
-  cur.last = last;
-  cur.h0 = h;
-  cur.G = 1;
-  cur.is_causal = p.is_causal;
-  cur.rows_are = DA_ROWS_ARE_QUERIES;
-  cur.other_tile = KT;
-  tc_thread_rows(tl, base, warp, lane, cur.pos);
-  cur.start(p);
+  Walk<2> cur = tc_walk_start(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, warp, lane);
 
   auto load_kv = [&](const Walk<2>& w, int stage) {
     auto off_k = [&](int jj) -> int64_t {
@@ -421,6 +430,114 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
 /* Backward: dq                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 
+// The dq pass's chunk, for both the sm80 and the sm90 kernels: S (scores of the warp's 16 rows
+// x 8 NT keys) becomes dS = P (dP - delta) in place, P = 2^(S sl2 - lse2) on the active pairs
+// (need_mask: pair_active) and 0 elsewhere; with dropout dP is the kept share (M dO V^T).
+template <int NT, bool DROPOUT>
+__device__ __forceinline__ void tc_dq_scores(float (&S)[NT][4], const float (&dP)[NT][4], const Walk<2>& cur,
+                                             bool need_mask, float sl2, const float (&lse2)[2],
+                                             const float (&dl)[2], int tq, const Params& p, uint32_t keep) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int ri = e >> 1;
+      bool ok = true;
+      if (need_mask) {
+        const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
+        ok = cur.pair_active(cur.jrow[ri], j);
+      }
+      const float f =
+          DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;  // dropout: M dO V^T
+      const float pr = ok ? exp2f(S[nt][e] * sl2 - lse2[ri]) : 0.f;
+      S[nt][e] = ok ? pr * (dP[nt][e] * f - dl[ri]) : 0.f;  // dS
+    }
+  }
+}
+
+// The dq pass's last step: dq = dQ * scale for the thread's rows.
+template <typename T, int DT>
+__device__ __forceinline__ void tc_dq_store(const Params& p, const SeqRows& sq, int64_t h, const Walk<2>& cur,
+                                            const float (&dQ)[DT][4], int tq) {
+  T* dq = static_cast<T*>(p.dq.data) + sq.b * p.dq.sb + sq.start * p.dq.sn + h * p.dq.sh;
+  const float scale = (float)p.scale;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t x = cur.pos[ri];
+    if (x >= sq.N) continue;
+    T* o = dq + x * p.dq.sn;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      const int d = dt * 8 + 2 * tq;
+      if (d < p.D) store2<T>(o + d, dQ[dt][2 * ri] * scale, dQ[dt][2 * ri + 1] * scale);
+    }
+  }
+}
+
+// The dk/dv pass's chunk (rows = keys, 8 NT queries): St becomes P^T (times the dropout factors,
+// for dV) and dPt dS^T = P^T (dP^T - delta), with the queries' lse (base 2) and delta from sLs, sDls.
+template <int NT, bool DROPOUT>
+__device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[NT][4], const Walk<2>& cur,
+                                              bool need_mask, float sl2, const float* sLs, const float* sDls,
+                                              int tq, const Params& p, uint32_t keep) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int qc = nt * 8 + 2 * tq + (e & 1);
+      bool ok = true;
+      if (need_mask) ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
+      // Dropout: M dO V^T, and P M for dV.
+      const float f = DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;
+      const float pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
+      St[nt][e] = pr * f;
+      dPt[nt][e] = ok ? pr * (dPt[nt][e] * f - sDls[qc]) : 0.f;  // dS^T
+    }
+  }
+}
+
+// The lse (base 2; +inf where the query is outside the segment, so that P = 0) and delta of the
+// queries o0 .. o0 + QT - 1 of the walk's current head and segment, into sL[QT] and sDl[QT].
+__device__ __forceinline__ void tc_dkv_load_stats(const Params& p, const Walk<2>& w, int QT, int64_t lse_all,
+                                                  const float* delta_all, double unit, float* sL,
+                                                  float* sDl) {
+  const int64_t h = w.head();
+  for (int jj = threadIdx.x; jj < QT; jj += kTcThreads) {
+    const int j = w.o0 + jj;
+    float L = INFINITY, dlt = 0.f, lo;
+    if (j < w.o_end) {
+      const int64_t x = w.other_position(j);
+      L = da_lse_base2<float>(da_get_lse<float>(p, lse_all + h * p.N + x), unit, &lo);
+      dlt = delta_all[h * p.N + x];
+    }
+    sL[jj] = L;
+    sDl[jj] = dlt;
+  }
+}
+
+// The dk/dv pass's last step: dk = dK * scale and dv = dV, columns c0 .. c0 + 8 CT.
+template <typename T, int CT>
+__device__ __forceinline__ void tc_dkv_store(const Params& p, const SeqRows& sq, int64_t hk, int c0,
+                                             const Walk<2>& cur, const float (&dK)[CT][4],
+                                             const float (&dV)[CT][4], int tq) {
+  T* dk = static_cast<T*>(p.dk.data) + sq.b * p.dk.sb + sq.start * p.dk.sn + hk * p.dk.sh;
+  T* dv = static_cast<T*>(p.dv.data) + sq.b * p.dv.sb + sq.start * p.dv.sn + hk * p.dv.sh;
+  const float scale = (float)p.scale;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t x = cur.pos[ri];
+    if (x >= sq.N) continue;
+#pragma unroll
+    for (int ct = 0; ct < CT; ++ct) {
+      const int d = c0 + ct * 8 + 2 * tq;
+      if (d < p.D) {
+        store2<T>(dk + x * p.dk.sn + d, dK[ct][2 * ri] * scale, dK[ct][2 * ri + 1] * scale);
+        store2<T>(dv + x * p.dv.sn + d, dV[ct][2 * ri], dV[ct][2 * ri + 1]);
+      }
+    }
+  }
+}
+
 template <typename T, int DP, bool DROPOUT>
 __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
 #if DA_SM80
@@ -439,7 +556,6 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
-  const int64_t last = da_tile_last(&tl, base, N);
 
   const T* q = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn + h * p.q.sh;
   const T* dout = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn + h * p.dout.sh;
@@ -456,17 +572,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   });
   cp_async_commit();
 
-  Walk<2> cur;
-  cur.N = N;
-  cur.base = base;
-  cur.last = last;
-  cur.h0 = h;
-  cur.G = 1;
-  cur.is_causal = p.is_causal;
-  cur.rows_are = DA_ROWS_ARE_QUERIES;
-  cur.other_tile = KT;
-  tc_thread_rows(tl, base, warp, lane, cur.pos);
-  cur.start(p);
+  Walk<2> cur = tc_walk_start(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, warp, lane);
 
   // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
   // (float16/bfloat16 only: lse's low part, da_lse_base2, is far below their rounding and unused.)
@@ -522,22 +628,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
       tc_gemm_abt<T, DP, LDS, NT>(S, sQ, sKs, warp, lane, p.D);
       tc_gemm_abt<T, DP, LDS, NT>(dP, sdO, sVs, warp, lane, p.D);
       const bool need_mask = cur.chunk_needs_mask();
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int ri = e >> 1;
-          bool ok = true;
-          if (need_mask) {
-            const int j = cur.o0 + nt * 8 + 2 * tq + (e & 1);
-            ok = cur.pair_active(cur.jrow[ri], j);
-          }
-          const float f =
-              DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;  // dropout: M dO V^T
-          const float pr = ok ? exp2f(S[nt][e] * sl2 - lse2[ri]) : 0.f;
-          S[nt][e] = ok ? pr * (dP[nt][e] * f - dl[ri]) : 0.f;  // dS
-        }
-      }
+      tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
       tc_gemm_pb_masked<T, DP, LDS, NT, DT>(dQ, S, sKs, 0, lane, p.D, need_mask);
     }
     __syncthreads();
@@ -552,19 +643,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   }
   cp_async_wait<0>();
 
-  T* dq = static_cast<T*>(p.dq.data) + b * p.dq.sb + sq.start * p.dq.sn + h * p.dq.sh;
-  const float scale = (float)p.scale;
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    const int64_t x = cur.pos[ri];
-    if (x >= N) continue;
-    T* o = dq + x * p.dq.sn;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      const int d = dt * 8 + 2 * tq;
-      if (d < p.D) store2<T>(o + d, dQ[dt][2 * ri] * scale, dQ[dt][2 * ri + 1] * scale);
-    }
-  }
+  tc_dq_store<T, DT>(p, sq, h, cur, dQ, tq);
 #endif
 }
 
@@ -593,7 +672,6 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
-  const int64_t last = da_tile_last(&tl, base, N);
 
   const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
   const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
@@ -607,17 +685,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   });
   cp_async_commit();
 
-  Walk<2> cur;
-  cur.N = N;
-  cur.base = base;
-  cur.last = last;
-  cur.h0 = hk * p.G;
-  cur.G = (int)p.G;
-  cur.is_causal = p.is_causal;
-  cur.rows_are = DA_ROWS_ARE_KEYS;
-  cur.other_tile = QT;
-  tc_thread_rows(tl, base, warp, lane, cur.pos);
-  cur.start(p);
+  Walk<2> cur = tc_walk_start(p, tl, N, base, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, QT, warp, lane);
 
   const T* q_all = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
   const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
@@ -639,17 +707,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
       const int j = w.o0 + jj;
       return j < w.o_end ? w.other_position(j) * p.dout.sn : -1;
     });
-    for (int jj = threadIdx.x; jj < QT; jj += kTcThreads) {
-      const int j = w.o0 + jj;
-      float L = INFINITY, dlt = 0.f, lo;
-      if (j < w.o_end) {
-        const int64_t x = w.other_position(j);
-        L = da_lse_base2<float>(da_get_lse<float>(p, lse_all + h * p.N + x), unit, &lo);
-        dlt = delta_all[h * p.N + x];
-      }
-      sL[stage * QT + jj] = L;
-      sDl[stage * QT + jj] = dlt;
-    }
+    tc_dkv_load_stats(p, w, QT, lse_all, delta_all, unit, sL + stage * QT, sDl + stage * QT);
   };
 
   float dK[CT][4], dV[CT][4];
@@ -684,20 +742,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
       tc_gemm_abt<T, DP, LDS, NT>(St, sK, sQs, warp, lane, p.D);
       tc_gemm_abt<T, DP, LDS, NT>(dPt, sV, sdOs, warp, lane, p.D);
       const bool need_mask = cur.chunk_needs_mask();
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qc = nt * 8 + 2 * tq + (e & 1);
-          bool ok = true;
-          if (need_mask) ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
-          // Dropout: M dO V^T, and P M for dV.
-          const float f = DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;
-          const float pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
-          St[nt][e] = pr * f;
-          dPt[nt][e] = ok ? pr * (dPt[nt][e] * f - sDls[qc]) : 0.f;  // dS^T
-        }
-      }
+      tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sLs, sDls, tq, p, keep);
       tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dV, St, sdOs, c0, lane, p.D, need_mask);
       tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dK, dPt, sQs, c0, lane, p.D, need_mask);
     }
@@ -713,22 +758,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   }
   cp_async_wait<0>();
 
-  T* dk = static_cast<T*>(p.dk.data) + b * p.dk.sb + sq.start * p.dk.sn + hk * p.dk.sh;
-  T* dv = static_cast<T*>(p.dv.data) + b * p.dv.sb + sq.start * p.dv.sn + hk * p.dv.sh;
-  const float scale = (float)p.scale;
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    const int64_t x = cur.pos[ri];
-    if (x >= N) continue;
-#pragma unroll
-    for (int ct = 0; ct < CT; ++ct) {
-      const int d = c0 + ct * 8 + 2 * tq;
-      if (d < p.D) {
-        store2<T>(dk + x * p.dk.sn + d, dK[ct][2 * ri] * scale, dK[ct][2 * ri + 1] * scale);
-        store2<T>(dv + x * p.dv.sn + d, dV[ct][2 * ri], dV[ct][2 * ri + 1]);
-      }
-    }
-  }
+  tc_dkv_store<T, CT>(p, sq, hk, c0, cur, dK, dV, tq);
 #endif
 }
 

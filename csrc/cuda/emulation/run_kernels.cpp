@@ -61,7 +61,7 @@ void run_grid(Kernel kernel, dim3 grid, size_t smem, const Params& p) {
 
 struct Problem4 {
   int dtype;   // 0 float16, 1 bfloat16, 2 float32, 3 float64
-  int family;  // 0 tensor cores (sm80), 1 SIMT, 2 the sm90 forward (wgmma) and the sm80 backward
+  int family;  // 0 tensor cores (sm80), 1 SIMT, 2 tensor cores (sm90: wgmma)
   int64_t B, N, Hq, Hkv, D;
   da_branches br;
   int causal;
@@ -200,34 +200,40 @@ void tc_forward(const Params& p, bool sm90) {
     tc_forward_with<T, false>(p, sm90);
 }
 
+// The sm80 backward passes, or the sm90 (wgmma) ones where sm90.
 template <typename T, int DP, bool DROP>
-void tc_backward_dp(const Params& p) {
+void tc_backward_dp(const Params& p, bool sm90) {
   const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
-  run_grid(tc_dq_kernel<T, DP, DROP>, grid, TcDqCfg<DP>::SMEM, p);
   const Params pk = key_params(p);
   const dim3 grid_kv((unsigned)da_num_tiles(&pk.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS),
                      (unsigned)p.num_seqs);
-  run_grid(tc_dkv_kernel<T, DP, DROP>, grid_kv, TcDkvCfg<DP>::SMEM, pk);
+  if (sm90) {
+    run_grid(tc90_dq_kernel<T, DP, DROP>, grid, Tc90DqCfg<DP>::SMEM, p);
+    run_grid(tc90_dkv_kernel<T, DP, DROP>, grid_kv, Tc90DkvCfg<DP>::SMEM, pk);
+  } else {
+    run_grid(tc_dq_kernel<T, DP, DROP>, grid, TcDqCfg<DP>::SMEM, p);
+    run_grid(tc_dkv_kernel<T, DP, DROP>, grid_kv, TcDkvCfg<DP>::SMEM, pk);
+  }
 }
 
 template <typename T, bool DROP>
-void tc_backward_with(const Params& p) {
+void tc_backward_with(const Params& p, bool sm90) {
   switch (tc_padded_dim(p.D)) {
-    case 32: tc_backward_dp<T, 32, DROP>(p); break;
-    case 64: tc_backward_dp<T, 64, DROP>(p); break;
-    case 96: tc_backward_dp<T, 96, DROP>(p); break;
-    case 128: tc_backward_dp<T, 128, DROP>(p); break;
-    case 192: tc_backward_dp<T, 192, DROP>(p); break;
-    default: tc_backward_dp<T, 256, DROP>(p); break;
+    case 32: tc_backward_dp<T, 32, DROP>(p, sm90); break;
+    case 64: tc_backward_dp<T, 64, DROP>(p, sm90); break;
+    case 96: tc_backward_dp<T, 96, DROP>(p, sm90); break;
+    case 128: tc_backward_dp<T, 128, DROP>(p, sm90); break;
+    case 192: tc_backward_dp<T, 192, DROP>(p, sm90); break;
+    default: tc_backward_dp<T, 256, DROP>(p, sm90); break;
   }
 }
 
 template <typename T>
-void tc_backward(const Params& p) {
+void tc_backward(const Params& p, bool sm90) {
   if (tc_dropout(p))
-    tc_backward_with<T, true>(p);
+    tc_backward_with<T, true>(p, sm90);
   else
-    tc_backward_with<T, false>(p);
+    tc_backward_with<T, false>(p, sm90);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -403,11 +409,11 @@ extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int6
     case 2: delta_pass<float, float>(p); break;
     default: delta_pass<double, double>(p); break;
   }
-  if (family != 1) {  // the sm90 family's backward is the sm80 one
+  if (family != 1) {
     if (dtype == 0)
-      tc_backward<__half>(p);
+      tc_backward<__half>(p, family == 2);
     else
-      tc_backward<__nv_bfloat16>(p);
+      tc_backward<__nv_bfloat16>(p, family == 2);
   } else {
     switch (dtype) {
       case 0: simt_backward<c10::Half, float>(p); break;
