@@ -40,13 +40,14 @@ import argparse
 import csv
 import datetime
 import gc
+import os
 import re
 import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,28 @@ class Row:
 # ----------------------------------------------------------------------------------------------
 
 
-backend_list = ba.names_among(ATTENTION_BACKENDS)
+# Variants of a backend run under an environment of their own (a row each, named as here).
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    # native with the tensor-core passes on Hopper's warpgroup MMA (csrc/cuda/tc90_kernels.cuh)
+    "native-sm90": ("native", {"DILATED_ATTENTION_CUDA_SM90": "1"}),
+}
+backend_list = ba.names_among([*ATTENTION_BACKENDS, *VARIANTS])
+
+
+@contextmanager
+def variant_env(name: str) -> Iterator[str]:
+    """The backend that row ``name`` trains with, under the variant's environment, if any."""
+    backend, env = VARIANTS.get(name, (name, {}))
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield backend
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def profile_spec(text: str) -> tuple[str, int, bool]:
@@ -155,7 +177,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--backends",
         type=backend_list,
         default=BACKENDS,
-        help="comma-separated (default: dense,auto,native,sdpa)",
+        help="comma-separated (default: dense,auto,native,sdpa; native-sm90: native with "
+        "DILATED_ATTENTION_CUDA_SM90=1)",
     )
     p.add_argument("--compile", choices=sorted(COMPILE), default="both", help="torch.compile off, on or both")
     p.add_argument(
@@ -317,17 +340,18 @@ def measure(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype, row: Row, peak: float
 ) -> None:
     """Trains ``row``'s configuration and fills in its numbers."""
-    conf = model_config(args, row.block, row.backend)
-    row.runs_as = runs_as(conf, device, dtype)
-    model, step, _ = build(args, device, dtype, conf, row.compiled)
-    for i in range(args.warmup):
-        step(i)
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(args.warmup, args.warmup + args.steps):
-        loss = step(i)
-    sync(device)
-    seconds = time.perf_counter() - t0
+    with variant_env(row.backend) as backend:
+        conf = model_config(args, row.block, backend)
+        row.runs_as = runs_as(conf, device, dtype)
+        model, step, _ = build(args, device, dtype, conf, row.compiled)
+        for i in range(args.warmup):
+            step(i)
+        sync(device)
+        t0 = time.perf_counter()
+        for i in range(args.warmup, args.warmup + args.steps):
+            loss = step(i)
+        sync(device)
+        seconds = time.perf_counter() - t0
     row.loss = float(loss)
     row.tokens_per_s = args.batch * row.block * args.steps / seconds
     row.ms_per_step = 1e3 * seconds / args.steps

@@ -4,8 +4,8 @@
 #
 #   1. scripts/gpu_check.sh tests (build for the visible GPU, the cuda-marked tests, the smoke test)
 #   2. the C++ views driver's cuda-marked tests (tests/test_views_driver.py)
-#   3. benchmarks/bench_gpt.py: the example GPT at block 16K, dense attention, sdpa and native,
-#      without torch.compile, side by side
+#   3. benchmarks/bench_gpt.py: the example GPT at block 16K, dense attention, sdpa, native and
+#      native-sm90 (native on the wgmma kernels), without torch.compile, side by side
 #   4. benchmarks/bench_gpt.py --profile sdpa:16k:eager: one profiled training step
 #
 #   scripts/gpu_session.sh [OUT_DIR] [--deadline SECONDS] [--dry-run]
@@ -43,7 +43,7 @@ trap 'rm -rf "$work"' EXIT
 
 # Seconds each later step is given (its own limit inside the command); the check gets the rest
 # (on an H200 at 199db38: build 97 s, tests 246 s, smoke 36 s; views 39 s, gpt 26 s, profile 17 s).
-VIEWS=50 GPT=45 PROFILE=30
+VIEWS=50 GPT=55 PROFILE=30
 start=$(date +%s)
 left() { echo $((deadline - ($(date +%s) - start))); }
 
@@ -92,7 +92,7 @@ step check "$check_limit" bash scripts/gpu_check.sh tests "$work/check" --deadli
 xdist=()
 "$PYTHON" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
 STEP_LOG=$out_dir/views.log step views "$VIEWS" "$PYTHON" -m pytest -q -p no:cacheprovider "${xdist[@]}" -m cuda tests/test_views_driver.py
-step gpt "$GPT" "$PYTHON" benchmarks/bench_gpt.py --blocks 16k --compile off --backends dense,sdpa,native \
+step gpt "$GPT" "$PYTHON" benchmarks/bench_gpt.py --blocks 16k --compile off --backends dense,sdpa,native,native-sm90 \
   --steps 5 --warmup 2 --budget $((GPT - 15)) --out "$work/gpt"
 step profile "$PROFILE" "$PYTHON" benchmarks/bench_gpt.py --profile sdpa:16k:eager --out "$work/profile"
 

@@ -152,3 +152,33 @@ def test_dispatch_counter_counts_each_call(bench_dispatch):
     with bench_dispatch.DispatchCounter() as c:
         (x + 1).mul(2).sum()
     assert c.counts == {"aten.add": 1, "aten.mul": 1, "aten.sum": 1} and c.total == 3
+
+
+def test_a_variant_trains_its_backend_under_its_environment(bench_gpt, tmp_path, monkeypatch):
+    """``native-sm90`` is a row of its own that trains ``native`` with DILATED_ATTENTION_CUDA_SM90=1
+    set for that row only (restored after it, also when it fails)."""
+    import os
+
+    monkeypatch.delenv("DILATED_ATTENTION_CUDA_SM90", raising=False)
+    seen = []
+    real = bench_gpt.build
+
+    def build(args, device, dtype, conf, compiled):
+        seen.append((conf.attention_backend, os.environ.get("DILATED_ATTENTION_CUDA_SM90")))
+        return real(args, device, dtype, conf, compiled)
+
+    monkeypatch.setattr(bench_gpt, "build", build)
+    argv = ["--dry-run", "--out", str(tmp_path), "--tag", "v", "--compile", "off"]
+    assert bench_gpt.main([*argv, "--backends", "native,native-sm90"]) == 0
+    assert seen == [("native", None), ("native", "1")]
+    assert "DILATED_ATTENTION_CUDA_SM90" not in os.environ
+    with open(tmp_path / "v.csv", newline="") as f:
+        assert [(r["backend"], r["runs_as"], r["status"]) for r in csv.DictReader(f)] == [
+            ("native", "native", "ok"),
+            ("native-sm90", "native", "ok"),
+        ]
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_SM90", "0")
+    with pytest.raises(RuntimeError, match="boom"), bench_gpt.variant_env("native-sm90") as backend:
+        assert backend == "native" and os.environ["DILATED_ATTENTION_CUDA_SM90"] == "1"
+        raise RuntimeError("boom")
+    assert os.environ["DILATED_ATTENTION_CUDA_SM90"] == "0"
