@@ -16,7 +16,7 @@ help:
 	@echo "make train       train the example GPT on a corpus made from this machine's Python standard library sources, then sample from it"
 	@echo "make longcontext  train the recall task with dilated, local and dense attention; table and plot"
 	@echo "make bench       CPU benchmark of every backend against the alternatives"
-	@echo "make cuda-check  compile the CUDA kernels, and check they assemble for sm_60/61 (no GPU needed)"
+	@echo "make cuda-check  compile the CUDA kernels, the sm90 ones for sm_90a, and check they assemble for sm_60/61 (no GPU needed)"
 	@echo "make gpu-check   verify the CUDA kernels on this machine's GPU (scripts/gpu_check.sh tests, then sanitize)"
 	@echo "make gpu-session one GPU command (< 10 min): tests, views driver, GPT at 16K vs dense, a profiled step"
 	@echo "make dist        build the source distribution and a wheel into dist/"
@@ -82,6 +82,7 @@ bench:
 # sources stay C++17 (torch 2.11 builds extensions as C++17, newer torch as C++20).
 cuda-check:
 	bash scripts/check_cuda_build.sh
+	bash scripts/check_sm90a.sh
 	bash scripts/check_simt_sm60.sh
 	bash scripts/check_cxx17.sh
 

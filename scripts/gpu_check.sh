@@ -55,8 +55,8 @@
 #                   step's; GPU_CHECK_BENCH_ARGS adds arguments ("--tokens 262144") -> bench.md/.csv/.png
 #   profile     90  Nsight Compute (ncu --clock-control none: speed of light, occupancy, launch,
 #                   warp states, memory and compute workload) on the tensor-core forward, dq and
-#                   dk/dv kernels of scripts/gpu_profile.py (bf16, N = 256K, H = 16, D = 128 and 64,
-#                   LongNet branches), one launch each; ncu from PATH, $CUDA_HOME/bin,
+#                   dk/dv kernels of scripts/gpu_profile.py, sm80 and sm90 (wgmma) families (bf16,
+#                   N = 256K, H = 16, D = 128, LongNet branches), one launch each; ncu from PATH, $CUDA_HOME/bin,
 #                   /usr/local/cuda/bin or /opt/nvidia/nsight-compute/*/    -> summary.md (key lines)
 #
 # The steps end within GPU_CHECK_DEADLINE seconds (default 470 for a phase, 540 for all): a step
@@ -217,7 +217,7 @@ tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -v --tb=short 
 smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases errors small sm90 large)
 sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
 read -r -a bench_extra <<<"${GPU_CHECK_BENCH_ARGS:-}"  # e.g. "--tokens 262144": fewer configurations
-profile_cmd=("${ncu_bin:-ncu}" --clock-control none --kernel-name "regex:tc_(fwd|dq|dkv)_kernel" --launch-count 6
+profile_cmd=("${ncu_bin:-ncu}" --clock-control none --kernel-name "regex:tc(90)?_(fwd|dq|dkv)_kernel" --launch-count 6
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
   --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis "$PYTHON" scripts/gpu_profile.py)
 bench_cmd=("$PYTHON" benchmarks/bench_cuda.py "${bench_extra[@]}" --out "$out_dir/bench" --budget)  # + seconds, at run time
@@ -496,7 +496,7 @@ fi
     echo
     echo "## Nsight Compute: the tensor-core kernels (key lines; ncu's advice: first line of each)"
     echo '```'
-    grep -E "tc_(fwd|dq|dkv)_kernel|^==PROF==|==ERROR==|not found|Duration|Compute \(SM\) Throughput|^ *Memory Throughput|DRAM Throughput|L1/TEX Hit Rate|L2 Hit Rate|Registers Per Thread|Shared Memory Configuration Size|Dynamic Shared Memory Per Block|Theoretical Occupancy|Achieved Occupancy|Block Limit|Executed Ipc Active|Issue Slots Busy|Warp Cycles Per Issued Instruction|^ *(OPT|WRN|INF) " "$out_dir/profile.log" |
+    grep -E "tc(90)?_(fwd|dq|dkv)_kernel|^==PROF==|==ERROR==|not found|Duration|Compute \(SM\) Throughput|^ *Memory Throughput|DRAM Throughput|L1/TEX Hit Rate|L2 Hit Rate|Registers Per Thread|Shared Memory Configuration Size|Dynamic Shared Memory Per Block|Theoretical Occupancy|Achieved Occupancy|Block Limit|Executed Ipc Active|Issue Slots Busy|Warp Cycles Per Issued Instruction|^ *(OPT|WRN|INF) " "$out_dir/profile.log" |
       cut -c1-200 | head -300
     echo '```'
   fi

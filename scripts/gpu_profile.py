@@ -3,16 +3,19 @@
 ``scripts/gpu_check.sh``'s ``profile`` step runs this under Nsight Compute (``ncu``), filtered to
 the tensor-core kernels, so that each configuration's forward, dq and dk/dv kernels are profiled
 once: bf16, B = 1, N = 256K (``--seq-len``), H = 16, LongNet branches (w = 2048·2^i up to N,
-r = 2^i), the head dims and masks given. Nothing is timed or checked here: that is
+r = 2^i), the head dims and masks given, with the sm80 kernels and then the sm90 (wgmma) ones
+(``DILATED_ATTENTION_CUDA_SM90=1``; on a GPU without sm_90a code that run repeats the sm80
+kernels). Nothing is timed or checked here: that is
 ``benchmarks/bench_cuda.py``'s and ``scripts/gpu_smoke.py``'s work.
 
-    ncu --kernel-name regex:tc_ --launch-count 6 python scripts/gpu_profile.py
+    ncu --kernel-name regex:tc --launch-count 6 python scripts/gpu_profile.py
     python scripts/gpu_profile.py --dry-run      # tiny sizes on the CPU: checks this script
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,8 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-len", type=int, default=262144)
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[128])
     p.add_argument("--causal", type=int, nargs="+", default=[0], choices=[0, 1])
+    p.add_argument(
+        "--families",
+        nargs="+",
+        default=["sm80", "sm90"],
+        choices=["sm80", "sm90"],
+        help="the tensor-core kernels of tc_kernels.cuh (sm80) and of tc90_kernels.cuh (sm90)",
+    )
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU in float32")
     args = p.parse_args(argv)
     for name in ("seq_len", "heads"):
@@ -57,12 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     else:
         device, dtype, N = "cuda", torch.bfloat16, args.seq_len
-    for D in args.head_dims:
-        for causal in args.causal:
-            run(N, args.heads, D, bool(causal), device, dtype)
-            print(
-                f"gpu_profile: N={N} H={args.heads} D={D} causal={bool(causal)} {dtype}: forward and backward ran"
-            )
+    for family in args.families:
+        if family == "sm90":
+            os.environ["DILATED_ATTENTION_CUDA_SM90"] = "1"
+        else:
+            os.environ.pop("DILATED_ATTENTION_CUDA_SM90", None)
+        for D in args.head_dims:
+            for causal in args.causal:
+                run(N, args.heads, D, bool(causal), device, dtype)
+                print(
+                    f"gpu_profile: {family} N={N} H={args.heads} D={D} causal={bool(causal)} {dtype}: "
+                    "forward and backward ran"
+                )
     return 0
 
 

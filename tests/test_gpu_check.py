@@ -130,6 +130,8 @@ echo "    Compute (SM) Throughput                %        41.20"
 echo "    Achieved Occupancy                     %        11.90"
 echo "    OPT   This kernel's theoretical occupancy is limited by the number of required registers."
 echo "          a second line of the advice"
+echo "  void dilated_attention::cuda::tc90_dkv_kernel<__nv_bfloat16, 128, false>(Params) (4096, 8, 1)x(128, 1, 1)"
+echo "    Duration                         msecond        23.45"
 [ "${FAKE_NCU:-ok}" = ok ]
 """
 STEPS = ("build", "tests", "backtrace", "smoke", "memcheck", "racecheck", "synccheck", "bench", "profile")
@@ -859,6 +861,7 @@ def test_profile_step_keeps_ncu_key_lines_in_the_summary(tmp_path, fake_tools):
     assert res.returncode == 0, res.stdout + res.stderr
     assert rows["profile"] == "pass"
     assert "## Nsight Compute" in summary and "tc_fwd_kernel<__nv_bfloat16, 128, false>" in summary
+    assert "tc90_dkv_kernel<__nv_bfloat16, 128, false>" in summary and "23.45" in summary
     assert "Duration                         msecond        12.34" in summary
     assert "OPT   This kernel's theoretical occupancy" in summary and "a second line" not in summary
     assert not (out / "profile.log").exists()  # at most 8 files come back: its lines are in summary.md
