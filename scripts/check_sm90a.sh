@@ -46,10 +46,16 @@ for src in "${sources[@]}"; do
     failed=1
   fi
   # "Compiling entry function '<mangled>'" then "Used N registers" and the spill line.
-  awk -v src="$src" '
-    /Compiling entry function/ { name = $0; sub(/.*function .*_ZN17dilated_attention4cuda/, "", name); sub(/EEEvNS0_6ParamsE.*/, "", name) }
-    /Used [0-9]+ registers/ && name != "" { match($0, /Used [0-9]+ registers/); regs = substr($0, RSTART + 5, RLENGTH - 15) }
-    /bytes spill stores/ && name != "" { split($0, w, " "); spills = w[5] + 0; if (regs != "") printf "  %-60s %4s registers%s\n", name, regs, spills ? ", " spills " bytes of spill stores" : ""; if (spills) bad = 1 }
+  # ptxas per kernel: "Compiling entry function '<mangled>'", its spill line, then "Used N registers".
+  awk '
+    /Compiling entry function/ { name = $0; sub(/.*function .*_ZN17dilated_attention4cuda[0-9]+/, "", name); sub(/EEEvNS0_6ParamsE.*/, "", name); spills = 0 }
+    /bytes spill stores/ { split($0, w, " "); spills = w[5] + 0 }
+    /Used [0-9]+ registers/ && name != "" {
+      match($0, /Used [0-9]+ registers/); regs = substr($0, RSTART + 5, RLENGTH - 15)
+      printf "  %-50s %4s registers%s\n", name, regs, spills ? ", " spills " bytes of spill stores" : ""
+      if (spills) bad = 1
+      name = ""
+    }
     END { exit bad }' "$log" || { echo "  $src: a kernel spills registers" >&2; failed=1; }
   if grep -q "C7519" "$log"; then
     echo "  $src: ptxas inserted a wgmma fence (C7519): an accumulator is touched between wgmmas" >&2

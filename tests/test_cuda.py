@@ -540,6 +540,7 @@ def emu(tmp_path_factory):
     so.da_emu_lse64.argtypes = [ctypes.c_int]
     so.da_emu_dropout.argtypes = [ctypes.c_double, ctypes.c_int64, ctypes.c_int64]
     so.da_emu_scores.argtypes = [ctypes.c_int]
+    so.da_emu_tma.argtypes = [ctypes.c_int]
     yield so
     so.da_emu_options(0, 1, 0)
     so.da_emu_scores(0)
@@ -739,12 +740,29 @@ def test_emulated_tensor_core_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates,tiling", EMU_CONFIGS)
-def test_emulated_sm90_forward(emu, B, N, Hq, Hkv, D, segs, rates, tiling, is_causal):
-    """The sm90 kernels (wgmma from swizzled shared-memory tiles, tc90_kernels.cuh; bf16), forward
-    and backward, run on the CPU against the float64 reference: every head dim (the
+def test_emulated_sm90_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling, is_causal):
+    """The sm90 kernels (tensor copies into swizzled shared-memory tiles, wgmma; tc90_kernels.cuh;
+    bf16), forward and backward, run on the CPU against the float64 reference: every head dim (the
     128- and 64-byte swizzles), GQA, ragged segments, uncovered rows, N = 1."""
     R, il = tiling or (0, 0)
     check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 2, (R, il, 16, 64))
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_emulated_sm90_kernels_without_tensor_maps(emu, is_causal):
+    """The sm90 kernels where no tensor map serves a chunk (every chunk by cp.async, as for rates
+    beyond the maps or a stride the copy engine cannot take): the same results. With maps (the
+    other tests), chunks reaching past the last whole group of r rows still load by cp.async."""
+    emu.da_emu_tma(0)
+    try:
+        check_emulated(
+            emu, 1, 157, 4, 2, 96, [12, 48, 96], [1, 3, 4], is_causal, torch.bfloat16, 2, (3, 0, 16, 64)
+        )
+        check_emulated(
+            emu, 2, 61, 4, 2, 128, [8, 32, 64], [1, 2, 4], is_causal, torch.float16, 2, (0, 0, 16, 64)
+        )
+    finally:
+        emu.da_emu_tma(1)
 
 
 @pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates,tiling", EMU_CONFIGS)

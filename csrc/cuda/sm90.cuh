@@ -1,6 +1,7 @@
 // sm90 primitives of the warpgroup kernels (tc90_kernels.cuh): shared-memory matrix descriptors,
-// the swizzled tile layout they describe, wgmma.mma_async (wgmma_ops.cuh) and its fences, and the
-// proxy fence between cp.async's writes and wgmma's reads of shared memory. The instructions exist
+// the swizzled tile layout they describe, wgmma.mma_async (wgmma_ops.cuh) and its fences, the
+// proxy fence between cp.async's writes and wgmma's reads of shared memory, mbarriers and the
+// tensor copy engine's box loads (tma.h). The instructions exist
 // only in code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL): elsewhere DA_SM90A is 0 and the
 // kernels compile to nothing (the host checks which code the GPU runs, tc90_available). Under
 // DA_CUDA_EMULATION they run on the CPU (emulation/cuda_emulation.h).
@@ -148,6 +149,70 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&
   da_emu::wgmma(&d[0][0], N, a, 0, db, scale_d, std::is_same<T, __nv_bfloat16>::value, true);
 #elif DA_SM90A
   WgmmaPtx<T, N>::rs(d, a, db, scale_d);
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* mbarrier and the tensor copy engine (TMA)                                                    */
+/* ------------------------------------------------------------------------------------------ */
+
+// An mbarrier in shared memory (8 bytes) expecting `count` arrivals per phase. Then
+// fence_barrier_init and a barrier, before any thread uses it.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::mbar_init(bar, count);
+#elif DA_SM90A
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void fence_barrier_init() {
+#if !defined(DA_CUDA_EMULATION) && DA_SM90A
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// This thread's arrival on bar, announcing `bytes` that copies will complete in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::mbar_arrive_expect_tx(bar, bytes);
+#elif DA_SM90A
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Waits until the phase of parity `parity` of bar has completed (its arrivals and bytes).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::mbar_wait(bar, parity);
+#elif DA_SM90A
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// The box of tensor map `map` (a TmaMaps entry, in kernel parameter space) at coordinates c, into
+// shared memory at dst (swizzled as the map says), completing its bytes on bar.
+__device__ __forceinline__ void tma_load_5d(void* dst, const void* map, const int32_t (&c)[5],
+                                            uint64_t* bar) {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::tma_load(dst, map, c, bar);
+#elif DA_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+      "%4, "
+      "%5, %6}], [%7];\n" ::"r"(smem_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]),
+      "r"(smem_address(bar))
+      : "memory");
 #endif
 }
 

@@ -2,6 +2,9 @@
 // tc_dq90_dp or tc_dkv90_dp (tc90_kernels.cuh, each compiled in csrc/cuda/tc/<pass>90_<dtype>_d<DP>.cu)
 // for the dtype and the padded head dim; and the probe that says whether the GPU runs the sm_90a
 // code of these kernels.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <atomic>
 
 #include "tc90_kernels.cuh"
@@ -49,6 +52,38 @@ TcConfig tc90_call(int kernel, bool half, const Params& p, bool launch, cudaStre
 }
 
 #undef DA_TC90_DISPATCH
+
+bool tma_encode(const TmaBox& b, void* map) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  cuuint64_t dims[5], strides[4];
+  cuuint32_t box[5], steps[5] = {1, 1, 1, 1, 1};
+  for (int i = 0; i < 5; ++i) {
+    dims[i] = b.dims[i];
+    box[i] = b.box[i];
+  }
+  for (int i = 0; i < 4; ++i) strides[i] = b.strides[i];
+  const CUresult r =
+      encode(static_cast<CUtensorMap*>(map), CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(b.base),
+             dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             b.swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
 
 __global__ void tc90_probe_kernel(int* flag) {
   *flag = DA_SM90A ? 1 : 2;

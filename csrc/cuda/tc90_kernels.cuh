@@ -28,6 +28,11 @@
 
 #include "sm90.cuh"
 #include "tc_kernels.cuh"
+#include "tma.h"
+
+#if defined(DA_CUDA_EMULATION) && !defined(__grid_constant__)
+#define __grid_constant__
+#endif
 
 namespace dilated_attention {
 namespace cuda {
@@ -37,8 +42,9 @@ struct Tc90FwdCfg {
   static constexpr int KT = TcFwdCfg<DP>::KT;  // keys per step: 64 (DP <= 128), 32 (192), 16 (256)
   static constexpr int STAGES = 2;
   static constexpr int Q_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;  // multiples of 1024
-  // + 1024: the tiles start on a 1024-byte boundary of the dynamic shared memory.
-  static constexpr int SMEM = Q_BYTES + STAGES * 2 * KV_BYTES + 1024;
+  // + 16: an mbarrier per stage (the tensor copies of its tiles); + 1024: the tiles start on a
+  // 1024-byte boundary of the dynamic shared memory.
+  static constexpr int SMEM = Q_BYTES + STAGES * 2 * KV_BYTES + 16 + 1024;
 };
 
 template <int DP>
@@ -46,7 +52,7 @@ struct Tc90DqCfg {
   static constexpr int KT = TcDqCfg<DP>::KT;  // keys per step: 64 (DP <= 96), 32 (128), 16 (above)
   static constexpr int STAGES = 2;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;
-  static constexpr int SMEM = 2 * ROW_BYTES + STAGES * 2 * KV_BYTES + 1024;
+  static constexpr int SMEM = 2 * ROW_BYTES + STAGES * 2 * KV_BYTES + 16 + 1024;
 };
 
 template <int DP>
@@ -105,6 +111,73 @@ __device__ __forceinline__ void tc90_load_chunk(T* dst, const T* src, int64_t sn
   });
 }
 
+// The map of `maps` for rate r, or -1 (the same in every thread).
+__device__ __forceinline__ int tc90_map_index(const TmaMaps& maps, int64_t r) {
+  int found = -1;
+  for (int i = 0; i < maps.count; ++i) found = maps.rate[i] == r ? i : found;
+  return found;
+}
+
+// Loads the walk's current chunk (`rows` indices of the other side from o0; rows past o_end are
+// not used) of tensors a and b (head `head`) into the Sw90 tiles ta and tb. With the tensor copy
+// engine where maps has the chunk's rate and reaches its last used row (tma.h): thread 0 issues
+// one box per panel and tensor, completing on bar, and the result is true (the caller waits on
+// bar before reading); else with cp.async from every thread (zero rows past o_end), false. Rows
+// past o_end that a box loads hold other positions' values: the kernels mask them.
+template <typename T, typename L>
+__device__ __forceinline__ bool tc90_load_pair(T* ta, T* tb, const Tensor4& a, const Tensor4& b, int64_t head,
+                                               const SeqRows& sq, const Walk<2>& w, int rows, int64_t D,
+                                               const TmaMaps& maps, uint64_t* bar) {
+  const int64_t r = w.st.r, g0 = sq.start + w.other_position(w.o0);  // the chunk's first row in a, b
+  const int mi = tc90_map_index(maps, r);
+  const int used = min(rows, w.o_end - w.o0);
+  if (mi >= 0 && g0 / r + used <= maps.J[mi]) {
+    if (threadIdx.x == 0) {
+      fence_proxy_async();  // the tiles' generic reads of the previous use, before the copy engine's writes
+      mbar_arrive_expect_tx(bar, (uint32_t)(2 * rows * L::DP * 2));
+      int32_t c[5] = {0, (int32_t)head, (int32_t)(g0 % r), (int32_t)(g0 / r), (int32_t)sq.b};
+#pragma unroll
+      for (int pn = 0; pn < L::PANELS; ++pn) {
+        c[0] = pn * L::PW;
+        tma_load_5d(ta + pn * rows * L::PW, maps.map[0][mi], c, bar);
+        tma_load_5d(tb + pn * rows * L::PW, maps.map[1][mi], c, bar);
+      }
+    }
+    return true;
+  }
+  const T* pa = static_cast<const T*>(a.data) + sq.b * a.sb + sq.start * a.sn + head * a.sh;
+  const T* pb = static_cast<const T*>(b.data) + sq.b * b.sb + sq.start * b.sn + head * b.sh;
+  tc90_load_chunk<T, L>(ta, pa, a.sn, w, rows, D);
+  tc90_load_chunk<T, L>(tb, pb, b.sn, w, rows, D);
+  return false;
+}
+
+// The stages' mbarriers (one arrival: thread 0's, with the bytes of the stage's copies), set up
+// before the walk; then a barrier.
+__device__ __forceinline__ void tc90_init_stage_barriers(uint64_t* bars, int stages) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbar_init(&bars[s], 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// Which stages hold tensor copies (bit s) and the parity of each stage's next phase: the stage's
+// tiles have landed once its cp.async groups (tc90_tiles_landed) and, where loaded by TMA, its
+// mbarrier's phase have completed.
+struct Tc90Stages {
+  uint32_t tma = 0, parity = 0;
+  __device__ __forceinline__ void loaded(int stage, bool by_tma) {
+    tma = by_tma ? tma | (1u << stage) : tma & ~(1u << stage);
+  }
+  __device__ __forceinline__ void wait(uint64_t* bars, int stage) {
+    if ((tma >> stage) & 1) {
+      mbar_wait(&bars[stage], (parity >> stage) & 1);
+      parity ^= 1u << stage;
+    }
+  }
+};
+
 // Hands the tiles that this thread's cp.async copies filled to the MMAs: waits for all but the
 // newest N groups and fences them to the async proxy; the caller's barrier then covers every thread.
 template <int N>
@@ -153,15 +226,17 @@ __device__ __forceinline__ void tc90_gemm_pb(float (&acc)[CT][4], const float (&
 /* ------------------------------------------------------------------------------------------ */
 
 template <typename T, int DP, bool DROPOUT>
-__global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kTcThreads)
+    tc90_fwd_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if DA_SM90A
   using Cfg = Tc90FwdCfg<DP>;
   using L = Sw90<DP>;
   constexpr int KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
   DA_EXTERN_SMEM(smem_raw);
-  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));  // [64 rows]
-  T* sK = sQ + kTcRows * DP;                          // [STAGES][KT rows]
-  T* sV = sK + Cfg::STAGES * KT * DP;                 // [STAGES][KT rows]
+  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));                         // [64 rows]
+  T* sK = sQ + kTcRows * DP;                                                 // [STAGES][KT rows]
+  T* sV = sK + Cfg::STAGES * KT * DP;                                        // [STAGES][KT rows]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + Cfg::STAGES * KT * DP);  // [STAGES]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
@@ -170,15 +245,15 @@ __global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
 
-  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
-  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
+  tc90_init_stage_barriers(bars, Cfg::STAGES);
   tc90_load_block_rows<T, L>(sQ, p.q, sq, h, tl, base, p.D);
   cp_async_commit();
 
   Walk<2> cur = tc_walk_start(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, warp, lane);
+  Tc90Stages stages;
   auto load_kv = [&](const Walk<2>& w, int stage) {
-    tc90_load_chunk<T, L>(sK + stage * KT * DP, k, p.k.sn, w, KT, p.D);
-    tc90_load_chunk<T, L>(sV + stage * KT * DP, v, p.v.sn, w, KT, p.D);
+    stages.loaded(stage, tc90_load_pair<T, L>(sK + stage * KT * DP, sV + stage * KT * DP, p.k, p.v, hk, sq, w,
+                                              KT, p.D, maps, &bars[stage]));
   };
 
   const float sl2 = (float)(p.scale * DA_LOG2E);
@@ -196,6 +271,7 @@ __global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
     if (!nxt.done) load_kv(nxt, stage ^ 1);
     cp_async_commit();
     tc90_tiles_landed<1>();  // everything but the prefetch just issued
+    stages.wait(bars, stage);
     const bool skip = cur.skip_chunk();
     if (__syncthreads_or(!skip)) {  // some warp has work in the chunk: the warpgroup multiplies
       const T* sKs = sK + stage * KT * DP;
@@ -225,16 +301,18 @@ __global__ void __launch_bounds__(kTcThreads) tc90_fwd_kernel(const Params p) {
 /* ------------------------------------------------------------------------------------------ */
 
 template <typename T, int DP, bool DROPOUT>
-__global__ void __launch_bounds__(kTcThreads) tc90_dq_kernel(const Params p) {
+__global__ void __launch_bounds__(kTcThreads)
+    tc90_dq_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if DA_SM90A
   using Cfg = Tc90DqCfg<DP>;
   using L = Sw90<DP>;
   constexpr int KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
   DA_EXTERN_SMEM(smem_raw);
-  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));  // [64 rows]
-  T* sdO = sQ + kTcRows * DP;                         // [64 rows]
-  T* sK = sdO + kTcRows * DP;                         // [STAGES][KT rows]
-  T* sV = sK + Cfg::STAGES * KT * DP;                 // [STAGES][KT rows]
+  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));                         // [64 rows]
+  T* sdO = sQ + kTcRows * DP;                                                // [64 rows]
+  T* sK = sdO + kTcRows * DP;                                                // [STAGES][KT rows]
+  T* sV = sK + Cfg::STAGES * KT * DP;                                        // [STAGES][KT rows]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sV + Cfg::STAGES * KT * DP);  // [STAGES]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
@@ -243,8 +321,7 @@ __global__ void __launch_bounds__(kTcThreads) tc90_dq_kernel(const Params p) {
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
 
-  const T* k = static_cast<const T*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
-  const T* v = static_cast<const T*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
+  tc90_init_stage_barriers(bars, Cfg::STAGES);
   tc90_load_block_rows<T, L>(sQ, p.q, sq, h, tl, base, p.D);
   tc90_load_block_rows<T, L>(sdO, p.dout, sq, h, tl, base, p.D);
   cp_async_commit();
@@ -264,9 +341,10 @@ __global__ void __launch_bounds__(kTcThreads) tc90_dq_kernel(const Params p) {
     dl[ri] = x < N ? delta[x] : 0.f;
   }
 
+  Tc90Stages stages;
   auto load_kv = [&](const Walk<2>& w, int stage) {
-    tc90_load_chunk<T, L>(sK + stage * KT * DP, k, p.k.sn, w, KT, p.D);
-    tc90_load_chunk<T, L>(sV + stage * KT * DP, v, p.v.sn, w, KT, p.D);
+    stages.loaded(stage, tc90_load_pair<T, L>(sK + stage * KT * DP, sV + stage * KT * DP, p.k, p.v, hk, sq, w,
+                                              KT, p.D, maps, &bars[stage]));
   };
 
   float dQ[DT][4];
@@ -282,6 +360,7 @@ __global__ void __launch_bounds__(kTcThreads) tc90_dq_kernel(const Params p) {
     if (!nxt.done) load_kv(nxt, stage ^ 1);
     cp_async_commit();
     tc90_tiles_landed<1>();
+    stages.wait(bars, stage);
     const bool skip = cur.skip_chunk();
     if (__syncthreads_or(!skip)) {
       const T* sKs = sK + stage * KT * DP;
@@ -313,18 +392,20 @@ __global__ void __launch_bounds__(kTcThreads) tc90_dq_kernel(const Params p) {
 /* ------------------------------------------------------------------------------------------ */
 
 template <typename T, int DP, bool DROPOUT>
-__global__ void __launch_bounds__(kTcThreads) tc90_dkv_kernel(const Params p) {
+__global__ void __launch_bounds__(kTcThreads)
+    tc90_dkv_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if DA_SM90A
   using Cfg = Tc90DkvCfg<DP>;
   using L = Sw90<DP, Cfg::PW>;
   constexpr int QT = Cfg::QT, NT = QT / 8, DC = Cfg::DC, CT = DC / 8;
   DA_EXTERN_SMEM(smem_raw);
-  T* sK = reinterpret_cast<T*>(tc90_smem(smem_raw));                  // [64 rows]
-  T* sV = sK + kTcRows * DP;                                          // [64 rows]
-  T* sQ = sV + kTcRows * DP;                                          // [STAGES][QT rows]
-  T* sdO = sQ + Cfg::STAGES * QT * DP;                                // [STAGES][QT rows]
-  float* sL = reinterpret_cast<float*>(sdO + Cfg::STAGES * QT * DP);  // [STAGES][QT] lse, log2 domain
-  float* sDl = sL + Cfg::STAGES * QT;                                 // [STAGES][QT] delta
+  T* sK = reinterpret_cast<T*>(tc90_smem(smem_raw));                     // [64 rows]
+  T* sV = sK + kTcRows * DP;                                             // [64 rows]
+  T* sQ = sV + kTcRows * DP;                                             // [STAGES][QT rows]
+  T* sdO = sQ + Cfg::STAGES * QT * DP;                                   // [STAGES][QT rows]
+  float* sL = reinterpret_cast<float*>(sdO + Cfg::STAGES * QT * DP);     // [STAGES][QT] lse, log2 domain
+  float* sDl = sL + Cfg::STAGES * QT;                                    // [STAGES][QT] delta
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sDl + Cfg::STAGES * QT);  // [STAGES]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
@@ -334,24 +415,23 @@ __global__ void __launch_bounds__(kTcThreads) tc90_dkv_kernel(const Params p) {
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
 
+  tc90_init_stage_barriers(bars, Cfg::STAGES);
   tc90_load_block_rows<T, L>(sK, p.k, sq, hk, tl, base, p.D);
   tc90_load_block_rows<T, L>(sV, p.v, sq, hk, tl, base, p.D);
   cp_async_commit();
 
   Walk<2> cur = tc_walk_start(p, tl, N, base, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, QT, warp, lane);
 
-  const T* q_all = static_cast<const T*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
-  const T* do_all = static_cast<const T*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
   const int64_t lse_all = b * p.Hq * p.N + sq.start;
   const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N + sq.start;
   const float sl2 = (float)(p.scale * DA_LOG2E);
   const double unit = da_score_unit(p.scale, sl2);
 
   // Queries o0 .. o0+QT-1 of the walk's current head and segment: q and dout rows, lse, delta.
+  Tc90Stages stages;
   auto load_q = [&](const Walk<2>& w, int stage) {
-    const int64_t h = w.head();
-    tc90_load_chunk<T, L>(sQ + stage * QT * DP, q_all + h * p.q.sh, p.q.sn, w, QT, p.D);
-    tc90_load_chunk<T, L>(sdO + stage * QT * DP, do_all + h * p.dout.sh, p.dout.sn, w, QT, p.D);
+    stages.loaded(stage, tc90_load_pair<T, L>(sQ + stage * QT * DP, sdO + stage * QT * DP, p.q, p.dout,
+                                              w.head(), sq, w, QT, p.D, maps, &bars[stage]));
     tc_dkv_load_stats(p, w, QT, lse_all, delta_all, unit, sL + stage * QT, sDl + stage * QT);
   };
 
@@ -371,6 +451,7 @@ __global__ void __launch_bounds__(kTcThreads) tc90_dkv_kernel(const Params p) {
     if (!nxt.done) load_q(nxt, stage ^ 1);
     cp_async_commit();
     tc90_tiles_landed<1>();
+    stages.wait(bars, stage);
     const bool skip = cur.skip_chunk();
     if (__syncthreads_or(!skip)) {  // (the barrier also publishes sL, sDl)
       const T* sQs = sQ + stage * QT * DP;
@@ -399,11 +480,37 @@ __global__ void __launch_bounds__(kTcThreads) tc90_dkv_kernel(const Params p) {
 #endif
 }
 
+// The tensor maps of pass `kernel` (kFwd, kDq: k and v; kDkv: q and dout), boxes of box_rows rows
+// of the Sw90 layout L's panels, encoded by encode(const TmaBox&, void* map) -> bool (the driver's
+// cuTensorMapEncodeTiled on the GPU, the emulation's own encoding in the tests).
+template <typename L, typename Encode>
+inline void tc90_maps(TmaMaps* m, int kernel, const Params& p, int box_rows, Encode encode) {
+  if (kernel == kDkv)
+    tma_make_maps(m, p.br, p.q, p.dout, p.B, p.N, p.Hq, p.D, L::PW, box_rows, encode);
+  else
+    tma_make_maps(m, p.br, p.k, p.v, p.B, p.piece.nk > 0 ? p.piece.nk : p.N, p.Hkv, p.D, L::PW, box_rows,
+                  encode);
+}
+
 #ifndef DA_CUDA_EMULATION  // the CPU emulation of the tests calls the kernels itself
 
 /* ------------------------------------------------------------------------------------------ */
 /* Launchers                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
+
+// Encodes a tensor map with the driver's cuTensorMapEncodeTiled (tc90_dispatch.cu); false where
+// the driver has none or refuses the description (those chunks then load with cp.async).
+bool tma_encode(const TmaBox& box, void* map);
+
+// Launches a kernel of this file with its tensor maps for pass `kernel`.
+template <typename L, typename Kernel>
+inline void tc90_launch(Kernel kernel, int pass, int box_rows, dim3 grid, int smem, const Params& p,
+                        cudaStream_t stream, SmemOptIn& opt_in) {
+  if (!smem_opt_in(opt_in, kernel, smem)) return;  // no launch; the caller's launch check raises the error
+  TmaMaps maps;
+  tc90_maps<L>(&maps, pass, p, box_rows, tma_encode);
+  kernel<<<grid, kTcThreads, smem, stream>>>(p, maps);
+}
 
 template <typename T, int DP>
 TcConfig tc_fwd90_dp(const Params& p, bool launch, cudaStream_t stream) {
@@ -411,8 +518,8 @@ TcConfig tc_fwd90_dp(const Params& p, bool launch, cudaStream_t stream) {
   if (launch) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
     static SmemOptIn opt_in[2];  // without and with dropout
-    tc_launch(tc_dropout(p) ? tc90_fwd_kernel<T, DP, true> : tc90_fwd_kernel<T, DP, false>, grid,
-              cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
+    tc90_launch<Sw90<DP>>(tc_dropout(p) ? tc90_fwd_kernel<T, DP, true> : tc90_fwd_kernel<T, DP, false>, kFwd,
+                          Tc90FwdCfg<DP>::KT, grid, cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
   }
   return cfg;
 }
@@ -423,8 +530,8 @@ TcConfig tc_dq90_dp(const Params& p, bool launch, cudaStream_t stream) {
   if (launch) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
     static SmemOptIn opt_in[2];
-    tc_launch(tc_dropout(p) ? tc90_dq_kernel<T, DP, true> : tc90_dq_kernel<T, DP, false>, grid,
-              cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
+    tc90_launch<Sw90<DP>>(tc_dropout(p) ? tc90_dq_kernel<T, DP, true> : tc90_dq_kernel<T, DP, false>, kDq,
+                          Tc90DqCfg<DP>::KT, grid, cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
   }
   return cfg;
 }
@@ -436,8 +543,9 @@ TcConfig tc_dkv90_dp(const Params& p, bool launch, cudaStream_t stream) {
     const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)(p.Hkv * cfg.d_chunks),
                     (unsigned)p.num_seqs);
     static SmemOptIn opt_in[2];
-    tc_launch(tc_dropout(p) ? tc90_dkv_kernel<T, DP, true> : tc90_dkv_kernel<T, DP, false>, grid,
-              cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
+    tc90_launch<Sw90<DP, Tc90DkvCfg<DP>::PW>>(
+        tc_dropout(p) ? tc90_dkv_kernel<T, DP, true> : tc90_dkv_kernel<T, DP, false>, kDkv,
+        Tc90DkvCfg<DP>::QT, grid, cfg.smem_bytes, p, stream, opt_in[tc_dropout(p)]);
   }
   return cfg;
 }

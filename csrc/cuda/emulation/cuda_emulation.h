@@ -29,6 +29,11 @@
 // stride byte offsets, no swizzle or a 32/64/128-byte swizzle, which XORs address bits [4, 4 + b)
 // with bits [7, 7 + b) of the shared-memory address); a wgmma that reads shared memory after a
 // thread's cp.async copies landed without a fence.proxy.async since aborts.
+//
+// mbarriers count arrivals and announced bytes per phase; a tensor copy (cp.async.bulk.tensor,
+// TMA) of a box of up to five dimensions (zeros outside the tensor's dimensions, written
+// swizzled as its map says) completes its bytes on an mbarrier when a thread waits on that
+// barrier (or at once, with eager copies), so that reading a tile before the wait shows.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -190,6 +195,9 @@ inline Block& block() {
   return *b;
 }
 
+inline void mbars_reset();  // (below) a new block's mbarriers
+inline bool mbars_idle();   // (below) no tensor copy left unwaited
+
 [[noreturn]] inline void fail(const char* what) {
   fprintf(stderr, "cuda emulation: %s\n", what);
   fflush(stderr);
@@ -249,6 +257,7 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
     g.open.clear();
     g.groups.clear();
   }
+  mbars_reset();
   memset(b.shared, 0xff, sizeof(b.shared));  // NaN in every float type: unwritten reads show
   b.fibers.resize(nthreads);
   for (int t = 0; t < nthreads; ++t) {
@@ -295,6 +304,7 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
     if (!live) {
       for (const auto& g : b.warpgroups)
         if (!g.open.empty() || !g.groups.empty()) fail("a block ended with wgmma operations not waited for");
+      if (!mbars_idle()) fail("a block ended with tensor copies that no thread waited for");
       break;
     }
     if (b.progress == before) fail("deadlock: every thread waits at a barrier that nobody completes");
@@ -659,6 +669,138 @@ inline void wgmma(float* acc, int n, const uint32_t* a, uint64_t desc_a, uint64_
   p.bf16 = bf16;
   p.trans_b = trans_b;
   warpgroup_collective(p);
+}
+
+/* sm90: mbarriers and tensor copies -------------------------------------------------------- */
+
+// What a tensor map holds here (the host code's TmaBox, tma.h): the emulation's own encoding.
+struct TmaDesc {
+  const void* base;
+  uint64_t dims[5];
+  uint64_t strides[4];  // bytes, dims 1..4
+  uint32_t box[5];
+  int swizzle_bytes;  // 128, 64, 32 or 0
+};
+
+struct TmaCopy {
+  unsigned char* dst;
+  TmaDesc d;
+  int32_t c[5];
+};
+
+struct Mbar {
+  int expected = 0, pending = 0;
+  int64_t tx = 0;
+  int phase = 0;
+  std::vector<TmaCopy> copies;  // issued, not landed
+};
+
+inline std::vector<std::pair<uint32_t, Mbar>>& mbars() {  // by shared-memory address, this block's
+  static std::vector<std::pair<uint32_t, Mbar>> m;
+  return m;
+}
+
+inline void mbars_reset() {
+  mbars().clear();
+}
+
+inline bool mbars_idle() {
+  for (const auto& e : mbars())
+    if (!e.second.copies.empty()) return false;
+  return true;
+}
+
+inline Mbar& mbar(const void* bar) {
+  const uint32_t a = shared_address(bar);
+  if (a % 8) fail("an mbarrier must be 8-byte aligned");
+  for (auto& e : mbars())
+    if (e.first == a) return e.second;
+  fail("mbarrier used before mbarrier.init");
+}
+
+inline void mbar_init(void* bar, int count) {
+  const uint32_t a = shared_address(bar);
+  for (auto& e : mbars())
+    if (e.first == a) {
+      e.second = Mbar();
+      e.second.expected = e.second.pending = count;
+      return;
+    }
+  Mbar m;
+  m.expected = m.pending = count;
+  mbars().push_back({a, m});
+}
+
+inline void mbar_complete_if_done(Mbar& m) {
+  if (m.pending < 0 || m.tx < 0) fail("mbarrier: more arrivals or bytes than its phase expects");
+  if (m.pending == 0 && m.tx == 0) {
+    m.phase ^= 1;
+    m.pending = m.expected;
+    block().progress++;
+  }
+}
+
+inline void tma_land(Mbar& m, const TmaCopy& cp) {
+  const TmaDesc& d = cp.d;
+  const uint32_t dst0 = shared_address(cp.dst);
+  const int bits = d.swizzle_bytes == 128 ? 3 : d.swizzle_bytes == 64 ? 2 : d.swizzle_bytes == 32 ? 1 : 0;
+  if (bits && dst0 % (8 * (uint32_t)d.swizzle_bytes))
+    fail("TMA: a swizzled box must start on its pattern's boundary");
+  uint64_t n = 0;
+  for (uint32_t i4 = 0; i4 < d.box[4]; ++i4)
+    for (uint32_t i3 = 0; i3 < d.box[3]; ++i3)
+      for (uint32_t i2 = 0; i2 < d.box[2]; ++i2)
+        for (uint32_t i1 = 0; i1 < d.box[1]; ++i1)
+          for (uint32_t i0 = 0; i0 < d.box[0]; ++i0, ++n) {
+            const int64_t x[5] = {(int64_t)cp.c[0] + i0, (int64_t)cp.c[1] + i1, (int64_t)cp.c[2] + i2,
+                                  (int64_t)cp.c[3] + i3, (int64_t)cp.c[4] + i4};
+            bool in = true;
+            for (int k = 0; k < 5; ++k) in = in && x[k] >= 0 && x[k] < (int64_t)d.dims[k];
+            uint16_t v = 0;
+            if (in) {
+              uint64_t off = 2 * (uint64_t)x[0];
+              for (int k = 1; k < 5; ++k) off += (uint64_t)x[k] * d.strides[k - 1];
+              memcpy(&v, (const unsigned char*)d.base + off, 2);
+            }
+            uint32_t a = dst0 + (uint32_t)(2 * n);
+            if (bits) a ^= ((a >> 7) & ((1u << bits) - 1)) << 4;
+            if (a + 2 > kSharedBytes) fail("TMA: a box outside shared memory");
+            memcpy(block().shared + a, &v, 2);
+          }
+  m.tx -= (int64_t)(2 * n);
+  mbar_complete_if_done(m);
+}
+
+inline void mbar_arrive_expect_tx(void* bar, uint32_t bytes) {
+  Mbar& m = mbar(bar);
+  m.tx += bytes;
+  m.pending -= 1;
+  mbar_complete_if_done(m);
+}
+
+inline void tma_load(void* dst, const void* map, const int32_t (&c)[5], void* bar) {
+  TmaCopy cp;
+  cp.dst = (unsigned char*)dst;
+  memcpy(&cp.d, map, sizeof(TmaDesc));
+  for (int k = 0; k < 5; ++k) cp.c[k] = c[k];
+  Mbar& m = mbar(bar);
+  if (options().eager_copies)
+    tma_land(m, cp);
+  else
+    m.copies.push_back(cp);
+}
+
+// Waits for the completion of the phase of parity `parity`: lands the barrier's copies, then
+// yields until the phase has completed.
+inline void mbar_wait(void* bar, uint32_t parity) {
+  for (;;) {
+    Mbar& m = mbar(bar);
+    std::vector<TmaCopy> copies;
+    copies.swap(m.copies);
+    for (const TmaCopy& cp : copies) tma_land(mbar(bar), cp);
+    if ((uint32_t)mbar(bar).phase != (parity & 1)) return;
+    yield();
+  }
 }
 
 }  // namespace da_emu

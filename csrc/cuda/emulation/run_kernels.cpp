@@ -59,6 +59,37 @@ void run_grid(Kernel kernel, dim3 grid, size_t smem, const Params& p) {
       for (unsigned x = 0; x < grid.x; ++x) da_emu::run_block(grid, dim3(x, y, z), 128, [&] { kernel(p); });
 }
 
+// Whether the sm90 kernels get tensor maps (da_emu_tma): with them every chunk that a map reaches
+// loads by the tensor copy engine, without them every chunk loads by cp.async.
+bool& tma_on() {
+  static bool on = true;
+  return on;
+}
+
+// The emulation's encoding of a tensor map (cuda_emulation.h TmaDesc).
+bool emu_encode(const TmaBox& b, void* map) {
+  da_emu::TmaDesc d;
+  d.base = b.base;
+  for (int i = 0; i < 5; ++i) {
+    d.dims[i] = b.dims[i];
+    d.box[i] = b.box[i];
+  }
+  for (int i = 0; i < 4; ++i) d.strides[i] = b.strides[i];
+  d.swizzle_bytes = b.swizzle_bytes;
+  memcpy(map, &d, sizeof(d));
+  return true;
+}
+
+// An sm90 kernel of pass `pass` with its tensor maps (tc90_maps, as the host makes them).
+template <typename L, typename Kernel>
+void run_grid90(Kernel kernel, int pass, int box_rows, dim3 grid, size_t smem, const Params& p) {
+  static_assert(sizeof(da_emu::TmaDesc) <= 128, "a tensor map holds the emulation's description");
+  TmaMaps maps;
+  maps.count = 0;
+  if (tma_on()) tc90_maps<L>(&maps, pass, p, box_rows, emu_encode);
+  run_grid([&](const Params& q) { kernel(q, maps); }, grid, smem, p);
+}
+
 struct Problem4 {
   int dtype;   // 0 float16, 1 bfloat16, 2 float32, 3 float64
   int family;  // 0 tensor cores (sm80), 1 SIMT, 2 tensor cores (sm90: wgmma)
@@ -174,7 +205,8 @@ template <typename T, int DP, bool DROP>
 void tc_forward_dp(const Params& p, bool sm90) {
   const dim3 grid((unsigned)da_num_tiles(&p.tiling), (unsigned)p.Hq, (unsigned)p.num_seqs);
   if (sm90)
-    run_grid(tc90_fwd_kernel<T, DP, DROP>, grid, Tc90FwdCfg<DP>::SMEM, p);
+    run_grid90<Sw90<DP>>(tc90_fwd_kernel<T, DP, DROP>, kFwd, Tc90FwdCfg<DP>::KT, grid, Tc90FwdCfg<DP>::SMEM,
+                         p);
   else
     run_grid(tc_fwd_kernel<T, DP, DROP>, grid, TcFwdCfg<DP>::SMEM, p);
 }
@@ -208,8 +240,9 @@ void tc_backward_dp(const Params& p, bool sm90) {
   const dim3 grid_kv((unsigned)da_num_tiles(&pk.tiling), (unsigned)(p.Hkv * TcDkvCfg<DP>::CHUNKS),
                      (unsigned)p.num_seqs);
   if (sm90) {
-    run_grid(tc90_dq_kernel<T, DP, DROP>, grid, Tc90DqCfg<DP>::SMEM, p);
-    run_grid(tc90_dkv_kernel<T, DP, DROP>, grid_kv, Tc90DkvCfg<DP>::SMEM, pk);
+    using C = Tc90DkvCfg<DP>;
+    run_grid90<Sw90<DP>>(tc90_dq_kernel<T, DP, DROP>, kDq, Tc90DqCfg<DP>::KT, grid, Tc90DqCfg<DP>::SMEM, p);
+    run_grid90<Sw90<DP, C::PW>>(tc90_dkv_kernel<T, DP, DROP>, kDkv, C::QT, grid_kv, C::SMEM, pk);
   } else {
     run_grid(tc_dq_kernel<T, DP, DROP>, grid, TcDqCfg<DP>::SMEM, p);
     run_grid(tc_dkv_kernel<T, DP, DROP>, grid_kv, TcDkvCfg<DP>::SMEM, pk);
@@ -325,6 +358,10 @@ extern "C" void da_emu_dropout(double p, int64_t seed, int64_t offset) {
 
 // lse in float64 (on != 0) or in the accumulation dtype for the calls that follow; dlse and delta
 // stay in the accumulation dtype.
+extern "C" void da_emu_tma(int on) {
+  tma_on() = on != 0;
+}
+
 extern "C" void da_emu_lse64(int on) {
   lse64() = on != 0;
 }
