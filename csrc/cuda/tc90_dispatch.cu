@@ -12,46 +12,25 @@
 namespace dilated_attention {
 namespace cuda {
 
-#define DA_TC90_EXTERN(FN, T)                                             \
-  extern template TcConfig FN<T, 32>(const Params&, bool, cudaStream_t);  \
-  extern template TcConfig FN<T, 64>(const Params&, bool, cudaStream_t);  \
-  extern template TcConfig FN<T, 96>(const Params&, bool, cudaStream_t);  \
-  extern template TcConfig FN<T, 128>(const Params&, bool, cudaStream_t); \
-  extern template TcConfig FN<T, 192>(const Params&, bool, cudaStream_t); \
-  extern template TcConfig FN<T, 256>(const Params&, bool, cudaStream_t);
-DA_TC90_EXTERN(tc_fwd90_dp, __half)
-DA_TC90_EXTERN(tc_fwd90_dp, __nv_bfloat16)
-DA_TC90_EXTERN(tc_dq90_dp, __half)
-DA_TC90_EXTERN(tc_dq90_dp, __nv_bfloat16)
-DA_TC90_EXTERN(tc_dkv90_dp, __half)
-DA_TC90_EXTERN(tc_dkv90_dp, __nv_bfloat16)
-#undef DA_TC90_EXTERN
-
-// FN<T, DP>(p, launch, stream) for the padded head dimension DP of p.D.
-#define DA_TC90_DISPATCH(FN, T)                     \
-  switch (tc_padded_dim(p.D)) {                     \
-    case 32: return FN<T, 32>(p, launch, stream);   \
-    case 64: return FN<T, 64>(p, launch, stream);   \
-    case 96: return FN<T, 96>(p, launch, stream);   \
-    case 128: return FN<T, 128>(p, launch, stream); \
-    case 192: return FN<T, 192>(p, launch, stream); \
-    default: return FN<T, 256>(p, launch, stream);  \
-  }
+DA_TC_EXTERN(tc_fwd90_dp, __half)
+DA_TC_EXTERN(tc_fwd90_dp, __nv_bfloat16)
+DA_TC_EXTERN(tc_dq90_dp, __half)
+DA_TC_EXTERN(tc_dq90_dp, __nv_bfloat16)
+DA_TC_EXTERN(tc_dkv90_dp, __half)
+DA_TC_EXTERN(tc_dkv90_dp, __nv_bfloat16)
 
 TcConfig tc90_call(int kernel, bool half, const Params& p, bool launch, cudaStream_t stream) {
   if (kernel == kFwd) {
-    if (half) DA_TC90_DISPATCH(tc_fwd90_dp, __half)
-    DA_TC90_DISPATCH(tc_fwd90_dp, __nv_bfloat16)
+    if (half) DA_TC_DISPATCH_DP(p.D, tc_fwd90_dp, __half, p, launch, stream)
+    DA_TC_DISPATCH_DP(p.D, tc_fwd90_dp, __nv_bfloat16, p, launch, stream)
   }
   if (kernel == kDq) {
-    if (half) DA_TC90_DISPATCH(tc_dq90_dp, __half)
-    DA_TC90_DISPATCH(tc_dq90_dp, __nv_bfloat16)
+    if (half) DA_TC_DISPATCH_DP(p.D, tc_dq90_dp, __half, p, launch, stream)
+    DA_TC_DISPATCH_DP(p.D, tc_dq90_dp, __nv_bfloat16, p, launch, stream)
   }
-  if (half) DA_TC90_DISPATCH(tc_dkv90_dp, __half)
-  DA_TC90_DISPATCH(tc_dkv90_dp, __nv_bfloat16)
+  if (half) DA_TC_DISPATCH_DP(p.D, tc_dkv90_dp, __half, p, launch, stream)
+  DA_TC_DISPATCH_DP(p.D, tc_dkv90_dp, __nv_bfloat16, p, launch, stream)
 }
-
-#undef DA_TC90_DISPATCH
 
 bool tma_encode(const TmaBox& b, void* map) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {

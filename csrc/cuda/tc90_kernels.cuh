@@ -328,18 +328,9 @@ __global__ void __launch_bounds__(kTcThreads)
 
   Walk<2> cur = tc_walk_start(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, warp, lane);
 
-  // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta, as tc_dq_kernel.
-  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
-  const float* delta = static_cast<const float*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
   const float sl2 = (float)(p.scale * DA_LOG2E);
-  const double unit = da_score_unit(p.scale, sl2);
-  float lse2[2], dl[2], lo;
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    const int64_t x = cur.pos[ri];
-    lse2[ri] = da_lse_base2<float>(x < N ? da_get_lse<float>(p, lse_row + x) : 0.0, unit, &lo);
-    dl[ri] = x < N ? delta[x] : 0.f;
-  }
+  float lse2[2], dl[2];
+  tc_dq_row_stats(p, sq, h, cur, sl2, lse2, dl);
 
   Tc90Stages stages;
   auto load_kv = [&](const Walk<2>& w, int stage) {

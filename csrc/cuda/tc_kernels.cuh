@@ -430,6 +430,23 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
 /* Backward: dq                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 
+// The dq pass's rows: their lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
+// (float16/bfloat16 only: lse's low part, da_lse_base2, is far below their rounding and unused.)
+__device__ __forceinline__ void tc_dq_row_stats(const Params& p, const SeqRows& sq, int64_t h,
+                                                const Walk<2>& cur, float sl2, float (&lse2)[2],
+                                                float (&dl)[2]) {
+  const int64_t lse_row = (sq.b * p.Hq + h) * p.N + sq.start;
+  const float* delta = static_cast<const float*>(p.delta) + lse_row;
+  const double unit = da_score_unit(p.scale, sl2);
+  float lo;
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int64_t x = cur.pos[ri];
+    lse2[ri] = da_lse_base2<float>(x < sq.N ? da_get_lse<float>(p, lse_row + x) : 0.0, unit, &lo);
+    dl[ri] = x < sq.N ? delta[x] : 0.f;
+  }
+}
+
 // The dq pass's chunk, for both the sm80 and the sm90 kernels: S (scores of the warp's 16 rows
 // x 8 NT keys) becomes dS = P (dP - delta) in place, P = 2^(S sl2 - lse2) on the active pairs
 // (need_mask: pair_active) and 0 elsewhere; with dropout dP is the kept share (M dO V^T).
@@ -574,19 +591,9 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
 
   Walk<2> cur = tc_walk_start(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, warp, lane);
 
-  // The rows' lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
-  // (float16/bfloat16 only: lse's low part, da_lse_base2, is far below their rounding and unused.)
-  const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
-  const float* delta = static_cast<const float*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
   const float sl2 = (float)(p.scale * DA_LOG2E);
-  const double unit = da_score_unit(p.scale, sl2);
-  float lse2[2], dl[2], lo;
-#pragma unroll
-  for (int ri = 0; ri < 2; ++ri) {
-    const int64_t x = cur.pos[ri];
-    lse2[ri] = da_lse_base2<float>(x < N ? da_get_lse<float>(p, lse_row + x) : 0.0, unit, &lo);
-    dl[ri] = x < N ? delta[x] : 0.f;
-  }
+  float lse2[2], dl[2];
+  tc_dq_row_stats(p, sq, h, cur, sl2, lse2, dl);
 
   auto load_kv = [&](const Walk<2>& w, int stage) {
     auto off_k = [&](int jj) -> int64_t {
@@ -767,6 +774,28 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
 /* ------------------------------------------------------------------------------------------ */
 /* Launchers                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
+
+// Declares the instantiations of launcher FN for dtype T at every padded head dim: each is
+// compiled in a file of its own (csrc/cuda/tc/, scripts/generate_tc_instances.py), and the
+// dispatchers (tc_dispatch.cu, tc90_dispatch.cu) only call them.
+#define DA_TC_EXTERN(FN, T)                                               \
+  extern template TcConfig FN<T, 32>(const Params&, bool, cudaStream_t);  \
+  extern template TcConfig FN<T, 64>(const Params&, bool, cudaStream_t);  \
+  extern template TcConfig FN<T, 96>(const Params&, bool, cudaStream_t);  \
+  extern template TcConfig FN<T, 128>(const Params&, bool, cudaStream_t); \
+  extern template TcConfig FN<T, 192>(const Params&, bool, cudaStream_t); \
+  extern template TcConfig FN<T, 256>(const Params&, bool, cudaStream_t);
+
+// Returns FN<T, DP>(...) for the padded head dimension DP of D.
+#define DA_TC_DISPATCH_DP(D, FN, T, ...)      \
+  switch (tc_padded_dim(D)) {                 \
+    case 32: return FN<T, 32>(__VA_ARGS__);   \
+    case 64: return FN<T, 64>(__VA_ARGS__);   \
+    case 96: return FN<T, 96>(__VA_ARGS__);   \
+    case 128: return FN<T, 128>(__VA_ARGS__); \
+    case 192: return FN<T, 192>(__VA_ARGS__); \
+    default: return FN<T, 256>(__VA_ARGS__);  \
+  }
 
 // Each instantiation of tc_fwd_dp, tc_dq_dp and tc_dkv_dp below (with its two kernels) is compiled
 // in a file of its own, csrc/cuda/tc/<pass>_<dtype>_d<DP>.cu (scripts/generate_tc_instances.py), so
