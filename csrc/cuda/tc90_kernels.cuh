@@ -40,11 +40,11 @@ namespace cuda {
 template <int DP>
 struct Tc90FwdCfg {
   static constexpr int KT = TcFwdCfg<DP>::KT;  // keys per step: 64 (DP <= 128), 32 (192), 16 (256)
-  static constexpr int STAGES = 2;
+  static constexpr int STAGES = 3;             // V of one chunk is read while K of the next is
   static constexpr int Q_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;  // multiples of 1024
-  // + 16: an mbarrier per stage (the tensor copies of its tiles); + 1024: the tiles start on a
+  // + 8 * STAGES: an mbarrier per stage (the tensor copies of its tiles); + 1024: the tiles start on a
   // 1024-byte boundary of the dynamic shared memory.
-  static constexpr int SMEM = Q_BYTES + STAGES * 2 * KV_BYTES + 16 + 1024;
+  static constexpr int SMEM = Q_BYTES + STAGES * 2 * KV_BYTES + 8 * STAGES + 1024;
 };
 
 template <int DP>
@@ -52,7 +52,7 @@ struct Tc90DqCfg {
   static constexpr int KT = TcDqCfg<DP>::KT;  // keys per step: 64 (DP <= 96), 32 (128), 16 (above)
   static constexpr int STAGES = 2;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;
-  static constexpr int SMEM = 2 * ROW_BYTES + STAGES * 2 * KV_BYTES + 16 + 1024;
+  static constexpr int SMEM = 2 * ROW_BYTES + STAGES * 2 * KV_BYTES + 8 * STAGES + 1024;
 };
 
 template <int DP>
@@ -66,7 +66,7 @@ struct Tc90DkvCfg {
   static constexpr int PW = DP % 64 == 0 && DC % 64 == 0 ? 64 : 32;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, Q_BYTES = QT * DP * 2;
   static constexpr int SMEM =
-      2 * ROW_BYTES + STAGES * 2 * Q_BYTES + STAGES * 2 * QT * (int)sizeof(float) + 1024;
+      2 * ROW_BYTES + STAGES * 2 * Q_BYTES + STAGES * 2 * QT * (int)sizeof(float) + 8 * STAGES + 1024;
 };
 
 // The dynamic shared memory from its first 1024-byte boundary (the swizzle works on addresses).
@@ -196,26 +196,53 @@ __device__ __forceinline__ void tc90_gemm_abt(float (&S)[N / 8][4], const T* sA,
     wgmma_ss<T, N>(S, desc_k_major<L>(sA, kTcRows, kk), desc_k_major<L>(sB, N, kk), kk > 0);
 }
 
-// acc (the warpgroup's 64 rows x 8 CT columns from c0, mma C fragments) += P (64 x 8 NT, f32 C
-// fragments) B, B the rows 0 .. 8 NT of the Sw90 tile L at `tile`: one wgmma per 16 rows of B, P
-// rounded to T as A fragments. Where a masked pair meets an inf or NaN of the tile anywhere in the
-// block, the block sums on CUDA cores instead, skipping the zero probabilities (the MMA would spread
-// 0 * inf to the rows of every warp). Block-wide (a barrier).
+// Whether a chunk's product P B with the rows 0 .. 8 NT of the Sw90 tile L at `tile` is summed on
+// CUDA cores: where a masked pair meets an inf or NaN of the tile anywhere in the block (the MMA
+// would spread 0 * inf to the rows of every warp). Block-wide (a barrier).
+template <typename T, typename L, int NT>
+__device__ __forceinline__ bool tc90_pb_on_cuda_cores(const T* tile, bool need_mask, int lane) {
+  return __syncthreads_or(need_mask && tc_tile_nonfinite<T, L::DP, L::DP>(tile, 8 * NT, lane));
+}
+
+// acc += P B on CUDA cores, skipping the zero probabilities (tc_gemm_pb_skip_zero on a Sw90 tile).
 template <typename T, typename L, int NT, int CT>
-__device__ __forceinline__ void tc90_gemm_pb(float (&acc)[CT][4], const float (&P)[NT][4], const T* tile,
-                                             int c0, bool need_mask, int lane, int64_t D) {
-  if (__syncthreads_or(need_mask && tc_tile_nonfinite<T, L::DP, L::DP>(tile, 8 * NT, lane))) {
-    tc_gemm_pb_skip_zero<T, NT, CT>(
-        acc, P, [&](int key, int d) { return tile[L::elem(8 * NT, key, d)]; }, c0, lane, D);
-    return;
-  }
-  uint32_t a[NT / 2][4];
-#pragma unroll
-  for (int kk = 0; kk < NT / 2; ++kk) c_to_a<T>(a[kk], P[2 * kk], P[2 * kk + 1]);
-  wgmma_fence();
+__device__ __forceinline__ void tc90_gemm_pb_cuda_cores(float (&acc)[CT][4], const float (&P)[NT][4],
+                                                        const T* tile, int c0, int lane, int64_t D) {
+  tc_gemm_pb_skip_zero<T, NT, CT>(
+      acc, P, [&](int key, int d) { return tile[L::elem(8 * NT, key, d)]; }, c0, lane, D);
+}
+
+// Issues acc (the warpgroup's 64 rows x 8 CT columns from c0) += P B, P as A fragments a (NT / 2
+// of them, P rounded to T) and B the rows 0 .. 8 NT of the Sw90 tile L: one wgmma per 16 rows of
+// B. The caller fences before, commits and waits.
+template <typename T, typename L, int NT, int CT>
+__device__ __forceinline__ void tc90_issue_pb(float (&acc)[CT][4], const uint32_t (&a)[NT / 2][4],
+                                              const T* tile, int c0) {
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk)
     wgmma_rs<T, 8 * CT>(acc, a[kk], desc_mn_major<L>(tile, 8 * NT, kk, c0), 1);
+}
+
+// P (C fragments) as the A fragments of tc90_issue_pb.
+template <typename T, int NT>
+__device__ __forceinline__ void tc90_p_fragments(uint32_t (&a)[NT / 2][4], const float (&P)[NT][4]) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) c_to_a<T>(a[kk], P[2 * kk], P[2 * kk + 1]);
+}
+
+// acc (the warpgroup's 64 rows x 8 CT columns from c0, mma C fragments) += P (64 x 8 NT, f32 C
+// fragments) B, on the MMAs (waited) or on CUDA cores (tc90_pb_on_cuda_cores). Block-wide.
+template <typename T, typename L, int NT, int CT>
+__device__ __forceinline__ void tc90_gemm_pb(float (&acc)[CT][4], const float (&P)[NT][4], const T* tile,
+                                             int c0, bool need_mask, int lane, int64_t D) {
+  if (tc90_pb_on_cuda_cores<T, L, NT>(tile, need_mask, lane)) {
+    tc90_gemm_pb_cuda_cores<T, L, NT, CT>(acc, P, tile, c0, lane, D);
+    return;
+  }
+  uint32_t a[NT / 2][4];
+  tc90_p_fragments<T, NT>(a, P);
+  wgmma_fence();
+  tc90_issue_pb<T, L, NT, CT>(acc, a, tile, c0);
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operands(acc);
@@ -262,34 +289,71 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll
   for (int dt = 0; dt < DT; ++dt) O[dt][0] = O[dt][1] = O[dt][2] = O[dt][3] = 0.f;
 
-  int stage = 0;
+  // The product P V of a chunk is issued with the next chunk's S = Q K^T and runs while the
+  // softmax of that S is computed (FlashAttention-3's overlap within a warpgroup): three stages of
+  // tiles, since V of the previous chunk is read while K of this one is. `a` holds the previous
+  // chunk's P until then (pv), its tiles in pv_stage.
+  int stage = 0, pv_stage = 0;
+  bool pv = false;
+  float S[NT][4];
+  uint32_t a[NT / 2][4];
   if (!cur.done) load_kv(cur, 0);
   cp_async_commit();
   while (!cur.done) {
     Walk<2> nxt = cur;
     nxt.next(p.br);  // block-wide: may synchronise
-    if (!nxt.done) load_kv(nxt, stage ^ 1);
+    const int next_stage = stage + 1 == Cfg::STAGES ? 0 : stage + 1;
+    if (!nxt.done) load_kv(nxt, next_stage);  // the stage of the chunk before the previous one
     cp_async_commit();
     tc90_tiles_landed<1>();  // everything but the prefetch just issued
     stages.wait(bars, stage);
     const bool skip = cur.skip_chunk();
-    if (__syncthreads_or(!skip)) {  // some warp has work in the chunk: the warpgroup multiplies
-      const T* sKs = sK + stage * KT * DP;
-      const T* sVs = sV + stage * KT * DP;
-      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
-      float S[NT][4];
-      wgmma_fence();
+    const bool work = __syncthreads_or(!skip);  // some warp has work in the chunk
+    const T* sKs = sK + stage * KT * DP;
+    const T* sVs = sV + stage * KT * DP;
+    wgmma_fence();
+    if (work) {
       tc90_gemm_abt<T, L, KT>(S, sQ, sKs);
       wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(S);
-      const bool need_mask = skip || cur.chunk_needs_mask();
-      tc_fwd_softmax<NT, DT, DROPOUT>(S, O, m, l, cur, need_mask, sl2, tq, p, keep);
-      tc90_gemm_pb<T, L, NT, DT>(O, S, sVs, 0, need_mask, lane, p.D);
     }
-    __syncthreads();  // the buffer of `stage` is free for the prefetch of the next iteration
+    if (pv) {
+      tc90_issue_pb<T, L, NT, DT>(O, a, sV + pv_stage * KT * DP, 0);
+      wgmma_commit();
+    }
+    float corr[2] = {1.f, 1.f};
+    bool need_mask = false;
+    if (work) {
+      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
+      if (pv)
+        wgmma_wait<1>();  // S (the older group); the previous P V may still run
+      else
+        wgmma_wait<0>();
+      wgmma_fence_operands(S);
+      need_mask = skip || cur.chunk_needs_mask();
+      tc_fwd_probs<NT, DROPOUT>(S, m, l, cur, need_mask, sl2, tq, p, keep, corr);
+    }
+    wgmma_wait<0>();  // the previous P V: O is complete
+    wgmma_fence_operands(O);
+    pv = false;
+    if (work) {
+      tc_rescale<DT>(O, corr);
+      if (tc90_pb_on_cuda_cores<T, L, NT>(sVs, need_mask, lane)) {
+        tc90_gemm_pb_cuda_cores<T, L, NT, DT>(O, S, sVs, 0, lane, p.D);
+      } else {
+        tc90_p_fragments<T, NT>(a, S);
+        pv = true;
+        pv_stage = stage;
+      }
+    }
     cur = nxt;
-    stage ^= 1;
+    stage = next_stage;
+  }
+  if (pv) {
+    wgmma_fence();
+    tc90_issue_pb<T, L, NT, DT>(O, a, sV + pv_stage * KT * DP, 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(O);
   }
   cp_async_wait<0>();
   tc_fwd_store<T, DT>(p, sq, h, cur, m, l, O, sl2, tq);

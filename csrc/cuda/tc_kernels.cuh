@@ -249,14 +249,14 @@ inline int tc_dropout(const Params& p) {
 /* Forward                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 
-// One chunk of the forward's online softmax, for both the sm80 and the sm90 kernels: S (the
-// warp's 16 rows x 8 NT keys, mma C fragments) scaled to base 2 by sl2, masked where need_mask
-// (pair_active), turned into probabilities against the updated running max m; l and the output
-// accumulators O rescaled; the probabilities times their dropout factors where DROPOUT.
-template <int NT, int DT, bool DROPOUT>
-__device__ __forceinline__ void tc_fwd_softmax(float (&S)[NT][4], float (&O)[DT][4], float (&m)[2],
-                                               float (&l)[2], const Walk<2>& cur, bool need_mask, float sl2,
-                                               int tq, const Params& p, uint32_t keep) {
+// One chunk of the forward's online softmax, without the output: S (the warp's 16 rows x 8 NT keys,
+// mma C fragments) scaled to base 2 by sl2, masked where need_mask (pair_active), turned into
+// probabilities against the updated running max m, times their dropout factors where DROPOUT; l
+// rescaled and summed; corr[ri], the factor by which the output accumulators must be rescaled.
+template <int NT, bool DROPOUT>
+__device__ __forceinline__ void tc_fwd_probs(float (&S)[NT][4], float (&m)[2], float (&l)[2],
+                                             const Walk<2>& cur, bool need_mask, float sl2, int tq,
+                                             const Params& p, uint32_t keep, float (&corr)[2]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -280,14 +280,9 @@ __device__ __forceinline__ void tc_fwd_softmax(float (&S)[NT][4], float (&O)[DT]
     mx = fmaxf(mx, __shfl_xor_sync(DA_FULL_MASK, mx, 2));
     const float m_new = fmaxf(m[ri], mx);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked: exp2(-inf) = 0
-    const float corr = exp2f(m[ri] - m_use);
+    corr[ri] = exp2f(m[ri] - m_use);
     m[ri] = m_new;
-    l[ri] *= corr;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      O[dt][2 * ri] *= corr;
-      O[dt][2 * ri + 1] *= corr;
-    }
+    l[ri] *= corr[ri];
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -303,6 +298,28 @@ __device__ __forceinline__ void tc_fwd_softmax(float (&S)[NT][4], float (&O)[DT]
 #pragma unroll
       for (int e = 0; e < 4; ++e) S[nt][e] *= da_dropout_factor<float>(p.drop, keep, nt * 4 + e);
   }
+}
+
+// The output accumulators' rows ri times corr[ri].
+template <int DT>
+__device__ __forceinline__ void tc_rescale(float (&O)[DT][4], const float (&corr)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) {
+    O[dt][0] *= corr[0];
+    O[dt][1] *= corr[0];
+    O[dt][2] *= corr[1];
+    O[dt][3] *= corr[1];
+  }
+}
+
+// One chunk of the forward's online softmax (tc_fwd_probs) with the output accumulators O rescaled.
+template <int NT, int DT, bool DROPOUT>
+__device__ __forceinline__ void tc_fwd_softmax(float (&S)[NT][4], float (&O)[DT][4], float (&m)[2],
+                                               float (&l)[2], const Walk<2>& cur, bool need_mask, float sl2,
+                                               int tq, const Params& p, uint32_t keep) {
+  float corr[2];
+  tc_fwd_probs<NT, DROPOUT>(S, m, l, cur, need_mask, sl2, tq, p, keep, corr);
+  tc_rescale<DT>(O, corr);
 }
 
 // The forward's last step, for both the sm80 and the sm90 kernels: each row's out = O / l (0

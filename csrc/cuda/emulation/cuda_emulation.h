@@ -64,6 +64,9 @@ namespace da_emu {
 
 constexpr int kMaxThreads = 128;
 constexpr size_t kSharedBytes = 232448;  // sm90's opt-in maximum
+// The block's dynamic shared memory starts 16 bytes into its window, as the runtime guarantees
+// no more alignment than that: a kernel that aligns further must budget for it in its size.
+constexpr size_t kDynamicOffset = 16;
 constexpr size_t kStackBytes = 256 * 1024;
 
 enum Op { kShflXor = 1, kShfl, kAny, kAll, kLdsm, kLdsmT, kMmaF16, kMmaBF16 };
@@ -188,6 +191,8 @@ struct Block {
   alignas(1024) unsigned char shared[kSharedBytes];
   uint3 block_idx;
   dim3 grid_dim, block_dim;
+  size_t smem_bytes =
+      kSharedBytes - kDynamicOffset;  // the launch's dynamic shared memory: accesses past it abort
 };
 
 inline Block& block() {
@@ -241,8 +246,10 @@ inline void* initial_sp(std::vector<char>& stack) {
 #endif
 
 // Runs body() once per thread of one block (grid position block_idx).
-inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::function<void()>& body) {
+inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::function<void()>& body,
+                      size_t smem_bytes = kSharedBytes - kDynamicOffset) {
   Block& b = block();
+  b.smem_bytes = smem_bytes;
   if (nthreads > kMaxThreads || nthreads % 32) fail("unsupported block size");
   b.nthreads = nthreads;
   b.body = body;
@@ -447,7 +454,12 @@ inline V from_bits(uint64_t u) {
 }
 
 inline unsigned char* shared_memory() {
-  return block().shared;
+  return block().shared + kDynamicOffset;
+}
+
+// The end of the launch's dynamic shared memory.
+inline const unsigned char* shared_limit() {
+  return block().shared + kDynamicOffset + block().smem_bytes;
 }
 
 inline void land(const Copy& c) {
@@ -460,6 +472,9 @@ inline void land(const Copy& c) {
 
 // cp.async of 16 bytes (zero-fill when src is null), commit_group and wait_group(n).
 inline void cp_async(void* dst, const void* src) {
+  const unsigned char* d = (const unsigned char*)dst;
+  if (d >= block().shared && d + 16 > shared_limit())
+    fail("cp.async past the launch's dynamic shared memory");
   if (options().eager_copies)
     land(Copy{dst, src});
   else
@@ -521,6 +536,8 @@ inline void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
 inline uint32_t shared_address(const void* p) {
   const unsigned char* c = (const unsigned char*)p;
   if (c < block().shared || c >= block().shared + kSharedBytes) fail("not a shared-memory address");
+  if (c >= block().shared + block().smem_bytes)
+    fail("a shared-memory address past the launch's dynamic size");
   return (uint32_t)(c - block().shared);
 }
 
@@ -557,7 +574,8 @@ inline uint32_t operand_address(uint64_t desc, int mn, int k, bool mn_major) {
       a = start + (mn / (W / 2)) * lbo + (mn % (W / 2)) * 2 + (k % 8) * W + (k / 8) * sbo;
   }
   if (bits) a ^= ((a >> 7) & ((1u << bits) - 1)) << 4;
-  if (a + 2 > kSharedBytes) fail("wgmma descriptor: an operand outside shared memory");
+  if (block().shared + a + 2 > shared_limit())
+    fail("wgmma descriptor: an operand outside the launch's shared memory");
   return a;
 }
 
@@ -764,7 +782,8 @@ inline void tma_land(Mbar& m, const TmaCopy& cp) {
             }
             uint32_t a = dst0 + (uint32_t)(2 * n);
             if (bits) a ^= ((a >> 7) & ((1u << bits) - 1)) << 4;
-            if (a + 2 > kSharedBytes) fail("TMA: a box outside shared memory");
+            if (block().shared + a + 2 > shared_limit())
+              fail("TMA: a box outside the launch's shared memory");
             memcpy(block().shared + a, &v, 2);
           }
   m.tx -= (int64_t)(2 * n);

@@ -53,10 +53,12 @@ Tensor4 contiguous4(void* data, int64_t N, int64_t H, int64_t D) {
 
 template <typename Kernel>
 void run_grid(Kernel kernel, dim3 grid, size_t smem, const Params& p) {
-  if (smem > da_emu::kSharedBytes) da_emu::fail("kernel needs more shared memory than sm90 has");
+  if (smem > da_emu::kSharedBytes - da_emu::kDynamicOffset)
+    da_emu::fail("kernel needs more shared memory than sm90 has");
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) da_emu::run_block(grid, dim3(x, y, z), 128, [&] { kernel(p); });
+      for (unsigned x = 0; x < grid.x; ++x)
+        da_emu::run_block(grid, dim3(x, y, z), 128, [&] { kernel(p); }, smem);
 }
 
 // Whether the sm90 kernels get tensor maps (da_emu_tma): with them every chunk that a map reaches
