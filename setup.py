@@ -229,6 +229,7 @@ class _BuildExtension(BuildExtension):
                 "cuda": torch.version.cuda,
                 "python": ".".join(map(str, sys.version_info[:2])),
                 "cuda_arch_list": archs,
+                "cuda_arch_built": _sm90a(archs)[0] if archs else None,
                 "cuda_arch_reason": why,
             }
             with open(os.path.join(folder, "_build_info.json"), "w") as f:

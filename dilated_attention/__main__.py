@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -34,6 +35,20 @@ def _cpu_isa() -> str:
         return op.cpu_isa()
     except (ValueError, RuntimeError) as exc:  # a bad DILATED_ATTENTION_CPU_ISA, or no extension
         return f"error: {exc}"
+
+
+SM90_ENV = "DILATED_ATTENTION_CUDA_SM90"
+
+
+def _sm90_kernels() -> dict[str, Any]:
+    """Whether the build has the sm90 (wgmma) kernels' sm_90a code and whether CUDA calls on sm_90
+    use them (``DILATED_ATTENTION_CUDA_SM90=1``; not yet verified on a GPU, so off by default)."""
+    built = op.library.build_info().get("cuda_arch_built") or ""
+    return {
+        "built": "9.0a" in built.replace(" ", ";").split(";"),
+        "enabled": os.environ.get(SM90_ENV, "") in ("1", "true", "yes", "on"),
+        "env": SM90_ENV,
+    }
 
 
 def environment_report(
@@ -75,6 +90,8 @@ def environment_report(
             "cpu_kernels": op.has_kernel("cpu"),
             "cpu_isa": _cpu_isa(),
             "cuda_kernels": op.has_kernel("cuda"),
+            "cuda_arch_built": op.library.build_info().get("cuda_arch_built"),
+            "sm90_kernels": _sm90_kernels(),
         },
         "device": str(dev),
         "dtype": dtype_name(dt),
@@ -132,6 +149,15 @@ def format_report(r: dict[str, Any]) -> str:
             f"extension        CPU kernels: {yes[ext['cpu_kernels']]} ({ext['cpu_isa']}), "
             f"CUDA kernels: {yes[ext['cuda_kernels']]}"
             f"  ({ext['file']})"
+        )
+        sm90 = ext["sm90_kernels"]
+        lines.append(
+            f"sm90 kernels     wgmma/TMA (sm_90a) in this build: {yes[sm90['built']]}; "
+            + (
+                "in use on sm_90"
+                if sm90["enabled"]
+                else f"off ({sm90['env']}=1 uses them; not yet run on a GPU)"
+            )
         )
     lines.append("")
     what = f"{r['device']}, {r['dtype']}, head dim {r['head_dim']}" + (", dropout" if r["dropout"] else "")

@@ -44,8 +44,8 @@
 #                   it says so ("unavailable")       -> appended to tests.log, frames #0-#30 in summary.md
 #   smoke       90  scripts/gpu_smoke.py: the refused calls raise their errors on the CPU and the
 #                   GPU, each in a process of its own (a worker that dies there says which call);
-#                   fwd/bwd against the CPU op in float64, B = 64, the sm90 (wgmma) kernels
-#                   (that its kernel ran, on sm90), inputs of more than 2^31 elements    -> smoke.log
+#                   fwd/bwd against the CPU op in float64, B = 64, inputs of more than 2^31
+#                   elements, last the sm90 (wgmma) kernels (that they ran, on sm90)     -> smoke.log
 #   memcheck    90  compute-sanitizer --tool memcheck  \
 #   racecheck  120  compute-sanitizer --tool racecheck  } on scripts/gpu_smoke.py --cases sanitize
 #   synccheck   60  compute-sanitizer --tool synccheck /  (small fwd+bwd of both kernel families)
@@ -214,7 +214,7 @@ build_cmd=(env -u DILATED_ATTENTION_CPU_ONLY FORCE_CUDA=1 "TORCH_CUDA_ARCH_LIST=
 # limit still names every result so far; --tb=short keeps the tracebacks (printed at the end) short.
 tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -v --tb=short -rfEs --durations=25 -p no:cacheprovider
   tests/test_decode_cuda.py tests/test_backends_views.py tests/test_cuda.py tests/test_ring_pieces.py "${tests_sel[@]}")
-smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases errors small sm90 large)
+smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases errors small large sm90)
 sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
 read -r -a bench_extra <<<"${GPU_CHECK_BENCH_ARGS:-}"  # e.g. "--tokens 262144": fewer configurations
 profile_cmd=("${ncu_bin:-ncu}" --clock-control none --kernel-name "regex:tc(90)?_(fwd|dq|dkv)_kernel" --launch-count 6

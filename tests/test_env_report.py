@@ -88,3 +88,24 @@ def test_bad_arguments(argv, capsys):
         report.main(argv)
     assert info.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_report_says_whether_the_sm90_kernels_are_built_and_used(monkeypatch):
+    """The build's record (setup.py: 9.0 compiled as 9.0a) and DILATED_ATTENTION_CUDA_SM90 decide
+    the sm90 line: built or not, in use or off."""
+    monkeypatch.delenv("DILATED_ATTENTION_CUDA_SM90", raising=False)
+    monkeypatch.setattr(dilated_attention.op.library, "build_info", lambda: {"cuda_arch_built": "8.0;9.0a"})
+    r = report.environment_report("cpu")
+    assert r["extension"]["sm90_kernels"] == {
+        "built": True,
+        "enabled": False,
+        "env": "DILATED_ATTENTION_CUDA_SM90",
+    }
+    assert "sm90 kernels     wgmma/TMA (sm_90a) in this build: yes; off (" in report.format_report(r)
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_SM90", "1")
+    monkeypatch.setattr(dilated_attention.op.library, "build_info", lambda: {"cuda_arch_built": "8.0;8.6"})
+    r = report.environment_report("cpu")
+    assert r["extension"]["sm90_kernels"]["built"] is False and r["extension"]["sm90_kernels"]["enabled"]
+    assert "in this build: no; in use on sm_90" in report.format_report(r)
+    monkeypatch.setattr(dilated_attention.op.library, "build_info", lambda: {})  # a CPU-only build
+    assert report.environment_report("cpu")["extension"]["sm90_kernels"]["built"] is False

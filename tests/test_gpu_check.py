@@ -240,7 +240,7 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
         "cuda-gdb -batch " in lines["backtrace"] and "-ex run -ex bt -ex quit --args " in lines["backtrace"]
     )
     assert "-m pytest -x -q -p no:cacheprovider -p no:xdist CRASHED_TEST" in lines["backtrace"]
-    assert "gpu_smoke.py --cases errors small sm90 large" in lines["smoke"]
+    assert "gpu_smoke.py --cases errors small large sm90" in lines["smoke"]
     assert "bench_cuda.py --out" in lines["bench"] and "--budget 120 " in lines["bench"]
     assert lines["profile"].startswith("profile (90 s): ") and "--clock-control none" in lines["profile"]
     assert "gpu_profile.py" in lines["profile"] and "--launch-count 6" in lines["profile"]

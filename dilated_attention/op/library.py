@@ -83,6 +83,13 @@ def _build_info(module: ModuleType) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
+def build_info() -> dict[str, Any]:
+    """What ``setup.py`` recorded of the loaded extension's build (``{}`` where nothing was):
+    ``torch``, ``cuda``, ``python``, ``cuda_arch_list`` (what was asked for, or None: the CPU
+    kernels only), ``cuda_arch_built`` (the list compiled: 9.0 as 9.0a) and ``cuda_arch_reason``."""
+    return (_build_info(_C) if _C is not None else None) or {}
+
+
 _C: ModuleType | None
 EXTENSION_ERROR: str | None
 _C, EXTENSION_ERROR = _load_extension()
