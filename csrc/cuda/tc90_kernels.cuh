@@ -49,8 +49,10 @@ struct Tc90FwdCfg {
 
 template <int DP>
 struct Tc90DqCfg {
-  static constexpr int KT = TcDqCfg<DP>::KT;  // keys per step: 64 (DP <= 96), 32 (128), 16 (above)
-  static constexpr int STAGES = 2;
+  // Keys per step: 64 (DP <= 64), 32 (96, 128), 16 (above): S, dP, dQ and the previous dS stay in
+  // registers (64 keys spilled at 96).
+  static constexpr int KT = DP <= 64 ? 64 : (DP <= 128 ? 32 : 16);
+  static constexpr int STAGES = 3;  // K of one chunk is read while K and V of the next are
   static constexpr int ROW_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;
   static constexpr int SMEM = 2 * ROW_BYTES + STAGES * 2 * KV_BYTES + 8 * STAGES + 1024;
 };
@@ -406,36 +408,70 @@ __global__ void __launch_bounds__(kTcThreads)
 #pragma unroll
   for (int dt = 0; dt < DT; ++dt) dQ[dt][0] = dQ[dt][1] = dQ[dt][2] = dQ[dt][3] = 0.f;
 
-  int stage = 0;
+  // As the forward: a chunk's dQ += dS K is issued with the next chunk's S and dP and runs while
+  // that chunk's dS is computed (which does not touch dQ); three stages of tiles, since K of the
+  // previous chunk is read while K and V of this one are. `a` holds the previous dS until then.
+  int stage = 0, pv_stage = 0;
+  bool pv = false;
+  float S[NT][4], dP[NT][4];
+  uint32_t a[NT / 2][4];
   if (!cur.done) load_kv(cur, 0);
   cp_async_commit();
   while (!cur.done) {
     Walk<2> nxt = cur;
     nxt.next(p.br);
-    if (!nxt.done) load_kv(nxt, stage ^ 1);
+    const int next_stage = stage + 1 == Cfg::STAGES ? 0 : stage + 1;
+    if (!nxt.done) load_kv(nxt, next_stage);  // the stage of the chunk before the previous one
     cp_async_commit();
     tc90_tiles_landed<1>();
     stages.wait(bars, stage);
     const bool skip = cur.skip_chunk();
-    if (__syncthreads_or(!skip)) {
-      const T* sKs = sK + stage * KT * DP;
-      const T* sVs = sV + stage * KT * DP;
-      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
-      float S[NT][4], dP[NT][4];
-      wgmma_fence();
+    const bool work = __syncthreads_or(!skip);
+    const T* sKs = sK + stage * KT * DP;
+    const T* sVs = sV + stage * KT * DP;
+    wgmma_fence();
+    if (work) {
       tc90_gemm_abt<T, L, KT>(S, sQ, sKs);
       tc90_gemm_abt<T, L, KT>(dP, sdO, sVs);
       wgmma_commit();
-      wgmma_wait<0>();
+    }
+    if (pv) {
+      tc90_issue_pb<T, L, NT, DT>(dQ, a, sK + pv_stage * KT * DP, 0);
+      wgmma_commit();
+    }
+    bool need_mask = false;
+    if (work) {
+      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
+      if (pv)
+        wgmma_wait<1>();  // S and dP (the older group); the previous dS K may still run
+      else
+        wgmma_wait<0>();
       wgmma_fence_operands(S);
       wgmma_fence_operands(dP);
-      const bool need_mask = skip || cur.chunk_needs_mask();
+      need_mask = skip || cur.chunk_needs_mask();
       tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
-      tc90_gemm_pb<T, L, NT, DT>(dQ, S, sKs, 0, need_mask, lane, p.D);
     }
-    __syncthreads();
-    stage ^= 1;
+    wgmma_wait<0>();  // the previous dS K: dQ is complete and `a` free
+    wgmma_fence_operands(dQ);
+    pv = false;
+    if (work) {
+      if (tc90_pb_on_cuda_cores<T, L, NT>(sKs, need_mask, lane)) {
+        tc90_gemm_pb_cuda_cores<T, L, NT, DT>(dQ, S, sKs, 0, lane, p.D);
+      } else {
+        tc90_p_fragments<T, NT>(a, S);
+        pv = true;
+        pv_stage = stage;
+      }
+    }
     cur = nxt;
+    stage = next_stage;
+  }
+  if (pv) {
+    wgmma_fence();
+    tc90_issue_pb<T, L, NT, DT>(dQ, a, sK + pv_stage * KT * DP, 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dQ);
   }
   cp_async_wait<0>();
   tc_dq_store<T, DT>(p, sq, h, cur, dQ, tq);
