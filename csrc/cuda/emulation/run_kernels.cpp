@@ -442,6 +442,49 @@ extern "C" int da_emu_backward(int dtype, int family, int64_t B, int64_t N, int6
   p.lse_f64 = lse64();
   p.delta = gdelta.data();
   p.dlse = dlse ? gdl.data() : nullptr;
+  // float16/bfloat16: delta from the forward's float32 out, as the host does (bwd_sequences in
+  // dilated_attention_cuda.cpp): one forward more with out_f32, its out taken where its rounding is
+  // the given out and the given out elsewhere.
+  std::vector<float> out_read;
+  if (dtype <= 1) {
+    const size_t n = (size_t)(B * N * Hq * D);
+    Guarded go32(nullptr, n * 4, true), gl32(nullptr, (size_t)(B * Hq * N) * (lse64() ? 8 : 4), true);
+    Params pf = p;
+    pf.out = contiguous4(go32.data(), N, Hq, D);
+    pf.out_f32 = 1;
+    pf.lse = gl32.data();
+    if (family != 1) {
+      if (dtype == 0)
+        tc_forward<__half>(pf, family == 2);
+      else
+        tc_forward<__nv_bfloat16>(pf, family == 2);
+    } else if (dtype == 0) {
+      simt_forward<c10::Half, float>(pf);
+    } else {
+      simt_forward<c10::BFloat16, float>(pf);
+    }
+    if (!go32.fences_intact() || !gl32.fences_intact()) {
+      snprintf(err, errlen, "a kernel wrote outside its buffers");
+      return 1;
+    }
+    out_read.resize(n);
+    const float* o32 = reinterpret_cast<const float*>(go32.data());
+    const uint16_t* o16 = reinterpret_cast<const uint16_t*>(go.data());
+    for (size_t i = 0; i < n; ++i) {
+      const float given = da_emu::bits_to_float(o16[i], dtype == 1);
+      uint16_t rounded;
+      if (dtype == 0) {
+        const __half h = __float2half_rn(o32[i]);
+        memcpy(&rounded, &h, 2);
+      } else {
+        const __nv_bfloat16 h = __float2bfloat16_rn(o32[i]);
+        memcpy(&rounded, &h, 2);
+      }
+      out_read[i] = rounded == o16[i] ? o32[i] : given;
+    }
+    p.out = contiguous4(out_read.data(), N, Hq, D);
+    p.out_f32 = 1;
+  }
   switch (dtype) {
     case 0: delta_pass<c10::Half, float>(p); break;
     case 1: delta_pass<c10::BFloat16, float>(p); break;
