@@ -168,6 +168,19 @@ def sm90_cases() -> list[Case]:
         Case("sm90-bf16-d32-uncovered", 2, 77, 4, 4, 32, [16], [4], False, bf16, env=SM90),
         Case("sm90-f16-d192", 1, 400, 6, 3, 192, [50, 100, 200, 400], [1, 2, 3, 4], True, f16, env=SM90),
         Case("sm90-bf16-d256", 1, 257, 2, 1, 256, [64, 256], [1, 2], False, bf16, env=SM90),
+        Case(
+            "sm90-bf16-d128-cp-async",  # no tensor maps: every chunk by cp.async
+            1,
+            1024,
+            4,
+            2,
+            128,
+            [128, 256, 512],
+            [1, 2, 4],
+            True,
+            bf16,
+            env={**SM90, "DILATED_ATTENTION_CUDA_TMA": "0"},
+        ),
     ]
 
 

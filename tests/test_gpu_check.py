@@ -635,7 +635,8 @@ def test_smoke_cases_cover_what_the_check_promises(smoke):
     padded = {next(p for p in (32, 64, 96, 128, 192, 256) if c.D <= p) for c in sm90}
     assert padded == {32, 64, 96, 128, 192, 256} and any(c.D == 40 for c in sm90)  # 40: zero columns
     assert {c.dtype for c in sm90} == {torch.float16, torch.bfloat16}
-    assert all(c.env == {"DILATED_ATTENTION_CUDA_SM90": "1"} and c.backward for c in sm90)
+    assert all(c.env.get("DILATED_ATTENTION_CUDA_SM90") == "1" and c.backward for c in sm90)
+    assert any(c.env.get("DILATED_ATTENTION_CUDA_TMA") == "0" for c in sm90)  # the cp.async path too
     assert any(c.env.get("DILATED_ATTENTION_CUDA_SM90") == "1" for c in smoke.sanitize_cases())
 
 

@@ -33,6 +33,8 @@
 //   DILATED_ATTENTION_CUDA_SM90=1       on sm90, the tensor-core kernels are the warpgroup ones
 //                                       (tc90_kernels.cuh, wgmma), where the build has sm_90a
 //                                       code; not yet verified on a GPU, so off by default.
+//   DILATED_ATTENTION_CUDA_TMA=0        their chunks load by cp.async, never by the tensor copy
+//                                       engine (for comparisons).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -263,6 +265,10 @@ void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool us
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for ", rows, " rows");
     tc_call(kernel, t, p, prop, true, stream);
+    if (prop.sm90 && cuda::tma_refused())
+      TORCH_WARN_ONCE(
+          "dilated_attention: the CUDA driver refused a tensor map of the sm90 kernels; their chunks "
+          "load by cp.async instead of the tensor copy engine (slower, the same results)");
   } else {
     int64_t rpw = 4;
     simt_plan(P, t, prop, kernel, &rpw, &p.other_tile);

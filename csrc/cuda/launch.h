@@ -75,6 +75,9 @@ TcConfig tc_dkv_bf16(const Params& p, bool launch, cudaStream_t stream);
 // whether the device runs their sm_90a code (a probe launched once per device).
 TcConfig tc90_call(int kernel, bool half, const Params& p, bool launch, cudaStream_t stream);
 bool tc90_available(int device);
+// Whether the driver has refused a tensor map of theirs in this process (their chunks then load by
+// cp.async; tma.h).
+bool tma_refused();
 
 // SIMT kernels (any arch, every dtype, 1 <= D <= 256; simt.cu). rows_per_warp (<= 4) comes from
 // the tiling and other_tile (<= 32) from the params; simt_smem_bytes says what they need.

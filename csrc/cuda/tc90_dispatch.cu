@@ -6,6 +6,8 @@
 #include <cudaTypedefs.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "tc90_kernels.cuh"
 
@@ -32,7 +34,21 @@ TcConfig tc90_call(int kernel, bool half, const Params& p, bool launch, cudaStre
   DA_TC_DISPATCH_DP(p.D, tc_dkv90_dp, __nv_bfloat16, p, launch, stream)
 }
 
+namespace {
+std::atomic<bool> g_tma_refused{false};
+}  // namespace
+
+bool tma_refused() {
+  return g_tma_refused.load(std::memory_order_relaxed);
+}
+
 bool tma_encode(const TmaBox& b, void* map) {
+  static const bool off = [] {
+    const char* v = std::getenv("DILATED_ATTENTION_CUDA_TMA");
+    return v != nullptr && (std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 ||
+                            std::strcmp(v, "off") == 0 || std::strcmp(v, "no") == 0);
+  }();
+  if (off) return false;
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
@@ -48,7 +64,10 @@ bool tma_encode(const TmaBox& b, void* map) {
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
-  if (encode == nullptr) return false;
+  if (encode == nullptr) {
+    g_tma_refused.store(true, std::memory_order_relaxed);
+    return false;
+  }
   cuuint64_t dims[5], strides[4];
   cuuint32_t box[5], steps[5] = {1, 1, 1, 1, 1};
   for (int i = 0; i < 5; ++i) {
@@ -61,6 +80,7 @@ bool tma_encode(const TmaBox& b, void* map) {
              dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
              b.swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) g_tma_refused.store(true, std::memory_order_relaxed);
   return r == CUDA_SUCCESS;
 }
 

@@ -590,7 +590,8 @@ inline void tc90_maps(TmaMaps* m, int kernel, const Params& p, int box_rows, Enc
 /* ------------------------------------------------------------------------------------------ */
 
 // Encodes a tensor map with the driver's cuTensorMapEncodeTiled (tc90_dispatch.cu); false where
-// the driver has none or refuses the description (those chunks then load with cp.async).
+// the driver has none or refuses the description (those chunks then load with cp.async), or where
+// DILATED_ATTENTION_CUDA_TMA=0.
 bool tma_encode(const TmaBox& box, void* map);
 
 // Launches a kernel of this file with its tensor maps for pass `kernel`.
