@@ -63,7 +63,7 @@ struct Tc90DkvCfg {
   // and the A fragments of two products stay in registers (QT = 32 spilled at DP = 128).
   static constexpr int QT = DP <= 32 ? 32 : 16;
   static constexpr int DC = TcDkvCfg<DP>::DC, CHUNKS = TcDkvCfg<DP>::CHUNKS;  // accumulator columns
-  static constexpr int STAGES = 2;
+  static constexpr int STAGES = 3;  // q and dout of one chunk are read while those of the next are
   // Panels of 64 columns where both DP and the column chunks allow, else 32 (DP = 192: DC = 96).
   static constexpr int PW = DP % 64 == 0 && DC % 64 == 0 ? 64 : 32;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, Q_BYTES = QT * DP * 2;
@@ -533,38 +533,80 @@ __global__ void __launch_bounds__(kTcThreads)
     dV[ct][0] = dV[ct][1] = dV[ct][2] = dV[ct][3] = 0.f;
   }
 
-  int stage = 0;
+  // As the forward: a chunk's dV += P^T dO and dK += dS^T Q are issued with the next chunk's S^T
+  // and dP^T and run while that chunk's P^T and dS^T are computed; three stages of tiles. av and
+  // ak hold the previous chunk's P^T and dS^T until then (pv_v, pv_k), its tiles in pv_stage.
+  int stage = 0, pv_stage = 0;
+  bool pv_v = false, pv_k = false;
+  float St[NT][4], dPt[NT][4];  // (the warpgroup's 64 keys) x (QT queries)
+  uint32_t av[NT / 2][4], ak[NT / 2][4];
   if (!cur.done) load_q(cur, 0);
   cp_async_commit();
   while (!cur.done) {
     Walk<2> nxt = cur;
     nxt.next(p.br);
-    if (!nxt.done) load_q(nxt, stage ^ 1);
+    const int next_stage = stage + 1 == Cfg::STAGES ? 0 : stage + 1;
+    if (!nxt.done) load_q(nxt, next_stage);  // the stage of the chunk before the previous one
     cp_async_commit();
     tc90_tiles_landed<1>();
     stages.wait(bars, stage);
     const bool skip = cur.skip_chunk();
-    if (__syncthreads_or(!skip)) {  // (the barrier also publishes sL, sDl)
-      const T* sQs = sQ + stage * QT * DP;
-      const T* sdOs = sdO + stage * QT * DP;
-      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + cur.head(), sq.start, tq) : 0u;
-      float St[NT][4], dPt[NT][4];  // (the warpgroup's 64 keys) x (QT queries)
-      wgmma_fence();
+    const bool work = __syncthreads_or(!skip);  // (the barrier also publishes sL, sDl)
+    const T* sQs = sQ + stage * QT * DP;
+    const T* sdOs = sdO + stage * QT * DP;
+    wgmma_fence();
+    if (work) {
       tc90_gemm_abt<T, L, QT>(St, sK, sQs);
       tc90_gemm_abt<T, L, QT>(dPt, sV, sdOs);
       wgmma_commit();
-      wgmma_wait<0>();
+    }
+    const bool pv = pv_v || pv_k;
+    if (pv_v) tc90_issue_pb<T, L, NT, CT>(dV, av, sdO + pv_stage * QT * DP, c0);
+    if (pv_k) tc90_issue_pb<T, L, NT, CT>(dK, ak, sQ + pv_stage * QT * DP, c0);
+    if (pv) wgmma_commit();
+    bool need_mask = false;
+    if (work) {
+      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + cur.head(), sq.start, tq) : 0u;
+      if (pv)
+        wgmma_wait<1>();  // S^T and dP^T (the older group); the previous products may still run
+      else
+        wgmma_wait<0>();
       wgmma_fence_operands(St);
       wgmma_fence_operands(dPt);
-      const bool need_mask = skip || cur.chunk_needs_mask();
+      need_mask = skip || cur.chunk_needs_mask();
       tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sDl + stage * QT, tq, p,
                                  keep);
-      tc90_gemm_pb<T, L, NT, CT>(dV, St, sdOs, c0, need_mask, lane, p.D);
-      tc90_gemm_pb<T, L, NT, CT>(dK, dPt, sQs, c0, need_mask, lane, p.D);
     }
-    __syncthreads();
-    stage ^= 1;
+    wgmma_wait<0>();  // the previous products: dV and dK complete, av and ak free
+    wgmma_fence_operands(dV);
+    wgmma_fence_operands(dK);
+    pv_v = pv_k = false;
+    if (work) {
+      if (tc90_pb_on_cuda_cores<T, L, NT>(sdOs, need_mask, lane)) {
+        tc90_gemm_pb_cuda_cores<T, L, NT, CT>(dV, St, sdOs, c0, lane, p.D);
+      } else {
+        tc90_p_fragments<T, NT>(av, St);
+        pv_v = true;
+      }
+      if (tc90_pb_on_cuda_cores<T, L, NT>(sQs, need_mask, lane)) {
+        tc90_gemm_pb_cuda_cores<T, L, NT, CT>(dK, dPt, sQs, c0, lane, p.D);
+      } else {
+        tc90_p_fragments<T, NT>(ak, dPt);
+        pv_k = true;
+      }
+      pv_stage = stage;
+    }
     cur = nxt;
+    stage = next_stage;
+  }
+  if (pv_v || pv_k) {
+    wgmma_fence();
+    if (pv_v) tc90_issue_pb<T, L, NT, CT>(dV, av, sdO + pv_stage * QT * DP, c0);
+    if (pv_k) tc90_issue_pb<T, L, NT, CT>(dK, ak, sQ + pv_stage * QT * DP, c0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dV);
+    wgmma_fence_operands(dK);
   }
   cp_async_wait<0>();
   tc_dkv_store<T, CT>(p, sq, hk, c0, cur, dK, dV, tq);

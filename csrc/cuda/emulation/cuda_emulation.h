@@ -24,7 +24,8 @@
 // imm-trans-b, MN-major) is a collective of the 128 threads of a warpgroup. It is asynchronous as
 // on the GPU: an issued MMA reads shared memory, the accumulators' old values and writes the new
 // ones only when a wgmma.wait_group retires its group, so that reading the accumulators or
-// overwriting a tile too early changes the results. Descriptors are decoded as the PTX ISA's
+// overwriting a tile too early changes the results; A registers changed before the retirement
+// abort. Descriptors are decoded as the PTX ISA's
 // "Matrix Descriptor Format" and canonical layouts describe them (start address, leading and
 // stride byte offsets, no swizzle or a 32/64/128-byte swizzle, which XORs address bits [4, 4 + b)
 // with bits [7, 7 + b) of the shared-memory address); a wgmma that reads shared memory after a
@@ -143,6 +144,7 @@ struct WgPost {
   int arg;  // wait_group's N
   float* acc;
   uint32_t a[4];
+  const uint32_t* a_regs_at;  // where the A fragment lives: it must not change until the wait
   bool a_regs, bf16, trans_b;
   int n, scale_d;
   uint64_t desc_a, desc_b;
@@ -590,6 +592,10 @@ inline float operand(uint64_t desc, int mn, int k, bool mn_major, bool bf16) {
 // 8 i + 2 (lane % 4) + e % 2 (the mma.m16n8 C layout per warp and 8 columns).
 inline void retire(const WgMma& op) {
   const WgPost& z = op.t[0];
+  if (z.a_regs)
+    for (int t = 0; t < 128; ++t)
+      if (memcmp(op.t[t].a_regs_at, op.t[t].a, sizeof(op.t[t].a)) != 0)
+        fail("wgmma: its A registers changed before wgmma.wait_group retired it");
   std::vector<float> A(64 * 16), Bm(16 * z.n);
   for (int row = 0; row < 64; ++row)
     for (int k = 0; k < 16; ++k) {
@@ -679,6 +685,7 @@ inline void wgmma(float* acc, int n, const uint32_t* a, uint64_t desc_a, uint64_
   p.op = kWgMma;
   p.acc = acc;
   p.a_regs = a != nullptr;
+  p.a_regs_at = a;
   if (a) memcpy(p.a, a, sizeof(p.a));
   p.desc_a = desc_a;
   p.desc_b = desc_b;
