@@ -232,23 +232,42 @@ __device__ __forceinline__ void tc90_p_fragments(uint32_t (&a)[NT / 2][4], const
   for (int kk = 0; kk < NT / 2; ++kk) c_to_a<T>(a[kk], P[2 * kk], P[2 * kk + 1]);
 }
 
-// acc (the warpgroup's 64 rows x 8 CT columns from c0, mma C fragments) += P (64 x 8 NT, f32 C
-// fragments) B, on the MMAs (waited) or on CUDA cores (tc90_pb_on_cuda_cores). Block-wide.
+// A product acc += P B whose MMAs are deferred to the next chunk's (the overlap of the kernels
+// below): P's A fragments. They must not change until the MMAs issued from them are waited for.
+// The caller keeps the stage of B's tile.
 template <typename T, typename L, int NT, int CT>
-__device__ __forceinline__ void tc90_gemm_pb(float (&acc)[CT][4], const float (&P)[NT][4], const T* tile,
-                                             int c0, bool need_mask, int lane, int64_t D) {
-  if (tc90_pb_on_cuda_cores<T, L, NT>(tile, need_mask, lane)) {
-    tc90_gemm_pb_cuda_cores<T, L, NT, CT>(acc, P, tile, c0, lane, D);
-    return;
-  }
+struct Tc90Deferred {
   uint32_t a[NT / 2][4];
-  tc90_p_fragments<T, NT>(a, P);
-  wgmma_fence();
-  tc90_issue_pb<T, L, NT, CT>(acc, a, tile, c0);
-  wgmma_commit();
-  wgmma_wait<0>();
-  wgmma_fence_operands(acc);
-}
+  bool pending = false;
+
+  // Issues the pending product (after the caller's wgmma_fence; the caller commits), B the rows
+  // of `tile`, columns from c0.
+  __device__ __forceinline__ void issue(float (&acc)[CT][4], const T* tile, int c0) const {
+    if (pending) tc90_issue_pb<T, L, NT, CT>(acc, a, tile, c0);
+  }
+  // A chunk's product with its tile B: summed on CUDA cores now (tc90_pb_on_cuda_cores,
+  // block-wide), or deferred. The previous one must have been waited for.
+  __device__ __forceinline__ void take(float (&acc)[CT][4], const float (&P)[NT][4], const T* tile, int c0,
+                                       bool need_mask, int lane, int64_t D) {
+    pending = false;
+    if (tc90_pb_on_cuda_cores<T, L, NT>(tile, need_mask, lane)) {
+      tc90_gemm_pb_cuda_cores<T, L, NT, CT>(acc, P, tile, c0, lane, D);
+    } else {
+      tc90_p_fragments<T, NT>(a, P);
+      pending = true;
+    }
+  }
+  // The last deferred product, issued and waited for.
+  __device__ __forceinline__ void flush(float (&acc)[CT][4], const T* tile, int c0) {
+    if (!pending) return;
+    wgmma_fence();
+    issue(acc, tile, c0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+    pending = false;
+  }
+};
 
 /* ------------------------------------------------------------------------------------------ */
 /* Forward                                                                                      */
@@ -294,11 +313,10 @@ __global__ void __launch_bounds__(kTcThreads)
   // The product P V of a chunk is issued with the next chunk's S = Q K^T and runs while the
   // softmax of that S is computed (FlashAttention-3's overlap within a warpgroup): three stages of
   // tiles, since V of the previous chunk is read while K of this one is. `a` holds the previous
-  // chunk's P until then (pv), its tiles in pv_stage.
+  // chunk's P until then.
   int stage = 0, pv_stage = 0;
-  bool pv = false;
   float S[NT][4];
-  uint32_t a[NT / 2][4];
+  Tc90Deferred<T, L, NT, DT> pv;
   if (!cur.done) load_kv(cur, 0);
   cp_async_commit();
   while (!cur.done) {
@@ -318,15 +336,15 @@ __global__ void __launch_bounds__(kTcThreads)
       tc90_gemm_abt<T, L, KT>(S, sQ, sKs);
       wgmma_commit();
     }
-    if (pv) {
-      tc90_issue_pb<T, L, NT, DT>(O, a, sV + pv_stage * KT * DP, 0);
+    if (pv.pending) {
+      pv.issue(O, sV + pv_stage * KT * DP, 0);
       wgmma_commit();
     }
     float corr[2] = {1.f, 1.f};
     bool need_mask = false;
     if (work) {
       const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
-      if (pv)
+      if (pv.pending)
         wgmma_wait<1>();  // S (the older group); the previous P V may still run
       else
         wgmma_wait<0>();
@@ -336,27 +354,16 @@ __global__ void __launch_bounds__(kTcThreads)
     }
     wgmma_wait<0>();  // the previous P V: O is complete
     wgmma_fence_operands(O);
-    pv = false;
+    pv.pending = false;
     if (work) {
       tc_rescale<DT>(O, corr);
-      if (tc90_pb_on_cuda_cores<T, L, NT>(sVs, need_mask, lane)) {
-        tc90_gemm_pb_cuda_cores<T, L, NT, DT>(O, S, sVs, 0, lane, p.D);
-      } else {
-        tc90_p_fragments<T, NT>(a, S);
-        pv = true;
-        pv_stage = stage;
-      }
+      pv.take(O, S, sVs, 0, need_mask, lane, p.D);
+      pv_stage = stage;
     }
     cur = nxt;
     stage = next_stage;
   }
-  if (pv) {
-    wgmma_fence();
-    tc90_issue_pb<T, L, NT, DT>(O, a, sV + pv_stage * KT * DP, 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(O);
-  }
+  pv.flush(O, sV + pv_stage * KT * DP, 0);
   cp_async_wait<0>();
   tc_fwd_store<T, DT>(p, sq, h, cur, m, l, O, sl2, tq);
 #endif
@@ -410,11 +417,10 @@ __global__ void __launch_bounds__(kTcThreads)
 
   // As the forward: a chunk's dQ += dS K is issued with the next chunk's S and dP and runs while
   // that chunk's dS is computed (which does not touch dQ); three stages of tiles, since K of the
-  // previous chunk is read while K and V of this one are. `a` holds the previous dS until then.
+  // previous chunk is read while K and V of this one are.
   int stage = 0, pv_stage = 0;
-  bool pv = false;
   float S[NT][4], dP[NT][4];
-  uint32_t a[NT / 2][4];
+  Tc90Deferred<T, L, NT, DT> pv;
   if (!cur.done) load_kv(cur, 0);
   cp_async_commit();
   while (!cur.done) {
@@ -435,14 +441,14 @@ __global__ void __launch_bounds__(kTcThreads)
       tc90_gemm_abt<T, L, KT>(dP, sdO, sVs);
       wgmma_commit();
     }
-    if (pv) {
-      tc90_issue_pb<T, L, NT, DT>(dQ, a, sK + pv_stage * KT * DP, 0);
+    if (pv.pending) {
+      pv.issue(dQ, sK + pv_stage * KT * DP, 0);
       wgmma_commit();
     }
     bool need_mask = false;
     if (work) {
       const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
-      if (pv)
+      if (pv.pending)
         wgmma_wait<1>();  // S and dP (the older group); the previous dS K may still run
       else
         wgmma_wait<0>();
@@ -451,28 +457,17 @@ __global__ void __launch_bounds__(kTcThreads)
       need_mask = skip || cur.chunk_needs_mask();
       tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
     }
-    wgmma_wait<0>();  // the previous dS K: dQ is complete and `a` free
+    wgmma_wait<0>();  // the previous dS K: dQ is complete and the fragments free
     wgmma_fence_operands(dQ);
-    pv = false;
+    pv.pending = false;
     if (work) {
-      if (tc90_pb_on_cuda_cores<T, L, NT>(sKs, need_mask, lane)) {
-        tc90_gemm_pb_cuda_cores<T, L, NT, DT>(dQ, S, sKs, 0, lane, p.D);
-      } else {
-        tc90_p_fragments<T, NT>(a, S);
-        pv = true;
-        pv_stage = stage;
-      }
+      pv.take(dQ, S, sKs, 0, need_mask, lane, p.D);
+      pv_stage = stage;
     }
     cur = nxt;
     stage = next_stage;
   }
-  if (pv) {
-    wgmma_fence();
-    tc90_issue_pb<T, L, NT, DT>(dQ, a, sK + pv_stage * KT * DP, 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(dQ);
-  }
+  pv.flush(dQ, sK + pv_stage * KT * DP, 0);
   cp_async_wait<0>();
   tc_dq_store<T, DT>(p, sq, h, cur, dQ, tq);
 #endif
@@ -534,12 +529,10 @@ __global__ void __launch_bounds__(kTcThreads)
   }
 
   // As the forward: a chunk's dV += P^T dO and dK += dS^T Q are issued with the next chunk's S^T
-  // and dP^T and run while that chunk's P^T and dS^T are computed; three stages of tiles. av and
-  // ak hold the previous chunk's P^T and dS^T until then (pv_v, pv_k), its tiles in pv_stage.
+  // and dP^T and run while that chunk's P^T and dS^T are computed; three stages of tiles.
   int stage = 0, pv_stage = 0;
-  bool pv_v = false, pv_k = false;
   float St[NT][4], dPt[NT][4];  // (the warpgroup's 64 keys) x (QT queries)
-  uint32_t av[NT / 2][4], ak[NT / 2][4];
+  Tc90Deferred<T, L, NT, CT> pv_v, pv_k;
   if (!cur.done) load_q(cur, 0);
   cp_async_commit();
   while (!cur.done) {
@@ -560,9 +553,9 @@ __global__ void __launch_bounds__(kTcThreads)
       tc90_gemm_abt<T, L, QT>(dPt, sV, sdOs);
       wgmma_commit();
     }
-    const bool pv = pv_v || pv_k;
-    if (pv_v) tc90_issue_pb<T, L, NT, CT>(dV, av, sdO + pv_stage * QT * DP, c0);
-    if (pv_k) tc90_issue_pb<T, L, NT, CT>(dK, ak, sQ + pv_stage * QT * DP, c0);
+    const bool pv = pv_v.pending || pv_k.pending;
+    pv_v.issue(dV, sdO + pv_stage * QT * DP, c0);
+    pv_k.issue(dK, sQ + pv_stage * QT * DP, c0);
     if (pv) wgmma_commit();
     bool need_mask = false;
     if (work) {
@@ -577,37 +570,20 @@ __global__ void __launch_bounds__(kTcThreads)
       tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sDl + stage * QT, tq, p,
                                  keep);
     }
-    wgmma_wait<0>();  // the previous products: dV and dK complete, av and ak free
+    wgmma_wait<0>();  // the previous products: dV and dK complete, the fragments free
     wgmma_fence_operands(dV);
     wgmma_fence_operands(dK);
-    pv_v = pv_k = false;
+    pv_v.pending = pv_k.pending = false;
     if (work) {
-      if (tc90_pb_on_cuda_cores<T, L, NT>(sdOs, need_mask, lane)) {
-        tc90_gemm_pb_cuda_cores<T, L, NT, CT>(dV, St, sdOs, c0, lane, p.D);
-      } else {
-        tc90_p_fragments<T, NT>(av, St);
-        pv_v = true;
-      }
-      if (tc90_pb_on_cuda_cores<T, L, NT>(sQs, need_mask, lane)) {
-        tc90_gemm_pb_cuda_cores<T, L, NT, CT>(dK, dPt, sQs, c0, lane, p.D);
-      } else {
-        tc90_p_fragments<T, NT>(ak, dPt);
-        pv_k = true;
-      }
+      pv_v.take(dV, St, sdOs, c0, need_mask, lane, p.D);
+      pv_k.take(dK, dPt, sQs, c0, need_mask, lane, p.D);
       pv_stage = stage;
     }
     cur = nxt;
     stage = next_stage;
   }
-  if (pv_v || pv_k) {
-    wgmma_fence();
-    if (pv_v) tc90_issue_pb<T, L, NT, CT>(dV, av, sdO + pv_stage * QT * DP, c0);
-    if (pv_k) tc90_issue_pb<T, L, NT, CT>(dK, ak, sQ + pv_stage * QT * DP, c0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(dV);
-    wgmma_fence_operands(dK);
-  }
+  pv_v.flush(dV, sdO + pv_stage * QT * DP, c0);
+  pv_k.flush(dK, sQ + pv_stage * QT * DP, c0);
   cp_async_wait<0>();
   tc_dkv_store<T, CT>(p, sq, hk, c0, cur, dK, dV, tq);
 #endif
