@@ -70,12 +70,13 @@ Tensor4 tensor4(const at::Tensor& t) {
   return Tensor4{t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
-bool env_flag(const char* name) {
+// Environment variable `name` as 0 or 1; `unset` where it is not set (or empty).
+bool env_flag(const char* name, bool unset = false) {
   const char* v = std::getenv(name);
-  if (v == nullptr) return false;
+  if (v == nullptr || *v == '\0') return unset;
   const std::string s(v);
   if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
-  if (s.empty() || s == "0" || s == "false" || s == "no" || s == "off") return false;
+  if (s == "0" || s == "false" || s == "no" || s == "off") return false;
   TORCH_CHECK(false, "dilated_attention: environment variable ", name, " must be 0 or 1, got '", s, "'");
 }
 
@@ -264,8 +265,9 @@ void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool us
     p.tiling = make_tiling(rows, P, piece, 16);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for ", rows, " rows");
+    p.tma = prop.sm90 && env_flag("DILATED_ATTENTION_CUDA_TMA", true);
     tc_call(kernel, t, p, prop, true, stream);
-    if (prop.sm90 && cuda::tma_refused())
+    if (p.tma && cuda::tma_refused())
       TORCH_WARN_ONCE(
           "dilated_attention: the CUDA driver refused a tensor map of the sm90 kernels; their chunks "
           "load by cp.async instead of the tensor copy engine (slower, the same results)");

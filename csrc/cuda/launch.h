@@ -52,6 +52,7 @@ struct Params {
   da_dropout drop;
   da_tiling tiling;  // how rows are cut into thread blocks (tiling.h)
   int other_tile;    // SIMT kernels: keys (or queries) per step, <= 32
+  int tma;           // sm90 kernels: load by the tensor copy engine where they can (tma.h)
 };
 
 enum class DType { kHalf, kBFloat16, kFloat, kDouble };

@@ -6,8 +6,6 @@
 #include <cudaTypedefs.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "tc90_kernels.cuh"
 
@@ -43,12 +41,6 @@ bool tma_refused() {
 }
 
 bool tma_encode(const TmaBox& b, void* map) {
-  static const bool off = [] {
-    const char* v = std::getenv("DILATED_ATTENTION_CUDA_TMA");
-    return v != nullptr && (std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 ||
-                            std::strcmp(v, "off") == 0 || std::strcmp(v, "no") == 0);
-  }();
-  if (off) return false;
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;

@@ -608,8 +608,7 @@ inline void tc90_maps(TmaMaps* m, int kernel, const Params& p, int box_rows, Enc
 /* ------------------------------------------------------------------------------------------ */
 
 // Encodes a tensor map with the driver's cuTensorMapEncodeTiled (tc90_dispatch.cu); false where
-// the driver has none or refuses the description (those chunks then load with cp.async), or where
-// DILATED_ATTENTION_CUDA_TMA=0.
+// the driver has none or refuses the description (those chunks then load with cp.async).
 bool tma_encode(const TmaBox& box, void* map);
 
 // Launches a kernel of this file with its tensor maps for pass `kernel`.
@@ -618,7 +617,8 @@ inline void tc90_launch(Kernel kernel, int pass, int box_rows, dim3 grid, int sm
                         cudaStream_t stream, SmemOptIn& opt_in) {
   if (!smem_opt_in(opt_in, kernel, smem)) return;  // no launch; the caller's launch check raises the error
   TmaMaps maps;
-  tc90_maps<L>(&maps, pass, p, box_rows, tma_encode);
+  maps.count = 0;
+  if (p.tma) tc90_maps<L>(&maps, pass, p, box_rows, tma_encode);  // none: every chunk by cp.async
   kernel<<<grid, kTcThreads, smem, stream>>>(p, maps);
 }
 
