@@ -8,9 +8,13 @@
 // both operands read from shared memory by descriptors (no ldmatrix), and O += P V one
 // m64n{DP}k16 per 16 keys, P from registers (the accumulators of S turned into A fragments, as
 // mma.sync takes them) and V from shared memory. Tiles are stored in the swizzled layout of
-// sm90.cuh (Sw90), filled by cp.async from the dilated positions (strided addressing, a double
-// buffer: the next chunk loads while this one is computed) and handed to the MMAs through
-// fence.proxy.async and a barrier.
+// sm90.cuh (Sw90). The chunks of the other side arrive by the tensor copy engine (tma.h: one
+// strided box per panel, thread 0 issuing, an mbarrier per stage) or, where no tensor map reaches
+// them, by cp.async from the dilated positions, handed to the MMAs through fence.proxy.async and
+// a barrier; the next chunk loads while this one is computed. Each pass issues a chunk's products
+// with probabilities together with the next chunk's products of two tiles and computes that
+// chunk's softmax (or dS) while they run (FlashAttention-3's overlap within a warpgroup): three
+// stages of tiles.
 //
 // Every warp of the warpgroup takes part in each MMA, so a chunk runs when any warp of the block
 // has work in it (the sm80 kernel skips per warp); the rows of a warp that would have skipped it
@@ -312,8 +316,8 @@ __global__ void __launch_bounds__(kTcThreads)
 
   // The product P V of a chunk is issued with the next chunk's S = Q K^T and runs while the
   // softmax of that S is computed (FlashAttention-3's overlap within a warpgroup): three stages of
-  // tiles, since V of the previous chunk is read while K of this one is. `a` holds the previous
-  // chunk's P until then.
+  // tiles, since V of the previous chunk is read while K of this one is. pv holds the previous
+  // chunk's P until then, its tiles in pv_stage.
   int stage = 0, pv_stage = 0;
   float S[NT][4];
   Tc90Deferred<T, L, NT, DT> pv;
