@@ -43,6 +43,7 @@ import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -192,17 +193,13 @@ def run_config(B, N, H, D, causal, args, clock: Clock, baseline, methods) -> Row
         return x.view(B * N // L, L, H, D).transpose(1, 2)  # (B', H, L, D), no copy
 
     def native(sm90: bool) -> torch.Tensor:
-        saved = os.environ.pop(SM90_ENV, None)
-        if sm90:
-            os.environ[SM90_ENV] = "1"
-        try:
+        with patch.dict(os.environ):  # restored after the call
+            os.environ.pop(SM90_ENV, None)
+            if sm90:
+                os.environ[SM90_ENV] = "1"
             return dilated_attention(
                 q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="native"
             )
-        finally:
-            os.environ.pop(SM90_ENV, None)
-            if saved is not None:
-                os.environ[SM90_ENV] = saved
 
     fwds: dict[str, Callable[[], torch.Tensor]] = {
         "native": lambda: native(False),

@@ -51,6 +51,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -140,16 +141,8 @@ backend_list = ba.names_among([*ATTENTION_BACKENDS, *VARIANTS])
 def variant_env(name: str) -> Iterator[str]:
     """The backend that row ``name`` trains with, under the variant's environment, if any."""
     backend, env = VARIANTS.get(name, (name, {}))
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with patch.dict(os.environ, env):  # restored after the row, also when it fails
         yield backend
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def profile_spec(text: str) -> tuple[str, int, bool]:

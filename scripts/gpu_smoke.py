@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -192,17 +193,9 @@ def sm90_kernel_ran() -> bool | None:
     from torch.profiler import ProfilerActivity, profile
 
     q = torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
-    saved = os.environ.get("DILATED_ATTENTION_CUDA_SM90")
-    os.environ.update(SM90)
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.ops.dilated_attention.fwd(q, q, q, [64, 128], [1, 2], True, 0.125)
-            torch.cuda.synchronize()
-    finally:
-        if saved is None:
-            os.environ.pop("DILATED_ATTENTION_CUDA_SM90", None)
-        else:
-            os.environ["DILATED_ATTENTION_CUDA_SM90"] = saved
+    with patch.dict(os.environ, SM90), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.dilated_attention.fwd(q, q, q, [64, 128], [1, 2], True, 0.125)
+        torch.cuda.synchronize()
     return any("tc90_fwd_kernel" in e.key for e in prof.key_averages())
 
 
@@ -247,9 +240,7 @@ def check_case(case: Case, device: str = "cuda", seed: int = 0, op: OpFn = run_o
     Returns the largest absolute error per output; raises AssertionError naming the output, the
     slice and the error when a comparison fails.
     """
-    saved = {key: os.environ.get(key) for key in case.env}
-    os.environ.update(case.env)
-    try:
+    with patch.dict(os.environ, case.env):  # restored after the case
         q, k, v, dout = _inputs(case, device, seed)
         scale = case.D**-0.5
         res = op(
@@ -266,12 +257,6 @@ def check_case(case: Case, device: str = "cuda", seed: int = 0, op: OpFn = run_o
         )
         if device == "cuda":
             torch.cuda.synchronize()
-    finally:
-        for key, val in saved.items():
-            if val is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = val
     out, lse, dq, dk, dv, dlse = res
     tol_out, tol_grad = TOLERANCE[case.dtype]
     errors: dict[str, float] = {}
