@@ -44,10 +44,15 @@ def _sm90_kernels() -> dict[str, Any]:
     """Whether the build has the sm90 (wgmma) kernels' sm_90a code and whether CUDA calls on sm_90
     use them (``DILATED_ATTENTION_CUDA_SM90=1``; not yet verified on a GPU, so off by default)."""
     built = op.library.build_info().get("cuda_arch_built") or ""
+    value = os.environ.get(SM90_ENV, "")
     return {
         "built": "9.0a" in built.replace(" ", ";").split(";"),
-        "enabled": os.environ.get(SM90_ENV, "") in ("1", "true", "yes", "on"),
+        "enabled": value in ("1", "true", "yes", "on"),
         "env": SM90_ENV,
+        # as the CUDA kernels read it: another value than these is their error
+        "invalid_value": None
+        if value in ("", "0", "false", "no", "off", "1", "true", "yes", "on")
+        else value,
     }
 
 
@@ -151,14 +156,13 @@ def format_report(r: dict[str, Any]) -> str:
             f"  ({ext['file']})"
         )
         sm90 = ext["sm90_kernels"]
-        lines.append(
-            f"sm90 kernels     wgmma/TMA (sm_90a) in this build: {yes[sm90['built']]}; "
-            + (
-                "in use on sm_90"
-                if sm90["enabled"]
-                else f"off ({sm90['env']}=1 uses them; not yet run on a GPU)"
-            )
-        )
+        if sm90["invalid_value"] is not None:
+            use = f"{sm90['env']}={sm90['invalid_value']!r} is not 0 or 1: CUDA calls raise"
+        elif sm90["enabled"]:
+            use = "in use on sm_90"
+        else:
+            use = f"off ({sm90['env']}=1 uses them; not yet run on a GPU)"
+        lines.append(f"sm90 kernels     wgmma/TMA (sm_90a) in this build: {yes[sm90['built']]}; {use}")
     lines.append("")
     what = f"{r['device']}, {r['dtype']}, head dim {r['head_dim']}" + (", dropout" if r["dropout"] else "")
     lines.append(f"backends for {what}:")

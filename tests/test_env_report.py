@@ -100,6 +100,7 @@ def test_report_says_whether_the_sm90_kernels_are_built_and_used(monkeypatch):
         "built": True,
         "enabled": False,
         "env": "DILATED_ATTENTION_CUDA_SM90",
+        "invalid_value": None,
     }
     assert "sm90 kernels     wgmma/TMA (sm_90a) in this build: yes; off (" in report.format_report(r)
     monkeypatch.setenv("DILATED_ATTENTION_CUDA_SM90", "1")
@@ -109,3 +110,10 @@ def test_report_says_whether_the_sm90_kernels_are_built_and_used(monkeypatch):
     assert "in this build: no; in use on sm_90" in report.format_report(r)
     monkeypatch.setattr(dilated_attention.op.library, "build_info", lambda: {})  # a CPU-only build
     assert report.environment_report("cpu")["extension"]["sm90_kernels"]["built"] is False
+    monkeypatch.setenv("DILATED_ATTENTION_CUDA_SM90", "2")  # the CUDA kernels raise on it: said so
+    r = report.environment_report("cpu")
+    assert (
+        r["extension"]["sm90_kernels"]["invalid_value"] == "2"
+        and not r["extension"]["sm90_kernels"]["enabled"]
+    )
+    assert "DILATED_ATTENTION_CUDA_SM90='2' is not 0 or 1: CUDA calls raise" in report.format_report(r)

@@ -196,7 +196,8 @@ Device device_info(int index) {
   Device d;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, index));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, index));
-  d.sm90 = d.major == 9 && env_flag("DILATED_ATTENTION_CUDA_SM90") && cuda::tc90_available(index);
+  const bool want_sm90 = env_flag("DILATED_ATTENTION_CUDA_SM90");  // a bad value is an error on any GPU
+  d.sm90 = d.major == 9 && want_sm90 && cuda::tc90_available(index);
   return d;
 }
 
@@ -265,7 +266,8 @@ void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool us
     p.tiling = make_tiling(rows, P, piece, 16);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for ", rows, " rows");
-    p.tma = prop.sm90 && env_flag("DILATED_ATTENTION_CUDA_TMA", true);
+    const bool tma = env_flag("DILATED_ATTENTION_CUDA_TMA", true);  // a bad value is an error on any GPU
+    p.tma = prop.sm90 && tma;
     tc_call(kernel, t, p, prop, true, stream);
     if (p.tma && cuda::tma_refused())
       TORCH_WARN_ONCE(
