@@ -157,11 +157,13 @@ def test_wgmma_ptx_matches_its_generator():
     assert run.returncode == 0, run.stdout + run.stderr
     with open(os.path.join(ROOT, "csrc", "cuda", "wgmma_ops.cuh"), encoding="utf-8") as f:
         text = f.read()
-    for n in (16, 64, 256):
+    # (N, forms): 16 the products of two tiles only, 64 both, 256 those with probabilities only.
+    for n, forms in ((16, ("ss",)), (64, ("ss", "rs")), (256, ("rs",))):
         block = text[text.index(f"struct WgmmaPtx<__nv_bfloat16, {n}>") :]
         block = block[: block.index("};")]
-        assert block.count(f"m64n{n}k16.f32.bf16.bf16") == 2
-        assert block.count('"+f"(d[') == 2 * (n // 2)  # ss and rs
+        assert block.count(f"m64n{n}k16.f32.bf16.bf16") == len(forms)
+        assert block.count('"+f"(d[') == len(forms) * (n // 2)  # every accumulator, once per form
+        assert all(f"static void {f}(" in block for f in forms) and block.count("static void") == len(forms)
         assert f"%{n // 2 - 1}}}" in block and f"%{n // 2}}}" not in block
 
 
