@@ -211,6 +211,15 @@ __device__ __forceinline__ SeqRows sequence_rows(const Params& p, int64_t z, int
  * their positions (>= N for padding rows). After each step, jrow[i] is the dilated index of row i
  * in the current segment or -1, and the warp_* fields summarise the warp's rows.
  */
+// The OR of a value over the threads that walk together: the whole block, or one warp (a producer
+// warp that walks the rows of the block by itself).
+struct BlockAny {
+  __device__ static __forceinline__ bool any(bool v) { return __syncthreads_or(v) != 0; }
+};
+struct WarpAny {
+  __device__ static __forceinline__ bool any(bool v) { return __any_sync(DA_FULL_MASK, v); }
+};
+
 template <int ROWS>
 struct Walk {
   // Fixed for the block.
@@ -227,20 +236,27 @@ struct Walk {
   int warp_jmin, warp_jmax;
   bool done;
 
+  template <typename Any = BlockAny>
   __device__ __forceinline__ void start(const Params& p) {
+    begin(p);
+    find<Any>(p.br);
+  }
+
+  // The walk before its first segment (a consumer then adopts the positions a producer publishes).
+  __device__ __forceinline__ void begin(const Params& p) {
     pc = p.piece;
     off = da_causal_offset(&pc);
-    da_walk_begin(&st);
+    da_walk_begin(&st);  // (s = -1: before any segment, which adopt tells apart)
     done = false;
-    find(p.br);
   }
 
   // Next chunk of the other side, or the next (head, branch, segment) with an active row.
+  template <typename Any = BlockAny>
   __device__ __forceinline__ void next(const da_branches& br) {
     o0 += other_tile;
     if (o0 < o_end) return;
     ++st.s;
-    find(br);
+    find<Any>(br);
   }
 
   // Position of the other side's index j in the current segment.
@@ -297,38 +313,60 @@ struct Walk {
     return rows_are == DA_ROWS_ARE_QUERIES ? (int64_t)j <= jrow + off : (int64_t)jrow <= j + off;
   }
 
-  // From the walk's position on, the first segment with an active row in this block.
+  // The rows' dilated indices (jrow) in the walk's current segment; whether any of this thread's
+  // rows is active, the warp summaries set from them (warp_*: warp collectives).
+  __device__ __forceinline__ bool scan_rows(bool summarise) {
+    bool mine = false, all = true;
+    int jmin = INT_MAX, jmax = -1;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int j = (int)da_row_index(pos[i], N, st.s, st.w, st.r, st.o);
+      jrow[i] = j;
+      if (j >= 0) {
+        mine = true;
+        jmin = min(jmin, j);
+        jmax = max(jmax, j);
+      } else {
+        all = false;
+      }
+    }
+    if (summarise) {
+      warp_any = __any_sync(DA_FULL_MASK, mine);
+      warp_all = __all_sync(DA_FULL_MASK, all);
+      warp_jmin = warp_min_int(jmin);
+      warp_jmax = warp_max_int(jmax);
+    }
+    return mine;
+  }
+
+  // From the walk's position on, the first segment with an active row in this block. Any::any(v)
+  // is the OR of v over the threads that hold the block's rows (BlockAny: the whole block).
+  template <typename Any = BlockAny>
   __device__ void find(const da_branches& br) {
     for (;;) {
       if (!da_walk_candidate(&st, &br, G, h0, base, last, N, is_causal, rows_are, &pc)) {
         done = true;
         return;
       }
-      bool mine = false, all = true;
-      int jmin = INT_MAX, jmax = -1;
-#pragma unroll
-      for (int i = 0; i < ROWS; ++i) {
-        const int j = (int)da_row_index(pos[i], N, st.s, st.w, st.r, st.o);
-        jrow[i] = j;
-        if (j >= 0) {
-          mine = true;
-          jmin = min(jmin, j);
-          jmax = max(jmax, j);
-        } else {
-          all = false;
-        }
-      }
-      if (__syncthreads_or(mine)) {  // the same answer in every thread
-        warp_any = __any_sync(DA_FULL_MASK, mine);
-        warp_all = __all_sync(DA_FULL_MASK, all);
-        warp_jmin = warp_min_int(jmin);
-        warp_jmax = warp_max_int(jmax);
+      const bool mine = scan_rows(false);
+      if (Any::any(mine)) {  // the same answer in every thread
+        scan_rows(true);
         o0 = (int)st.o_begin;
         o_end = (int)st.o_end;
         return;
       }
       ++st.s;
     }
+  }
+
+  // Moves to a position that another walk over the same rows reached (a chunk that a producer
+  // warp published): its segment (rows rescanned where it changed) and chunk.
+  __device__ __forceinline__ void adopt(const da_walk& at, int chunk_o0) {
+    const bool same = at.gi == st.gi && at.bi == st.bi && at.s == st.s;
+    st = at;
+    o0 = chunk_o0;
+    o_end = (int)at.o_end;
+    if (!same) scan_rows(true);
   }
 };
 

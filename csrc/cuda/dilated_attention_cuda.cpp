@@ -104,12 +104,13 @@ bool env_tiling(int64_t* R, int64_t* interleaved) {
 }
 
 // The tiling of sequences of up to `rows` rows (every sequence of a packed batch uses its
-// longest's). Every row of a piece is active in its one segment: stride 1, contiguous.
-da_tiling make_tiling(int64_t rows, const Problem& P, bool piece, int64_t rows_per_warp) {
+// longest's) for thread blocks of `warps` warps that own rows. Every row of a piece is active in
+// its one segment: stride 1, contiguous.
+da_tiling make_tiling(int64_t rows, const Problem& P, bool piece, int64_t rows_per_warp, int64_t warps = 4) {
   int64_t R = 1, il = 0;
-  if (env_tiling(&R, &il)) return da_make_tiling(rows, R, il, 4, rows_per_warp);
-  if (piece) return da_make_tiling(rows, 1, 0, 4, rows_per_warp);
-  return da_choose_tiling(rows, &P.branches, P.is_causal ? 1 : 0, 4, rows_per_warp);
+  if (env_tiling(&R, &il)) return da_make_tiling(rows, R, il, warps, rows_per_warp);
+  if (piece) return da_make_tiling(rows, 1, 0, warps, rows_per_warp);
+  return da_choose_tiling(rows, &P.branches, P.is_causal ? 1 : 0, warps, rows_per_warp);
 }
 
 // Rows of one kind (`what`, called `symbol`) must fit the kernels' 32-bit indices.
@@ -263,7 +264,8 @@ void run(int kernel, const Problem& P, const Seqs& S, DType t, Params p, bool us
   const int64_t rows = kernel == cuda::kDkv ? S.max_keys : S.max_len;
   const bool piece = S.piece.nk > 0;
   if (use_tc) {
-    p.tiling = make_tiling(rows, P, piece, 16);
+    const cuda::TcConfig cfg = tc_call(kernel, t, p, prop, false, nullptr);  // 4 warps (sm80) or 8 (sm90)
+    p.tiling = make_tiling(rows, P, piece, cfg.rows_per_warp, cfg.warps);
     TORCH_CHECK(da_num_tiles(&p.tiling) <= std::numeric_limits<int32_t>::max(),
                 "dilated_attention: too many thread blocks for ", rows, " rows");
     const bool tma = env_flag("DILATED_ATTENTION_CUDA_TMA", true);  // a bad value is an error on any GPU

@@ -153,6 +153,52 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Warp specialisation: named barriers and register reallocation                                */
+/* ------------------------------------------------------------------------------------------ */
+
+// Named barrier `id` (1..15) of the `count` threads (whole warps) that use it; returns whether
+// pred holds in any of them.
+__device__ __forceinline__ bool named_barrier_or(int id, int count, bool pred) {
+#if defined(DA_CUDA_EMULATION)
+  return da_emu::named_barrier(id, count, pred) != 0;
+#elif DA_SM90A
+  int out;
+  asm volatile(
+      "{\n"
+      ".reg .pred p, q;\n"
+      "setp.ne.u32 p, %1, 0;\n"
+      "bar.red.or.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n"
+      "}\n"
+      : "=r"(out)
+      : "r"((int)pred), "r"(id), "r"(count)
+      : "memory");
+  return out != 0;
+#else
+  return pred;
+#endif
+}
+
+// Gives back registers (every thread of the warpgroup, the same count) / takes them up to count.
+template <int COUNT>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::setmaxnreg(COUNT);
+#elif DA_SM90A
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(COUNT));
+#endif
+}
+
+template <int COUNT>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::setmaxnreg(COUNT);
+#elif DA_SM90A
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(COUNT));
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* mbarrier and the tensor copy engine (TMA)                                                    */
 /* ------------------------------------------------------------------------------------------ */
 
@@ -179,6 +225,27 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 #elif DA_SM90A
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
                : "memory");
+#endif
+}
+
+// This thread's arrival on bar (release: its earlier shared-memory writes are seen by the threads
+// that wait on the phase).
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::mbar_arrive(bar);
+#elif DA_SM90A
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(bar)) : "memory");
+#endif
+}
+
+// This thread's cp.async copies issued so far complete on bar: its current phase expects one more
+// arrival, made when they have landed. The threads that wait on the phase then execute
+// fence_proxy_async before a wgmma reads the copies.
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::cp_async_mbar_arrive(bar);
+#elif DA_SM90A
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(smem_address(bar)) : "memory");
 #endif
 }
 

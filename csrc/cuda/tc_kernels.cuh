@@ -97,13 +97,13 @@ __device__ __forceinline__ void tc_thread_rows(const da_tiling& tl, int64_t base
   pos[1] = da_row_position(&tl, base, warp, (lane >> 2) + 8);
 }
 
-// The walk of a thread block of 64 rows from `base` (tiling.h), its threads following their two
-// rows: over head h0 (G = 1) or the G query heads from h0 (dk/dv), `other_tile` indices of the other
-// side per step. Block-wide (the walk may synchronise).
-__device__ __forceinline__ Walk<2> tc_walk_start(const Params& p, const da_tiling& tl, int64_t N,
-                                                 int64_t base, int64_t h0, int G, int rows_are,
-                                                 int other_tile, int warp, int lane) {
-  Walk<2> w;
+// A walk over the rows of a thread block from `base` (tiling.h), its thread following the rows of
+// pos: over head h0 (G = 1) or the G query heads from h0 (dk/dv), `other_tile` indices of the other
+// side per step; before its first segment (start or adopt moves it).
+template <int ROWS>
+__device__ __forceinline__ Walk<ROWS> tc_walk_init(const Params& p, const da_tiling& tl, int64_t N, int64_t base,
+                                                   int64_t h0, int G, int rows_are, int other_tile) {
+  Walk<ROWS> w;
   w.N = N;
   w.base = base;
   w.last = da_tile_last(&tl, base, N);
@@ -112,8 +112,18 @@ __device__ __forceinline__ Walk<2> tc_walk_start(const Params& p, const da_tilin
   w.is_causal = p.is_causal;
   w.rows_are = rows_are;
   w.other_tile = other_tile;
+  w.begin(p);
+  return w;
+}
+
+// The walk of a thread block of 64 rows, its threads following their two rows (tc_thread_rows).
+// Block-wide (the walk may synchronise).
+__device__ __forceinline__ Walk<2> tc_walk_start(const Params& p, const da_tiling& tl, int64_t N,
+                                                 int64_t base, int64_t h0, int G, int rows_are,
+                                                 int other_tile, int warp, int lane) {
+  Walk<2> w = tc_walk_init<2>(p, tl, N, base, h0, G, rows_are, other_tile);
   tc_thread_rows(tl, base, warp, lane, w.pos);
-  w.start(p);
+  w.find(p.br);
   return w;
 }
 
@@ -531,12 +541,14 @@ __device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[N
 }
 
 // The lse (base 2; +inf where the query is outside the segment, so that P = 0) and delta of the
-// queries o0 .. o0 + QT - 1 of the walk's current head and segment, into sL[QT] and sDl[QT].
-__device__ __forceinline__ void tc_dkv_load_stats(const Params& p, const Walk<2>& w, int QT, int64_t lse_all,
-                                                  const float* delta_all, double unit, float* sL,
-                                                  float* sDl) {
+// queries o0 .. o0 + QT - 1 of the walk's current head and segment, into sL[QT] and sDl[QT], by
+// the `threads` threads numbered `tid` (the block, or a producer warp).
+template <int ROWS>
+__device__ __forceinline__ void tc_dkv_load_stats(const Params& p, const Walk<ROWS>& w, int QT, int64_t lse_all,
+                                                  const float* delta_all, double unit, float* sL, float* sDl,
+                                                  int tid = threadIdx.x, int threads = kTcThreads) {
   const int64_t h = w.head();
-  for (int jj = threadIdx.x; jj < QT; jj += kTcThreads) {
+  for (int jj = tid; jj < QT; jj += threads) {
     const int j = w.o0 + jj;
     float L = INFINITY, dlt = 0.f, lo;
     if (j < w.o_end) {

@@ -34,7 +34,14 @@
 // mbarriers count arrivals and announced bytes per phase; a tensor copy (cp.async.bulk.tensor,
 // TMA) of a box of up to five dimensions (zeros outside the tensor's dimensions, written
 // swizzled as its map says) completes its bytes on an mbarrier when a thread waits on that
-// barrier (or at once, with eager copies), so that reading a tile before the wait shows.
+// barrier (or at once, with eager copies), so that reading a tile before the wait shows. A
+// thread's cp.async copies can complete on an mbarrier instead (cp.async.mbarrier.arrive: they
+// land when a thread waits there); a thread that passes the wait of such a phase must execute
+// fence.proxy.async before its warpgroup's wgmma reads shared memory.
+//
+// Warp-specialised blocks: up to 384 threads (three warpgroups); named barriers (bar.sync /
+// bar.red.or with an id and a thread count) synchronise a subset of the block; setmaxnreg is a
+// warpgroup collective (its count checked, no effect here).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -63,7 +70,7 @@ static inline int max(int a, int b) {
 
 namespace da_emu {
 
-constexpr int kMaxThreads = 128;
+constexpr int kMaxThreads = 384;
 constexpr size_t kSharedBytes = 232448;  // sm90's opt-in maximum
 // The block's dynamic shared memory starts 16 bytes into its window, as the runtime guarantees
 // no more alignment than that: a kernel that aligns further must budget for it in its size.
@@ -73,7 +80,7 @@ constexpr size_t kStackBytes = 256 * 1024;
 enum Op { kShflXor = 1, kShfl, kAny, kAll, kLdsm, kLdsmT, kMmaF16, kMmaBF16 };
 
 // Warpgroup collectives (sm90).
-enum WgOp { kWgFence = 1, kWgMma, kWgCommit, kWgWait };
+enum WgOp { kWgFence = 1, kWgMma, kWgCommit, kWgWait, kWgSetmaxnreg };
 
 struct Slot {
   int op;
@@ -134,6 +141,7 @@ struct Fiber {
   std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
   std::vector<Copy> open;                 // issued, not yet committed
   bool unfenced = false;                  // cp.async copies landed since the last fence.proxy.async
+  bool observed = false;  // passed an mbarrier phase that cp.async copies completed, not fenced since
 };
 
 // One thread's part of a wgmma.mma_async: its accumulators (read and written when the MMA
@@ -187,6 +195,10 @@ struct Block {
   int bar_arrived = 0;
   unsigned bar_gen = 0;
   int bar_or = 0, bar_or_result = 0;
+  struct Named {  // bar.sync / bar.red.or with a thread count (ids 1..15)
+    int arrived = 0, count = 0, por = 0, result = 0;
+    unsigned gen = 0;
+  } named[16];
   uint64_t progress = 0;
   void* sched_sp = nullptr;
   std::function<void()> body;
@@ -260,6 +272,7 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
   b.block_dim = dim3(nthreads, 1, 1);
   b.bar_arrived = 0;
   b.bar_or = 0;
+  for (auto& n : b.named) n = Block::Named();
   for (auto& w : b.warps) w.arrived = 0;
   for (auto& g : b.warpgroups) {
     g.arrived = 0;
@@ -277,6 +290,7 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
     f.groups.clear();
     f.open.clear();
     f.unfenced = false;
+    f.observed = false;
 #if DA_EMU_FAST_SWITCH
     f.sp = initial_sp(f.stack);
 #else
@@ -314,6 +328,8 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
       for (const auto& g : b.warpgroups)
         if (!g.open.empty() || !g.groups.empty()) fail("a block ended with wgmma operations not waited for");
       if (!mbars_idle()) fail("a block ended with tensor copies that no thread waited for");
+      for (const auto& n : b.named)
+        if (n.arrived) fail("a block ended with threads waiting at a named barrier");
       break;
     }
     if (b.progress == before) fail("deadlock: every thread waits at a barrier that nobody completes");
@@ -335,6 +351,29 @@ inline int barrier(int pred) {
     while (b.bar_gen == gen) yield();
   }
   return b.bar_or_result;
+}
+
+// Named barrier `id` (1..15) of `count` threads (a multiple of 32, the same in every arrival of a
+// generation); returns the OR of pred over them.
+inline int named_barrier(int id, int count, int pred) {
+  Block& b = block();
+  if (id < 1 || id > 15) fail("named barrier: an id outside 1..15");
+  if (count <= 0 || count % 32 || count > b.nthreads) fail("named barrier: a thread count that is not a multiple of 32");
+  Block::Named& n = b.named[id];
+  if (n.arrived == 0) n.count = count;
+  if (n.count != count) fail("named barrier: threads gave different thread counts");
+  const unsigned gen = n.gen;
+  n.por |= pred ? 1 : 0;
+  if (++n.arrived == n.count) {
+    n.arrived = 0;
+    n.result = n.por;
+    n.por = 0;
+    n.gen++;
+    b.progress++;
+  } else {
+    while (n.gen == gen) yield();
+  }
+  return n.result;
 }
 
 inline float bits_to_float(uint16_t h, bool bf16) {
@@ -545,6 +584,7 @@ inline uint32_t shared_address(const void* p) {
 
 inline void fence_proxy_async() {
   self().unfenced = false;
+  self().observed = false;
 }
 
 // The byte address of element (mn, k) of a wgmma operand (mn: the row of A or the column of B;
@@ -638,6 +678,11 @@ inline void warpgroup_collective(const WgPost& mine) {
     if (g.post[i].op != z.op) fail("divergent warpgroup: threads issued different wgmma instructions");
   switch (z.op) {
     case kWgFence: break;
+    case kWgSetmaxnreg:
+      for (int i = 0; i < 128; ++i)
+        if (g.post[i].arg != z.arg) fail("setmaxnreg: threads of the warpgroup gave different counts");
+      if (z.arg < 24 || z.arg > 256 || z.arg % 8) fail("setmaxnreg: a count outside 24..256 or not a multiple of 8");
+      break;
     case kWgMma: {
       for (int i = 0; i < 128; ++i) {
         const WgPost& o = g.post[i];
@@ -645,8 +690,13 @@ inline void warpgroup_collective(const WgPost& mine) {
             o.scale_d != z.scale_d || o.desc_b != z.desc_b || (!z.a_regs && o.desc_a != z.desc_a))
           fail("wgmma: threads of the warpgroup gave different operands");
       }
-      for (const Fiber& f : b.fibers)
+      for (int i = 0; i < 128; ++i) {  // the warpgroup's threads
+        const Fiber& f = b.fibers[128 * (t / 128) + i];
         if (f.unfenced) fail("wgmma reads shared memory that cp.async wrote without a fence.proxy.async");
+        if (f.observed)
+          fail("wgmma reads shared memory that cp.async wrote (completing on an mbarrier) without a "
+               "fence.proxy.async after the wait");
+      }
       WgMma op;
       memcpy(op.t, g.post, sizeof(op.t));
       g.open.push_back(op);
@@ -675,6 +725,10 @@ inline void wgmma_simple(int op, int arg) {
   p.op = op;
   p.arg = arg;
   warpgroup_collective(p);
+}
+
+inline void setmaxnreg(int count) {
+  wgmma_simple(kWgSetmaxnreg, count);
 }
 
 // wgmma.mma_async m64n{n}k16, f32 += f16/bf16: acc has n / 2 floats; A from registers (a, when
@@ -717,7 +771,10 @@ struct Mbar {
   int expected = 0, pending = 0;
   int64_t tx = 0;
   int phase = 0;
-  std::vector<TmaCopy> copies;  // issued, not landed
+  std::vector<TmaCopy> copies;              // issued, not landed
+  std::vector<std::vector<Copy>> generic;   // cp.async copies of a thread each, arriving when landed
+  bool cur_generic = false;                 // cp.async copies complete in the current phase
+  bool last_generic = false;                // ... in the last completed phase
 };
 
 inline std::vector<std::pair<uint32_t, Mbar>>& mbars() {  // by shared-memory address, this block's
@@ -731,7 +788,7 @@ inline void mbars_reset() {
 
 inline bool mbars_idle() {
   for (const auto& e : mbars())
-    if (!e.second.copies.empty()) return false;
+    if (!e.second.copies.empty() || !e.second.generic.empty()) return false;
   return true;
 }
 
@@ -759,6 +816,8 @@ inline void mbar_init(void* bar, int count) {
 inline void mbar_complete_if_done(Mbar& m) {
   if (m.pending < 0 || m.tx < 0) fail("mbarrier: more arrivals or bytes than its phase expects");
   if (m.pending == 0 && m.tx == 0) {
+    m.last_generic = m.cur_generic;
+    m.cur_generic = false;
     m.phase ^= 1;
     m.pending = m.expected;
     block().progress++;
@@ -804,6 +863,47 @@ inline void mbar_arrive_expect_tx(void* bar, uint32_t bytes) {
   mbar_complete_if_done(m);
 }
 
+// A plain arrival.
+inline void mbar_arrive(void* bar) {
+  Mbar& m = mbar(bar);
+  m.pending -= 1;
+  mbar_complete_if_done(m);
+}
+
+// The arrival of one thread's cp.async copies (each 16 bytes or zero-filled).
+inline void land_generic(Mbar& m, const std::vector<Copy>& batch) {
+  for (const Copy& c : batch) {
+    if (c.src)
+      memcpy(c.dst, c.src, 16);
+    else
+      memset(c.dst, 0, 16);
+  }
+  m.pending -= 1;
+  mbar_complete_if_done(m);
+}
+
+// cp.async.mbarrier.arrive (without .noinc): this thread's cp.async copies so far, committed or
+// not, arrive on bar once they have landed (the phase expects one more arrival until then). With
+// eager copies they landed at issue.
+inline void cp_async_mbar_arrive(void* bar) {
+  Fiber& f = self();
+  Mbar& m = mbar(bar);
+  std::vector<Copy> batch;
+  for (const auto& g : f.groups) batch.insert(batch.end(), g.begin(), g.end());
+  batch.insert(batch.end(), f.open.begin(), f.open.end());
+  f.groups.clear();
+  f.open.clear();
+  f.unfenced = false;  // (eager copies) the threads that wait on bar fence them
+  m.cur_generic = true;
+  m.pending += 1;
+  if (batch.empty() || options().eager_copies) {
+    m.pending -= 1;
+    mbar_complete_if_done(m);
+  } else {
+    m.generic.push_back(batch);
+  }
+}
+
 inline void tma_load(void* dst, const void* map, const int32_t (&c)[5], void* bar) {
   TmaCopy cp;
   cp.dst = (unsigned char*)dst;
@@ -824,7 +924,14 @@ inline void mbar_wait(void* bar, uint32_t parity) {
     std::vector<TmaCopy> copies;
     copies.swap(m.copies);
     for (const TmaCopy& cp : copies) tma_land(mbar(bar), cp);
-    if ((uint32_t)mbar(bar).phase != (parity & 1)) return;
+    std::vector<std::vector<Copy>> generic;
+    generic.swap(mbar(bar).generic);
+    for (const auto& batch : generic) land_generic(mbar(bar), batch);
+    Mbar& n = mbar(bar);
+    if ((uint32_t)n.phase != (parity & 1)) {
+      if (n.last_generic) self().observed = true;
+      return;
+    }
     yield();
   }
 }

@@ -52,13 +52,13 @@ Tensor4 contiguous4(void* data, int64_t N, int64_t H, int64_t D) {
 }
 
 template <typename Kernel>
-void run_grid(Kernel kernel, dim3 grid, size_t smem, const Params& p) {
+void run_grid(Kernel kernel, dim3 grid, size_t smem, const Params& p, int threads = 128) {
   if (smem > da_emu::kSharedBytes - da_emu::kDynamicOffset)
     da_emu::fail("kernel needs more shared memory than sm90 has");
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x)
-        da_emu::run_block(grid, dim3(x, y, z), 128, [&] { kernel(p); }, smem);
+        da_emu::run_block(grid, dim3(x, y, z), threads, [&] { kernel(p); }, smem);
 }
 
 // Whether the sm90 kernels get tensor maps (da_emu_tma): with them every chunk that a map reaches
@@ -89,7 +89,7 @@ void run_grid90(Kernel kernel, int pass, int box_rows, dim3 grid, size_t smem, c
   TmaMaps maps;
   maps.count = 0;
   if (tma_on()) tc90_maps<L>(&maps, pass, p, box_rows, emu_encode);
-  run_grid([&](const Params& q) { kernel(q, maps); }, grid, smem, p);
+  run_grid([&](const Params& q) { kernel(q, maps); }, grid, smem, p, kTc90Threads);
 }
 
 struct Problem4 {
@@ -175,6 +175,7 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
     for (size_t i = 0; i + 1 < cu.size(); ++i) tile_rows = std::max<int64_t>(tile_rows, cu[i + 1] - cu[i]);
   }
   const int64_t rpw = P.family != 1 ? 16 : P.rows_per_warp;
+  const int64_t warps = P.family == 2 ? kTc90Warps : 4;  // the sm90 blocks own 8 warps of rows
   if (P.family != 1 && (P.dtype > 1 || P.D < 32 || P.D > 256 || P.D % 8)) {
     snprintf(err, errlen, "the tensor-core kernels take float16/bfloat16 and D in 32..256, D %% 8 == 0");
     return 1;
@@ -184,10 +185,10 @@ int setup(const Problem4& P, Params* p, char* err, int errlen) {
     return 1;
   }
   if (piece().nk > 0)
-    p->tiling = da_make_tiling(tile_rows, P.R > 0 ? P.R : 1, P.R > 0 ? P.interleaved : 0, 4, rpw);
+    p->tiling = da_make_tiling(tile_rows, P.R > 0 ? P.R : 1, P.R > 0 ? P.interleaved : 0, warps, rpw);
   else
-    p->tiling = P.R > 0 ? da_make_tiling(tile_rows, P.R, P.interleaved, 4, rpw)
-                        : da_choose_tiling(tile_rows, &P.br, P.causal, 4, rpw);
+    p->tiling = P.R > 0 ? da_make_tiling(tile_rows, P.R, P.interleaved, warps, rpw)
+                        : da_choose_tiling(tile_rows, &P.br, P.causal, warps, rpw);
   p->other_tile = (int)P.other_tile;
   return 0;
 }
