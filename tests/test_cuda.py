@@ -765,6 +765,68 @@ def test_emulated_sm90_kernels_without_tensor_maps(emu, is_causal):
         emu.da_emu_tma(1)
 
 
+@pytest.fixture(scope="module")
+def emu_pipeline(tmp_path_factory):
+    """The warp-specialised pattern of the sm90 kernels in small blocks
+    (csrc/cuda/emulation/run_pipeline.cpp)."""
+    so = build_emulation("run_pipeline", tmp_path_factory.mktemp("emu_pipe"))
+    so.da_emu_pipeline.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return so
+
+
+def _pipeline_operands():
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(64, 16, generator=gen).to(torch.float16)
+    b = torch.randn(16, 16, generator=gen).to(torch.float16)
+    return a, b, a.double() @ b.double().T
+
+
+def test_emulated_pipeline_producer_to_consumer(emu_pipeline):
+    """A producer warp's cp.async copies completing on an mbarrier, a consumer warpgroup waiting,
+    fencing and reading them with wgmma: the product against float64."""
+    a, b, ref = _pipeline_operands()
+    c = torch.full((64, 16), float("nan"), dtype=torch.float32)
+    assert emu_pipeline.da_emu_pipeline(0, a.data_ptr(), b.data_ptr(), c.data_ptr()) == 0
+    torch.testing.assert_close(c.double(), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_emulated_pipeline_read_before_the_wait_shows(emu_pipeline):
+    """Reading the tile before waiting on its mbarrier reads what was there before the copies (the
+    emulation lands them at the wait): the product is wrong, so a kernel that forgets the wait
+    fails the tests."""
+    a, b, ref = _pipeline_operands()
+    c = torch.zeros((64, 16), dtype=torch.float32)
+    emu_pipeline.da_emu_pipeline(2, a.data_ptr(), b.data_ptr(), c.data_ptr())
+    assert not torch.allclose(c.double(), ref, rtol=1e-3, atol=1e-3, equal_nan=False)
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        (1, "without a fence.proxy.async after the wait"),
+        (3, "threads gave different thread counts"),
+        (4, "setmaxnreg: a count outside"),
+        (5, "deadlock"),
+    ],
+    ids=["no-fence-after-wait", "named-barrier-counts", "setmaxnreg-count", "missing-arrival"],
+)
+def test_emulated_pipeline_rules(emu_pipeline, case, message):
+    """The emulation aborts, naming the rule, where the warp-specialised pattern breaks one: no
+    fence.proxy.async between the wait for cp.async copies and the wgmma that reads them, a named
+    barrier whose threads disagree on its count, setmaxnreg with a count that is not a multiple of
+    8, a producer lane that never arrives (the consumers would hang on a GPU)."""
+    code = (
+        "import ctypes, sys\n"
+        f"so = ctypes.CDLL({emu_pipeline._name!r})\n"
+        "so.da_emu_pipeline.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3\n"
+        "a = (ctypes.c_uint16 * 1024)(); b = (ctypes.c_uint16 * 256)(); c = (ctypes.c_float * 1024)()\n"
+        f"so.da_emu_pipeline({case}, a, b, c)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode != 0, "the broken pattern ran to the end"
+    assert message in res.stderr, res.stderr[-2000:]
+
+
 @pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates,tiling", EMU_CONFIGS)
 def test_emulated_simt_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling):
     """The SIMT kernels (float32), run on the CPU, with several rows per warp and chunk sizes."""

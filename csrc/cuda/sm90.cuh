@@ -119,7 +119,9 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
-// Keeps the compiler from moving reads or writes of an accumulator across a wgmma wait.
+// Keeps the compiler from moving reads or writes of an accumulator (or of A fragments) across a
+// wgmma wait, or register moves into them between wgmma_fence and the MMAs (ptxas would then
+// insert a fence of its own, C7519): called after each wait and before each wgmma_fence.
 template <int NT>
 __device__ __forceinline__ void wgmma_fence_operands(float (&d)[NT][4]) {
 #if !defined(DA_CUDA_EMULATION) && DA_SM90A
@@ -127,6 +129,16 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[NT][4]) {
   for (int i = 0; i < NT; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+#endif
+}
+
+template <int NT>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[NT][4]) {
+#if !defined(DA_CUDA_EMULATION) && DA_SM90A
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
 #endif
 }
 
@@ -173,7 +185,7 @@ __device__ __forceinline__ bool named_barrier_or(int id, int count, bool pred) {
       : "=r"(out)
       : "r"((int)pred), "r"(id), "r"(count)
       : "memory");
-  return out != 0;
+  return __shfl_sync(DA_FULL_MASK, out, 0) != 0;  // (the compiler then knows it uniform in the warp)
 #else
   return pred;
 #endif

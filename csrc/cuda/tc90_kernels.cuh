@@ -54,8 +54,10 @@ constexpr int kTc90Threads = 128 * (1 + kTc90Consumers);   // and the producer w
 constexpr int kTc90Warps = 4 * kTc90Consumers;             // warps that own rows (the tiling's)
 constexpr int kTc90Rows = kTcRows * kTc90Consumers;        // rows per block
 constexpr int kTc90Stages = 4;
-// Registers per thread after setmaxnreg: 128 * 40 + 256 * 232 = 64512 of the SM's 65536.
-constexpr int kTc90ProducerRegs = 40, kTc90ConsumerRegs = 232;
+// Registers per thread after setmaxnreg, within the launch's 384 x 168 = 64512: 128 x 104 + 256 x 200.
+// The producer's walk (64-bit index arithmetic over four rows a lane) spills below about 100; the
+// consumers of every pass and head dim fit in 200 (scripts/check_sm90a.sh).
+constexpr int kTc90ProducerRegs = 104, kTc90ConsumerRegs = 200;
 
 // One chunk that the producer publishes in a stage: the walk's position and the chunk's first
 // index of the other side; flags: the walk has ended (no chunk), the tiles came by tensor copies.
@@ -80,7 +82,7 @@ struct Tc90FwdCfg {
   // Q of each consumer, K and V of each stage, the pipe; + 1024: the tiles start on a 1024-byte
   // boundary of the dynamic shared memory.
   static constexpr int SMEM =
-      kTc90Consumers * Q_BYTES + kTc90Stages * 2 * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
+      kTc90Consumers * Q_BYTES + (2 * kTc90Stages + 1) * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
 };
 
 template <int DP>
@@ -90,7 +92,7 @@ struct Tc90DqCfg {
   static constexpr int KT = DP <= 64 ? 64 : (DP <= 128 ? 32 : 16);
   static constexpr int ROW_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;
   static constexpr int SMEM =
-      kTc90Consumers * 2 * ROW_BYTES + kTc90Stages * 2 * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
+      kTc90Consumers * 2 * ROW_BYTES + (2 * kTc90Stages + 1) * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
 };
 
 template <int DP>
@@ -103,7 +105,7 @@ struct Tc90DkvCfg {
   static constexpr int PW = DP % 64 == 0 && DC % 64 == 0 ? 64 : 32;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, Q_BYTES = QT * DP * 2;
   // + the queries' lse and delta of each stage
-  static constexpr int SMEM = kTc90Consumers * 2 * ROW_BYTES + kTc90Stages * 2 * Q_BYTES +
+  static constexpr int SMEM = kTc90Consumers * 2 * ROW_BYTES + (2 * kTc90Stages + 1) * Q_BYTES +
                               kTc90Stages * 2 * QT * (int)sizeof(float) + (int)sizeof(Tc90Pipe) + 1024;
 };
 
@@ -275,7 +277,7 @@ struct Tc90Reader {
     mbar_wait(&pipe->full[stage], (parity >> stage) & 1);
     parity ^= 1u << stage;
     const Tc90Chunk& c = pipe->slot[stage];
-    const int flags = c.flags;
+    const int flags = __shfl_sync(DA_FULL_MASK, c.flags, 0);  // (known uniform: the loop holds MMAs)
     if (flags & kTc90Done) return false;
     cur.adopt(c.at, c.o0);
     if (!(flags & kTc90Tma)) fence_proxy_async();
@@ -329,16 +331,26 @@ __device__ __forceinline__ void tc90_issue_pb(float (&acc)[CT][4], const uint32_
 
 // A product acc += P B whose MMAs are deferred to the next chunk's (the overlap of the kernels
 // below): P's A fragments. They must not change until the MMAs issued from them are waited for.
-// The caller keeps the stage of B's tile.
+// The caller keeps the stage of B's tile. Every step issues a deferred product, so that the
+// kernels' MMAs are not under conditions (ptxas serialises the MMAs of a loop whose products are
+// conditional, C7514): where none is pending (the first chunk, or after a chunk summed on CUDA
+// cores) the fragments are zero and B the block's zero tile, which adds exact zeros.
 template <typename T, typename L, int NT, int CT>
 struct Tc90Deferred {
   uint32_t a[NT / 2][4];
   bool pending = false;
 
-  // Issues the pending product (after the caller's wgmma_fence; the caller commits), B the rows
-  // of `tile`, columns from c0.
-  __device__ __forceinline__ void issue(float (&acc)[CT][4], const T* tile, int c0) const {
-    if (pending) tc90_issue_pb<T, L, NT, CT>(acc, a, tile, c0);
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) a[kk][0] = a[kk][1] = a[kk][2] = a[kk][3] = 0u;
+    pending = false;
+  }
+  // Pins the fragments in their registers (before the caller's wgmma_fence).
+  __device__ __forceinline__ void pin() { wgmma_fence_operands(a); }
+  // Issues the product (after the caller's wgmma_fence; the caller commits): B the rows of `tile`
+  // where one is pending, else of `zero`; columns from c0.
+  __device__ __forceinline__ void issue(float (&acc)[CT][4], const T* tile, const T* zero, int c0) const {
+    tc90_issue_pb<T, L, NT, CT>(acc, a, pending ? tile : zero, c0);
   }
   // A chunk's product with its tile B: summed on CUDA cores now, where a masked pair meets an inf
   // or NaN of the tile anywhere in the warpgroup (the MMA would spread 0 * inf to the rows of every
@@ -346,9 +358,9 @@ struct Tc90Deferred {
   // been waited for.
   __device__ __forceinline__ void take(float (&acc)[CT][4], const float (&P)[NT][4], const T* tile, int c0,
                                        bool need_mask, int lane, int64_t D, int bar) {
-    pending = false;
     if (named_barrier_or(bar, 128, need_mask && tc_tile_nonfinite<T, L::DP, L::DP>(tile, 8 * NT, lane))) {
       tc90_gemm_pb_cuda_cores<T, L, NT, CT>(acc, P, tile, c0, lane, D);
+      clear();
     } else {
 #pragma unroll
       for (int kk = 0; kk < NT / 2; ++kk) c_to_a<T>(a[kk], P[2 * kk], P[2 * kk + 1]);
@@ -358,8 +370,10 @@ struct Tc90Deferred {
   // The last deferred product, issued and waited for.
   __device__ __forceinline__ void flush(float (&acc)[CT][4], const T* tile, int c0) {
     if (!pending) return;
+    pin();
+    wgmma_fence_operands(acc);
     wgmma_fence();
-    issue(acc, tile, c0);
+    tc90_issue_pb<T, L, NT, CT>(acc, a, tile, c0);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(acc);
@@ -367,14 +381,30 @@ struct Tc90Deferred {
   }
 };
 
+// Zeroes the block's zero tile (`bytes`, by all its threads, before the roles split: the barrier of
+// tc90_role follows), fenced for the MMAs.
+__device__ __forceinline__ void tc90_zero_tile(void* tile, int bytes) {
+  uint4* t = reinterpret_cast<uint4*>(tile);
+  for (int i = threadIdx.x; i < bytes / 16; i += kTc90Threads) t[i] = make_uint4(0u, 0u, 0u, 0u);
+  fence_proxy_async();
+}
+
 // The roles of a block's threads, after its barriers are set up: warpgroup 0 produces (only its
-// warp 0 works), 1 and 2 consume.
+// warp 0 works), 1 and 2 consume. Each role's code starts with its setmaxnreg (tc90_producer_regs,
+// tc90_consumer_regs), which must dominate it: ptxas gives the code after it that many registers.
 struct Tc90Role {
   int g;     // consumer warpgroup (0, 1), or -1 for the producer warpgroup
   int wtid;  // thread in its warpgroup
   int warp;  // warp in its warpgroup
   int lane;
 };
+
+__device__ __forceinline__ void tc90_producer_regs() {
+  setmaxnreg_dec<kTc90ProducerRegs>();
+}
+__device__ __forceinline__ void tc90_consumer_regs() {
+  setmaxnreg_inc<kTc90ConsumerRegs>();
+}
 
 __device__ __forceinline__ Tc90Role tc90_role(Tc90Pipe* pipe) {
   if (threadIdx.x == 0) {
@@ -385,13 +415,11 @@ __device__ __forceinline__ Tc90Role tc90_role(Tc90Pipe* pipe) {
     fence_barrier_init();
   }
   __syncthreads();
-  const int wg = threadIdx.x / 128;
-  Tc90Role r{wg - 1, (int)threadIdx.x % 128, ((int)threadIdx.x % 128) >> 5, (int)threadIdx.x & 31};
-  if (wg == 0)
-    setmaxnreg_dec<kTc90ProducerRegs>();
-  else
-    setmaxnreg_inc<kTc90ConsumerRegs>();
-  return r;
+  // The warpgroup and warp indices broadcast from lane 0, so that the compiler knows them uniform in
+  // each warp (the roles' branches do not diverge; a wgmma in a divergent path is serialised).
+  const int wg = __shfl_sync(DA_FULL_MASK, (int)threadIdx.x / 128, 0);
+  const int warp = __shfl_sync(DA_FULL_MASK, ((int)threadIdx.x % 128) >> 5, 0);
+  return Tc90Role{wg - 1, (int)threadIdx.x % 128, warp, (int)threadIdx.x & 31};
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -409,17 +437,20 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));                            // [consumer][64 rows]
   T* sK = sQ + kTc90Consumers * kTcRows * DP;                                   // [stage][KT rows]
   T* sV = sK + kTc90Stages * KT * DP;                                           // [stage][KT rows]
-  Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sV + kTc90Stages * KT * DP);
+  T* sZ = sV + kTc90Stages * KT * DP;                                           // [KT rows] of zeros
+  Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sZ + KT * DP);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
   const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
+  tc90_zero_tile(sZ, KT * DP * 2);
   const Tc90Role role = tc90_role(pipe);
   const int lane = role.lane, tq = lane & 3;
 
   if (role.g < 0) {  // the producer: K and V of each chunk
+    tc90_producer_regs();
     if (role.warp != 0) return;
     Walk<4> w = tc90_producer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
     tc90_produce(
@@ -431,6 +462,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     return;
   }
 
+  tc90_consumer_regs();
   const int g = role.g, bar = 1 + g;
   T* sQg = sQ + g * kTcRows * DP;
   tc90_load_group_rows<T, L>(sQg, p.q, sq, h, tl, base, p.D, g, role.wtid);
@@ -448,43 +480,36 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   // previous chunk's P until then, its tiles in pv_stage (released once it has run).
   int pv_stage = 0;
   float S[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
   Tc90Deferred<T, L, NT, DT> pv;
+  pv.clear();
   Tc90Reader rd;
   while (rd.next(pipe, cur)) {
     const int stage = rd.stage;
-    const bool skip = cur.skip_chunk();
-    const bool work = named_barrier_or(bar, 128, !skip);  // some warp of the warpgroup has work
+    // A warp with no active pair in the chunk masks all of it (its probabilities are 0: the
+    // chunk changes nothing in its rows); the warpgroup computes every chunk the block has.
+    const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();
     const T* sKs = sK + stage * KT * DP;
     const T* sVs = sV + stage * KT * DP;
+    wgmma_fence_operands(S);
+    wgmma_fence_operands(O);
+    pv.pin();
     wgmma_fence();
-    if (work) {
-      tc90_gemm_abt<T, L, KT>(S, sQg, sKs);
-      wgmma_commit();
-    }
-    if (pv.pending) {
-      pv.issue(O, sV + pv_stage * KT * DP, 0);
-      wgmma_commit();
-    }
-    float corr[2] = {1.f, 1.f};
-    bool need_mask = false;
-    if (work) {
-      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
-      if (pv.pending)
-        wgmma_wait<1>();  // S (the older group); the previous P V may still run
-      else
-        wgmma_wait<0>();
-      wgmma_fence_operands(S);
-      need_mask = skip || cur.chunk_needs_mask();
-      tc_fwd_probs<NT, DROPOUT>(S, m, l, cur, need_mask, sl2, tq, p, keep, corr);
-    }
+    tc90_gemm_abt<T, L, KT>(S, sQg, sKs);
+    wgmma_commit();
+    pv.issue(O, sV + pv_stage * KT * DP, sZ, 0);
+    wgmma_commit();
+    const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
+    wgmma_wait<1>();  // S (the older group); the previous P V may still run
+    wgmma_fence_operands(S);
+    float corr[2];
+    tc_fwd_probs<NT, DROPOUT>(S, m, l, cur, need_mask, sl2, tq, p, keep, corr);
     wgmma_wait<0>();  // the previous P V: O is complete, its stage read
     wgmma_fence_operands(O);
     if (pv.pending) tc90_release(pipe, pv_stage);
-    pv.pending = false;
-    if (work) {
-      tc_rescale<DT>(O, corr);
-      pv.take(O, S, sVs, 0, need_mask, lane, p.D, bar);
-    }
+    tc_rescale<DT>(O, corr);
+    pv.take(O, S, sVs, 0, need_mask, lane, p.D, bar);
     if (pv.pending)
       pv_stage = stage;
     else
@@ -512,17 +537,20 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sdO = sQ + kTc90Consumers * kTcRows * DP;                                  // [consumer][64 rows]
   T* sK = sdO + kTc90Consumers * kTcRows * DP;                                  // [stage][KT rows]
   T* sV = sK + kTc90Stages * KT * DP;                                           // [stage][KT rows]
-  Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sV + kTc90Stages * KT * DP);
+  T* sZ = sV + kTc90Stages * KT * DP;                                           // [KT rows] of zeros
+  Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sZ + KT * DP);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
   const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
+  tc90_zero_tile(sZ, KT * DP * 2);
   const Tc90Role role = tc90_role(pipe);
   const int lane = role.lane, tq = lane & 3;
 
   if (role.g < 0) {  // the producer: K and V of each chunk
+    tc90_producer_regs();
     if (role.warp != 0) return;
     Walk<4> w = tc90_producer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
     tc90_produce(
@@ -534,6 +562,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     return;
   }
 
+  tc90_consumer_regs();
   const int g = role.g, bar = 1 + g;
   T* sQg = sQ + g * kTcRows * DP;
   T* sdOg = sdO + g * kTcRows * DP;
@@ -554,41 +583,38 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   // that chunk's dS is computed (which does not touch dQ).
   int pv_stage = 0;
   float S[NT][4], dP[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
+    dP[nt][0] = dP[nt][1] = dP[nt][2] = dP[nt][3] = 0.f;
+  }
   Tc90Deferred<T, L, NT, DT> pv;
+  pv.clear();
   Tc90Reader rd;
   while (rd.next(pipe, cur)) {
     const int stage = rd.stage;
-    const bool skip = cur.skip_chunk();
-    const bool work = named_barrier_or(bar, 128, !skip);
+    const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();  // (as the forward)
     const T* sKs = sK + stage * KT * DP;
     const T* sVs = sV + stage * KT * DP;
+    wgmma_fence_operands(S);
+    wgmma_fence_operands(dP);
+    wgmma_fence_operands(dQ);
+    pv.pin();
     wgmma_fence();
-    if (work) {
-      tc90_gemm_abt<T, L, KT>(S, sQg, sKs);
-      tc90_gemm_abt<T, L, KT>(dP, sdOg, sVs);
-      wgmma_commit();
-    }
-    if (pv.pending) {
-      pv.issue(dQ, sK + pv_stage * KT * DP, 0);
-      wgmma_commit();
-    }
-    bool need_mask = false;
-    if (work) {
-      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
-      if (pv.pending)
-        wgmma_wait<1>();  // S and dP (the older group); the previous dS K may still run
-      else
-        wgmma_wait<0>();
-      wgmma_fence_operands(S);
-      wgmma_fence_operands(dP);
-      need_mask = skip || cur.chunk_needs_mask();
-      tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
-    }
+    tc90_gemm_abt<T, L, KT>(S, sQg, sKs);
+    tc90_gemm_abt<T, L, KT>(dP, sdOg, sVs);
+    wgmma_commit();
+    pv.issue(dQ, sK + pv_stage * KT * DP, sZ, 0);
+    wgmma_commit();
+    const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
+    wgmma_wait<1>();  // S and dP (the older group); the previous dS K may still run
+    wgmma_fence_operands(S);
+    wgmma_fence_operands(dP);
+    tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
     wgmma_wait<0>();  // the previous dS K: dQ is complete, the fragments free, its stage read
     wgmma_fence_operands(dQ);
     if (pv.pending) tc90_release(pipe, pv_stage);
-    pv.pending = false;
-    if (work) pv.take(dQ, S, sKs, 0, need_mask, lane, p.D, bar);
+    pv.take(dQ, S, sKs, 0, need_mask, lane, p.D, bar);
     if (pv.pending)
       pv_stage = stage;
     else
@@ -616,7 +642,8 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sV = sK + kTc90Consumers * kTcRows * DP;                            // [consumer][64 rows]
   T* sQ = sV + kTc90Consumers * kTcRows * DP;                            // [stage][QT rows]
   T* sdO = sQ + kTc90Stages * QT * DP;                                   // [stage][QT rows]
-  float* sL = reinterpret_cast<float*>(sdO + kTc90Stages * QT * DP);     // [stage][QT] lse, log2 domain
+  T* sZ = sdO + kTc90Stages * QT * DP;                                   // [QT rows] of zeros
+  float* sL = reinterpret_cast<float*>(sZ + QT * DP);                    // [stage][QT] lse, log2 domain
   float* sDl = sL + kTc90Stages * QT;                                    // [stage][QT] delta
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sDl + kTc90Stages * QT);
 
@@ -626,11 +653,13 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
+  tc90_zero_tile(sZ, QT * DP * 2);
   const Tc90Role role = tc90_role(pipe);
   const int lane = role.lane, tq = lane & 3;
   const float sl2 = (float)(p.scale * DA_LOG2E);
 
   if (role.g < 0) {  // the producer: q and dout of each chunk, the queries' lse and delta
+    tc90_producer_regs();
     if (role.warp != 0) return;
     const int64_t lse_all = b * p.Hq * p.N + sq.start;
     const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N + sq.start;
@@ -646,6 +675,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     return;
   }
 
+  tc90_consumer_regs();
   const int g = role.g, bar = 1 + g;
   T* sKg = sK + g * kTcRows * DP;
   T* sVg = sV + g * kTcRows * DP;
@@ -666,46 +696,44 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   // and dP^T and run while that chunk's P^T and dS^T are computed.
   int pv_stage = 0;
   float St[NT][4], dPt[NT][4];  // (the warpgroup's 64 keys) x (QT queries)
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    St[nt][0] = St[nt][1] = St[nt][2] = St[nt][3] = 0.f;
+    dPt[nt][0] = dPt[nt][1] = dPt[nt][2] = dPt[nt][3] = 0.f;
+  }
   Tc90Deferred<T, L, NT, CT> pv_v, pv_k;
+  pv_v.clear();
+  pv_k.clear();
   Tc90Reader rd;
   while (rd.next(pipe, cur)) {
     const int stage = rd.stage;
-    const bool skip = cur.skip_chunk();
-    const bool work = named_barrier_or(bar, 128, !skip);
+    const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();  // (as the forward)
     const T* sQs = sQ + stage * QT * DP;
     const T* sdOs = sdO + stage * QT * DP;
+    wgmma_fence_operands(St);
+    wgmma_fence_operands(dPt);
+    wgmma_fence_operands(dV);
+    wgmma_fence_operands(dK);
+    pv_v.pin();
+    pv_k.pin();
     wgmma_fence();
-    if (work) {
-      tc90_gemm_abt<T, L, QT>(St, sKg, sQs);
-      tc90_gemm_abt<T, L, QT>(dPt, sVg, sdOs);
-      wgmma_commit();
-    }
-    const bool pv = pv_v.pending || pv_k.pending;
-    pv_v.issue(dV, sdO + pv_stage * QT * DP, c0);
-    pv_k.issue(dK, sQ + pv_stage * QT * DP, c0);
-    if (pv) wgmma_commit();
-    bool need_mask = false;
-    if (work) {
-      const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + cur.head(), sq.start, tq) : 0u;
-      if (pv)
-        wgmma_wait<1>();  // S^T and dP^T (the older group); the previous products may still run
-      else
-        wgmma_wait<0>();
-      wgmma_fence_operands(St);
-      wgmma_fence_operands(dPt);
-      need_mask = skip || cur.chunk_needs_mask();
-      tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sDl + stage * QT, tq, p,
-                                 keep);
-    }
+    tc90_gemm_abt<T, L, QT>(St, sKg, sQs);
+    tc90_gemm_abt<T, L, QT>(dPt, sVg, sdOs);
+    wgmma_commit();
+    pv_v.issue(dV, sdO + pv_stage * QT * DP, sZ, c0);
+    pv_k.issue(dK, sQ + pv_stage * QT * DP, sZ, c0);
+    wgmma_commit();
+    const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + cur.head(), sq.start, tq) : 0u;
+    wgmma_wait<1>();  // S^T and dP^T (the older group); the previous products may still run
+    wgmma_fence_operands(St);
+    wgmma_fence_operands(dPt);
+    tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sDl + stage * QT, tq, p, keep);
     wgmma_wait<0>();  // the previous products: dV and dK complete, the fragments free, their stage read
     wgmma_fence_operands(dV);
     wgmma_fence_operands(dK);
-    if (pv) tc90_release(pipe, pv_stage);
-    pv_v.pending = pv_k.pending = false;
-    if (work) {
-      pv_v.take(dV, St, sdOs, c0, need_mask, lane, p.D, bar);
-      pv_k.take(dK, dPt, sQs, c0, need_mask, lane, p.D, bar);
-    }
+    if (pv_v.pending || pv_k.pending) tc90_release(pipe, pv_stage);
+    pv_v.take(dV, St, sdOs, c0, need_mask, lane, p.D, bar);
+    pv_k.take(dK, dPt, sQs, c0, need_mask, lane, p.D, bar);
     if (pv_v.pending || pv_k.pending)
       pv_stage = stage;
     else
