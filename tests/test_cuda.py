@@ -822,7 +822,9 @@ def test_emulated_pipeline_rules(emu_pipeline, case, message):
         "a = (ctypes.c_uint16 * 1024)(); b = (ctypes.c_uint16 * 256)(); c = (ctypes.c_float * 1024)()\n"
         f"so.da_emu_pipeline({case}, a, b, c)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert res.returncode != 0, "the broken pattern ran to the end"
     assert message in res.stderr, res.stderr[-2000:]
 
@@ -1052,6 +1054,29 @@ def _subsequences_holding(N, Hkv, segs, rates, tainted):
                 if (tainted[h] & sub).any():
                     inside[h] |= sub
     return inside, inside.view(Hkv, Hq // Hkv, N).any(1)
+
+
+@pytest.mark.parametrize("family", [0, 2], ids=["tensor-cores", "sm90"])
+def test_emulated_nonfinite_value_where_warps_of_a_block_mask_differently(emu, family):
+    """A segment boundary inside a thread block (non-causal, contiguous rows): in the chunk that
+    holds an inf of v, some warps have every row active (no mask) and others none (all masked).
+    The value reaches exactly the rows of its segment: a block or warpgroup that sums the chunk on
+    CUDA cores must do so in all its warps together (the sm90 kernels' MMAs are collective)."""
+    B, N, Hq, Hkv, D = 1, 192, 1, 1, 32
+    segs, rates = [96], [1]
+    q, k, v = (t.detach().contiguous() for t in make_inputs(B, N, Hq, Hkv, D, torch.bfloat16, device="cpu"))
+    dout = torch.randn(B, N, Hq, D, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    bad = v.clone()
+    bad[0, 10, 0, 3] = math.inf
+    tiling = (1, 0, 16, 64)
+    clean_out, _, clean_g = emulated(emu, q, k, v, segs, rates, False, family, tiling, dout)
+    out, _, got = emulated(emu, q, k, bad, segs, rates, False, family, tiling, dout)
+    assert not torch.isfinite(out[0, :96, 0, 3]).any()
+    torch.testing.assert_close(out[0, :96, 0, :3].float(), clean_out[0, :96, 0, :3].float())
+    torch.testing.assert_close(out[0, 96:].float(), clean_out[0, 96:].float())
+    for name, a, c in zip(("dq", "dk", "dv"), got, clean_g, strict=True):
+        assert torch.isfinite(a[0, 96:]).all(), f"{name}: the inf reached the other segment"
+        torch.testing.assert_close(a[0, 96:].float(), c[0, 96:].float())
 
 
 @pytest.mark.parametrize("family", [0, 1, 2], ids=["tensor-cores", "simt", "sm90"])

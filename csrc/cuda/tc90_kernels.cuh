@@ -49,10 +49,10 @@
 namespace dilated_attention {
 namespace cuda {
 
-constexpr int kTc90Consumers = 2;                          // consumer warpgroups per block
-constexpr int kTc90Threads = 128 * (1 + kTc90Consumers);   // and the producer warpgroup
-constexpr int kTc90Warps = 4 * kTc90Consumers;             // warps that own rows (the tiling's)
-constexpr int kTc90Rows = kTcRows * kTc90Consumers;        // rows per block
+constexpr int kTc90Consumers = 2;                         // consumer warpgroups per block
+constexpr int kTc90Threads = 128 * (1 + kTc90Consumers);  // and the producer warpgroup
+constexpr int kTc90Warps = 4 * kTc90Consumers;            // warps that own rows (the tiling's)
+constexpr int kTc90Rows = kTcRows * kTc90Consumers;       // rows per block
 constexpr int kTc90Stages = 4;
 // Registers per thread after setmaxnreg, within the launch's 384 x 168 = 64512: 128 x 104 + 256 x 200.
 // The producer's walk (64-bit index arithmetic over four rows a lane) spills below about 100; the
@@ -109,6 +109,13 @@ struct Tc90DkvCfg {
                               kTc90Stages * 2 * QT * (int)sizeof(float) + (int)sizeof(Tc90Pipe) + 1024;
 };
 
+// sm_90's opt-in maximum of dynamic shared memory per block.
+constexpr int kTc90MaxSmem = 232448;
+static_assert(Tc90FwdCfg<128>::SMEM <= kTc90MaxSmem && Tc90FwdCfg<256>::SMEM <= kTc90MaxSmem &&
+                  Tc90DqCfg<128>::SMEM <= kTc90MaxSmem && Tc90DqCfg<256>::SMEM <= kTc90MaxSmem &&
+                  Tc90DkvCfg<192>::SMEM <= kTc90MaxSmem && Tc90DkvCfg<256>::SMEM <= kTc90MaxSmem,
+              "the sm90 kernels' tiles fit in shared memory");
+
 // The dynamic shared memory from its first 1024-byte boundary (the swizzle works on addresses).
 __device__ __forceinline__ unsigned char* tc90_smem(unsigned char* raw) {
   return raw + ((1024 - (smem_address(raw) & 1023)) & 1023);
@@ -118,8 +125,8 @@ __device__ __forceinline__ unsigned char* tc90_smem(unsigned char* raw) {
 // `threads` threads numbered tid; row_offset(i) gives the element offset of row i in src or -1 for
 // a zero row.
 template <typename T, typename L, typename RowOffset>
-__device__ __forceinline__ void tc90_load_rows(T* dst, const T* src, int rows, int64_t D, RowOffset row_offset,
-                                               int tid, int threads) {
+__device__ __forceinline__ void tc90_load_rows(T* dst, const T* src, int rows, int64_t D,
+                                               RowOffset row_offset, int tid, int threads) {
   constexpr int CH = L::DP / 8;  // 16-byte chunks per row
   unsigned char* base = reinterpret_cast<unsigned char*>(dst);
   for (int idx = tid; idx < rows * CH; idx += threads) {
@@ -186,7 +193,8 @@ __device__ __forceinline__ Walk<4> tc90_producer_walk(const Params& p, const da_
 // past o_end). Every lane arrives on bar once, after its own writes of the stage. Returns whether
 // by tensor copies (decided before: tc90_by_tma).
 template <typename L>
-__device__ __forceinline__ bool tc90_by_tma(const TmaMaps& maps, const SeqRows& sq, const Walk<4>& w, int rows) {
+__device__ __forceinline__ bool tc90_by_tma(const TmaMaps& maps, const SeqRows& sq, const Walk<4>& w,
+                                            int rows) {
   const int64_t r = w.st.r, g0 = sq.start + w.other_position(w.o0);
   const int mi = tc90_map_index(maps, r);
   return mi >= 0 && g0 / r + min(rows, w.o_end - w.o0) <= maps.J[mi];
@@ -232,8 +240,8 @@ __device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, c
 // free stage (empty), the chunk published in its slot, load(w, stage, tma) issuing its copies and
 // every lane's arrival on full; at the end a slot that says so.
 template <typename TmaFor, typename Load>
-__device__ __forceinline__ void tc90_produce(const Params& p, Walk<4>& w, Tc90Pipe* pipe, int lane, TmaFor tma_for,
-                                             Load load) {
+__device__ __forceinline__ void tc90_produce(const Params& p, Walk<4>& w, Tc90Pipe* pipe, int lane,
+                                             TmaFor tma_for, Load load) {
   int stage = 0;
   uint32_t parity = (1u << kTc90Stages) - 1;  // a fresh barrier's previous phase counts as complete
   for (;;) {
@@ -422,6 +430,25 @@ __device__ __forceinline__ Tc90Role tc90_role(Tc90Pipe* pipe) {
   return Tc90Role{wg - 1, (int)threadIdx.x % 128, warp, (int)threadIdx.x & 31};
 }
 
+// The producer warpgroup of the forward and dq passes (rows = queries of head h): its registers
+// given back, then its first warp loads K and V (head h / G) of each chunk into the stages' tiles
+// sK, sV (KT rows each).
+template <typename T, typename L, int KT>
+__device__ __forceinline__ void tc90_produce_kv(const Params& p, const TmaMaps& maps, const SeqRows& sq,
+                                                const da_tiling& tl, int64_t base, int64_t h, T* sK, T* sV,
+                                                Tc90Pipe* pipe, const Tc90Role& role) {
+  tc90_producer_regs();
+  if (role.warp != 0) return;
+  const int lane = role.lane;
+  Walk<4> w = tc90_producer_walk(p, tl, sq.N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
+  tc90_produce(
+      p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_by_tma<L>(maps, sq, c, KT); },
+      [&](const Walk<4>& c, int stage, bool tma) {
+        tc90_load_pair<T, L>(sK + stage * KT * L::DP, sV + stage * KT * L::DP, p.k, p.v, h / p.G, sq, c, KT,
+                             p.D, maps, tma, &pipe->full[stage], lane);
+      });
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Forward                                                                                      */
 /* ------------------------------------------------------------------------------------------ */
@@ -434,14 +461,14 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   using L = Sw90<DP>;
   constexpr int KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
   DA_EXTERN_SMEM(smem_raw);
-  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));                            // [consumer][64 rows]
-  T* sK = sQ + kTc90Consumers * kTcRows * DP;                                   // [stage][KT rows]
-  T* sV = sK + kTc90Stages * KT * DP;                                           // [stage][KT rows]
-  T* sZ = sV + kTc90Stages * KT * DP;                                           // [KT rows] of zeros
+  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));  // [consumer][64 rows]
+  T* sK = sQ + kTc90Consumers * kTcRows * DP;         // [stage][KT rows]
+  T* sV = sK + kTc90Stages * KT * DP;                 // [stage][KT rows]
+  T* sZ = sV + kTc90Stages * KT * DP;                 // [KT rows] of zeros
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sZ + KT * DP);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
-  const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
+  const int64_t N = sq.N, b = sq.b, h = blockIdx.y;
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
@@ -450,15 +477,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   const int lane = role.lane, tq = lane & 3;
 
   if (role.g < 0) {  // the producer: K and V of each chunk
-    tc90_producer_regs();
-    if (role.warp != 0) return;
-    Walk<4> w = tc90_producer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
-    tc90_produce(
-        p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_by_tma<L>(maps, sq, c, KT); },
-        [&](const Walk<4>& c, int stage, bool tma) {
-          tc90_load_pair<T, L>(sK + stage * KT * DP, sV + stage * KT * DP, p.k, p.v, hk, sq, c, KT, p.D, maps, tma,
-                               &pipe->full[stage], lane);
-        });
+    tc90_produce_kv<T, L, KT>(p, maps, sq, tl, base, h, sK, sV, pipe, role);
     return;
   }
 
@@ -533,15 +552,15 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   using L = Sw90<DP>;
   constexpr int KT = Cfg::KT, NT = KT / 8, DT = DP / 8;
   DA_EXTERN_SMEM(smem_raw);
-  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));                            // [consumer][64 rows]
-  T* sdO = sQ + kTc90Consumers * kTcRows * DP;                                  // [consumer][64 rows]
-  T* sK = sdO + kTc90Consumers * kTcRows * DP;                                  // [stage][KT rows]
-  T* sV = sK + kTc90Stages * KT * DP;                                           // [stage][KT rows]
-  T* sZ = sV + kTc90Stages * KT * DP;                                           // [KT rows] of zeros
+  T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));  // [consumer][64 rows]
+  T* sdO = sQ + kTc90Consumers * kTcRows * DP;        // [consumer][64 rows]
+  T* sK = sdO + kTc90Consumers * kTcRows * DP;        // [stage][KT rows]
+  T* sV = sK + kTc90Stages * KT * DP;                 // [stage][KT rows]
+  T* sZ = sV + kTc90Stages * KT * DP;                 // [KT rows] of zeros
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sZ + KT * DP);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
-  const int64_t N = sq.N, b = sq.b, h = blockIdx.y, hk = h / p.G;
+  const int64_t N = sq.N, b = sq.b, h = blockIdx.y;
   const da_tiling tl = p.tiling;
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
@@ -550,15 +569,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   const int lane = role.lane, tq = lane & 3;
 
   if (role.g < 0) {  // the producer: K and V of each chunk
-    tc90_producer_regs();
-    if (role.warp != 0) return;
-    Walk<4> w = tc90_producer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
-    tc90_produce(
-        p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_by_tma<L>(maps, sq, c, KT); },
-        [&](const Walk<4>& c, int stage, bool tma) {
-          tc90_load_pair<T, L>(sK + stage * KT * DP, sV + stage * KT * DP, p.k, p.v, hk, sq, c, KT, p.D, maps, tma,
-                               &pipe->full[stage], lane);
-        });
+    tc90_produce_kv<T, L, KT>(p, maps, sq, tl, base, h, sK, sV, pipe, role);
     return;
   }
 
@@ -638,13 +649,13 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   using L = Sw90<DP, Cfg::PW>;
   constexpr int QT = Cfg::QT, NT = QT / 8, DC = Cfg::DC, CT = DC / 8;
   DA_EXTERN_SMEM(smem_raw);
-  T* sK = reinterpret_cast<T*>(tc90_smem(smem_raw));                     // [consumer][64 rows]
-  T* sV = sK + kTc90Consumers * kTcRows * DP;                            // [consumer][64 rows]
-  T* sQ = sV + kTc90Consumers * kTcRows * DP;                            // [stage][QT rows]
-  T* sdO = sQ + kTc90Stages * QT * DP;                                   // [stage][QT rows]
-  T* sZ = sdO + kTc90Stages * QT * DP;                                   // [QT rows] of zeros
-  float* sL = reinterpret_cast<float*>(sZ + QT * DP);                    // [stage][QT] lse, log2 domain
-  float* sDl = sL + kTc90Stages * QT;                                    // [stage][QT] delta
+  T* sK = reinterpret_cast<T*>(tc90_smem(smem_raw));   // [consumer][64 rows]
+  T* sV = sK + kTc90Consumers * kTcRows * DP;          // [consumer][64 rows]
+  T* sQ = sV + kTc90Consumers * kTcRows * DP;          // [stage][QT rows]
+  T* sdO = sQ + kTc90Stages * QT * DP;                 // [stage][QT rows]
+  T* sZ = sdO + kTc90Stages * QT * DP;                 // [QT rows] of zeros
+  float* sL = reinterpret_cast<float*>(sZ + QT * DP);  // [stage][QT] lse, log2 domain
+  float* sDl = sL + kTc90Stages * QT;                  // [stage][QT] delta
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sDl + kTc90Stages * QT);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
@@ -669,8 +680,8 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
         p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_by_tma<L>(maps, sq, c, QT); },
         [&](const Walk<4>& c, int stage, bool tma) {
           tc_dkv_load_stats(p, c, QT, lse_all, delta_all, unit, sL + stage * QT, sDl + stage * QT, lane, 32);
-          tc90_load_pair<T, L>(sQ + stage * QT * DP, sdO + stage * QT * DP, p.q, p.dout, c.head(), sq, c, QT, p.D,
-                               maps, tma, &pipe->full[stage], lane);
+          tc90_load_pair<T, L>(sQ + stage * QT * DP, sdO + stage * QT * DP, p.q, p.dout, c.head(), sq, c, QT,
+                               p.D, maps, tma, &pipe->full[stage], lane);
         });
     return;
   }

@@ -192,10 +192,7 @@ struct Block {
   std::vector<Fiber> fibers;
   Warp warps[kMaxThreads / 32];
   Warpgroup warpgroups[kMaxThreads / 128];
-  int bar_arrived = 0;
-  unsigned bar_gen = 0;
-  int bar_or = 0, bar_or_result = 0;
-  struct Named {  // bar.sync / bar.red.or with a thread count (ids 1..15)
+  struct Named {  // barrier 0 (__syncthreads) and the named barriers 1..15
     int arrived = 0, count = 0, por = 0, result = 0;
     unsigned gen = 0;
   } named[16];
@@ -270,8 +267,6 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
   b.block_idx = make_uint3(block_idx.x, block_idx.y, block_idx.z);
   b.grid_dim = grid;
   b.block_dim = dim3(nthreads, 1, 1);
-  b.bar_arrived = 0;
-  b.bar_or = 0;
   for (auto& n : b.named) n = Block::Named();
   for (auto& w : b.warps) w.arrived = 0;
   for (auto& g : b.warpgroups) {
@@ -336,29 +331,11 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
   }
 }
 
-// Block barrier; returns the OR of pred over the block.
-inline int barrier(int pred) {
+// Barrier `id` of `count` threads (0: __syncthreads, the whole block; 1..15: named barriers, a
+// multiple of 32 threads, the same in every arrival of a generation); returns the OR of pred over
+// them.
+inline int barrier_of(int id, int count, int pred) {
   Block& b = block();
-  const unsigned gen = b.bar_gen;
-  b.bar_or |= pred ? 1 : 0;
-  if (++b.bar_arrived == b.nthreads) {
-    b.bar_arrived = 0;
-    b.bar_or_result = b.bar_or;
-    b.bar_or = 0;
-    b.bar_gen++;
-    b.progress++;
-  } else {
-    while (b.bar_gen == gen) yield();
-  }
-  return b.bar_or_result;
-}
-
-// Named barrier `id` (1..15) of `count` threads (a multiple of 32, the same in every arrival of a
-// generation); returns the OR of pred over them.
-inline int named_barrier(int id, int count, int pred) {
-  Block& b = block();
-  if (id < 1 || id > 15) fail("named barrier: an id outside 1..15");
-  if (count <= 0 || count % 32 || count > b.nthreads) fail("named barrier: a thread count that is not a multiple of 32");
   Block::Named& n = b.named[id];
   if (n.arrived == 0) n.count = count;
   if (n.count != count) fail("named barrier: threads gave different thread counts");
@@ -374,6 +351,18 @@ inline int named_barrier(int id, int count, int pred) {
     while (n.gen == gen) yield();
   }
   return n.result;
+}
+
+// Block barrier; returns the OR of pred over the block.
+inline int barrier(int pred) {
+  return barrier_of(0, block().nthreads, pred);
+}
+
+inline int named_barrier(int id, int count, int pred) {
+  if (id < 1 || id > 15) fail("named barrier: an id outside 1..15");
+  if (count <= 0 || count % 32 || count > block().nthreads)
+    fail("named barrier: a thread count that is not a multiple of 32");
+  return barrier_of(id, count, pred);
 }
 
 inline float bits_to_float(uint16_t h, bool bf16) {
@@ -681,7 +670,8 @@ inline void warpgroup_collective(const WgPost& mine) {
     case kWgSetmaxnreg:
       for (int i = 0; i < 128; ++i)
         if (g.post[i].arg != z.arg) fail("setmaxnreg: threads of the warpgroup gave different counts");
-      if (z.arg < 24 || z.arg > 256 || z.arg % 8) fail("setmaxnreg: a count outside 24..256 or not a multiple of 8");
+      if (z.arg < 24 || z.arg > 256 || z.arg % 8)
+        fail("setmaxnreg: a count outside 24..256 or not a multiple of 8");
       break;
     case kWgMma: {
       for (int i = 0; i < 128; ++i) {
@@ -694,8 +684,9 @@ inline void warpgroup_collective(const WgPost& mine) {
         const Fiber& f = b.fibers[128 * (t / 128) + i];
         if (f.unfenced) fail("wgmma reads shared memory that cp.async wrote without a fence.proxy.async");
         if (f.observed)
-          fail("wgmma reads shared memory that cp.async wrote (completing on an mbarrier) without a "
-               "fence.proxy.async after the wait");
+          fail(
+              "wgmma reads shared memory that cp.async wrote (completing on an mbarrier) without a "
+              "fence.proxy.async after the wait");
       }
       WgMma op;
       memcpy(op.t, g.post, sizeof(op.t));
@@ -771,10 +762,10 @@ struct Mbar {
   int expected = 0, pending = 0;
   int64_t tx = 0;
   int phase = 0;
-  std::vector<TmaCopy> copies;              // issued, not landed
-  std::vector<std::vector<Copy>> generic;   // cp.async copies of a thread each, arriving when landed
-  bool cur_generic = false;                 // cp.async copies complete in the current phase
-  bool last_generic = false;                // ... in the last completed phase
+  std::vector<TmaCopy> copies;             // issued, not landed
+  std::vector<std::vector<Copy>> generic;  // cp.async copies of a thread each, arriving when landed
+  bool cur_generic = false;                // cp.async copies complete in the current phase
+  bool last_generic = false;               // ... in the last completed phase
 };
 
 inline std::vector<std::pair<uint32_t, Mbar>>& mbars() {  // by shared-memory address, this block's

@@ -21,10 +21,10 @@ using L = Sw90<32>;  // 64 rows of A and 16 rows of B, 32 columns (16 of them us
 // Variants of the pattern; each breaks one rule unless kOk.
 enum Case {
   kOk = 0,
-  kNoFence,           // the consumer skips fence.proxy.async after the wait
-  kNoWait,            // the consumer reads the tile without waiting on the mbarrier
-  kNamedCounts,       // threads of a named barrier give different thread counts
-  kSetmaxnregCount,   // setmaxnreg with a count that is not a multiple of 8
+  kNoFence,               // the consumer skips fence.proxy.async after the wait
+  kNoWait,                // the consumer reads the tile without waiting on the mbarrier
+  kNamedCounts,           // threads of a named barrier give different thread counts
+  kSetmaxnregCount,       // setmaxnreg with a count that is not a multiple of 8
   kProducerSkipsArrival,  // one producer lane does not arrive: the consumers wait forever
 };
 
@@ -78,8 +78,7 @@ extern "C" int da_emu_pipeline(int which, const uint16_t* a, const uint16_t* b, 
     if (cs == kNoWait) mbar_wait(full, 0);  // (the copies must still be waited for)
     const int warp = wt / 32, g = lane / 4, tq = lane % 4;
     for (int i = 0; i < 2; ++i)
-      for (int e = 0; e < 4; ++e)
-        c[(16 * warp + g + 8 * (e >> 1)) * 16 + 8 * i + 2 * tq + (e & 1)] = S[i][e];
+      for (int e = 0; e < 4; ++e) c[(16 * warp + g + 8 * (e >> 1)) * 16 + 8 * i + 2 * tq + (e & 1)] = S[i][e];
   });
   return 0;
 }
