@@ -1381,8 +1381,17 @@ def test_emulated_piece_kernels(emu, B, nq, nk, Hq, Hkv, D, offset, family):
         (torch.bfloat16, 0, (3, 1, 16, 64)),
         (torch.float64, 1, (0, 0, 2, 16)),
         (torch.bfloat16, 1, (2, 0, 1, 8)),
+        (torch.float16, 2, (0, 0, 16, 64)),
+        (torch.bfloat16, 2, (3, 1, 16, 64)),
     ],
-    ids=["f16-tc", "bf16-tc-R3-interleaved", "f64-simt", "bf16-simt-R2"],
+    ids=[
+        "f16-tc",
+        "bf16-tc-R3-interleaved",
+        "f64-simt",
+        "bf16-simt-R2",
+        "f16-sm90",
+        "bf16-sm90-R3-interleaved",
+    ],
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_emulated_piece_kernels_merged_backward(emu, dtype, family, tiling, causal):

@@ -142,6 +142,7 @@ struct Fiber {
   std::vector<Copy> open;                 // issued, not yet committed
   bool unfenced = false;                  // cp.async copies landed since the last fence.proxy.async
   bool observed = false;  // passed an mbarrier phase that cp.async copies completed, not fenced since
+  char waits[64] = "";    // where the thread waits (for the deadlock message)
 };
 
 // One thread's part of a wgmma.mma_async: its accumulators (read and written when the MMA
@@ -211,8 +212,9 @@ inline Block& block() {
   return *b;
 }
 
-inline void mbars_reset();  // (below) a new block's mbarriers
-inline bool mbars_idle();   // (below) no tensor copy left unwaited
+inline void mbars_reset();   // (below) a new block's mbarriers
+inline void mbars_report();  // (below) their state, for the deadlock message
+inline bool mbars_idle();    // (below) no tensor copy left unwaited
 
 [[noreturn]] inline void fail(const char* what) {
   fprintf(stderr, "cuda emulation: %s\n", what);
@@ -327,7 +329,13 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
         if (n.arrived) fail("a block ended with threads waiting at a named barrier");
       break;
     }
-    if (b.progress == before) fail("deadlock: every thread waits at a barrier that nobody completes");
+    if (b.progress == before) {
+      for (int t = 0; t < nthreads; ++t)  // each live thread whose wait differs from the previous one's
+        if (!b.fibers[t].done && (t == 0 || strcmp(b.fibers[t].waits, b.fibers[t - 1].waits) != 0))
+          fprintf(stderr, "cuda emulation: thread %d (warp %d) waits at %s\n", t, t / 32, b.fibers[t].waits);
+      mbars_report();
+      fail("deadlock: every thread waits at a barrier that nobody completes");
+    }
   }
 }
 
@@ -340,6 +348,7 @@ inline int barrier_of(int id, int count, int pred) {
   if (n.arrived == 0) n.count = count;
   if (n.count != count) fail("named barrier: threads gave different thread counts");
   const unsigned gen = n.gen;
+  snprintf(self().waits, sizeof(self().waits), "barrier %d of %d threads", id, count);
   n.por |= pred ? 1 : 0;
   if (++n.arrived == n.count) {
     n.arrived = 0;
@@ -458,6 +467,7 @@ inline const Slot& collective(const Slot& mine) {
   Warp& w = b.warps[t / 32];
   w.slot[t % 32] = mine;
   const unsigned gen = w.gen;
+  snprintf(self().waits, sizeof(self().waits), "a warp collective (op %d)", mine.op);
   if (++w.arrived == 32) {
     compute(w.slot);
     w.arrived = 0;
@@ -777,6 +787,12 @@ inline void mbars_reset() {
   mbars().clear();
 }
 
+inline void mbars_report() {
+  for (const auto& e : mbars())
+    fprintf(stderr, "cuda emulation: mbarrier at %u: phase %d, %d arrivals and %lld bytes to come\n", e.first,
+            e.second.phase, e.second.pending, (long long)e.second.tx);
+}
+
 inline bool mbars_idle() {
   for (const auto& e : mbars())
     if (!e.second.copies.empty() || !e.second.generic.empty()) return false;
@@ -804,14 +820,16 @@ inline void mbar_init(void* bar, int count) {
   mbars().push_back({a, m});
 }
 
+// After an arrival or bytes landing on m (progress for the deadlock check: a thread waiting there
+// may now land copies or pass); completes the phase when nothing more is due.
 inline void mbar_complete_if_done(Mbar& m) {
+  block().progress++;
   if (m.pending < 0 || m.tx < 0) fail("mbarrier: more arrivals or bytes than its phase expects");
   if (m.pending == 0 && m.tx == 0) {
     m.last_generic = m.cur_generic;
     m.cur_generic = false;
     m.phase ^= 1;
     m.pending = m.expected;
-    block().progress++;
   }
 }
 
@@ -892,6 +910,7 @@ inline void cp_async_mbar_arrive(void* bar) {
     mbar_complete_if_done(m);
   } else {
     m.generic.push_back(batch);
+    block().progress++;  // copies that a waiter lands
   }
 }
 
@@ -901,10 +920,12 @@ inline void tma_load(void* dst, const void* map, const int32_t (&c)[5], void* ba
   memcpy(&cp.d, map, sizeof(TmaDesc));
   for (int k = 0; k < 5; ++k) cp.c[k] = c[k];
   Mbar& m = mbar(bar);
-  if (options().eager_copies)
+  if (options().eager_copies) {
     tma_land(m, cp);
-  else
+  } else {
     m.copies.push_back(cp);
+    block().progress++;  // copies that a waiter lands
+  }
 }
 
 // Waits for the completion of the phase of parity `parity`: lands the barrier's copies, then
@@ -919,6 +940,8 @@ inline void mbar_wait(void* bar, uint32_t parity) {
     generic.swap(mbar(bar).generic);
     for (const auto& batch : generic) land_generic(mbar(bar), batch);
     Mbar& n = mbar(bar);
+    snprintf(self().waits, sizeof(self().waits), "mbarrier at %u, parity %u", shared_address(bar),
+             parity & 1);
     if ((uint32_t)n.phase != (parity & 1)) {
       if (n.last_generic) self().observed = true;
       return;
