@@ -22,12 +22,14 @@
 // together with the next chunk's products of two tiles and computes that chunk's softmax (or dS)
 // while they run (FlashAttention-3's overlap within a warpgroup).
 //
-// Every warp of a warpgroup takes part in each MMA, so a chunk runs in a warpgroup when any of its
-// warps has work in it (the sm80 kernel skips per warp); the rows of a warp that would have skipped
-// it are masked (their probabilities are 0). A chunk whose masked pairs meet a non-finite value of V
-// is summed on CUDA cores, skipping the zero probabilities, in every warp of the warpgroup
-// (tc_gemm_pb_skip_zero), so that the value reaches only the rows that read it. Warpgroup-wide
-// decisions use a named barrier per warpgroup; nothing after the roles split synchronises the block.
+// Every warp of a warpgroup takes part in each MMA, and a warpgroup computes every chunk that the
+// producer publishes (the sm80 kernel skips per warp): the rows of a warp with no active pair in it
+// are masked (their probabilities are 0), and every step issues both groups of MMAs (ptxas
+// serialises MMAs under conditions), a zero product where none is pending. A chunk whose masked
+// pairs meet a non-finite value of V is summed on CUDA cores, skipping the zero probabilities, in
+// every warp of the warpgroup (tc_gemm_pb_skip_zero), so that the value reaches only the rows that
+// read it. That warpgroup-wide decision uses a named barrier per warpgroup; nothing after the roles
+// split synchronises the block.
 //
 // The backward's two passes are those of tc_kernels.cuh the same way: dq (rows = queries) has
 // S = Q K^T and dP = dO V^T from shared memory and dQ += dS K with dS from registers; dk/dv (rows =
