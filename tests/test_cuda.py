@@ -1252,6 +1252,30 @@ def test_emulated_kernels_with_dropout(emu, B, N, Hq, Hkv, D, segs, rates, dtype
 
 
 @pytest.mark.parametrize("family", [0, 2], ids=["tc", "sm90"])
+def test_emulated_dropout_rows_of_one_key(emu, family):
+    """Attention dropout where every row has one key (segments of two, rate two) and no gradient
+    on lse: P is 1, dq is exactly 0. The forward must not round P / (1 - p) to 16 bits for its product with V while the
+    backward uses the exact factor (dq was up to 3.3e-3, above the rule's floor, at head dim 240)."""
+    for B in (1, 2):
+        check_emulated(
+            emu,
+            B,
+            82,
+            6,
+            2,
+            240,
+            [2],
+            [2],
+            False,
+            torch.float16,
+            family,
+            (1, 0, 16, 64),
+            with_dlse=False,
+            dropout_p=0.15,
+        )
+
+
+@pytest.mark.parametrize("family", [0, 2], ids=["tc", "sm90"])
 def test_emulated_backward_takes_delta_from_the_float32_out(emu, family):
     """Segments of one position: each row attends to itself alone, so dq is exactly 0 and dS is
     f (dout . v) - dout . out, which cancels only with the float32 out (as the host recomputes it

@@ -175,6 +175,8 @@ __device__ __forceinline__ int tc90_map_index(const TmaMaps& maps, int64_t r) {
 /* The producer                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 
+static_assert(kTc90Rows == 32 * 4, "the producer warp walks the block's rows, four per lane");
+
 // The producer warp's walk over the block's 128 rows, four per lane (rows 4 lane .. 4 lane + 3),
 // its decisions the warp's OR (WarpAny): it reaches the chunks that the consumers' walks reach.
 __device__ __forceinline__ Walk<4> tc90_producer_walk(const Params& p, const da_tiling& tl, int64_t N,

@@ -27,8 +27,9 @@
 // lse is formed in double and read back into base 2 in double (common.cuh).
 //
 // Attention dropout (p.drop, common.cuh da_dropout_factor): the forward multiplies P by the pairs'
-// factors after its row sums went into l (lse is that before dropout); the dq pass multiplies dP,
-// the dk/dv pass dP and, for dV, P. One Philox call per element of the thread's fragments, in the
+// keep flags after its row sums went into l (lse is that before dropout) and the output by
+// 1 / (1 - p) when it stores it; the dq pass multiplies dP by the factors, the dk/dv pass dP and,
+// for dV, P. One Philox call per element of the thread's fragments, in the
 // kernels' instantiations with DROPOUT = true only (tc_dropout): those without are the kernels as
 // they were, with their registers.
 #pragma once
@@ -303,11 +304,13 @@ __device__ __forceinline__ void tc_fwd_probs(float (&S)[NT][4], float (&m)[2], f
     }
     l[ri] += sum;  // this thread's columns; the quad is summed at the end
   }
-  if (DROPOUT) {  // the denominator has the weights, the output their kept share
+  if (DROPOUT) {  // the denominator has the weights, the output their kept share (times 1 / (1 - p) at
+                  // the end, tc_fwd_store: P / (1 - p) rounded to 16 bits for the MMA would differ
+                  // from the backward's exact factor, and dq of a one-key row would not be 0)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) S[nt][e] *= da_dropout_factor<float>(p.drop, keep, nt * 4 + e);
+      for (int e = 0; e < 4; ++e) S[nt][e] = (keep >> (nt * 4 + e)) & 1u ? S[nt][e] : 0.f;
   }
 }
 
@@ -353,7 +356,7 @@ __device__ __forceinline__ void tc_fwd_store(const Params& p, const SeqRows& sq,
     const int64_t x = cur.pos[ri];
     if (x >= N) continue;
     const bool empty = lsum == 0.f;  // no branch covers the row (or every score was -inf)
-    const float inv = empty ? 0.f : 1.f / lsum;
+    const float inv = empty ? 0.f : p.drop.scale / lsum;  // (dropout's 1 / (1 - p); 1 without)
     T* o = out + x * p.out.sn;
     float* of = out_f + x * p.out.sn;
 #pragma unroll
