@@ -142,7 +142,13 @@ struct Fiber {
   std::vector<Copy> open;                 // issued, not yet committed
   bool unfenced = false;                  // cp.async copies landed since the last fence.proxy.async
   bool observed = false;  // passed an mbarrier phase that cp.async copies completed, not fenced since
-  char waits[64] = "";    // where the thread waits (for the deadlock message)
+  // Where the thread waits, for the deadlock message (formatted only then): kind 0 nowhere yet, 1 a
+  // barrier (a = id, b = threads), 2 a warp collective (a = op), 3 an mbarrier (a = address, b = parity).
+  struct Wait {
+    int kind = 0;
+    uint32_t a = 0, b = 0;
+    bool operator==(const Wait& o) const { return kind == o.kind && a == o.a && b == o.b; }
+  } waits;
 };
 
 // One thread's part of a wgmma.mma_async: its accumulators (read and written when the MMA
@@ -288,6 +294,7 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
     f.open.clear();
     f.unfenced = false;
     f.observed = false;
+    f.waits = Fiber::Wait();
 #if DA_EMU_FAST_SWITCH
     f.sp = initial_sp(f.stack);
 #else
@@ -331,8 +338,14 @@ inline void run_block(dim3 grid, dim3 block_idx, int nthreads, const std::functi
     }
     if (b.progress == before) {
       for (int t = 0; t < nthreads; ++t)  // each live thread whose wait differs from the previous one's
-        if (!b.fibers[t].done && (t == 0 || strcmp(b.fibers[t].waits, b.fibers[t - 1].waits) != 0))
-          fprintf(stderr, "cuda emulation: thread %d (warp %d) waits at %s\n", t, t / 32, b.fibers[t].waits);
+        if (!b.fibers[t].done && (t == 0 || !(b.fibers[t].waits == b.fibers[t - 1].waits))) {
+          const Fiber::Wait& w = b.fibers[t].waits;
+          fprintf(stderr, "cuda emulation: thread %d (warp %d) waits at ", t, t / 32);
+          if (w.kind == 1) fprintf(stderr, "barrier %u of %u threads\n", w.a, w.b);
+          if (w.kind == 2) fprintf(stderr, "a warp collective (op %u)\n", w.a);
+          if (w.kind == 3) fprintf(stderr, "the mbarrier at %u, parity %u\n", w.a, w.b);
+          if (w.kind == 0) fprintf(stderr, "no synchronisation yet\n");
+        }
       mbars_report();
       fail("deadlock: every thread waits at a barrier that nobody completes");
     }
@@ -348,7 +361,7 @@ inline int barrier_of(int id, int count, int pred) {
   if (n.arrived == 0) n.count = count;
   if (n.count != count) fail("named barrier: threads gave different thread counts");
   const unsigned gen = n.gen;
-  snprintf(self().waits, sizeof(self().waits), "barrier %d of %d threads", id, count);
+  self().waits = Fiber::Wait{1, (uint32_t)id, (uint32_t)count};
   n.por |= pred ? 1 : 0;
   if (++n.arrived == n.count) {
     n.arrived = 0;
@@ -467,7 +480,7 @@ inline const Slot& collective(const Slot& mine) {
   Warp& w = b.warps[t / 32];
   w.slot[t % 32] = mine;
   const unsigned gen = w.gen;
-  snprintf(self().waits, sizeof(self().waits), "a warp collective (op %d)", mine.op);
+  self().waits = Fiber::Wait{2, (uint32_t)mine.op, 0};
   if (++w.arrived == 32) {
     compute(w.slot);
     w.arrived = 0;
@@ -502,12 +515,18 @@ inline const unsigned char* shared_limit() {
   return block().shared + kDynamicOffset + block().smem_bytes;
 }
 
-inline void land(const Copy& c) {
-  self().unfenced = true;
+// The 16 bytes of a cp.async copy (zeros without a source).
+inline void write_copy(const Copy& c) {
   if (c.src)
     memcpy(c.dst, c.src, 16);
   else
     memset(c.dst, 0, 16);
+}
+
+// A copy landing for the thread that waits for its own cp.async groups.
+inline void land(const Copy& c) {
+  self().unfenced = true;
+  write_copy(c);
 }
 
 // cp.async of 16 bytes (zero-fill when src is null), commit_group and wait_group(n).
@@ -881,12 +900,7 @@ inline void mbar_arrive(void* bar) {
 
 // The arrival of one thread's cp.async copies (each 16 bytes or zero-filled).
 inline void land_generic(Mbar& m, const std::vector<Copy>& batch) {
-  for (const Copy& c : batch) {
-    if (c.src)
-      memcpy(c.dst, c.src, 16);
-    else
-      memset(c.dst, 0, 16);
-  }
+  for (const Copy& c : batch) write_copy(c);
   m.pending -= 1;
   mbar_complete_if_done(m);
 }
@@ -940,8 +954,7 @@ inline void mbar_wait(void* bar, uint32_t parity) {
     generic.swap(mbar(bar).generic);
     for (const auto& batch : generic) land_generic(mbar(bar), batch);
     Mbar& n = mbar(bar);
-    snprintf(self().waits, sizeof(self().waits), "mbarrier at %u, parity %u", shared_address(bar),
-             parity & 1);
+    self().waits = Fiber::Wait{3, shared_address(bar), parity & 1};
     if ((uint32_t)n.phase != (parity & 1)) {
       if (n.last_generic) self().observed = true;
       return;
