@@ -189,29 +189,28 @@ __device__ __forceinline__ Walk<4> tc90_producer_walk(const Params& p, const da_
   return w;
 }
 
-// Loads the walk's current chunk (`rows` indices of the other side from o0; rows past o_end are
-// not used) of tensors a and b (head `head`) into the Sw90 tiles ta and tb, completing on bar:
-// with the tensor copy engine where maps has the chunk's rate and reaches its last used row
-// (lane 0 issues one box per panel and tensor; rows past o_end that a box loads hold other
-// positions' values, which the kernels mask), else with cp.async from the warp's lanes (zero rows
-// past o_end). Every lane arrives on bar once, after its own writes of the stage. Returns whether
-// by tensor copies (decided before: tc90_by_tma).
-template <typename L>
-__device__ __forceinline__ bool tc90_by_tma(const TmaMaps& maps, const SeqRows& sq, const Walk<4>& w,
-                                            int rows) {
+// The tensor map (index into maps) that loads the walk's current chunk of `rows` indices, or -1:
+// where maps has the chunk's rate and reaches its last used row.
+__device__ __forceinline__ int tc90_chunk_map(const TmaMaps& maps, const SeqRows& sq, const Walk<4>& w,
+                                              int rows) {
   const int64_t r = w.st.r, g0 = sq.start + w.other_position(w.o0);
   const int mi = tc90_map_index(maps, r);
-  return mi >= 0 && g0 / r + min(rows, w.o_end - w.o0) <= maps.J[mi];
+  return mi >= 0 && g0 / r + min(rows, w.o_end - w.o0) <= maps.J[mi] ? mi : -1;
 }
 
+// Loads the walk's current chunk (`rows` indices of the other side from o0; rows past o_end are
+// not used) of tensors a and b (head `head`) into the Sw90 tiles ta and tb, completing on bar: with
+// the tensor copy engine and map mi (tc90_chunk_map; lane 0 issues one box per panel and tensor;
+// rows past o_end that a box loads hold other positions' values, which the kernels mask), or with
+// cp.async from the warp's lanes where mi is -1 (zero rows past o_end). Every lane arrives on bar
+// once, after its own writes of the stage.
 template <typename T, typename L>
 __device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, const Tensor4& b, int64_t head,
                                                const SeqRows& sq, const Walk<4>& w, int rows, int64_t D,
-                                               const TmaMaps& maps, bool tma, uint64_t* bar, int lane) {
-  if (tma) {
+                                               const TmaMaps& maps, int mi, uint64_t* bar, int lane) {
+  if (mi >= 0) {
     if (lane == 0) {
       const int64_t r = w.st.r, g0 = sq.start + w.other_position(w.o0);
-      const int mi = tc90_map_index(maps, r);
       fence_proxy_async();  // the consumers' generic reads of the tiles' last use, before the copy engine's writes
       mbar_arrive_expect_tx(bar, (uint32_t)(2 * rows * L::DP * 2));
       int32_t c[5] = {0, (int32_t)head, (int32_t)(g0 % r), (int32_t)(g0 / r), (int32_t)sq.b};
@@ -241,11 +240,12 @@ __device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, c
 }
 
 // The producer warp's loop: for each chunk of the walk w that some row of the block works on, a
-// free stage (empty), the chunk published in its slot, load(w, stage, tma) issuing its copies and
+// free stage (empty), the chunk published in its slot, load(w, stage, mi) issuing its copies (map
+// mi = map_for(w), or -1: by cp.async) and
 // every lane's arrival on full; at the end a slot that says so.
-template <typename TmaFor, typename Load>
+template <typename MapFor, typename Load>
 __device__ __forceinline__ void tc90_produce(const Params& p, Walk<4>& w, Tc90Pipe* pipe, int lane,
-                                             TmaFor tma_for, Load load) {
+                                             MapFor map_for, Load load) {
   int stage = 0;
   uint32_t parity = (1u << kTc90Stages) - 1;  // a fresh barrier's previous phase counts as complete
   for (;;) {
@@ -255,18 +255,18 @@ __device__ __forceinline__ void tc90_produce(const Params& p, Walk<4>& w, Tc90Pi
     }
     mbar_wait(&pipe->empty[stage], (parity >> stage) & 1);
     parity ^= 1u << stage;
-    const bool tma = !w.done && tma_for(w);
+    const int mi = w.done ? -1 : map_for(w);
     if (lane == 0) {
       Tc90Chunk& c = pipe->slot[stage];
       c.at = w.st;
       c.o0 = w.o0;
-      c.flags = w.done ? kTc90Done : (tma ? kTc90Tma : 0);
+      c.flags = w.done ? kTc90Done : (mi >= 0 ? kTc90Tma : 0);
     }
     if (w.done) {
       mbar_arrive(&pipe->full[stage]);
       return;
     }
-    load(w, stage, tma);
+    load(w, stage, mi);
     stage = stage + 1 == kTc90Stages ? 0 : stage + 1;
     w.template next<WarpAny>(p.br);
   }
@@ -446,10 +446,10 @@ __device__ __forceinline__ void tc90_produce_kv(const Params& p, const TmaMaps& 
   const int lane = role.lane;
   Walk<4> w = tc90_producer_walk(p, tl, sq.N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
   tc90_produce(
-      p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_by_tma<L>(maps, sq, c, KT); },
-      [&](const Walk<4>& c, int stage, bool tma) {
+      p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_chunk_map(maps, sq, c, KT); },
+      [&](const Walk<4>& c, int stage, int mi) {
         tc90_load_pair<T, L>(sK + stage * KT * L::DP, sV + stage * KT * L::DP, p.k, p.v, h / p.G, sq, c, KT,
-                             p.D, maps, tma, &pipe->full[stage], lane);
+                             p.D, maps, mi, &pipe->full[stage], lane);
       });
 }
 
@@ -681,11 +681,11 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     const double unit = da_score_unit(p.scale, sl2);
     Walk<4> w = tc90_producer_walk(p, tl, N, base, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, QT, lane);
     tc90_produce(
-        p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_by_tma<L>(maps, sq, c, QT); },
-        [&](const Walk<4>& c, int stage, bool tma) {
+        p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_chunk_map(maps, sq, c, QT); },
+        [&](const Walk<4>& c, int stage, int mi) {
           tc_dkv_load_stats(p, c, QT, lse_all, delta_all, unit, sL + stage * QT, sDl + stage * QT, lane, 32);
           tc90_load_pair<T, L>(sQ + stage * QT * DP, sdO + stage * QT * DP, p.q, p.dout, c.head(), sq, c, QT,
-                               p.D, maps, tma, &pipe->full[stage], lane);
+                               p.D, maps, mi, &pipe->full[stage], lane);
         });
     return;
   }
