@@ -29,6 +29,7 @@ gather-based backends merge their branches.
 
 from __future__ import annotations
 
+from .consistency import call_key
 from .geometry import LAYOUTS
 from .groups import SequenceSplitWarning
 from .modules import COMM_MODES, RingDilatedAttention, RingDilatedAttentionV2Collective
@@ -44,6 +45,7 @@ __all__ = [
     "RingMultiheadDilatedAttention",
     "SequenceSplitWarning",
     "StandardizedRingConfig",
+    "call_key",
     "comm_stats",
     "gather_sequence",
     "reset_comm_stats",

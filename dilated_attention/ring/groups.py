@@ -26,7 +26,15 @@ try:
 except ImportError:  # torch built without distributed support
     DeviceMesh = None  # type: ignore[assignment,misc]
 
-__all__ = ["GroupLike", "SequenceSplitWarning", "as_process_group", "resolve_group"]
+__all__ = [
+    "GroupLike",
+    "NeedsGroup",
+    "SequenceSplitWarning",
+    "as_process_group",
+    "communicator_key",
+    "resolve_group",
+    "saved_group",
+]
 
 # A process group, a DeviceMesh, or GroupMember.NON_GROUP_MEMBER (what dist.new_group returns
 # on a process outside the group).
@@ -144,3 +152,55 @@ def _member(process_group: dist.ProcessGroup | int, who: str) -> tuple[dist.Proc
             f"{who}: this process (global rank {dist.get_rank()}) is not a member of the process_group given"
         )
     return group, dist.get_world_size(group), rank
+
+
+class NeedsGroup:
+    """In place of the process group of a module loaded with ``torch.load`` (or unpickled) that was
+    saved with an explicit process group, which cannot be saved: its forward raises until
+    ``set_process_group`` gives it one. ``ranks``: the global ranks of the saved group (None where
+    they could not be read)."""
+
+    def __init__(self, ranks: tuple[int, ...] | None) -> None:
+        self.ranks = ranks
+
+    def __repr__(self) -> str:
+        return f"NeedsGroup(ranks={self.ranks})"
+
+    def error(self, who: str) -> RuntimeError:
+        ranks = "ranks unknown" if self.ranks is None else f"global ranks {list(self.ranks)}"
+        return RuntimeError(
+            f"{who} was saved with an explicit process_group ({ranks}), which cannot be saved with it: "
+            "call module.set_process_group(group) with the process group (or DeviceMesh, with mesh_dim=) "
+            "that splits the sequence in this process, or module.set_process_group(None) for the default "
+            "group (a local run where torch.distributed is not initialised)"
+        )
+
+
+def communicator_key(group: Any) -> Any:
+    """What identifies the communicator behind ``group`` in this process, whatever object names it:
+    ``"default"`` for None, ``dist.group.WORLD`` and a group that is the default group (a 1-D
+    ``DeviceMesh`` over the world hands out the default group); a process group's registered name
+    otherwise (two groups made by ``new_group`` are two communicators even with the same ranks)."""
+    if group is None:
+        return "default"
+    if isinstance(group, NeedsGroup):
+        return ("unset", group.ranks)
+    if isinstance(group, int):  # GroupMember.NON_GROUP_MEMBER: never exchanges
+        return ("not a member",)
+    if dist.is_available() and dist.is_initialized() and group is dist.group.WORLD:
+        return "default"
+    try:
+        return ("group", group.group_name)
+    except (AttributeError, RuntimeError, ValueError):
+        return ("group", id(group))
+
+
+def saved_group(group: Any) -> NeedsGroup | None:
+    """What ``torch.save`` keeps of a module's process group: None for the default group."""
+    if group is None or isinstance(group, NeedsGroup):
+        return group
+    try:
+        ranks: tuple[int, ...] | None = tuple(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, AttributeError):
+        ranks = None
+    return NeedsGroup(ranks)

@@ -10,7 +10,6 @@ run the local runs on the module's backend, run the spanning pieces (:mod:`.node
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import numbers
 from collections.abc import Sequence
@@ -28,14 +27,17 @@ from ..functional import _attention
 from ..merge import merge
 from ..modules._script import NotScriptable
 from . import mode_all_gather, mode_ring
-from .consistency import CallCheck, ConsistencyCheck, fingerprint
+from .consistency import CallCheck, CallLedger, fingerprint
 from .geometry import LAYOUTS, Plan, make_layout
-from .groups import GroupLike, as_process_group, resolve_group
+from .groups import GroupLike, NeedsGroup, as_process_group, resolve_group, saved_group
 from .node import SpanAttention, SpanJob
 from .pieces import PieceAttention
 from .transport import Comm
 
 __all__ = ["COMM_MODES", "RingDilatedAttention", "RingDilatedAttentionV2Collective"]
+
+# The attributes a module has per process group (renewed by copies, loads and set_process_group).
+_PER_GROUP = ("_ledger", "_entered")
 
 logger = logging.getLogger(__name__)
 
@@ -48,62 +50,6 @@ _FIELD_NAMES: dict[str, tuple[str, ...]] = {
     "is_causal": ("False", "True"),
     "runs backward (grad enabled, inputs require grad)": ("False", "True"),
 }
-# Per process group, the numbers of the ring modules this process built for it, in order. Ranks
-# that build their modules in the same order give the same module the same number, which the
-# consistency check compares to tell a call of one module from a call of another.
-_NUMBERS: dict[Any, itertools.count] = {}
-
-
-def _group_key(group: Any) -> Any:
-    """What numbers modules apart: None for the default group, the global ranks of a process group."""
-    if group is None:
-        return None
-    if isinstance(group, NeedsGroup):
-        return ("unset", group.ranks)
-    if isinstance(group, int):  # GroupMember.NON_GROUP_MEMBER: never exchanges
-        return ("not a member",)
-    try:
-        return tuple(dist.get_process_group_ranks(group))
-    except (RuntimeError, ValueError):
-        return ("group", id(group))
-
-
-def _next_number(group: Any) -> int:
-    """The number of the next ring module this process builds (or copies, or loads) for ``group``."""
-    return next(_NUMBERS.setdefault(_group_key(group), itertools.count()))
-
-
-class NeedsGroup:
-    """In place of the process group of a module loaded with ``torch.load`` (or unpickled) that was
-    saved with an explicit process group, which cannot be saved: its forward raises until
-    ``set_process_group`` gives it one. ``ranks``: the global ranks of the saved group (None where
-    they could not be read)."""
-
-    def __init__(self, ranks: tuple[int, ...] | None) -> None:
-        self.ranks = ranks
-
-    def __repr__(self) -> str:
-        return f"NeedsGroup(ranks={self.ranks})"
-
-    def error(self, who: str) -> RuntimeError:
-        ranks = "ranks unknown" if self.ranks is None else f"global ranks {list(self.ranks)}"
-        return RuntimeError(
-            f"{who} was saved with an explicit process_group ({ranks}), which cannot be saved with it: "
-            "call module.set_process_group(group) with the process group (or DeviceMesh, with mesh_dim=) "
-            "that splits the sequence in this process, or module.set_process_group(None) for the default "
-            "group (a local run where torch.distributed is not initialised)"
-        )
-
-
-def _saved_group(group: Any) -> NeedsGroup | None:
-    """What ``torch.save`` keeps of a module's process group: None for the default group."""
-    if group is None or isinstance(group, NeedsGroup):
-        return group
-    key = _group_key(group)
-    ranks = key if key and isinstance(key[0], int) else None
-    return NeedsGroup(ranks)
-
-
 # The end of the error for a nested q, k or v: the ring takes neither a padding mask nor packed rows.
 _RAGGED_HINT = (
     "RingDilatedAttention takes no padding mask and no packed sequences: give every rank its "
@@ -158,16 +104,18 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         mesh_dim: with a ``DeviceMesh`` of several dimensions as ``process_group``, the name (or
             index) of the dimension that splits the sequence, e.g. ``"cp"``.
 
-    Every rank must build its ring modules in the same order for a process group: the consistency
-    check numbers them in that order. ``copy.deepcopy`` shares the process group with the copy;
-    ``torch.save`` keeps the configuration, not the group (see :meth:`set_process_group`).
+    Every rank must make the same ring calls in the same order, and build its ring modules in the
+    same order for a process group: the consistency check numbers modules and calls per
+    communicator (see :mod:`.consistency`; :func:`call_key` tags the calls of a training step).
+    ``copy.copy`` and ``copy.deepcopy`` share the process group with the copy; ``torch.save`` keeps
+    the configuration, not the group (see :meth:`set_process_group`).
     """
 
     attention_backend: str
     ring_size: int | None
     layout: str
     _selector: BackendSelector
-    _check: ConsistencyCheck
+    _ledger: CallLedger
 
     def __init__(
         self,
@@ -260,10 +208,10 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         self._reset_per_group_state()
 
     def _reset_per_group_state(self) -> None:
-        """A new number, no calls, nothing checked: what a module built now has."""
-        self._check = ConsistencyCheck()
-        self._number = _next_number(self.process_group)
-        self._calls = 0  # forward calls on a group of several ranks
+        """A new number on the group's communicator, no calls, nothing checked: what a module built
+        now has."""
+        self._ledger = CallLedger(self.process_group, type(self).__name__)
+        self._entered = 0  # forward calls begun (RingMultiheadDilatedAttention's refusals read it)
 
     # -- copies: the configuration, not the group --------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -272,9 +220,9 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         the process that loads it); an explicit one as :class:`NeedsGroup`, whose forward asks for
         ``set_process_group``. The caches (plans, piece kernels) are rebuilt on use."""
         state = super().__getstate__()
-        state["process_group"] = _saved_group(self.process_group)
+        state["process_group"] = saved_group(self.process_group)
         state["_plans"], state["_pieces"] = {}, {}
-        for name in ("_check", "_number", "_calls"):
+        for name in _PER_GROUP:
             state.pop(name, None)
         return state
 
@@ -285,19 +233,29 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         super().__setstate__(state)
         self._reset_per_group_state()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> RingDilatedAttention:
-        """A copy with the same process group (shared, not copied), numbered as a module built now."""
+    def _copy(self, memo: dict[int, Any] | None) -> RingDilatedAttention:
+        """A copy with the same process group (shared, not copied), numbered as a module built now;
+        the other attributes shared (``memo`` None: ``copy.copy``) or deep-copied with ``memo``."""
         new = type(self).__new__(type(self))
-        memo[id(self)] = new
+        if memo is not None:
+            memo[id(self)] = new
         for name, value in self.__dict__.items():
             if name == "process_group":
                 new.__dict__[name] = value
             elif name in ("_plans", "_pieces"):
                 new.__dict__[name] = {}
-            elif name not in ("_check", "_number", "_calls"):
-                new.__dict__[name] = copy.deepcopy(value, memo)
+            elif name not in _PER_GROUP:
+                new.__dict__[name] = value if memo is None else copy.deepcopy(value, memo)
         new._reset_per_group_state()
         return new
+
+    def __copy__(self) -> RingDilatedAttention:
+        """``copy.copy``: the configuration and the process group shared, numbered as a module built now."""
+        return self._copy(None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RingDilatedAttention:
+        """``copy.deepcopy``: the same process group (shared, not copied), numbered as a module built now."""
+        return self._copy(memo)
 
     def extra_repr(self) -> str:
         return (
@@ -353,13 +311,12 @@ class RingDilatedAttention(NotScriptable, nn.Module):
     def _check_call(
         self, comm: Comm, q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float, runs_backward: bool
     ) -> CallCheck | None:
-        """Count this call and compare its fingerprint across the ranks (as ``check_consistency``
+        """Number this call and compare its fingerprint across the ranks (as ``check_consistency``
         says); returns what the backward compares again (with ``check_consistency=True``). Runs
-        eagerly under ``torch.compile``: the call counter changes on every call, and the check reads
+        eagerly under ``torch.compile``: the call counters change on every call, and the check reads
         its all-gather on the host."""
-        call, self._calls = self._calls, self._calls + 1
         mode = self.check_consistency
-        fields = fingerprint(
+        config = fingerprint(
             q,
             k,
             self.segment_lengths,
@@ -371,11 +328,24 @@ class RingDilatedAttention(NotScriptable, nn.Module):
             self.ring_size,
             runs_backward,
             mode,
-            self._number,
-            call,
         )
-        self._check(comm, fields, _FIELD_NAMES, mode)
-        return CallCheck(fields, _FIELD_NAMES) if mode is True else None
+        return self._ledger.check(comm, config, _FIELD_NAMES, mode)
+
+    @torch.compiler.disable
+    def _refuse(self, device: torch.device | None) -> None:
+        """This rank refused its inputs to a call: on a group of several ranks, count the call and
+        tell the peers where they compare it (``CallLedger.refuse``), so that every rank raises.
+        The caller raises its own error."""
+        if isinstance(self.process_group, NeedsGroup):
+            return
+        try:
+            group, P, rank = resolve_group(self.process_group, self.ring_size)
+        except RuntimeError:
+            return
+        if P > 1:
+            if (device is None or device.type != "cuda") and "nccl" in str(dist.get_backend(group)):
+                device = torch.device("cuda", torch.cuda.current_device())  # NCCL moves CUDA tensors only
+            self._ledger.refuse(Comm(group, rank, P, device or torch.device("cpu")), self.check_consistency)
 
     # -- forward -------------------------------------------------------------------------
     def forward(
@@ -397,10 +367,15 @@ class RingDilatedAttention(NotScriptable, nn.Module):
         Returns:
             out (B, N/P, Hq, D) in q's dtype, or ``(out, lse)``.
         """
-        V.check_qkv(q, k, v, ragged_hint=_RAGGED_HINT)
-        is_causal = V.check_bool(is_causal, "is_causal")
-        return_lse = V.check_bool(return_lse, "return_lse")
-        scale = V.check_scale_for_dtype(V.resolve_scale(self.softmax_scale, q.shape[-1]), q.dtype)
+        self._entered += 1
+        try:
+            V.check_qkv(q, k, v, ragged_hint=_RAGGED_HINT)
+            is_causal = V.check_bool(is_causal, "is_causal")
+            return_lse = V.check_bool(return_lse, "return_lse")
+            scale = V.check_scale_for_dtype(V.resolve_scale(self.softmax_scale, q.shape[-1]), q.dtype)
+        except (TypeError, ValueError):
+            self._refuse(q.device if isinstance(q, torch.Tensor) else None)
+            raise
         if isinstance(self.process_group, NeedsGroup):
             raise self.process_group.error(type(self).__name__)
         group, P, rank = resolve_group(self.process_group, self.ring_size)

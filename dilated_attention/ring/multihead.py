@@ -204,6 +204,19 @@ class RingMultiheadDilatedAttention(MultiheadDilatedAttention):
         args.update(kwargs)
         return cls(**args)
 
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """The base class's forward. Where its own checks refuse the inputs before the ring module
+        is called, the ring module still takes its place in the calls on the group (its peers raise
+        too: :meth:`RingDilatedAttention._refuse`)."""
+        entered = self.attention._entered
+        try:
+            return super().forward(*args, **kwargs)
+        except (TypeError, ValueError):
+            if self.attention._entered == entered:
+                weight = next(self.parameters(), None)
+                self.attention._refuse(None if weight is None else weight.device)
+            raise
+
     @property
     def comm(self) -> str:
         return self.attention.comm
