@@ -273,3 +273,39 @@ def test_in_a_torch_decoder_layer_a_bool_padding_mask_is_refused():
     torch.testing.assert_close(direct[~padding], m(x, key_padding_mask=as_float)[0][~padding])
     with pytest.raises(ValueError, match="leave need_weights out"):
         m(x, key_padding_mask=~padding, need_weights=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_in_torch_layers_an_integer_padding_mask_is_refused_as_torch_refuses_it(dtype):
+    """nn.TransformerDecoderLayer passes an integer tgt_key_padding_mask (nonzero = padding, in
+    torch's eyes) to self_attn as given, with need_weights=False: the module read it in its own
+    convention (1 = a real token), inverted, and returned numbers. nn.MultiheadAttention refuses
+    an integer mask ("only bool and floating types of key_padding_mask are supported"); so does
+    the module now in a call that names need_weights, with a TypeError naming the dtype and both
+    conventions. In nn.TransformerEncoderLayer torch itself refuses the mask before self_attn.
+    Called directly (need_weights left out), an integer mask keeps the module's convention."""
+    torch.manual_seed(0)
+    dec = nn.TransformerDecoderLayer(E, H, 32, dropout=0.0, batch_first=True, dtype=torch.float64).eval()
+    ours_dec = copy.deepcopy(dec)
+    ours_dec.self_attn = MultiheadDilatedAttention.from_torch(dec.self_attn, [16], [1])
+    x, memory = torch.randn(2, 10, E, dtype=torch.float64), torch.randn(2, 6, E, dtype=torch.float64)
+    padding = torch.zeros(2, 10, dtype=dtype)
+    padding[1, 7:] = 1
+    with pytest.raises(AssertionError, match="only bool and floating types of key_padding_mask"):
+        dec(x, memory, tgt_key_padding_mask=padding)  # torch's own layer
+    with pytest.raises(
+        TypeError,
+        match=rf"key_padding_mask has dtype {dtype} .*need_weights.*nn\.MultiheadAttention refuses it",
+    ):
+        ours_dec(x, memory, tgt_key_padding_mask=padding)
+    m = ours_dec.self_attn
+    with pytest.raises(TypeError, match=rf"dtype {dtype}.*1 = a real token.*DropInMultiheadAttention"):
+        m(x, key_padding_mask=padding, need_weights=False)
+    _, enc = _encoder_layers(train=False)
+    with pytest.raises(AssertionError, match="only bool and floating types of src_key_padding_mask"):
+        enc(x, src_key_padding_mask=padding)
+    # Called directly, the module's own convention: 1 = a real token, as the bool mask's True.
+    real = (1 - padding).to(dtype)
+    got = m(x, key_padding_mask=real)[0]
+    want = m(x, key_padding_mask=real.bool())[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -24,14 +24,27 @@ from .dilated import DilatedAttention
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
 
-def _refuse_torch_bool_mask(mask: Any) -> None:
-    """A bool ``key_padding_mask`` in a call that names ``need_weights`` is refused.
+def _refuse_torch_layer_mask(mask: Any) -> None:
+    """A bool or integer ``key_padding_mask`` in a call that names ``need_weights`` is refused.
 
     That is how torch's transformer layers call their ``self_attn`` (``nn.TransformerDecoderLayer``
-    passes ``need_weights=False`` and its bool ``tgt_key_padding_mask`` as given, True = padding),
-    and this module reads a bool mask the other way round (True = a real token): every real token
-    would be taken for padding and every padded one for a real token, without an error.
+    passes ``need_weights=False`` and its ``tgt_key_padding_mask`` as given, True or nonzero =
+    padding), and this module reads a bool or integer mask the other way round (True, or 1, = a
+    real token): every real token would be taken for padding and every padded one for a real
+    token, without an error. An integer mask is refused as ``nn.MultiheadAttention`` refuses it
+    (only bool and floating masks), a bool one with the way out.
     """
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"key_padding_mask has dtype {mask.dtype} in a call that passes need_weights, the way "
+            "torch's transformer layers (nn.TransformerDecoderLayer) call their self_attn: "
+            "nn.MultiheadAttention refuses it (only bool and floating types of key_padding_mask are "
+            "supported; True, or -inf, = padding), and MultiheadDilatedAttention would read it the "
+            "other way round (1 = a real token, SPEC section 7). Inside torch's layers use "
+            "dilated_attention.DropInMultiheadAttention with a bool mask (True = padding), or give the "
+            "mask as floats (0 = a real key, -inf = padding); called directly, leave need_weights out "
+            "to use this module's convention"
+        )
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         raise ValueError(
             "key_padding_mask is a bool mask in a call that passes need_weights, as torch's "
@@ -114,7 +127,8 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
     ``nn.TransformerDecoderLayer`` passes its masks on as given, with ``need_weights=False``: a
     bool ``key_padding_mask`` in a call that names ``need_weights`` (the way torch's layers call
     their ``self_attn``) is therefore a ValueError, since it would arrive in torch's convention and
-    be read in this one's; use :class:`~dilated_attention.DropInMultiheadAttention` there. Each row's real tokens must be
+    be read in this one's, and an integer one a TypeError, as ``nn.MultiheadAttention`` refuses it
+    (only bool and floating masks); use :class:`~dilated_attention.DropInMultiheadAttention` there. Each row's real tokens must be
     one contiguous run and are attended as a sequence of their own (see :class:`DilatedAttention`);
     padded positions get attention output 0 (the output projection's bias still applies) and pass
     no gradient to the real tokens. The second
@@ -275,7 +289,7 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
                 "row), so there are none to return. Pass need_weights=False; the second result is None."
             )
         if need_weights is not None:
-            _refuse_torch_bool_mask(key_padding_mask)
+            _refuse_torch_layer_mask(key_padding_mask)
         if (key is None) != (value is None):
             raise ValueError(
                 "give both key and value, or neither (self-attention), got only "
