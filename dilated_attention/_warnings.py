@@ -4,7 +4,9 @@ Python shows a ``UserWarning`` by default, so these reach a user's own script wi
 logging set up (the package's logger, by contrast, stays silent until the user configures
 logging). Each cause (a backend that cannot run these inputs, a branch configuration that leaves
 positions without a head, ...) is warned about once per process, however many modules or calls
-meet it; ``warnings.simplefilter("ignore", DilatedAttentionWarning)`` silences them all.
+meet it (:func:`warn_once`); the misuse of an object (a key/value cache used out of order) once
+per object (:func:`warn_user`, with a flag on the object).
+``warnings.simplefilter("ignore", DilatedAttentionWarning)`` silences them all.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ __all__ = [
     "reset_warnings",
     "skip_frames_of",
     "warn_once",
+    "warn_user",
 ]
 
 
@@ -71,7 +74,8 @@ class DenseWeightsWarning(DilatedAttentionWarning):
 
 class CacheUsageWarning(DilatedAttentionWarning):
     """A key/value cache is used out of its order of calls (a layer attended twice in one step,
-    without ``advance`` between): the second call's tokens overwrite the first's positions."""
+    without ``advance`` between): the second call's tokens overwrite the first's positions. Each
+    cache warns once, on its first misuse."""
 
 
 class VersionWarning(DilatedAttentionWarning):
@@ -101,6 +105,39 @@ def _stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return 1
+
+
+def _user_frame() -> FrameType | None:
+    """The frame of the first caller outside this package and torch (the user's line), or None."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not ("importlib" in name and "_bootstrap" in name) and not os.path.abspath(name).startswith(
+            _SKIPPED_DIRS
+        ):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def warn_user(message: str, category: type[Warning] = DilatedAttentionWarning) -> None:
+    """Warn at the user's line every time it is called: the caller decides how often (e.g. once per
+    object, with a flag on it). Unlike ``warnings.warn``, a second warning with the same text from
+    the same line is shown too (Python's default filter shows a text once per line): two objects
+    misused by the same line of a loop each say so. The filters still apply (``"ignore"``,
+    ``"error"``, ``"once"``)."""
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__", "<string>"),
+        registry=None,  # no per-line registry: how often is the caller's decision
+    )
 
 
 def warn_once(cause: Hashable, message: str, category: type[Warning] = DilatedAttentionWarning) -> bool:

@@ -178,7 +178,9 @@ def test_bad_arguments_name_the_value():
         cache.advance(-1)
     out = cache.attend(0, q[:, :0], k[:, :0], k[:, :0])
     assert out.shape == (2, 0, 4, 8)
-    cache.advance(3)
+    with pytest.raises(ValueError, match=r"advance\(3\): layer 0 took 0 new tokens in every row"):
+        cache.advance(3)  # no token was cached
+    cache.advance(0)
     cache.reset()
     assert cache.seqlens.tolist() == [0, 0]
 

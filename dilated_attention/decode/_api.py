@@ -8,7 +8,7 @@ from typing import Literal, overload
 import torch
 
 from .. import _validation as V
-from .._warnings import CacheUsageWarning, warn_once
+from .._warnings import CacheUsageWarning, warn_user
 from ..backends import check_backend_name
 from ..flops import accumulation_dtype
 from ..functional import _attention
@@ -22,6 +22,11 @@ def _as_lengths(value: object, B: int, device: torch.device, name: str) -> torch
             raise ValueError(f"{name} must be an integer tensor, got dtype {value.dtype}")
         if value.dim() > 1 or (value.dim() == 1 and value.shape[0] != B):
             raise ValueError(f"{name} must be an int or a ({B},) tensor, got shape {tuple(value.shape)}")
+        if value.device.type == "meta" and device.type != "meta":
+            raise ValueError(
+                f"{name} is a meta tensor (it holds no values), where its values are needed on {device}: "
+                "give it as an int or a tensor with values"
+            )
         return value.to(device=device, dtype=torch.int64).expand(B)
     n = V._as_int(value, name)
     return torch.full((B,), n, dtype=torch.int64, device=device)
@@ -203,8 +208,25 @@ def dilated_attention_decode(
         out = q.new_zeros(q.shape)
         lse = q.new_full((B, Hq, m), float("-inf"), dtype=accumulation_dtype(q.dtype))
         return (out, lse) if return_lse else out
-    end = seqlens + (m if k is not None else 0)  # slots in use after the call, (B,)
     lo_bound, hi_bound = (0 if k is not None else m), Ncap - (m if k is not None else 0)
+    if q.device.type == "meta":
+        # Shape propagation, as the ops' fake kernels do: the lengths are checked where they have
+        # values (an int, or tensors on a real device); nothing is written or read.
+        given = [t for t in (cache_seqlens, cache_leftpad) if isinstance(t, torch.Tensor)]
+        if all(t.device.type != "meta" for t in given):
+            cpu = torch.device("cpu")
+            host = _as_lengths(cache_seqlens, B, cpu, "cache_seqlens")
+            pad = (
+                torch.zeros(B, dtype=torch.int64)
+                if cache_leftpad is None
+                else _as_lengths(cache_leftpad, B, cpu, "cache_leftpad")
+            )
+            end = host + (m if k is not None else 0)
+            _check_lengths(cache_seqlens, host, end, pad, lo_bound, hi_bound, Ncap, m, k is not None)
+        out = q.new_empty(q.shape)
+        lse = q.new_empty((B, Hq, m), dtype=accumulation_dtype(q.dtype))
+        return (out, lse) if return_lse else out
+    end = seqlens + (m if k is not None else 0)  # slots in use after the call, (B,)
     hi = _check_lengths(cache_seqlens, seqlens, end, leftpad, lo_bound, hi_bound, Ncap, m, k is not None)
     # A prefill (new keys on an empty cache without left padding), known without reading a tensor
     # back under torch.compile only for an int cache_seqlens.
@@ -248,26 +270,119 @@ def dilated_attention_decode(
     return (out, lse) if return_lse else out
 
 
+def cache_dtype_device(dtype: object, device: object, owner: str) -> tuple[torch.dtype, torch.device | None]:
+    """A cache's dtype and device, checked (:func:`~dilated_attention._validation.cache_dtype_device`),
+    and the device one this process can use: a cache for ``"cuda"`` where
+    ``torch.cuda.is_available()`` is False is a ValueError naming the device, at construction."""
+    from .. import hardware
+
+    dtype, dev = V.cache_dtype_device(dtype, device)
+    cuda_note = (
+        ""
+        if torch.cuda.is_available()
+        else f" (torch.cuda.is_available() is False: this PyTorch {torch.__version__}, built "
+        f"{'for CUDA ' + str(torch.version.cuda) if torch.version.cuda else 'without CUDA'}, finds no "
+        "usable CUDA GPU or driver)"
+    )
+    fix = "; build it on a device this process has, e.g. device='cpu'"
+    if dev is None:
+        try:  # torch.set_default_device: the device a tensor is made on
+            where = torch.get_default_device()
+        except RuntimeError as err:  # torch cannot even name its index: the device is not there
+            text = str(err)
+            note = cuda_note if "cuda" in text.lower() or "nvidia" in text.lower() else ""
+            raise ValueError(
+                f"{owner}: cannot hold the cache on torch's default device (device=None, the device of "
+                f"torch.set_default_device): {text}{note}{fix}"
+            ) from None
+    else:
+        where = dev
+    if where.type in ("cpu", "meta"):
+        return dtype, dev
+    why = hardware.device_unavailable(where)
+    if why:
+        named = f"device={str(where)!r}" + ("" if dev is not None else " (torch's default device)")
+        if where.type == "cuda":
+            why += cuda_note
+        raise ValueError(f"{owner}: cannot hold the cache on {named}: {why}{fix}")
+    return dtype, dev
+
+
+def _counts_text(counts: Sequence[int]) -> str:
+    """``4 new tokens in every row`` or ``[4, 2] new tokens per row``."""
+    if len(set(counts)) == 1:
+        return f"{counts[0]} new token{'s' if counts[0] != 1 else ''} in every row"
+    return f"{list(counts)} new tokens per row"
+
+
 class StepGuard:
-    """Which layers of a cache took new tokens since its last ``advance``: a layer that attends
-    again before it is warned about (:class:`~dilated_attention.CacheUsageWarning`), since its new
-    tokens go to the positions of the previous call's, which they overwrite."""
+    """The order of a cache's calls: which layers took new tokens since its last ``advance``, and
+    how many per row.
 
-    def __init__(self, num_layers: int, owner: str) -> None:
+    A layer that attends again before ``advance`` is warned about
+    (:class:`~dilated_attention.CacheUsageWarning`, once per cache), since its new tokens go to the
+    positions of the previous call's, which they overwrite. ``advance(n)`` is checked against what
+    the layers took: ``exact`` (the bounded cache) wants exactly those counts per row; otherwise (the
+    full cache) at most them per row, fewer being the real lengths of right-padded rows. An
+    ``advance`` with no layer attended since the previous one counts positions the caller wrote into
+    the cache directly, and is not checked."""
+
+    def __init__(self, num_layers: int, owner: str, *, exact: bool) -> None:
         self.owner = owner
-        self.attended = [False] * num_layers
+        self.exact = exact
+        self.taken: list[list[int] | None] = [None] * num_layers  # per layer: new tokens per row
+        self.warned = False  # this cache warned already: each cache warns once
 
-    def attend(self, layer: int) -> None:
-        if self.attended[layer]:
-            warn_once(
-                ("cache-attend-again", self.owner),
+    def attend(self, layer: int, counts: list[int]) -> None:
+        if self.taken[layer] is not None and not self.warned:
+            self.warned = True
+            warn_user(
                 f"{self.owner}.attend(layer={layer}) was called again before advance(): its new tokens "
                 "take the positions of the previous call's on this layer and overwrite them. Call "
                 "cache.advance(n) once after the last layer of every step (n: the step's new tokens); "
-                "repeating a step with the same tokens is harmless.",
+                "repeating a step with the same tokens is harmless. (This cache warns once.)",
                 CacheUsageWarning,
             )
-        self.attended[layer] = True
+        self.taken[layer] = counts
+
+    def counts(self, n: list[int] | None, given: object) -> list[int]:
+        """The positions ``advance`` counts per row: ``n`` (from the argument ``given``) checked
+        against what the layers took since the last ``advance``, or, for ``n`` None, what they took."""
+        taken = [(layer, c) for layer, c in enumerate(self.taken) if c is not None]
+        if n is None:
+            if not taken:
+                raise ValueError(
+                    f"{self.owner}.advance() without n: no layer took new tokens since the last "
+                    "advance() or reset(), so there is nothing to count; pass n, the positions to "
+                    "count as cached"
+                )
+            first_layer, first = taken[0]
+            for layer, c in taken[1:]:
+                if c != first:
+                    raise ValueError(
+                        f"{self.owner}.advance() without n: the layers took different numbers of new "
+                        f"tokens since the last advance(): layer {first_layer} {_counts_text(first)}, "
+                        f"layer {layer} {_counts_text(c)}; every layer of a step takes the same tokens"
+                    )
+            return first
+        arg = f"{given}" if isinstance(given, int) else f"{n}"
+        got = f"n = {given}" if isinstance(given, int) else f"{n} per row"
+        for layer, c in taken:
+            if self.exact and n != c:
+                raise ValueError(
+                    f"{self.owner}.advance({arg}): layer {layer} took {_counts_text(c)} since the last "
+                    f"advance() (attend's num_new, or every token of the call), and advance must count "
+                    f"exactly those (the cache kept those tokens and no others), got {got}. "
+                    f"Call advance() without n to advance by what the layers took."
+                )
+            if not self.exact and any(a > b for a, b in zip(n, c, strict=True)):
+                raise ValueError(
+                    f"{self.owner}.advance({arg}): layer {layer} appended {_counts_text(c)} since the "
+                    f"last advance(), and a row can advance by at most its appended tokens (fewer: the "
+                    f"real length of a right-padded row), got {got}: the positions beyond were "
+                    f"never written. Call advance() without n to advance by what the layers appended."
+                )
+        return n
 
     def advance(self) -> None:
-        self.attended = [False] * len(self.attended)
+        self.taken = [None] * len(self.taken)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import _validation as V
-from ._api import StepGuard, _as_lengths, dilated_attention_decode
+from ._api import StepGuard, _as_lengths, cache_dtype_device, dilated_attention_decode
 
 
 class DilatedKVCache:
@@ -24,7 +24,8 @@ class DilatedKVCache:
 
     A batch of prompts of different lengths can be prefilled right-padded to one length ``T``
     and then advanced by the real lengths: causal attention never lets a real token read the
-    padding after it, and the next tokens overwrite it.
+    padding after it, and the next tokens overwrite it. ``advance`` is checked against what the
+    layers appended (at most ``T`` per row); ``advance()`` without ``n`` advances by ``T``.
     """
 
     def __init__(
@@ -48,12 +49,12 @@ class DilatedKVCache:
             if V._as_int(value, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         shape = (batch_size, max_seqlen, num_kv_heads, head_dim)
-        dtype, device = V.cache_dtype_device(dtype, device)
+        dtype, device = cache_dtype_device(dtype, device, type(self).__name__)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.max_seqlen = max_seqlen
-        self._step = StepGuard(num_layers, type(self).__name__)
+        self._step = StepGuard(num_layers, type(self).__name__, exact=False)
 
     def attend(
         self,
@@ -84,13 +85,24 @@ class DilatedKVCache:
             softmax_scale=softmax_scale,
             backend=backend,
         )
-        self._step.attend(layer)
+        self._step.attend(layer, [q.shape[1]] * q.shape[0])
         return out.to(q.dtype)
 
-    def advance(self, n: int | torch.Tensor) -> None:
-        """Count ``n`` (an int, or a (B,) tensor) more positions as cached, after every layer."""
-        new = self.seqlens + _as_lengths(n, self.seqlens.shape[0], self.seqlens.device, "n")
-        if int(new.min()) < 0 or int(new.max()) > self.max_seqlen:
+    def advance(self, n: int | torch.Tensor | None = None) -> None:
+        """Count ``n`` (an int, or a (B,) tensor) more positions as cached, after every layer.
+
+        ``n`` is at most the tokens the layers appended since the last ``advance`` (fewer: the
+        real lengths of right-padded rows), else a ValueError naming both; None advances by what
+        they appended. With no layer attended since the last ``advance``, ``n`` counts positions
+        written into ``k``, ``v`` directly and is not checked against them."""
+        B = self.seqlens.shape[0]
+        counts = None if n is None else _as_lengths(n, B, torch.device("cpu"), "n").tolist()
+        counts = self._step.counts(counts, n)
+        new = self.seqlens + torch.tensor(counts, dtype=torch.int64).to(self.seqlens.device)
+        if self.seqlens.device.type == "meta":  # lengths without values: only n can be checked
+            if min(counts) < 0:
+                raise ValueError(f"cache lengths must grow: n must be >= 0 per row, got {counts}")
+        elif int(new.min()) < 0 or int(new.max()) > self.max_seqlen:
             raise ValueError(f"cache lengths must stay in [0, {self.max_seqlen}], got {new.tolist()}")
         self.seqlens = new
         self._step.advance()

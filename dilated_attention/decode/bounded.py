@@ -18,7 +18,7 @@ from ..flops import accumulation_dtype
 from ..functional import _attention
 from ..op.decode import decode_step
 from ..op.slots import attend_slots, branch_slots, write_slots
-from ._api import StepGuard, _as_lengths
+from ._api import StepGuard, _as_lengths, cache_dtype_device
 
 __all__ = ["BoundedDilatedKVCache"]
 
@@ -37,7 +37,7 @@ class BoundedDilatedKVCache:
         # in layer i, for the new tokens' q (B, T, Hq, D), k, v (B, T, Hkv, D):
         out = cache.attend(i, q, k, v)  # num_new=(B,) lengths: left-padded new tokens
         # after the last layer:
-        cache.advance(T)  # the same counts as num_new
+        cache.advance(T)  # the same counts as num_new (or advance() without them)
 
     Outputs equal causal dilated attention over each whole sequence (SPEC section 8). A call whose
     rows have different numbers of new tokens passes them left-padded, with ``num_new`` (B,) the
@@ -84,12 +84,12 @@ class BoundedDilatedKVCache:
         self.layout = branch_slots(self.segment_lengths, self.dilation_rates, self.group, max_seqlen)
         slots = self.layout[-1].offset + self.layout[-1].rows * self.layout[-1].length
         shape = (batch_size, num_kv_heads, slots, head_dim)
-        dtype, device = V.cache_dtype_device(dtype, device)
+        dtype, device = cache_dtype_device(dtype, device, type(self).__name__)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seqlens = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self._host = [0] * batch_size  # seqlens on the host: no device sync per step
-        self._step = StepGuard(num_layers, type(self).__name__)
+        self._step = StepGuard(num_layers, type(self).__name__, exact=True)
 
     @property
     def slots(self) -> int:
@@ -151,13 +151,26 @@ class BoundedDilatedKVCache:
             )
         return_lse = V.check_bool(return_lse, "return_lse")
         kbuf, vbuf = self.k[layer], self.v[layer]
+        if q.device != kbuf.device:
+            raise ValueError(
+                f"q, k and v must be on the cache's device {kbuf.device}, got {q.device}"
+                + (
+                    " (a meta tensor holds no values; a cache built with device='meta' takes them)"
+                    if q.device.type == "meta"
+                    else ""
+                )
+            )
         dtype = kbuf.dtype
         scale = V.check_scale_for_dtype(V.resolve_scale(softmax_scale, D), dtype)
         counts = self._new_counts(num_new, m)
         ends = [n + c for n, c in zip(self._host, counts, strict=True)]
         if self.max_seqlen is not None and max(ends) > self.max_seqlen:
             raise ValueError(f"sequence lengths would reach {ends}, beyond max_seqlen={self.max_seqlen}")
-        self._step.attend(layer)
+        self._step.attend(layer, counts)
+        if kbuf.device.type == "meta":  # shape propagation, as the op's fake kernel: nothing to read
+            out = q.new_empty(q.shape)
+            lse = q.new_empty((B, Hq, m), dtype=accumulation_dtype(dtype))
+            return (out, lse) if return_lse else out
         if m == 0:
             out = q.new_zeros(q.shape)
             lse = torch.full((B, Hq, 0), float("-inf"), dtype=accumulation_dtype(dtype), device=q.device)
@@ -220,11 +233,19 @@ class BoundedDilatedKVCache:
                 out[b, m - n :], lse[b, :, m - n :] = o[0], s[0]
         return out, lse
 
-    def advance(self, n: int | torch.Tensor) -> None:
-        """Count ``n`` (an int, or a (B,) tensor) more positions as cached, after every layer."""
-        counts = _as_lengths(n, len(self._host), torch.device("cpu"), "n").tolist()
+    def advance(self, n: int | torch.Tensor | None = None) -> None:
+        """Count ``n`` (an int, or a (B,) tensor) more positions as cached, after every layer.
+
+        ``n`` must be the tokens the layers took since the last ``advance`` (``num_new``, or every
+        token of the call), else a ValueError naming both; None advances by them. With no layer
+        attended since the last ``advance``, ``n`` counts positions written into the slots
+        directly and is not checked against them."""
+        counts = None if n is None else _as_lengths(n, len(self._host), torch.device("cpu"), "n").tolist()
+        if counts is not None and min(counts) < 0:
+            raise ValueError(f"cache lengths must grow: n must be >= 0 per row, got {counts}")
+        counts = self._step.counts(counts, n)
         new = [a + b for a, b in zip(self._host, counts, strict=True)]
-        if min(counts) < 0 or (self.max_seqlen is not None and max(new) > self.max_seqlen):
+        if self.max_seqlen is not None and max(new) > self.max_seqlen:
             raise ValueError(f"cache lengths must grow and stay in [0, {self.max_seqlen}], got {new}")
         self._host = new
         self._step.advance()
