@@ -8,6 +8,8 @@ TRANSFORMERS_SPEC ?= transformers>=5.0,<5.25
 .PHONY: help deps install lint typecheck format test test-slow train longcontext bench cuda-check gpu-check gpu-session dist dist-check clean
 
 help:
+	@echo "make help        this list"
+	@echo "make deps        install the dependencies only ($(TORCH_SPEC), transformers, matplotlib, pytest, build tools)"
 	@echo "make install     install $(TORCH_SPEC), transformers, matplotlib and pytest, then build and install the package (editable) into the current Python"
 	@echo "make lint        check formatting, lint and types (ruff, clang-format, mypy), changing nothing"
 	@echo "make typecheck   type-check the package (mypy)"
@@ -21,14 +23,15 @@ help:
 	@echo "make gpu-session one GPU command (< 10 min): tests, views driver, GPT at 16K vs dense, a profiled step"
 	@echo "make dist        build the source distribution and a wheel into dist/"
 	@echo "make dist-check  build the sdist, build a wheel from it in a fresh venv, install it there and import it"
+	@echo "make clean       remove the build outputs (build/, dist/, the compiled extension)"
 
 # One pip call (one resolution: each call costs seconds even when everything is installed). Not
 # quiet: in a fresh environment it downloads gigabytes, and pip's progress is the only sign of life.
 deps:
 	@echo "make install: installing $(TORCH_SPEC) (the CUDA build: about 5.7 GB installed in a fresh" \
 		"environment, minutes to download), $(TRANSFORMERS_SPEC), matplotlib, pytest and the build tools"
-	$(PYTHON) -m pip install "$(TORCH_SPEC)" "setuptools>=77" wheel ninja build tqdm numpy pytest expecttest \
-		matplotlib "$(TRANSFORMERS_SPEC)"
+	$(PYTHON) scripts/progress.py "make install (pip)" -- $(PYTHON) -m pip install "$(TORCH_SPEC)" \
+		"setuptools>=77" wheel ninja build tqdm numpy pytest expecttest matplotlib "$(TRANSFORMERS_SPEC)"
 
 # The formatters' versions are pinned: another version may format the same code differently.
 LINT_TOOLS ?= ruff==0.17.6 clang-format==23.1.5
@@ -39,8 +42,11 @@ C_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh
 # Without a GPU (and without TORCH_CUDA_ARCH_LIST or FORCE_CUDA=1) this builds the CPU kernels only
 # (setup.py); the last line says what was built and how to get the rest.
 install: deps
-	@echo "make install: compiling the kernels (a minute or two for the CPU kernels; longer with the CUDA kernels)"
-	$(PYTHON) -m pip install -q --no-build-isolation -e .
+	@echo "make install: compiling the kernels (a minute or two for the CPU kernels on a quiet machine; longer" \
+		"with the CUDA kernels), one line per source file; the whole output goes to build/install.log"
+	@mkdir -p build
+	$(PYTHON) scripts/progress.py "make install" --compile --log build/install.log -- \
+		$(PYTHON) -m pip install -v --no-build-isolation -e .
 	@$(PYTHON) -c "$$BUILT_REPORT"
 
 lint:
@@ -111,12 +117,17 @@ dist:
 # environment (the README's setup; --system-site-packages alone would not reach them).
 # CPU kernels only (DILATED_ATTENTION_CPU_ONLY=1) so that the kernels compile once, in a minute or two.
 DIST_VENV ?= build/dist-venv
+# The lines of a source build that say nothing a person needs (the whole output is in build/*.log).
+BUILD_NOISE = ^(copying |adding |creating |hard linking |writing |reading |running |removing |Copying |x |not copying |warning: no previously-included|listing git files)
 dist-check:
 	rm -rf dist $(DIST_VENV)
-	$(PYTHON) -m build --sdist --no-isolation --outdir dist .
+	@mkdir -p build
+	$(PYTHON) scripts/progress.py "make dist-check" --log build/dist-sdist.log --hide "$(BUILD_NOISE)" -- \
+		$(PYTHON) -m build --sdist --no-isolation --outdir dist .
 	$(PYTHON) -m venv --system-site-packages --without-pip $(DIST_VENV)
 	$(PYTHON) -c "$$DIST_OUTER_PATHS" $(DIST_VENV)
-	DILATED_ATTENTION_CPU_ONLY=1 $(DIST_VENV)/bin/python -m pip wheel -q --no-build-isolation --no-deps \
+	DILATED_ATTENTION_CPU_ONLY=1 $(PYTHON) scripts/progress.py "make dist-check (wheel)" --compile \
+		--log build/dist-wheel.log -- $(DIST_VENV)/bin/python -m pip wheel -v --no-build-isolation --no-deps \
 		--wheel-dir dist dist/dilated_attention-*.tar.gz
 	$(DIST_VENV)/bin/python -m pip install -q --no-deps --no-index dist/dilated_attention-*.whl
 	cd $(DIST_VENV) && bin/python -c "$$DIST_SMOKE_TEST"
