@@ -13,7 +13,7 @@ from common import one_thread  # noqa: E402, F401  (after the skip; one_thread: 
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 import dilated_attention.decode.bounded as bounded_mod  # noqa: E402
-import dilated_attention.transformers_cache as dtc  # noqa: E402
+import dilated_attention.transformers.cache as dtc  # noqa: E402
 
 V = 48
 
@@ -128,3 +128,10 @@ def test_refusals_name_what_cannot_run():
             model.generate(
                 x, **cache_kw(dtc.BoundedDilatedCache(model.config, max_cache_len=8)), max_new_tokens=5
             )
+
+
+def test_the_import_path_transformers_cache_is_kept():
+    import dilated_attention.transformers_cache as public
+
+    assert public.BoundedDilatedCache is dtc.BoundedDilatedCache
+    assert public.GENERATE_CACHE_KWARG == dtc.GENERATE_CACHE_KWARG

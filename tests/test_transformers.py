@@ -191,8 +191,8 @@ def test_generate_with_cache_equals_without(factory, monkeypatch):
         decode_calls.append(kw.get("cache_leftpad"))
         return decode(*args, **kw)
 
-    decode = dt.dilated_attention_decode
-    monkeypatch.setattr(dt, "dilated_attention_decode", spy)
+    decode = dt.attention.dilated_attention_decode
+    monkeypatch.setattr(dt.attention, "dilated_attention_decode", spy)
     model = build(factory)
     x = torch.randint(1, V, (2, 11))
     mask = torch.ones(2, 11, dtype=torch.long)

@@ -366,7 +366,8 @@ def paths(monkeypatch):
     """Records which path each attention call took: ("dilated", is_causal) for a whole-sequence
     call, ("decode",) for a cached step, ("dense", is_causal) for the dense fallback."""
     seen: list = []
-    dilated, decode, dense = dt.dilated_attention, dt.dilated_attention_decode, dt.dense_cross_attention
+    at = dt.attention  # the module whose globals the attention function calls
+    dilated, decode, dense = at.dilated_attention, at.dilated_attention_decode, at.dense_cross_attention
 
     def spy_dilated(*args, **kwargs):
         seen.append(("dilated", kwargs["is_causal"]))
@@ -380,9 +381,9 @@ def paths(monkeypatch):
         seen.append(("dense", kwargs.get("is_causal", False)))
         return dense(*args, **kwargs)
 
-    monkeypatch.setattr(dt, "dilated_attention", spy_dilated)
-    monkeypatch.setattr(dt, "dilated_attention_decode", spy_decode)
-    monkeypatch.setattr(dt, "dense_cross_attention", spy_dense)
+    monkeypatch.setattr(at, "dilated_attention", spy_dilated)
+    monkeypatch.setattr(at, "dilated_attention_decode", spy_decode)
+    monkeypatch.setattr(at, "dense_cross_attention", spy_dense)
     return seen
 
 
@@ -483,7 +484,7 @@ def test_a_decoder_layer_called_unseen_is_refused_whatever_the_mode():
 def test_the_dense_fallback_keeps_a_causal_mask():
     """dense_cross_attention of a causal call reads, for query i of nq, the keys up to position
     nk - nq + i (queries after a cache), as SDPA's causal mask does for nq == nk."""
-    from dilated_attention._hf.layers import dense_cross_attention
+    from dilated_attention.transformers.layers import dense_cross_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64) for n in (6, 6, 6))
@@ -502,7 +503,7 @@ def test_an_attention_free_part_of_a_composite_model_is_not_refused(monkeypatch)
     as a vision-language model may hold a convolutional vision tower) is checked as a whole: the
     part, built inside the composite's constructor, is not refused on its own, while the same part
     built alone is."""
-    from dilated_attention._hf import dispatch
+    from dilated_attention.transformers import dispatch
 
     mamba = _attention_free_config("mamba")
 

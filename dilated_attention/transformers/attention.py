@@ -1,40 +1,5 @@
-"""Dilated attention inside HuggingFace ``transformers`` models (the optional extra ``transformers``).
-
-Importing this module registers, under the name ``"dilated_attention"``, an attention function
-with transformers' ``AttentionInterface`` and a mask function with its ``AttentionMaskInterface``::
-
-    import dilated_attention.transformers  # noqa: F401  (registers "dilated_attention")
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(..., dilated_attention={"segment_lengths": [2048, 4096], "dilation_rates": [1, 2]})
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="dilated_attention")
-
-The branches come from ``config.dilated_attention`` (keys ``segment_lengths``, ``dilation_rates``,
-``backend``; :data:`DEFAULT_CONFIG` where absent). What the model asks for is honoured or refused,
-never dropped:
-
-* causal or bidirectional self-attention, grouped-query attention, ``scaling``, attention dropout;
-* padding (SPEC section 7): each row's contiguous run of real tokens, left or right padded, is a
-  sequence of its own starting at position 0; padded positions give 0. A mask whose real tokens
-  are not contiguous is a ``ValueError`` naming the row;
-* the key/value cache of ``generate()``: the new tokens attend to the cache through
-  :func:`dilated_attention.dilated_attention_decode`, reading ``O(sum w_i / r_i)`` keys each;
-* a pattern it cannot run (sliding window, chunked attention, packed sequences given by
-  ``position_ids``, a custom mask overlay or a ready-made 4-D mask, soft-capping, attention sinks,
-  a position bias) is a ``ValueError``;
-* cross-attention (an encoder-decoder's decoder attending to the encoder, ``add_cross_attention``)
-  is a ``ValueError`` naming the layer: dilated attention is defined over one sequence. With
-  ``config.dilated_attention["cross_attention"] = "dense"`` those layers run dense (SDPA) instead.
-  A call is cross-attention by what it attends to (a layer marked so, or a call given the states of
-  its keys, ``key_value_states``), not by the layer's flags: a decoder's self-attention built
-  ``is_decoder=True, is_causal=False`` (BigBirdPegasus, NLLB-MoE) runs dilated and causal, as the
-  causal mask transformers makes for it says;
-* a model whose attention layers do not call transformers' attention interface (BLOOM, CodeGen,
-  Falcon, ...), or that has no attention layer (Mamba, RWKV), is a ``ValueError`` naming its
-  class when built with or switched to it (:mod:`dilated_attention._hf.dispatch`);
-* switching a model with trained (dense) weights warns once (:class:`DenseWeightsWarning`): unlike
-  eager/SDPA/FlashAttention, dilated attention computes another function.
-"""
+"""The attention function and the mask function that :mod:`dilated_attention.transformers`
+registers with transformers, and the configuration they read (``config.dilated_attention``)."""
 
 from __future__ import annotations
 
@@ -42,34 +7,18 @@ import logging
 from typing import Any
 
 import torch
+from transformers.masking_utils import (
+    bidirectional_mask_function,
+    causal_mask_function,
+    prepare_padding_mask,
+)
 
-from ._hf import TESTED_VERSIONS
-
-try:
-    import transformers as _transformers
-    from transformers import AttentionInterface
-    from transformers.masking_utils import (
-        AttentionMaskInterface,
-        bidirectional_mask_function,
-        causal_mask_function,
-        prepare_padding_mask,
-    )
-except ImportError as exc:  # the package imports without transformers; this module needs it
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        found = f"transformers {version('transformers')} is installed, but "
-    except PackageNotFoundError:
-        found = ""
-    raise ImportError(
-        f"dilated_attention.transformers needs the transformers package{TESTED_VERSIONS}: {found}"
-        f"pip install 'dilated-attention[transformers]' ({exc})"
-    ) from exc
-
-from . import _validation as V
-from ._hf import dispatch as _dispatch
-from ._hf.dispatch import dispatch_problem
-from ._hf.layers import (
+from .. import _validation as V
+from .._padding import pack_padding_mask
+from ..backends import check_backend_name
+from ..decode import dilated_attention_decode
+from ..functional import _attention_varlen, dilated_attention
+from .layers import (
     cross_attention_reason,
     dense_cross_attention,
     describe,
@@ -78,24 +27,14 @@ from ._hf.layers import (
     self_attention_is_causal,
     unknown_key_source,
 )
-from ._padding import pack_padding_mask
-from ._warnings import DenseWeightsWarning, VersionWarning, warn_once
-from .backends import check_backend_name
-from .decode import dilated_attention_decode
-from .functional import _attention_varlen, dilated_attention
 
 __all__ = [
     "DEFAULT_CONFIG",
     "NAME",
-    "TESTED_VERSIONS",
-    "DenseWeightsWarning",
     "cross_attention_mode",
-    "describe",
     "dilated_attention_forward",
     "dilated_attention_mask",
-    "dispatch_problem",
     "padded_attention",
-    "register",
     "settings",
 ]
 
@@ -330,29 +269,6 @@ def dilated_attention_mask(
     return None if used == kv_length and bool(padding.all()) else padding
 
 
-def register(name: str = NAME) -> str:
-    """Register the attention function and the mask function under ``name`` (done for
-    ``"dilated_attention"`` on import); returns ``name`` for ``attn_implementation=``.
-
-    ``name`` must be a non-empty string that does not name one of transformers' own
-    implementations (``"eager"``, ``"sdpa"``, ``"flash_attention_2"``, ...): registering over one
-    would make every model that asks for it run dilated attention. ValueError otherwise."""
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"register: name must be a non-empty string, got {name!r}")
-    builtin = _builtin_implementations()
-    if name in builtin:
-        raise ValueError(
-            f"register: {name!r} is one of transformers' own attention implementations "
-            f"({', '.join(sorted(builtin))}); registering over it would make every model that asks for "
-            "it run dilated attention. Choose another name"
-        )
-    AttentionInterface.register(name, dilated_attention_forward)
-    AttentionMaskInterface.register(name, dilated_attention_mask)
-    _dispatch.NAMES.add(name)
-    _dispatch.install(settings)
-    return name
-
-
 def _describe_mask(fn: Any, depth: int = 0) -> str:
     """A mask function as transformers composes it, with the values it closes over:
     ``and_mask(sliding_window_overlay(sliding_window=8), causal_mask_function)``."""
@@ -374,28 +290,3 @@ def _describe_mask(fn: Any, depth: int = 0) -> str:
         elif isinstance(value, (int, float, str, bool)):
             parts.append(f"{var}={value!r}")
     return f"{name}({', '.join(parts)})" if parts else name
-
-
-def _builtin_implementations() -> set[str]:
-    """The attention implementations transformers itself defines (before any registration)."""
-    names = {"eager", *getattr(AttentionMaskInterface, "_global_mapping", {})}
-    names |= set(getattr(AttentionInterface, "_global_mapping", {}))
-    names = {part for n in names for part in n.split("|")}  # "paged|eager"
-    return names - _dispatch.NAMES
-
-
-def _check_version() -> None:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    if Version(_transformers.__version__) not in SpecifierSet(TESTED_VERSIONS):
-        warn_once(
-            ("transformers-version", _transformers.__version__),
-            f"dilated_attention.transformers is tested with transformers{TESTED_VERSIONS}, found "
-            f"{_transformers.__version__}: its attention and mask interfaces may differ",
-            VersionWarning,
-        )
-
-
-_check_version()
-register()
