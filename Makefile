@@ -37,7 +37,7 @@ deps:
 LINT_TOOLS ?= ruff==0.17.6 clang-format==23.1.5
 # The type checker's version is pinned too: a new mypy release may find new errors in the same code.
 TYPECHECK_TOOLS ?= mypy==2.4.1
-C_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
+C_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cuda_emulation/*.cpp' 'tests/cuda_emulation/*.h')
 
 # Without a GPU (and without TORCH_CUDA_ARCH_LIST or FORCE_CUDA=1) this builds the CPU kernels only
 # (setup.py); the last line says what was built and how to get the rest.

@@ -139,7 +139,7 @@ def cuda_headers() -> Path | None:
 
 
 def build_emulation(runner: str, out_dir: Path, opt: str = "-O1") -> ctypes.CDLL:
-    """csrc/cuda/emulation/<runner>.cpp compiled with the host C++ compiler for the CPU emulation
+    """tests/cuda_emulation/<runner>.cpp compiled with the host C++ compiler for the CPU emulation
     of the CUDA kernels and loaded; skips the test where no compiler or CUDA headers are found."""
     from torch.utils.cpp_extension import include_paths
 
@@ -149,8 +149,9 @@ def build_emulation(runner: str, out_dir: Path, opt: str = "-O1") -> ctypes.CDLL
         pytest.skip("the CPU emulation of the CUDA kernels needs a C++ compiler and the CUDA headers")
     lib = out_dir / f"{runner}.so"
     cmd = [cxx, "-std=c++17", opt, "-shared", "-fPIC", "-DDA_CUDA_EMULATION", "-Wno-attributes"]
-    cmd += [f"-I{ROOT / 'csrc'}", f"-I{inc}", *(f"-I{p}" for p in include_paths())]
-    cmd += [str(ROOT / "csrc" / "cuda" / "emulation" / f"{runner}.cpp"), "-o", str(lib)]
+    here = Path(__file__).resolve().parent / "cuda_emulation"
+    cmd += [f"-I{ROOT / 'csrc'}", f"-I{here}", f"-I{inc}", *(f"-I{p}" for p in include_paths())]
+    cmd += [str(here / f"{runner}.cpp"), "-o", str(lib)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert res.returncode == 0, f"building the emulation runner {runner} failed:\n{res.stderr[-4000:]}"
     return ctypes.CDLL(str(lib))

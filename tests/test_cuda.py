@@ -8,7 +8,7 @@ Three parts:
   replayed for every thread block; the (query, key) pairs it visits must be exactly the
   reference's multiplicity mask. Needs a C++ compiler.
 * Without a GPU, the kernels: the unchanged kernel sources run on the CPU through
-  csrc/cuda/emulation (threads as fibers; barriers, shuffles, ldmatrix, mma.sync and cp.async
+  tests/cuda_emulation (threads as fibers; barriers, shuffles, ldmatrix, mma.sync and cp.async
   emulated) and are compared with the float64 reference. Needs a C++ compiler and the CUDA
   headers (no driver, no GPU).
 * With a GPU (skipped otherwise): the CUDA op against the float64 reference in every dtype under
@@ -522,13 +522,13 @@ def test_chosen_tiling_computes_few_masked_pairs_on_longnet_branches(walk_lib, N
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernels themselves, run on the CPU (csrc/cuda/emulation)
+# The kernels themselves, run on the CPU (tests/cuda_emulation)
 # ----------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    """csrc/cuda's kernels compiled for the CPU emulation (csrc/cuda/emulation/run_kernels.cpp)."""
+    """csrc/cuda's kernels compiled for the CPU emulation (tests/cuda_emulation/run_kernels.cpp)."""
     so = build_emulation("run_kernels", tmp_path_factory.mktemp("emu"), "-O2")
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     head = [ctypes.c_int, ctypes.c_int] + [i64] * 6 + [vp, vp, ctypes.c_int, ctypes.c_double] + [i64] * 4
@@ -768,7 +768,7 @@ def test_emulated_sm90_kernels_without_tensor_maps(emu, is_causal):
 @pytest.fixture(scope="module")
 def emu_pipeline(tmp_path_factory):
     """The warp-specialised pattern of the sm90 kernels in small blocks
-    (csrc/cuda/emulation/run_pipeline.cpp)."""
+    (tests/cuda_emulation/run_pipeline.cpp)."""
     so = build_emulation("run_pipeline", tmp_path_factory.mktemp("emu_pipe"))
     so.da_emu_pipeline.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return so

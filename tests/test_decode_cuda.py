@@ -1,5 +1,5 @@
 """The CUDA kernels of ``decode_step`` (csrc/cuda/decode.cuh): run on the CPU through the kernels'
-emulation (csrc/cuda/emulation: threads as fibers, warp shuffles as collectives) against the CPU op
+emulation (tests/cuda_emulation: threads as fibers, warp shuffles as collectives) against the CPU op
 on the same slots, and on a GPU (marked: needs a CUDA GPU and the extension's CUDA kernels) against
 the float64 reference through ``BoundedDilatedKVCache``."""
 

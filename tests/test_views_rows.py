@@ -1,5 +1,5 @@
 """The row moves of the C++ views driver's CUDA backward (csrc/views/rows_kernel.cuh), run on the
-CPU through the kernels' emulation (csrc/cuda/emulation/run_rows.cpp): the copies that give cuDNN's
+CPU through the kernels' emulation (tests/cuda_emulation/run_rows.cpp): the copies that give cuDNN's
 backward contiguous dout, out and statistics from a call's strided views, and the adds of a call's
 gradients into strided views of the float32 accumulators, several tensors in one launch. Each is
 compared with what PyTorch's own copy_ and add_ make of the same views, element by element, and

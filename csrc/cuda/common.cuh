@@ -14,8 +14,8 @@
 #include "tiling.h"
 
 #if defined(DA_CUDA_EMULATION)
-// The kernels run on the CPU for tests (emulation/cuda_emulation.h); never part of the extension.
-#include "emulation/cuda_emulation.h"
+// The kernels run on the CPU for tests (tests/cuda_emulation/cuda_emulation.h); never part of the extension.
+#include "cuda_emulation.h"  // tests/cuda_emulation, on the tests' include path
 #endif
 
 namespace dilated_attention {

@@ -9,7 +9,7 @@
 //                         their log-sum-exp into out and lse.
 // Splitting the rows (S > 1) is FlashDecoding's split-K, for when B * Hkv is small. Accumulation in
 // float (double for double). Compiled for the CPU emulation of the tests as well
-// (csrc/cuda/emulation/run_decode.cpp). The launches are in decode_launch.cu, the host side in
+// (tests/cuda_emulation/run_decode.cpp). The launches are in decode_launch.cu, the host side in
 // decode_cuda.cpp.
 #pragma once
 

@@ -1,6 +1,6 @@
 // What the host side of dilated_attention::decode_step (decode_cuda.cpp) passes to its kernels
 // (decode.cuh): a plain struct, passed by value. No CUDA or torch headers, so that the host code,
-// the kernels and their CPU emulation (emulation/run_decode.cpp) share it.
+// the kernels and their CPU emulation (tests/cuda_emulation/run_decode.cpp) share it.
 #pragma once
 
 #include <stdint.h>

@@ -4,7 +4,7 @@
 // tensor copy engine's box loads (tma.h). The instructions exist
 // only in code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL): elsewhere DA_SM90A is 0 and the
 // kernels compile to nothing (the host checks which code the GPU runs, tc90_available). Under
-// DA_CUDA_EMULATION they run on the CPU (emulation/cuda_emulation.h).
+// DA_CUDA_EMULATION they run on the CPU (tests/cuda_emulation/cuda_emulation.h).
 #pragma once
 
 #include "common.cuh"

@@ -11,7 +11,7 @@
 //
 // Each row (i0, i1, i2) of the pair blockIdx.y gets `lanes` threads of a warp over its elements (32
 // for rows of 32 elements or more, fewer for short rows: a warp then moves several rows). Compiled
-// for the CPU emulation of the tests as well (csrc/cuda/emulation/run_rows.cpp); the launch is in
+// for the CPU emulation of the tests as well (tests/cuda_emulation/run_rows.cpp); the launch is in
 // rows_cuda.cu.
 #pragma once
 
@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 #if defined(DA_CUDA_EMULATION)
-#include "cuda/emulation/cuda_emulation.h"
+#include "cuda_emulation.h"  // tests/cuda_emulation, on the tests' include path
 #else
 #include <cuda_runtime.h>
 #endif

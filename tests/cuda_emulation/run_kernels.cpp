@@ -6,8 +6,8 @@
 // da_emu_dropout, and
 // guards every buffer: outputs start as NaN bytes and every buffer is fenced by canary bytes that
 // must survive the run. Build:
-//   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>
-//       csrc/cuda/emulation/run_kernels.cpp -o run_kernels.so
+//   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<tests/cuda_emulation> -I<cuda include> -I<torch include>
+//       tests/cuda_emulation/run_kernels.cpp -o run_kernels.so
 #ifndef DA_CUDA_EMULATION
 #error "build with -DDA_CUDA_EMULATION"
 #endif
@@ -18,9 +18,9 @@
 #include <algorithm>
 #include <vector>
 
-#include "../simt.cu"
-#include "../tc90_kernels.cuh"
-#include "../tc_kernels.cuh"
+#include "cuda/simt.cu"
+#include "cuda/tc90_kernels.cuh"
+#include "cuda/tc_kernels.cuh"
 
 namespace dilated_attention {
 namespace cuda {

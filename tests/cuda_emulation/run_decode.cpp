@@ -3,8 +3,8 @@
 // launches them as csrc/cuda/decode_launch.cu does, for contiguous tensors, the partial results in a
 // scratch buffer filled with NaN bytes first (so that a result a kernel does not write shows).
 // Build:
-//   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>
-//       csrc/cuda/emulation/run_decode.cpp -o run_decode.so
+//   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<tests/cuda_emulation> -I<cuda include> -I<torch include>
+//       tests/cuda_emulation/run_decode.cpp -o run_decode.so
 #ifndef DA_CUDA_EMULATION
 #error "build with -DDA_CUDA_EMULATION"
 #endif
@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "../decode.cuh"
+#include "cuda/decode.cuh"
 
 namespace dilated_attention {
 namespace cuda {

@@ -2,8 +2,8 @@
 // tests without a GPU (tests/test_views_rows.py loads it with ctypes). It builds the job with
 // add_row_pair and picks the kernel with with_rows_kernel, as rows_cuda.cu does, and runs the grid
 // block by block. Build:
-//   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<cuda include> -I<torch include>
-//       csrc/cuda/emulation/run_rows.cpp -o run_rows.so
+//   c++ -std=c++17 -O1 -shared -fPIC -DDA_CUDA_EMULATION -I<csrc> -I<tests/cuda_emulation> -I<cuda include> -I<torch include>
+//       tests/cuda_emulation/run_rows.cpp -o run_rows.so
 #ifndef DA_CUDA_EMULATION
 #error "build with -DDA_CUDA_EMULATION"
 #endif
