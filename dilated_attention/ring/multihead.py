@@ -7,7 +7,6 @@ whose attention is a :class:`~dilated_attention.ring.RingDilatedAttention`;
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -16,21 +15,11 @@ import torch
 
 from .. import _validation as V
 from ..modules import MultiheadDilatedAttention
+from ..modules._options import pick
 from .groups import GroupLike
 from .modules import COMM_MODES, RingDilatedAttention
 
 __all__ = ["RingMultiheadDilatedAttention", "StandardizedRingConfig"]
-
-
-def _one_of(name: str, value: int | None, alias: str, alias_value: int | None) -> int | None:
-    if value is not None and alias_value is not None and value != alias_value:
-        raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} disagree; give one of them")
-    chosen = value if value is not None else alias_value
-    if chosen is not None and (
-        isinstance(chosen, bool) or not isinstance(chosen, numbers.Integral) or chosen < 1
-    ):
-        raise ValueError(f"{name} must be an int >= 1, got {chosen!r}")
-    return None if chosen is None else int(chosen)
 
 
 @dataclass
@@ -63,13 +52,12 @@ class StandardizedRingConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        self.embed_dim = self.dim = _one_of("embed_dim", self.embed_dim, "dim", self.dim)
-        self.num_heads = self.heads = _one_of("num_heads", self.num_heads, "heads", self.heads)
-        if self.embed_dim is None or self.num_heads is None:
-            raise TypeError(
-                f"StandardizedRingConfig needs dim (or embed_dim) and heads (or num_heads), got "
-                f"dim={self.embed_dim!r}, heads={self.num_heads!r}"
-            )
+        who = "StandardizedRingConfig: "
+        try:
+            self.embed_dim = self.dim = pick("embed_dim", self.embed_dim, "dim", self.dim)
+            self.num_heads = self.heads = pick("num_heads", self.num_heads, "heads", self.heads)
+        except (TypeError, ValueError) as err:
+            raise type(err)(who + str(err)) from None
         if self.embed_dim % self.num_heads:
             raise ValueError(f"dim ({self.embed_dim}) must be divisible by heads ({self.num_heads})")
         if self.segment_lengths is None or self.dilation_rates is None:
@@ -78,7 +66,7 @@ class StandardizedRingConfig:
             self.segment_lengths, self.dilation_rates
         )
         if self.ring_size is not None:
-            self.ring_size = _one_of("ring_size", self.ring_size, "ring_size", None)
+            self.ring_size = pick("ring_size", self.ring_size, "ring_size", None)
         if V.check_dropout(self.dropout) != 0.0:
             raise ValueError(
                 f"attention dropout is not supported across ranks, got dropout={self.dropout!r}; use 0.0"
