@@ -182,6 +182,7 @@ assert not [w for w in seen if issubclass(w.category, da.DilatedAttentionWarning
 assert da.op.has_kernel('cpu'), 'the installed extension has no CPU kernels'
 assert os.path.exists(os.path.join(os.path.dirname(da.__file__), '_build_info.json')), 'no _build_info.json'
 assert os.path.exists(os.path.join(os.path.dirname(da.__file__), 'py.typed')), 'no py.typed'
+assert os.path.exists(os.path.join(os.path.dirname(da.__file__), 'gpu_records.json')), 'no gpu_records.json'
 q = torch.randn(1, 64, 2, 16)
 out = da.dilated_attention(q, q, q, [16, 32], [1, 2], backend='native')
 print('installed', da.__version__, 'from', da.__file__, '- native forward ok:', tuple(out.shape))

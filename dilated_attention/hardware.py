@@ -44,7 +44,9 @@ takes the first in this order that can.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -89,17 +91,6 @@ class Verification:
     families: tuple[str, ...] = KERNEL_FAMILIES
 
 
-#: The compute capabilities ``(major, minor)`` on which the native op's CUDA kernels (csrc/cuda)
-#: passed the GPU verification of ``scripts/gpu_check.sh`` (docs/cuda.md), each with its record.
-#: ``auto`` picks ``native`` on CUDA only on these capabilities and for the families recorded.
-#: An entry is added by the commit that records a passing check (the check's summary.md prints it).
-CUDA_KERNELS_VERIFIED: dict[tuple[int, int], Verification] = {
-    # benchmarks/results/gpu-check-h200-199db38.md: tests phase 373 passed, smoke 11/11, the
-    # sanitizers clean; native stays after sdpa there (CUDA_SPEED_MEASURED).
-    (9, 0): Verification("NVIDIA H200", "199db38", "2026-11-27", ("tensor-core", "simt")),
-}
-
-
 @dataclass(frozen=True)
 class SpeedMeasurement:
     """A run of ``benchmarks/bench_cuda.py`` on one GPU: its name, the commit, the date (UTC,
@@ -116,18 +107,35 @@ class SpeedMeasurement:
     sdpa_over_gather: float | None = None
 
 
-#: The compute capabilities on which ``benchmarks/bench_cuda.py`` compared ``native`` and
-#: ``sdpa`` with the gather path, each with its record. Where ``native`` was slower (ratio < 1),
-#: ``auto`` tries it after ``sdpa``; where ``sdpa`` was faster in every configuration, ``auto``
-#: tries it before the gather backends that run PyTorch's kernel family (``flash_attn_2``,
-#: ``xformers``): fastest correct path first. ``flash_attn_3`` was not measured and keeps its place.
-CUDA_SPEED_MEASURED: dict[tuple[int, int], SpeedMeasurement] = {
-    # bf16, B = 1, H = 16, D = 64 and 128, N = 256K and 1M, causal and not: native 0.19-0.47x the
-    # gather path; sdpa 1.12-1.38x it in all 12 warm configurations
-    (9, 0): SpeedMeasurement(
-        "NVIDIA H200", "199db38", "2026-11-27", 0.47, "benchmarks/results/cuda-h200-bf16-199db38.md", 1.12
-    ),
-}
+def _load_records() -> tuple[dict[tuple[int, int], Verification], dict[tuple[int, int], SpeedMeasurement]]:
+    """The records of ``gpu_records.json`` beside this module (data, not code: a GPU run's commit
+    adds an entry there)."""
+    with open(os.path.join(os.path.dirname(__file__), "gpu_records.json")) as f:
+        data = json.load(f)
+    verified = {
+        (e["capability"][0], e["capability"][1]): Verification(
+            e["gpu"], e["commit"], e["date"], tuple(e["families"])
+        )
+        for e in data["verified"]
+    }
+    speed = {
+        (e["capability"][0], e["capability"][1]): SpeedMeasurement(
+            e["gpu"], e["commit"], e["date"], e["native_over_gather"], e["table"], e.get("sdpa_over_gather")
+        )
+        for e in data["speed"]
+    }
+    return verified, speed
+
+
+#: The compute capabilities ``(major, minor)`` on which the native op's CUDA kernels (csrc/cuda)
+#: passed the GPU verification of ``scripts/gpu_check.sh`` (docs/cuda.md), each with its record.
+#: ``auto`` picks ``native`` on CUDA only on these capabilities and for the families recorded.
+#: The capabilities on which ``benchmarks/bench_cuda.py`` compared ``native`` and ``sdpa`` with the
+#: gather path: where ``native`` was slower (ratio < 1), ``auto`` tries it after ``sdpa``; where
+#: ``sdpa`` was faster in every configuration, ``auto`` tries it before the gather backends that run
+#: PyTorch's kernel family (``flash_attn_2``, ``xformers``); ``flash_attn_3`` keeps its place. Both
+#: come from ``gpu_records.json``, where a commit that records a GPU run adds its entry.
+CUDA_KERNELS_VERIFIED, CUDA_SPEED_MEASURED = _load_records()
 
 
 def _speed_record(device: DeviceLike) -> SpeedMeasurement | None:

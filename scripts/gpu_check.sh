@@ -63,7 +63,7 @@
 # gets at most the time left, and one that would start with less than 30 s (or less than its
 # budget, if smaller) is reported "not run". summary.md holds the machine, the GPU, the commit,
 # each step's status and time and the key lines of every log, and, when every step passed, the
-# entry of dilated_attention.hardware.CUDA_KERNELS_VERIFIED that records the pass for this GPU's
+# entry of dilated_attention/gpu_records.json ("verified") that records the pass for this GPU's
 # compute capability (auto picks native only on recorded capabilities); at most 8 files are written.
 # Exit status: 0 when every step passed (or was "not needed"; or when there is no GPU), 1 when one
 # did not, 2 on a usage error, 3 when the build cannot run here. --dry-run prints the commands
@@ -504,16 +504,16 @@ fi
   for s in "${steps[@]}"; do step_ok "${STATUS[$s]}" || all_passed=0; done
   if [ "$all_passed" = 1 ]; then
     families='"tensor-core", "simt"'
-    [ "${arch%%.*}" -ge 8 ] || families='"simt",'  # below sm_80 every dtype runs on the SIMT kernels
+    [ "${arch%%.*}" -ge 8 ] || families='"simt"'  # below sm_80 every dtype runs on the SIMT kernels
     echo
     echo "## Record"
     echo
     echo "Every step of this command passed. Once both commands (\`tests\` and \`sanitize\`) have passed on this"
-    echo "commit, record it in \`CUDA_KERNELS_VERIFIED\` (dilated_attention/hardware.py) so that \`auto\` picks"
+    echo "commit, add this entry to \"verified\" in dilated_attention/gpu_records.json so that \`auto\` picks"
     echo "\`native\` on GPUs of this compute capability:"
     echo
-    echo '```python'
-    echo "    (${arch%%.*}, ${arch#*.}): Verification(\"${gpu_name}\", \"${GPU_CHECK_COMMIT:-$(own_git && git rev-parse HEAD || echo unknown)}\", \"$(date -u +%Y-%m-%d)\", (${families})),"
+    echo '```json'
+    echo "    {\"capability\": [${arch%%.*}, ${arch#*.}], \"gpu\": \"${gpu_name}\", \"commit\": \"${GPU_CHECK_COMMIT:-$(own_git && git rev-parse --short HEAD || echo unknown)}\", \"date\": \"$(date -u +%Y-%m-%d)\", \"families\": [${families}], \"source\": \"benchmarks/results/...\"}"
     echo '```'
   fi
   if [ "$phase" = tests ] && [ -z "$steps_arg" ]; then

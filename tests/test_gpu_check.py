@@ -5,6 +5,7 @@ tensors)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -353,16 +354,16 @@ def test_every_step_passing(tmp_path, fake_tools):
     assert "Used 128 registers" in summary and "12 passed" in summary and "PASS large-batch-bf16" in summary
     assert summary.count("ERROR SUMMARY: 0 errors") == 3 and "speedup table" in summary
     assert "--budget 120" in summary  # the benchmark's own budget, under the step's
-    # The entry that records the pass for this compute capability (assumed GPU: sm_90).
-    entry = next(line for line in summary.splitlines() if "Verification(" in line)
-    assert (
-        entry.strip().startswith('(9, 0): Verification("assumed GPU", "')
-        and '("tensor-core", "simt"))' in entry
-    )
+    # The entry that records the pass for this compute capability (assumed GPU: sm_90), as the
+    # JSON of dilated_attention/gpu_records.json.
+    entry = json.loads(next(line for line in summary.splitlines() if '"capability"' in line))
+    assert entry["capability"] == [9, 0] and entry["gpu"] == "assumed GPU", entry
+    assert entry["families"] == ["tensor-core", "simt"], entry
     res, rows, summary = fake_tools(tmp_path / "turing", "--steps", "build", GPU_CHECK_ARCH="7.5")
-    assert '(7, 5): Verification("assumed GPU", ' in summary and '("simt",))' in summary
+    entry = json.loads(next(line for line in summary.splitlines() if '"capability"' in line))
+    assert entry["capability"] == [7, 5] and entry["families"] == ["simt"], entry
     res, rows, summary = fake_tools(tmp_path / "fail", "--steps", "smoke", FAKE_SMOKE="fail")
-    assert "Verification(" not in summary
+    assert '"capability"' not in summary
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert files == ["build.log", "sanitize.log", "smoke.log", "summary.md", "tests.log"]
     assert len(files) <= 8  # what a device run brings back
