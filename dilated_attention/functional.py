@@ -1,13 +1,24 @@
-"""The functional API: :func:`dilated_attention` and :func:`dilated_attention_varlen`."""
+"""The functional API: :func:`dilated_attention` and :func:`dilated_attention_varlen`, and their
+checked core (``_attention``, ``_attention_varlen``: the backend chosen by a selector, the options
+checked once, the result for empty inputs), which the modules call with their own selector."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
-from ._core import _attention, _attention_varlen
+from . import _validation as V
+from ._padding import has_no_data
+from ._warnings import LayoutWarning, UncoveredPositionsWarning, warn_once
+from .backends import BackendSelector, check_backend_name, default_selector
+from .flops import accumulation_dtype
+
+# More heads than this in dimension 2 of q, with fewer positions in dimension 1, looks like a
+# (B, H, N, D) tensor passed for (B, N, H, D).
+_MAX_PLAUSIBLE_HEADS = 128
+
 
 __all__ = ["dilated_attention", "dilated_attention_varlen"]
 
@@ -98,7 +109,8 @@ def dilated_attention(
     Returns:
         ``out`` (B, N, Hq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
     """
-    return _attention(
+    return_lse = V.check_bool(return_lse, "return_lse")
+    out, lse = _attention(
         q,
         k,
         v,
@@ -107,9 +119,9 @@ def dilated_attention(
         is_causal=is_causal,
         softmax_scale=softmax_scale,
         dropout_p=dropout_p,
-        return_lse=return_lse,
         backend=backend,
     )
+    return (out, lse) if return_lse else out
 
 
 @overload
@@ -205,7 +217,8 @@ def dilated_attention_varlen(
     Returns:
         ``out`` (T, Hq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
     """
-    return _attention_varlen(
+    return_lse = V.check_bool(return_lse, "return_lse")
+    out, lse = _attention_varlen(
         q,
         k,
         v,
@@ -216,6 +229,169 @@ def dilated_attention_varlen(
         is_causal=is_causal,
         softmax_scale=softmax_scale,
         dropout_p=dropout_p,
-        return_lse=return_lse,
         backend=backend,
     )
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The checked core, shared with the modules (which pass their own selector)
+# ---------------------------------------------------------------------------------------------
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    selector: BackendSelector | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`dilated_attention` with the backend chosen by ``selector`` (one per
+    module; the process's default selector when None)."""
+    check_backend_name(backend)
+    V.check_qkv(q, k, v)
+    segs, rates, is_causal, scale, dropout_p = _check_options(
+        segment_lengths, dilation_rates, is_causal, softmax_scale, q.shape[-1], dropout_p, q.dtype
+    )
+    B, N, Hq, _ = q.shape
+    if not torch.compiler.is_compiling():
+        _advise(q, segs, rates)
+    if B == 0 or N == 0:
+        return _empty(q, k, v, (B, Hq, N))
+    impl = (selector or default_selector()).select(backend, q, k, dropout_p, len(segs))
+    segs, rates = V.effective_branches(segs, rates, N, Hq)
+    return impl.forward(q, k, v, segs, rates, is_causal=is_causal, softmax_scale=scale, dropout_p=dropout_p)
+
+
+def _attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    segment_lengths: int | Sequence[int],
+    dilation_rates: int | Sequence[int],
+    *,
+    is_causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    selector: BackendSelector | None = None,
+    lengths: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`dilated_attention_varlen` with the backend chosen by ``selector``;
+    ``lengths``, when the caller knows them, spares reading ``cu_seqlens`` on the host."""
+    check_backend_name(backend)
+    max_seqlen = V.check_varlen_qkv(q, k, v, cu_seqlens, max_seqlen)
+    segs, rates, is_causal, scale, dropout_p = _check_options(
+        segment_lengths, dilation_rates, is_causal, softmax_scale, q.shape[-1], dropout_p, q.dtype
+    )
+    T, Hq, _ = q.shape
+    segs, rates = V.effective_branches(segs, rates, max_seqlen, Hq)
+    impl = (selector or default_selector()).select(
+        backend, q.unsqueeze(0), k.unsqueeze(0), dropout_p, len(segs)
+    )
+    # The lengths, read and checked on the host where cu_seqlens has data. Under torch.compile
+    # (or on the meta device) nothing is read back: the ops that check cu_seqlens themselves (the
+    # native op, sdpa's C++ driver) stay in one graph; for the others torch.compile breaks the
+    # graph to read them (an error with fullgraph=True, naming why), and meta or fake tensors
+    # outside torch.compile cannot run them.
+    if lengths is None:
+        if not has_no_data(cu_seqlens):
+            lengths = V.varlen_lengths(cu_seqlens, T, max_seqlen)
+        elif impl.varlen_reads_lengths(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p):
+            if not torch.compiler.is_compiling():
+                raise ValueError(
+                    f"the {impl.name!r} backend reads the sequence lengths of cu_seqlens on the host, "
+                    f"which a meta or fake tensor does not have; the 'native' backend and the 'sdpa' "
+                    f"backend without dropout read them in their ops"
+                )
+            lengths = _lengths_on_the_host(cu_seqlens, T, max_seqlen)
+    if T == 0:
+        return _empty(q, k, v, (Hq, 0))
+    return impl.forward_varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        max_seqlen,
+        lengths,
+        segs,
+        rates,
+        is_causal=is_causal,
+        softmax_scale=scale,
+        dropout_p=dropout_p,
+    )
+
+
+@torch.compiler.disable(
+    reason="a backend that reads the lengths of cu_seqlens on the host (manual, flash_attn, xformers, "
+    "sdpa with dropout): the graph breaks to read them; backend='native' and 'sdpa' without dropout "
+    "read them in their ops, in one graph"
+)
+def _lengths_on_the_host(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> list[int]:
+    """The sequence lengths of ``cu_seqlens``, read and checked outside torch.compile's graph."""
+    return V.varlen_lengths(cu_seqlens, T, max_seqlen)
+
+
+def _check_options(
+    segment_lengths: Any,
+    dilation_rates: Any,
+    is_causal: Any,
+    softmax_scale: Any,
+    head_dim: int,
+    dropout_p: Any,
+    dtype: torch.dtype,
+) -> tuple[list[int], list[int], bool, float, float]:
+    """The checked options of both functions: (segs, rates, is_causal, scale, dropout_p); the scale
+    must be finite in the inputs' ``dtype``."""
+    segs, rates = V.normalize_branches(segment_lengths, dilation_rates)
+    return (
+        segs,
+        rates,
+        V.check_bool(is_causal, "is_causal"),
+        V.check_scale_for_dtype(V.resolve_scale(softmax_scale, head_dim), dtype),
+        V.check_dropout(dropout_p),
+    )
+
+
+def _empty(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse_shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result for empty inputs, connected to them so that autograd gives (empty) gradients."""
+    zero = q.sum() + k.sum() + v.sum()  # 0 for empty inputs
+    out = q * 0 + zero
+    acc = accumulation_dtype(q.dtype)
+    lse = q.new_zeros(lse_shape, dtype=acc) + zero.to(acc)
+    return out, lse
+
+
+def _advise(q: torch.Tensor, segment_lengths: list[int], dilation_rates: list[int]) -> None:
+    """Warn (once per cause) about inputs that run but are most likely not what was meant."""
+    N, Hq = int(q.shape[1]), int(q.shape[2])
+    if N < Hq and Hq > _MAX_PLAUSIBLE_HEADS:
+        warn_once(
+            ("layout", N, Hq),
+            f"dilated_attention: q of shape {tuple(q.shape)} is read as (B, N, H, D): {N} positions and "
+            f"{Hq} heads. If it is (B, H, N, D), pass q.transpose(1, 2), k.transpose(1, 2) and "
+            f"v.transpose(1, 2) (the output is then (B, N, H, D)).",
+            LayoutWarning,
+        )
+    # Branch (w, r) gives head h the positions whose index in their segment is h % r modulo r, so
+    # the heads of a branch reach the phases 0 .. min(r, Hq) - 1 only. Position p = Hq then has no
+    # head in any branch exactly when every r exceeds Hq (and N > Hq): its output is 0.
+    if N > Hq and min(dilation_rates) > Hq:
+        warn_once(
+            ("uncovered", tuple(segment_lengths), tuple(dilation_rates), Hq),
+            f"dilated_attention: every dilation rate ({dilation_rates}) exceeds the number of query "
+            f"heads ({Hq}), so the positions whose index in their segment is >= {Hq} modulo the rate "
+            f"are attended from by no head of any branch: their output is 0 (docs/SPEC.md section 3). "
+            f"Use a rate <= {Hq} in at least one branch (LongNet's first branch has r = 1).",
+            UncoveredPositionsWarning,
+        )

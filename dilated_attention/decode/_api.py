@@ -237,9 +237,8 @@ def dilated_attention_decode(
         # A prefill: the whole causal forward of the new tokens, by the backend asked for.
         k_cache[:, :m] = k
         v_cache[:, :m] = v
-        return _attention(
-            q, k, v, segs, rates, is_causal=True, softmax_scale=scale, return_lse=return_lse, backend=backend
-        )
+        out, lse = _attention(q, k, v, segs, rates, is_causal=True, softmax_scale=scale, backend=backend)
+        return (out, lse) if return_lse else out
 
     if k is not None:
         assert v is not None  # given together with k, checked above

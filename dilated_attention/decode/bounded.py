@@ -208,11 +208,7 @@ class BoundedDilatedKVCache:
         segs, rates = self.segment_lengths, self.dilation_rates
         B, m = q.shape[:2]
         if all(n == m for n in counts):
-            res = _attention(
-                q, k, v, segs, rates, is_causal=True, softmax_scale=scale, return_lse=True, backend=backend
-            )
-            assert isinstance(res, tuple)  # return_lse=True
-            return res
+            return _attention(q, k, v, segs, rates, is_causal=True, softmax_scale=scale, backend=backend)
         out = torch.zeros_like(q)
         lse = torch.full(
             (B, q.shape[2], m), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device
@@ -227,7 +223,6 @@ class BoundedDilatedKVCache:
                     rates,
                     is_causal=True,
                     softmax_scale=scale,
-                    return_lse=True,
                     backend=backend,
                 )
                 out[b, m - n :], lse[b, :, m - n :] = o[0], s[0]

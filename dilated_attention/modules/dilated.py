@@ -9,15 +9,15 @@ back, so that each segment is a compact patch of the image rather than a thin st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from .. import _validation as V
-from .._core import _attention, _attention_varlen
 from .._padding import PackedRows, StaticRows, check_padding_mask, has_no_data, pack_padding_mask
 from ..backends import BackendSelector, check_backend_name
+from ..functional import _attention, _attention_varlen
 from ._options import check_ordering, hilbert_permutation
 from ._script import NotScriptable
 
@@ -103,7 +103,7 @@ class DilatedAttention(NotScriptable, nn.Module):
             V.check_qkv(q, k, v)
             perm, inv = self._curve(q.shape[1], q.device)
             q, k, v = (t.index_select(1, perm) for t in (q, k, v))  # (B, N, H, D) in curve order
-        out = _attention(  # return_lse=False: the output alone
+        out, _ = _attention(
             q,
             k,
             v,
@@ -115,7 +115,6 @@ class DilatedAttention(NotScriptable, nn.Module):
             backend=self.attention_backend,
             selector=self._selector,
         )
-        out = cast(torch.Tensor, out)
         if self.ordering == "hilbert":
             out = out.index_select(1, inv)  # back to row-major order
         return out
@@ -158,7 +157,7 @@ class DilatedAttention(NotScriptable, nn.Module):
             rows = pack_padding_mask(key_padding_mask, B, N, q.device)
             if rows.full:  # nothing is padded
                 return self.forward(q, k, v, is_causal=is_causal)
-        out = _attention_varlen(
+        out, _ = _attention_varlen(
             rows.gather(q),
             rows.gather(k),
             rows.gather(v),

@@ -293,7 +293,7 @@ class RingDilatedAttention(NotScriptable, nn.Module):
 
     def _local(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs, rates, is_causal: bool, scale: float
-    ):
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return _attention(
             q,
             k,
@@ -302,7 +302,6 @@ class RingDilatedAttention(NotScriptable, nn.Module):
             rates,
             is_causal=is_causal,
             softmax_scale=scale,
-            return_lse=True,
             backend=self.attention_backend,
             selector=self._selector,
         )

@@ -134,7 +134,7 @@ def padded_attention(
     rows = pack_padding_mask(mask, B, N, q.device)
     if rows.full:  # nothing is padded
         return dilated_attention(q, k, v, segment_lengths, dilation_rates, **kw)
-    out = _attention_varlen(
+    out, _ = _attention_varlen(
         rows.gather(q),
         rows.gather(k),
         rows.gather(v),
@@ -145,7 +145,6 @@ def padded_attention(
         lengths=rows.lengths,
         **kw,
     )  # (T, Hq, D)
-    assert isinstance(out, torch.Tensor)  # return_lse is False
     return rows.scatter(out, B, N)
 
 
