@@ -69,6 +69,7 @@ __all__ = [
     "recommended_backends",
     "recommended_dtype",
     "sdpa_measured_faster",
+    "simt_reason",
     "uses_simt_kernels",
 ]
 
@@ -236,17 +237,28 @@ def recommended_dtype(device: DeviceLike = None) -> torch.dtype:
     return torch.float32
 
 
-def uses_simt_kernels(device: DeviceLike, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the native CUDA op runs float16/bfloat16 inputs of this head dim on its SIMT kernels
-    (no tensor cores: below sm_80, or a head dim outside 32..256 or not a multiple of 8). False
-    for float32/float64 (they have no tensor-core kernels to miss) and for devices that are not CUDA
-    GPUs."""
+def simt_reason(device: DeviceLike, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the native CUDA op runs float16/bfloat16 inputs of this head dim on its SIMT kernels (no
+    tensor cores), e.g. ``"the GPU is sm_75"``; None where it runs them on its tensor-core kernels,
+    for float32/float64 (they have no tensor-core kernels to miss) and for devices that are not
+    CUDA GPUs. The one statement of the rule (docs/cuda.md): the tensor-core kernels need sm_80+
+    and a head dim in 32..256 that is a multiple of 8."""
     if dtype not in (torch.float16, torch.bfloat16):
-        return False
+        return None
     cap = compute_capability(device)
     if cap is None:
-        return False
-    return cap < (8, 0) or not (32 <= head_dim <= 256 and head_dim % 8 == 0)
+        return None
+    if cap < (8, 0):
+        return f"the GPU is sm_{cap[0]}{cap[1]}"
+    if not (32 <= head_dim <= 256 and head_dim % 8 == 0):
+        return f"the head dim is {head_dim}"
+    return None
+
+
+def uses_simt_kernels(device: DeviceLike, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the native CUDA op runs float16/bfloat16 inputs of this head dim on its SIMT kernels
+    (:func:`simt_reason` says why)."""
+    return simt_reason(device, dtype, head_dim) is not None
 
 
 def kernel_family(device: DeviceLike, dtype: torch.dtype, head_dim: int) -> str | None:

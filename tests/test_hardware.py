@@ -3,6 +3,7 @@ queries of torch replaced by a fake GPU where a GPU is needed)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -204,33 +205,26 @@ def test_shipped_records_on_hopper(fake_cuda):
     assert not hardware.cuda_kernels_verified("cuda", torch.bfloat16, 64)
 
 
-def test_native_warns_once_when_half_precision_runs_on_simt_kernels(fake_cuda, monkeypatch):
-    from types import SimpleNamespace
+def test_native_on_simt_kernels_is_a_slow_path_saying_why(fake_cuda):
+    """The selection's SlowPathWarning (backends.advice.slow_path) for half precision on the SIMT
+    kernels says why, from the one statement of the rule (hardware.simt_reason)."""
+    from dilated_attention.backends import BackendRequest
+    from dilated_attention.backends.advice import slow_path
 
-    from dilated_attention.backends import native
-
-    monkeypatch.setattr(native, "_SIMT", {})
-
-    def call(dtype, head_dim):
-        native._warn_if_simt(
-            SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(1, 8, 2, head_dim))
-        )
+    def why(dtype, head_dim):
+        return slow_path("native", BackendRequest(torch.device("cuda", 0), dtype, head_dim))
 
     fake_cuda["cap"] = (7, 5)
-    with pytest.warns(
-        UserWarning, match=r"float16 inputs of head dim 64 .* SIMT CUDA kernels, .* the GPU is sm_75"
-    ):
-        call(torch.float16, 64)
+    assert re.search(
+        r"float16 inputs of head dim 64 .* SIMT CUDA kernels, .* the GPU is sm_75", why(torch.float16, 64)
+    )
     fake_cuda["cap"] = (9, 0)
-    with pytest.warns(UserWarning, match="bfloat16 inputs of head dim 20 .* the head dim is 20"):
-        call(torch.bfloat16, 20)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        call(torch.float16, 64)  # said already
-        call(torch.bfloat16, 20)
-        call(torch.bfloat16, 128)  # tensor cores
+    assert re.search("bfloat16 inputs of head dim 20 .* the head dim is 20", why(torch.bfloat16, 20))
+    assert why(torch.bfloat16, 128) is None  # tensor cores
+    assert why(torch.float32, 20) is None  # no tensor-core kernels to miss
+    assert hardware.uses_simt_kernels("cuda", torch.bfloat16, 20) and not hardware.uses_simt_kernels(
+        "cuda", torch.bfloat16, 64
+    )
 
 
 def test_cpu_and_other_devices():

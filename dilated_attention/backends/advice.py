@@ -19,9 +19,8 @@ _HALF = (torch.float16, torch.bfloat16)
 def slow_path(name: str, request: BackendRequest) -> str | None:
     """Why backend ``name`` is slow for the half-precision ``request``, or None.
 
-    * ``native`` on CUDA runs float16/bfloat16 on its tensor-core kernels only on compute
-      capability >= 8.0 with a head dim of 32-256 that is a multiple of 8 (docs/cuda.md); anything
-      else goes to the SIMT kernels, which convert every tile to float32.
+    * ``native`` on CUDA runs float16/bfloat16 on its SIMT kernels, which convert every tile to
+      float32, where :func:`dilated_attention.hardware.simt_reason` says why.
     * ``manual`` computes float16/bfloat16 in float32 with an explicit score matrix per
       sub-sequence, the slowest path of all.
     """
@@ -33,17 +32,13 @@ def slow_path(name: str, request: BackendRequest) -> str | None:
             f"{dt} inputs run on the manual backend, which computes in float32 with an explicit "
             f"score matrix (the slowest path)"
         )
-    if name == "native" and request.device.type == "cuda":
-        cap = hardware.compute_capability(request.device)
-        D = request.head_dim
-        if cap is not None and cap < (8, 0):
+    if name == "native":
+        why = hardware.simt_reason(request.device, request.dtype, request.head_dim)
+        if why:
             return (
-                f"{dt} on compute capability {cap[0]}.{cap[1]} runs the native SIMT kernels (the "
-                f"tensor-core kernels need 8.0 or newer); float32 is about as fast there"
-            )
-        if D < 32 or D > 256 or D % 8:
-            return (
-                f"{dt} with head dim {D} runs the native SIMT kernels (the tensor-core kernels need a "
-                f"head dim of 32-256 that is a multiple of 8)"
+                f"native runs {dt} inputs of head dim {request.head_dim} on {request.device} with its SIMT "
+                f"CUDA kernels, without tensor cores, because {why} (the tensor-core kernels need sm_80+ "
+                "and a head dim in 32..256 that is a multiple of 8): expect it to be much slower than "
+                "sdpa or xformers, which backend='auto' prefers there"
             )
     return None

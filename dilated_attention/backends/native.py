@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from .. import op
-from .._warnings import SlowPathWarning, warn_once
 from .base import Backend, BackendRequest, Capabilities, check_device_dtype
 
 __all__ = ["NativeBackend"]
@@ -20,34 +19,6 @@ _DTYPES = {
     "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
     "cuda": (torch.float16, torch.bfloat16, torch.float32),
 }
-
-
-# (device, dtype, head dim) of float16/bfloat16 CUDA calls: whether they run on the SIMT kernels.
-_SIMT: dict[tuple, bool] = {}
-
-
-def _warn_if_simt(q: torch.Tensor) -> None:
-    """Warn once per (device, dtype, head dim) when float16/bfloat16 CUDA inputs run on the SIMT kernels."""
-    from .. import hardware
-
-    key = (q.device, q.dtype, int(q.shape[-1]))
-    simt = _SIMT.get(key)
-    if simt is None:
-        simt = _SIMT[key] = hardware.uses_simt_kernels(q.device, q.dtype, key[2])
-    if not simt:
-        return
-    head_dim = key[2]
-    cap = hardware.compute_capability(q.device)
-    assert cap is not None  # uses_simt_kernels is False without a CUDA device
-    why = f"the GPU is sm_{cap[0]}{cap[1]}" if cap < (8, 0) else f"the head dim is {head_dim}"
-    warn_once(
-        ("simt", str(q.device), q.dtype, head_dim),
-        f"dilated_attention: native runs {str(q.dtype).replace('torch.', '')} inputs of head dim {head_dim} "
-        f"on {q.device} with its SIMT CUDA kernels, without tensor cores, because {why} (the "
-        "tensor-core kernels need sm_80+ and a head dim in 32..256 that is a multiple of 8): expect "
-        "it to be much slower than sdpa or xformers, which backend='auto' prefers there",
-        SlowPathWarning,
-    )
 
 
 class NativeBackend(Backend):
@@ -80,8 +51,6 @@ class NativeBackend(Backend):
         return why
 
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling():
-            _warn_if_simt(q)
         return op.native_forward(
             q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, dropout_p
         )
