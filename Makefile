@@ -67,6 +67,7 @@ format:
 	clang-format -i $(C_SOURCES)
 
 test:
+	@echo "make test: importing torch and collecting the tests (seconds on a quiet machine), then a dot per test"
 	$(PYTHON) -m pytest -q
 
 test-slow:

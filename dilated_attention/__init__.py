@@ -18,6 +18,7 @@ from . import (
     hardware,
     op,  # noqa: F401  (importing it registers the ops' fake kernels and autograd formulas)
 )
+from ._validation import normalize_branches
 from ._warnings import (
     BackendFallbackWarning,
     CacheUsageWarning,
@@ -88,6 +89,7 @@ __all__ = [
     "get_pattern_cache",
     "hardware",
     "hilbert_permutation",
+    "normalize_branches",
     "recommended_backends",
     "recommended_dtype",
     "select_backend",

@@ -36,7 +36,7 @@ import torch.utils.checkpoint
 from attention import CausalSelfAttention, PackedDocuments
 from torch import nn
 
-from dilated_attention import DilatedKVCache, _validation, flops
+from dilated_attention import DilatedKVCache, flops, normalize_branches
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class GPTConfig:
                 f"GPTConfig.attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
-        segs, rates = _validation.normalize_branches(self.segment_lengths, self.dilation_rates)
+        segs, rates = normalize_branches(self.segment_lengths, self.dilation_rates)
         self.segment_lengths, self.dilation_rates = tuple(segs), tuple(rates)
 
     @property
