@@ -20,7 +20,7 @@ help:
 	@echo "make bench       CPU benchmark of every backend against the alternatives"
 	@echo "make cuda-check  compile the CUDA kernels, the sm90 ones for sm_90a, and check they assemble for sm_60/61 (no GPU needed)"
 	@echo "make gpu-check   verify the CUDA kernels on this machine's GPU (scripts/gpu_check.sh tests, then sanitize)"
-	@echo "make gpu-session one GPU command (< 10 min): tests, views driver, GPT at 16K vs dense, a profiled step"
+	@echo "make gpu-session one GPU command (< 10 min): build, attention alone and the GPT (16K-128K) vs dense, a profiled step, then the tests"
 	@echo "make dist        build the source distribution and a wheel into dist/"
 	@echo "make dist-check  build the sdist, build a wheel from it in a fresh venv, install it there and import it"
 	@echo "make clean       remove the build outputs (build/, dist/, the compiled extension)"
@@ -99,8 +99,8 @@ gpu-check:
 	bash scripts/gpu_check.sh tests $(GPU_CHECK_OUT)/tests; rc=$$?; \
 		bash scripts/gpu_check.sh sanitize $(GPU_CHECK_OUT)/sanitize && exit $$rc
 
-# One command on a GPU machine, under 10 minutes: the tests phase, the views driver's GPU tests,
-# the example GPT at 16K against dense attention and a profiled step (scripts/gpu_session.sh).
+# One command on a GPU machine, under 10 minutes: measurements first (the attention alone and the example GPT at 16K-128K against dense attention, a
+# profiled step), then the views driver's and the kernels' GPU tests (scripts/gpu_session.sh).
 GPU_SESSION_OUT ?= gpu_session_out
 gpu-session:
 	bash scripts/gpu_session.sh $(GPU_SESSION_OUT)

@@ -4,6 +4,9 @@
 * ``native sm90``: the same with ``DILATED_ATTENTION_CUDA_SM90=1``, whose forward and backward run the
   warpgroup (wgmma) kernels on a GPU that runs sm_90a code (an H100 or H200), else what ``native`` runs;
 * ``sdpa``: ``dilated_attention(..., backend="sdpa")``, whatever that backend is in this checkout;
+* ``auto``: ``dilated_attention(...)``, the backend a user gets by default;
+* ``flex``: FlexAttention over the whole sequence with the dilated pattern as its ``mask_mod`` and the
+  branches' multiplicity as its ``score_mod`` (:func:`make_flex`);
 * ``gather+flash``: the gather driver (``backends/gathered.py``) with PyTorch's flash kernel on the
   gathered sub-sequences, merged by log-sum-exp, its backward the flash backward fed the merged
   out/lse: the gather path as a fixed baseline, whatever ``sdpa`` becomes;
@@ -14,10 +17,12 @@
 For every configuration (B·N tokens, H heads, head dim D, causal or not) with LongNet's branches
 (w = w0·2^i, r = 2^i, the largest segment N), forward and forward+backward: median time, useful
 TFLOP/s (SPEC section 3: forward 4·D per (query, key) pair with multiplicity, forward+backward 3.5x
-that) and the allocator's peak memory beyond the inputs. Printed with the ratios native/sdpa,
-native/gather+flash (time over time: > 1 means native is faster), native/dense and native/matmul
-(TFLOP/s over TFLOP/s); written as STEM.md, STEM.csv and STEM.png after every configuration, so a
-run cut short still leaves its table.
+that) and the allocator's peak memory beyond the inputs. Printed with the pairs dense attention
+computes over those dilated attention attends (``flops.attention_pairs``: the speed-up the pair
+count allows), native/sdpa and native/gather+flash (time over time: > 1 means native is faster),
+every method's rate per useful pair as a fraction of dense cuDNN's (``METHOD / dense``, TFLOP/s over
+TFLOP/s: whether the kernels or the plumbing are the bottleneck) and native/matmul; written as
+STEM.md, STEM.csv and STEM.png after every configuration, so a run cut short still leaves its table.
 
 Every measurement has a time budget (the run's ``--budget`` seconds shared by the measurements left):
 the first call is timed alone, and further calls run only while they fit; a measurement whose first
@@ -27,6 +32,7 @@ Usage::
 
     python benchmarks/bench_cuda.py                 # bf16, 256K and 1M tokens, H=16, D=64/128 (~40 GB)
     python benchmarks/bench_cuda.py --quick         # one small configuration
+    python benchmarks/bench_cuda.py --gpt           # the example GPT's shape: H=12, D=64, causal, 16K-128K
     python benchmarks/bench_cuda.py --dry-run       # tiny sizes on the CPU: checks this script, no GPU
     python benchmarks/bench_cuda.py --tokens 262144 --head-dims 128 --causal 1 --out $OUT/bench
 
@@ -41,6 +47,7 @@ import datetime as _dt
 import os
 import platform
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from unittest.mock import patch
@@ -144,6 +151,45 @@ def make_gather_baseline():
     return GatherFlashBaseline()
 
 
+def make_flex(N: int, segs: list[int], rates: list[int], is_causal: bool, device: torch.device):
+    """Dilated attention by FlexAttention over the whole sequence: ``mask_mod`` keeps the (query,
+    key) pairs that some branch covers, ``score_mod`` adds the log of how many branches cover them
+    (a key found by two branches counts twice, SPEC section 3), and the block mask lets the kernel
+    skip blocks no branch reaches. Returns ``f(q, k, v, scale)`` on (B, N, H, D) tensors;
+    compiled on CUDA (FlexAttention's kernels), eager on the CPU (``--dry-run``)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def count(b, h, qi, kv):
+        total = None
+        for w, r in zip(segs, rates, strict=True):
+            w = min(w, N)
+            cov = ((qi // w) == (kv // w)) & ((qi % w) % r == h % r) & ((kv % w) % r == h % r)
+            total = cov.to(torch.int32) if total is None else total + cov.to(torch.int32)
+        return torch.where(kv <= qi, total, 0) if is_causal else total
+
+    def mask_mod(b, h, qi, kv):
+        return count(b, h, qi, kv) > 0
+
+    def score_mod(score, b, h, qi, kv):
+        return score + torch.log(count(b, h, qi, kv).to(score.dtype))
+
+    heads: dict[int, object] = {}  # the block mask per head count (it depends on h % r)
+    run = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+
+    def attend(q, k, v, scale: float) -> torch.Tensor:
+        H = q.shape[2]
+        if H not in heads:
+            heads[H] = create_block_mask(mask_mod, B=None, H=H, Q_LEN=N, KV_LEN=N, device=str(device))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager FlexAttention on the CPU says it is slow
+            out = run(
+                *(x.transpose(1, 2) for x in (q, k, v)), score_mod=score_mod, block_mask=heads[H], scale=scale
+            )
+        return out.transpose(1, 2)
+
+    return attend
+
+
 def dense_attention(q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
     """SDPA on (B, H, L, D) views; cuDNN on CUDA (flash where cuDNN cannot), the default on CPU."""
     import torch.nn.functional as F
@@ -205,15 +251,18 @@ def run_config(B, N, H, D, causal, args, clock: Clock, baseline, methods) -> Row
         "native": lambda: native(False),
         "native90": lambda: native(True),
         "sdpa": lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale, backend="sdpa"),
+        "auto": lambda: dilated_attention(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale),
+        "flex": lambda: flex(q, k, v, scale),
         "gather": lambda: baseline.forward(q, k, v, segs, rates, is_causal=causal, softmax_scale=scale)[0],
         "dense": lambda: dense_attention(dense_view(q), dense_view(k), dense_view(v), causal, scale),
     }  # fmt: skip
+    flex = make_flex(N, segs, rates, causal, dev) if "flex" in methods else None
     douts = {"dense": dense_view(dout)}
-    for name in ("native", "sdpa"):
+    for name in ("native", "sdpa", "auto"):
         if name in methods:
             ran = select_backend(name, q, k).name
             if ran != name:
-                row.notes.append(f"backend={name!r} runs as {ran!r} here")
+                row.notes.append(f"backend={name!r} runs {ran!r} here")
     reference = None
     for m in methods:
         for pass_ in ("fwd", "fwd+bwd"):
@@ -239,6 +288,9 @@ def run_config(B, N, H, D, causal, args, clock: Clock, baseline, methods) -> Row
                         t.grad = None
                     fwd().backward(d)
 
+            if m == "flex" and pass_ == "fwd+bwd" and dev.type == "cpu":
+                clock.skip()  # FlexAttention has no backward on the CPU
+                continue
             fwd_time = row.times.get((m, "fwd"))
             if pass_ == "fwd+bwd" and fwd_time is not None and 3.5 * fwd_time.seconds > clock.remaining():
                 # One call would overrun the whole run's budget (a call cannot be cut short).
@@ -262,7 +314,10 @@ def run_config(B, N, H, D, causal, args, clock: Clock, baseline, methods) -> Row
                         row.diffs[m] = (s - reference).abs().max().item()
             except torch.cuda.OutOfMemoryError:
                 row.notes.append(f"{m} {pass_}: out of memory")
-            except RuntimeError as e:  # e.g. no flash or cuDNN kernel for this GPU or head dim
+            except (
+                RuntimeError,
+                torch._dynamo.exc.BackendCompilerFailed,
+            ) as e:  # e.g. no kernel for this GPU
                 row.notes.append(f"{m} {pass_}: {str(e).splitlines()[0][:160]}")
             finally:
                 for t in (q, k, v):
@@ -300,6 +355,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matmul-size", type=int, default=8192)
     p.add_argument("--quick", action="store_true", help="one small configuration (a smoke test)")
     p.add_argument(
+        "--gpt",
+        action="store_true",
+        help="the example GPT's attention: B=1, H=12, D=64, causal, N = 16K, 64K, 128K, dense over the whole "
+        "sequence (give --tokens to choose other N)",
+    )
+    p.add_argument(
         "--dry-run", action="store_true", help="tiny sizes on the CPU: runs every line of this script"
     )
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -319,6 +380,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for N in args.seq_lens:
             if tokens % N:
                 p.error(f"--tokens {tokens} is not a multiple of --seq-lens {N}")
+    if args.gpt:
+        if args.tokens == p.get_default("tokens"):
+            args.tokens = [16384, 65536, 131072]
+        args.seq_lens, args.heads, args.head_dims, args.causal = None, [12], [64], [1]
+        args.dense_len = max(args.tokens)
     if args.quick:
         args.tokens, args.seq_lens, args.heads, args.head_dims, args.causal = [16384], None, [8], [64], [1]
         args.iters, args.matmul_size, args.budget = 3, 4096, min(args.budget, 120.0)
@@ -380,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}.",
         f"bf16 matmul ({args.matmul_size}^3) in the same run: **{mm:.1f} TFLOP/s**.",
         f"LongNet branches: w = {args.w0}·2^i up to N, r = 2^i. Useful FLOPs (SPEC section 3): forward 4·D per pair, "
-        "forward+backward 3.5x. Ratios: native/sdpa and native/gather+flash are times (> 1: native faster); "
-        "native/dense and native/matmul are TFLOP/s. Peak GiB: the allocator's peak beyond the inputs. "
+        "forward+backward 3.5x. Ratios: pairs dense / dilated is the speed-up the pair count allows; "
+        "native/sdpa and native/gather+flash are times (> 1: native faster); METHOD / dense (the rate per useful "
+        "pair as a fraction of dense cuDNN's) and native/matmul are TFLOP/s. Peak GiB: the allocator's peak beyond the inputs. "
         "`*`: a single cold call (the budget had no room for more).",
     ]
     rows: list[Row] = []

@@ -22,6 +22,14 @@ METHODS: tuple[tuple[str, str, str], ...] = (
         "where the GPU runs sm_90a code (else the same kernels as native)",
     ),
     ("sdpa", "sdpa", "dilated_attention(..., backend='sdpa'): whatever the sdpa backend is in this checkout"),
+    ("auto", "auto", "dilated_attention(..., backend='auto'): what a user gets by default on this GPU"),
+    (
+        "flex",
+        "flex",
+        "FlexAttention (torch.compile'd) on the whole sequence with the dilated pattern: mask_mod keeps the pairs "
+        "some branch covers, score_mod adds the log of how many branches cover them (SPEC section 3's "
+        "multiplicity), a block mask skips the blocks no branch reaches",
+    ),
     (
         "gather",
         "gather+flash",
@@ -143,14 +151,19 @@ def header() -> list[str]:
     cols = ["B", "N", "H", "D", "causal", "pass"]
     for _key, label, _ in METHODS:
         cols += [f"{label} ms", f"{label} TFLOP/s", f"{label} peak GiB"]
-    cols += ["native / sdpa", "native / gather+flash", "native / dense", "native / matmul", "sm90 / native"]
+    cols += ["pairs dense / dilated", "native / sdpa", "native / gather+flash"]
+    cols += [f"{label} / dense" for key, label, _ in METHODS if key != "dense"]
+    cols += ["native / matmul", "sm90 / native"]
     return cols
 
 
 def table_rows(rows: list[Row], mm_tflops: float) -> list[list[str]]:
-    """Per configuration and pass: time, useful TFLOP/s and peak memory of every method, then the
-    speed ratios (native's speed over each other's: > 1 means native is faster; last, the sm90
-    kernel's over native's: > 1 means the sm90 kernels are faster)."""
+    """Per configuration and pass: time, useful TFLOP/s and peak memory of every method; the pairs
+    dense attention computes over the pairs dilated attention attends (the speed-up the pair count
+    allows); native's speed over sdpa's and the gather path's (> 1: native faster); every method's
+    rate per useful pair as a fraction of dense cuDNN's (the number that says whether the kernels or
+    the plumbing are the bottleneck); native's over the matmul rate; the sm90 kernels' speed over
+    native's (> 1: faster)."""
     out = []
     for r in rows:
         for pass_, _ in PASSES:
@@ -164,13 +177,16 @@ def table_rows(rows: list[Row], mm_tflops: float) -> list[list[str]]:
                 cells.append(fmt(r.tflops(m, pass_), ".4g"))
                 peak = None if t is None or t.peak_bytes is None else t.peak_bytes / 2**30
                 cells.append(fmt(peak, ".2f"))
+            cells.append(fmt(ratio(r.dense_fwd_flops, r.fwd_flops), ".2f"))
             nat = r.times.get(("native", pass_))
             for other in ("sdpa", "gather"):
                 o = r.times.get((other, pass_))
                 cells.append(
                     fmt(ratio(None if o is None else o.seconds, None if nat is None else nat.seconds), ".2f")
                 )
-            cells.append(fmt(ratio(r.tflops("native", pass_), r.tflops("dense", pass_)), ".0%"))
+            for m, _, _ in METHODS:  # the rate per useful pair as a fraction of dense cuDNN's
+                if m != "dense":
+                    cells.append(fmt(ratio(r.tflops(m, pass_), r.tflops("dense", pass_)), ".0%"))
             cells.append(fmt(ratio(r.tflops("native", pass_), mm_tflops), ".0%"))
             n90 = r.times.get(("native90", pass_))
             cells.append(

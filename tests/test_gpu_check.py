@@ -801,13 +801,22 @@ def test_bench_cuda_dry_run_measures_every_method(tmp_path, capsys):
         (c, p) for c in ("yes", "no") for p in ("fwd", "fwd+bwd")
     }
     for r in rows:
-        for label in ("native", "sdpa", "gather+flash", "dense cuDNN"):
+        labels = ["native", "sdpa", "auto", "gather+flash", "dense cuDNN"]
+        labels += ["flex"] if r["pass"] == "fwd" else []  # FlexAttention has no backward on the CPU
+        for label in labels:
             assert r[f"{label} ms"] != "n/a" and float(r[f"{label} TFLOP/s"]) > 0, (label, r)
-        for ratio in ("native / sdpa", "native / gather+flash", "native / dense", "native / matmul"):
+        ratios = ["native / sdpa", "native / gather+flash", "native / matmul", "pairs dense / dilated"]
+        ratios += [f"{label} / dense" for label in labels if label != "dense cuDNN"]
+        for ratio in ratios:
             assert r[ratio] != "n/a", (ratio, r)
     md = (tmp_path / "b.md").read_text()
-    assert "Notes:" not in md, md  # no method failed
+    notes = md.split("Notes:")[1].strip().splitlines() if "Notes:" in md else []
+    assert all(n.endswith("backend='auto' runs 'native' here") for n in notes), notes  # no method failed
     assert "max |out - native out|" in md
+    # FlexAttention with the dilated pattern computes dilated attention: its forward agrees with
+    # native's to bf16 rounding on the sampled positions.
+    flex = [float(d.split("flex ")[1].split(",")[0]) for d in md.splitlines() if "flex " in d and "B=" in d]
+    assert flex and max(flex) < 0.05, flex
     pytest.importorskip("matplotlib")
     assert (tmp_path / "b.png").stat().st_size > 0
 
