@@ -61,7 +61,7 @@ class SpanJob:
         self.acc: dict[Piece, list[torch.Tensor]] = {}  # per piece: (out, lse) merged so far
         self.piece_rows: dict[Piece, dict[str, torch.Tensor]] = {}  # per piece: its rows of q, dout, ...
         self.grads: dict[str, torch.Tensor] = {}  # the backward's accumulators
-        self.upcast = False  # set by the node: backward parts in float32 for float16/bfloat16
+        self.upcast = False  # set by the node: parts in float32 for float16/bfloat16, forward and backward
 
     # -- cutting tensors into pieces and blocks --------------------------------------------------
     def rows(self, t: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -123,14 +123,23 @@ class SpanJob:
             rows[name] = self.lse_rows(t, piece) if t.dim() == 3 else self.rows(t, piece)
         return rows[name]
 
+    def _acc_rows(self, piece: Piece, q_rows: torch.Tensor) -> torch.Tensor:
+        """The piece's query rows ``q_rows`` in the accumulation dtype, converted once per piece."""
+        rows = self.piece_rows[piece]
+        if "q_acc" not in rows:
+            rows["q_acc"] = q_rows.to(accumulation_dtype(q_rows.dtype))
+        return rows["q_acc"]
+
     def attend(
         self, q: torch.Tensor, piece: Piece, blocks: tuple[Block, ...], kb: torch.Tensor, vb: torch.Tensor
     ) -> None:
         """Attention of the piece's queries over the keys ``blocks``, merged into the piece's result."""
         hs = self.plan.head_sets(piece.r, piece.o, q.device)
-        o, lse, aux = self.pieces.forward(
-            self._rows(piece, "q", q), kb, vb, hs, self.offset(piece, blocks), self.scale
-        )
+        q_rows = self._rows(piece, "q", q)
+        if self.upcast:  # the piece's out unrounded: merged and read by the backward in float32
+            q_rows = self._acc_rows(piece, q_rows)
+            kb, vb = kb.to(q_rows.dtype), vb.to(q_rows.dtype)
+        o, lse, aux = self.pieces.forward(q_rows, kb, vb, hs, self.offset(piece, blocks), self.scale)
         self.aux[(piece, blocks)] = aux
         acc = self.acc.get(piece)
         if acc is None:
@@ -163,6 +172,9 @@ class SpanJob:
         itself, with no copy in float32 and float64."""
         B, n, Hq, D = q.shape
         cdt = accumulation_dtype(q.dtype)
+        wdt = self.local_dtype(q.dtype)
+        if wdt != q.dtype:  # the runs' outs unrounded: merged and read by the backward in float32
+            q, k, v = q.to(wdt), k.to(wdt), v.to(wdt)
         out, lse = None, None
         for lo, hi, segs, rates in self.local_runs:
             o, lr = op.native_forward(
@@ -178,6 +190,21 @@ class SpanJob:
             out, lse = q.new_zeros((B, n, Hq, D), dtype=cdt), q.new_full((B, Hq, n), -math.inf, dtype=cdt)
         return out, lse
 
+    def local_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the local runs compute in, forward and backward, for inputs in ``dtype``.
+
+        float16/bfloat16: when a row's out or a gradient collects more than one part (several runs,
+        pieces, or gradients returned by other ranks), every part is computed in the accumulation
+        dtype and the result is rounded once, as the one-process op rounds once. The forward then
+        keeps the runs' outs unrounded too: the backward reads the merged out in float32 for its
+        ``rowsum(dout * out)``, where out rounded to 16 bits would leave its rounding, times
+        ``|dout|`` summed over D, in every score's gradient (the one-process op's backward reads
+        its float32 out for the same reason). Otherwise the inputs' dtype: one run, nothing merged,
+        whose backward recomputes the op's float32 out itself."""
+        if self.upcast and (len(self.local_runs) > 1 or self.plan.any_span):
+            return accumulation_dtype(dtype)
+        return dtype
+
     def local_backward(
         self,
         q: torch.Tensor,
@@ -191,10 +218,7 @@ class SpanJob:
         """dq, dk, dv of the local runs, in the accumulation dtype, given the rank's merged ``out``
         and ``lse`` and their gradients (the op's backward is exact for merged rows)."""
         cdt, n = out.dtype, q.shape[1]
-        # float16/bfloat16: when a gradient collects more than one part (several runs, pieces, or
-        # gradients returned by other ranks), every part is computed in the accumulation dtype and
-        # the sum is rounded once, as the one-process op rounds once.
-        wdt = cdt if self.upcast and (len(self.local_runs) > 1 or self.plan.any_span) else q.dtype
+        wdt = self.local_dtype(q.dtype)
         out_q, dout_q = out.to(wdt), dout.to(wdt)
         q, k, v = q.to(wdt), k.to(wdt), v.to(wdt)
         grads: dict[str, torch.Tensor] = {}
@@ -254,10 +278,7 @@ class SpanJob:
         cdt = self.out.dtype
         q_rows = self._rows(piece, "q", q)
         if self.upcast:  # every part in the accumulation dtype, rounded once when summed
-            rows = self.piece_rows[piece]
-            if "q_acc" not in rows:
-                rows["q_acc"] = q_rows.to(cdt)
-            q_rows = rows["q_acc"]
+            q_rows = self._acc_rows(piece, q_rows)
             kb, vb = kb.to(cdt), vb.to(cdt)
         gq, gk, gv = self.pieces.backward(
             self._rows(piece, "dout", self.dout),
@@ -317,8 +338,10 @@ class SpanAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, job: SpanJob, mode: Any):
-        out, lse = job.local_forward(q, k, v)
+        # float16/bfloat16: the parts are computed, merged and kept for the backward in float32
+        # (local_dtype, attend), rounded once by the caller.
         job.upcast = q.dtype in (torch.float16, torch.bfloat16)
+        out, lse = job.local_forward(q, k, v)
         # Every rank enters the exchange whenever any two ranks exchange (plan.steps is the same
         # list on every rank): comm="all_gather" is a collective that every rank must join, even
         # one with no spanning piece.
