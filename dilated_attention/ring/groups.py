@@ -14,6 +14,7 @@ and without a launcher warns (:class:`SequenceSplitWarning`).
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, cast
 
@@ -27,6 +28,7 @@ except ImportError:  # torch built without distributed support
     DeviceMesh = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "GroupCopies",
     "GroupLike",
     "NeedsGroup",
     "SequenceSplitWarning",
@@ -204,3 +206,56 @@ def saved_group(group: Any) -> NeedsGroup | None:
     except (RuntimeError, ValueError, AttributeError):
         ranks = None
     return NeedsGroup(ranks)
+
+
+class GroupCopies:
+    """What copies and saves of a module keep of its process group (mixed into the ring module,
+    before ``nn.Module``): ``copy.copy`` and ``copy.deepcopy`` share the group; ``torch.save`` and
+    ``pickle`` keep the configuration, the default group as None (the loading process's default
+    group) and an explicit one as :class:`NeedsGroup`. Either way the copy's per-group state
+    (``_per_group``) is renewed by ``_reset_per_group_state``, as a module built now, and its caches
+    (``_caches``) start empty."""
+
+    process_group: Any
+    _per_group: tuple[str, ...] = ()
+    _caches: tuple[str, ...] = ()
+
+    def _reset_per_group_state(self) -> None:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # type: ignore[misc]
+        state["process_group"] = saved_group(self.process_group)
+        for name in self._caches:
+            state[name] = {}
+        for name in self._per_group:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if "check_consistency" in state:  # saved before the setting became a validated property
+            state["_check_consistency"] = state.pop("check_consistency")
+        super().__setstate__(state)  # type: ignore[misc]
+        self._reset_per_group_state()
+
+    def _copy(self, memo: dict[int, Any] | None) -> Any:
+        """The copy: the other attributes shared (``memo`` None: ``copy.copy``) or deep-copied."""
+        new = type(self).__new__(type(self))
+        if memo is not None:
+            memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name == "process_group":
+                new.__dict__[name] = value
+            elif name in self._caches:
+                new.__dict__[name] = {}
+            elif name not in self._per_group:
+                new.__dict__[name] = value if memo is None else copy.deepcopy(value, memo)
+        new._reset_per_group_state()
+        return new
+
+    def __copy__(self) -> Any:
+        return self._copy(None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self._copy(memo)

@@ -9,11 +9,9 @@ run the local runs on the module's backend, run the spanning pieces (:mod:`.node
 
 from __future__ import annotations
 
-import copy
 import logging
 import numbers
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,15 +27,12 @@ from ..modules._script import NotScriptable
 from . import mode_all_gather, mode_ring
 from .consistency import CallCheck, CallLedger, fingerprint
 from .geometry import LAYOUTS, Plan, make_layout
-from .groups import GroupLike, NeedsGroup, as_process_group, resolve_group, saved_group
+from .groups import GroupCopies, GroupLike, NeedsGroup, as_process_group, resolve_group
 from .node import SpanAttention, SpanJob
 from .pieces import PieceAttention
 from .transport import Comm
 
 __all__ = ["COMM_MODES", "RingDilatedAttention", "RingDilatedAttentionV2Collective"]
-
-# The attributes a module has per process group (renewed by copies, loads and set_process_group).
-_PER_GROUP = ("_ledger", "_entered")
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +52,7 @@ _RAGGED_HINT = (
 )
 
 
-class RingDilatedAttention(NotScriptable, nn.Module):
+class RingDilatedAttention(NotScriptable, GroupCopies, nn.Module):
     """Dilated attention with the sequence split across the ranks of a process group.
 
     Each rank calls ``forward`` with its positions ``(B, N/P, H, D)`` of q, k and v (use
@@ -116,6 +111,8 @@ class RingDilatedAttention(NotScriptable, nn.Module):
     layout: str
     _selector: BackendSelector
     _ledger: CallLedger
+    _per_group = ("_ledger", "_entered")  # renewed by copies, loads and set_process_group
+    _caches = ("_plans", "_pieces")  # rebuilt on use
 
     def __init__(
         self,
@@ -209,53 +206,9 @@ class RingDilatedAttention(NotScriptable, nn.Module):
 
     def _reset_per_group_state(self) -> None:
         """A new number on the group's communicator, no calls, nothing checked: what a module built
-        now has."""
+        (copied, loaded) now has."""
         self._ledger = CallLedger(self.process_group, type(self).__name__)
         self._entered = 0  # forward calls begun (RingMultiheadDilatedAttention's refusals read it)
-
-    # -- copies: the configuration, not the group --------------------------------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        """What ``torch.save`` and ``pickle`` keep: the configuration. A process group cannot be
-        saved: the default group is kept as None (the loaded module takes the default group of
-        the process that loads it); an explicit one as :class:`NeedsGroup`, whose forward asks for
-        ``set_process_group``. The caches (plans, piece kernels) are rebuilt on use."""
-        state = super().__getstate__()
-        state["process_group"] = saved_group(self.process_group)
-        state["_plans"], state["_pieces"] = {}, {}
-        for name in _PER_GROUP:
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        if "check_consistency" in state:  # saved before the setting became a validated property
-            state["_check_consistency"] = state.pop("check_consistency")
-        super().__setstate__(state)
-        self._reset_per_group_state()
-
-    def _copy(self, memo: dict[int, Any] | None) -> RingDilatedAttention:
-        """A copy with the same process group (shared, not copied), numbered as a module built now;
-        the other attributes shared (``memo`` None: ``copy.copy``) or deep-copied with ``memo``."""
-        new = type(self).__new__(type(self))
-        if memo is not None:
-            memo[id(self)] = new
-        for name, value in self.__dict__.items():
-            if name == "process_group":
-                new.__dict__[name] = value
-            elif name in ("_plans", "_pieces"):
-                new.__dict__[name] = {}
-            elif name not in _PER_GROUP:
-                new.__dict__[name] = value if memo is None else copy.deepcopy(value, memo)
-        new._reset_per_group_state()
-        return new
-
-    def __copy__(self) -> RingDilatedAttention:
-        """``copy.copy``: the configuration and the process group shared, numbered as a module built now."""
-        return self._copy(None)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> RingDilatedAttention:
-        """``copy.deepcopy``: the same process group (shared, not copied), numbered as a module built now."""
-        return self._copy(memo)
 
     def extra_repr(self) -> str:
         return (
