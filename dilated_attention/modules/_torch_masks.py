@@ -1,5 +1,6 @@
-"""``nn.MultiheadAttention``'s masks, read for :class:`DropInMultiheadAttention` (and the float
-``key_padding_mask`` and the ``attn_mask`` of :class:`MultiheadDilatedAttention`).
+"""``nn.MultiheadAttention``'s masks, read for :class:`DropInMultiheadAttention`, and the masks of
+:class:`MultiheadDilatedAttention` (its float ``key_padding_mask`` and ``attn_mask`` in torch's
+convention, its bool and integer ones in this library's, refused where torch's layers pass theirs).
 
 torch's conventions: ``key_padding_mask`` (B, S) bool, **True = padding** (a key to ignore), or
 float, added to the scores (``-inf`` = padding, 0 = a real key: what ``nn.TransformerEncoderLayer``
@@ -16,7 +17,12 @@ import torch
 
 from .._padding import has_no_data
 
-__all__ = ["causal_from_attn_mask", "real_tokens_from_torch_mask"]
+__all__ = [
+    "causal_from_attn_mask",
+    "multihead_real_tokens",
+    "real_tokens_from_torch_mask",
+    "refuse_torch_layer_mask",
+]
 
 
 def real_tokens_from_torch_mask(mask: Any, B: int, S: int, batched: bool) -> torch.Tensor | None:
@@ -118,3 +124,61 @@ def causal_from_attn_mask(mask: Any, is_causal: bool, batch_heads: int, L: int, 
         "meaning here; the causal mask (is_causal=True alone is enough) and a mask "
         "that masks nothing are accepted. For padding, give key_padding_mask."
     )
+
+
+def refuse_torch_layer_mask(mask: Any) -> None:
+    """A bool or integer ``key_padding_mask`` in a call that names ``need_weights`` is refused.
+
+    That is how torch's transformer layers call their ``self_attn`` (``nn.TransformerDecoderLayer``
+    passes ``need_weights=False`` and its ``tgt_key_padding_mask`` as given, True or nonzero =
+    padding), and this module reads a bool or integer mask the other way round (True, or 1, = a
+    real token): every real token would be taken for padding and every padded one for a real
+    token, without an error. An integer mask is refused as ``nn.MultiheadAttention`` refuses it
+    (only bool and floating masks), a bool one with the way out.
+    """
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"key_padding_mask has dtype {mask.dtype} in a call that passes need_weights, the way "
+            "torch's transformer layers (nn.TransformerDecoderLayer) call their self_attn: "
+            "nn.MultiheadAttention refuses it (only bool and floating types of key_padding_mask are "
+            "supported; True, or -inf, = padding), and MultiheadDilatedAttention would read it the "
+            "other way round (1 = a real token, SPEC section 7). Inside torch's layers use "
+            "dilated_attention.DropInMultiheadAttention with a bool mask (True = padding), or give the "
+            "mask as floats (0 = a real key, -inf = padding); called directly, leave need_weights out "
+            "to use this module's convention"
+        )
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        raise ValueError(
+            "key_padding_mask is a bool mask in a call that passes need_weights, as torch's "
+            "transformer layers (nn.TransformerDecoderLayer) call nn.MultiheadAttention with torch's "
+            "mask (True = padding); MultiheadDilatedAttention reads a bool mask the other way round "
+            "(True = a real token, SPEC section 7). Inside torch's layers use "
+            "dilated_attention.DropInMultiheadAttention, which takes torch's masks as they are; "
+            "called directly, leave need_weights out (its only allowed value is False) or give the "
+            "mask as floats (0 = a real key, -inf = padding)"
+        )
+
+
+def multihead_real_tokens(mask: Any, B: int, N: int) -> Any:
+    """The ``key_padding_mask`` of :class:`MultiheadDilatedAttention` as :class:`DilatedAttention`
+    takes it (True = a real token).
+
+    A bool or integer mask is this library's (True, or 1, = a real token) and passes through. A
+    floating mask is read as ``nn.MultiheadAttention`` reads it, added to the scores: 0 = a real
+    key, -inf = padding. That is what ``nn.TransformerEncoderLayer`` passes after converting its
+    ``src_key_padding_mask`` (bool, True = padding) to the input's dtype, so a layer's "no padding"
+    arrives as all zeros. Any other float value (a per-key bias, or a 0/1 mask meant as this
+    library's) is a ValueError naming it."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+        return mask
+    if not has_no_data(mask):
+        bad = mask[(mask != 0) & (mask != float("-inf"))]
+        if bad.numel():
+            raise ValueError(
+                f"key_padding_mask is a float mask, which MultiheadDilatedAttention reads as "
+                f"nn.MultiheadAttention does (added to the scores: 0 = a real key, -inf = padding), and "
+                f"it holds {bad[0].item()!r}: other values are a bias per key, which dilated attention "
+                f"does not add. For this module's own convention (True = a real token) pass a bool "
+                f"mask (e.g. mask.bool() for a 0/1 mask)"
+            )
+    return real_tokens_from_torch_mask(mask, B, N, batched=True)

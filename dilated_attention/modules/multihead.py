@@ -8,77 +8,19 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn as nn
 
 from .. import _validation as V
-from .._padding import has_no_data
 from .._warnings import LayoutWarning, warn_once
 from ._options import check_embed_heads, pick, resolve_dtype
 from ._script import NotScriptable
-from ._torch_masks import causal_from_attn_mask, real_tokens_from_torch_mask
+from ._torch_masks import causal_from_attn_mask, multihead_real_tokens, refuse_torch_layer_mask
 from .dilated import DilatedAttention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
-
-
-def _refuse_torch_layer_mask(mask: Any) -> None:
-    """A bool or integer ``key_padding_mask`` in a call that names ``need_weights`` is refused.
-
-    That is how torch's transformer layers call their ``self_attn`` (``nn.TransformerDecoderLayer``
-    passes ``need_weights=False`` and its ``tgt_key_padding_mask`` as given, True or nonzero =
-    padding), and this module reads a bool or integer mask the other way round (True, or 1, = a
-    real token): every real token would be taken for padding and every padded one for a real
-    token, without an error. An integer mask is refused as ``nn.MultiheadAttention`` refuses it
-    (only bool and floating masks), a bool one with the way out.
-    """
-    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"key_padding_mask has dtype {mask.dtype} in a call that passes need_weights, the way "
-            "torch's transformer layers (nn.TransformerDecoderLayer) call their self_attn: "
-            "nn.MultiheadAttention refuses it (only bool and floating types of key_padding_mask are "
-            "supported; True, or -inf, = padding), and MultiheadDilatedAttention would read it the "
-            "other way round (1 = a real token, SPEC section 7). Inside torch's layers use "
-            "dilated_attention.DropInMultiheadAttention with a bool mask (True = padding), or give the "
-            "mask as floats (0 = a real key, -inf = padding); called directly, leave need_weights out "
-            "to use this module's convention"
-        )
-    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-        raise ValueError(
-            "key_padding_mask is a bool mask in a call that passes need_weights, as torch's "
-            "transformer layers (nn.TransformerDecoderLayer) call nn.MultiheadAttention with torch's "
-            "mask (True = padding); MultiheadDilatedAttention reads a bool mask the other way round "
-            "(True = a real token, SPEC section 7). Inside torch's layers use "
-            "dilated_attention.DropInMultiheadAttention, which takes torch's masks as they are; "
-            "called directly, leave need_weights out (its only allowed value is False) or give the "
-            "mask as floats (0 = a real key, -inf = padding)"
-        )
-
-
-def _real_tokens(mask: Any, B: int, N: int) -> Any:
-    """``key_padding_mask`` as :class:`DilatedAttention` takes it (True = a real token).
-
-    A bool or integer mask is this library's (True, or 1, = a real token) and passes through. A
-    floating mask is read as ``nn.MultiheadAttention`` reads it, added to the scores: 0 = a real
-    key, -inf = padding. That is what ``nn.TransformerEncoderLayer`` passes after converting its
-    ``src_key_padding_mask`` (bool, True = padding) to the input's dtype, so a layer's "no padding"
-    arrives as all zeros. Any other float value (a per-key bias, or a 0/1 mask meant as this
-    library's) is a ValueError naming it."""
-    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
-        return mask
-    if not has_no_data(mask):
-        bad = mask[(mask != 0) & (mask != float("-inf"))]
-        if bad.numel():
-            raise ValueError(
-                f"key_padding_mask is a float mask, which MultiheadDilatedAttention reads as "
-                f"nn.MultiheadAttention does (added to the scores: 0 = a real key, -inf = padding), and "
-                f"it holds {bad[0].item()!r}: other values are a bias per key, which dilated attention "
-                f"does not add. For this module's own convention (True = a real token) pass a bool "
-                f"mask (e.g. mask.bool() for a 0/1 mask)"
-            )
-    return real_tokens_from_torch_mask(mask, B, N, batched=True)
 
 
 class MultiheadDilatedAttention(NotScriptable, nn.Module):
@@ -289,7 +231,7 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
                 "row), so there are none to return. Pass need_weights=False; the second result is None."
             )
         if need_weights is not None:
-            _refuse_torch_layer_mask(key_padding_mask)
+            refuse_torch_layer_mask(key_padding_mask)
         if (key is None) != (value is None):
             raise ValueError(
                 "give both key and value, or neither (self-attention), got only "
@@ -326,7 +268,7 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         B, N, _ = query.shape
         is_causal = causal_from_attn_mask(attn_mask, is_causal, B * self.num_heads, N, N)
-        key_padding_mask = _real_tokens(key_padding_mask, B, N)
+        key_padding_mask = multihead_real_tokens(key_padding_mask, B, N)
         if not torch.compiler.is_compiling():
             self._check_layout(query)
         q = self.q_proj(query).view(B, N, self.num_heads, self.head_dim)  # (B, N, H, D)
