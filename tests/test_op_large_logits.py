@@ -10,9 +10,10 @@ asks for ``float64_lse=True`` and returns float32 to the caller), read in base 2
 The scores are the rounded dot products times ``softmax_scale * log2(e)``, as plain PyTorch scales
 its scores: dot products of queries scaled first (one more rounding per term, and the scaled
 queries no longer those that dk is summed over) put up to 2.4x the rule's bound into dk at logit
-standard deviations of 10-12 (``SCALED_SCORES``). And above D = 64 each score sums its D products
-in double, rounded once: summed in float, at D = 256 the D roundings put up to 1.9x the rule's
-bound into dk and dq (``DOUBLE_SCORES``).
+standard deviations of 10-12 (``SCALED_SCORES``). And each score of float rows sums its D products
+in double and is kept as a float and its remainder: summed in float, at D = 256 the D roundings
+put up to 1.9x the rule's bound into dk and dq (``DOUBLE_SCORES``). Larger logits (standard
+deviations 32-64), for every backend: tests/test_large_logits_backends.py.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ SCALED_SCORES = [
 
 # (seed, N, Hq, Hkv, D, segment_lengths, dilation_rates, is_causal, logit std): head dim 256, where
 # a score summed in float (D roundings) put 1.1-1.9x the rule's bound into dk or dq; the kernels
-# now sum each score's products in double and round once (docs/cpu-kernel.md).
+# now sum each score's products in double (docs/cpu-kernel.md).
 DOUBLE_SCORES = [
     pytest.param(305, 53, 2, 2, 256, [53], [1], False, 24, id="one-segment-d256"),
     pytest.param(324, 49, 2, 2, 256, [49], [1], False, 16, id="dq-d256"),

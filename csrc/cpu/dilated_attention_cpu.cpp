@@ -21,8 +21,10 @@
 // baseline (16: SSE2, or NEON on ARM). The widest set the CPU has is chosen once per process
 // (cpu_isa below), so one build runs well on every x86-64 CPU. Scores are kept in base 2 (dot products times softmax_scale *
 // log2(e)) and exponentiated by a vectorised 2^x (degree-6 polynomial, relative error about 1e-7);
-// float64 calls libm's exp2. NaN propagates, -inf scores add nothing, a row that no branch covers
-// gets out = 0 and lse = -inf.
+// float64 calls libm's exp2. For float rows every score sums its D products in double and is kept
+// as a float and its float remainder (micro_scores), and the forward merges its tiles and branches
+// into a per-position state in double, out = acc / l rounded once. NaN propagates, -inf scores add
+// nothing, a row that no branch covers gets out = 0 and lse = -inf.
 //
 // The kernels read q, k, v (and dout) as head-major rows: one (B, H, N, Dp) copy of each, in float32
 // (float64 for float64 inputs), zero padded to Dp, a multiple of the widest vector (head_major_rows);
@@ -30,8 +32,10 @@
 // the same layout and converts them back to (B, N, H, D) at the end.
 //
 // Cost: forward 2 * D multiply-adds per (query, key) pair with multiplicity, backward 5 * D (S, dP,
-// dV, dK, dQ) and D subtractions (dP as dout . (v - out), see Backward below); float16 and bfloat16
-// inputs 2 * D more (the forward once more, for a float32 out: out_for_backward).
+// dV, dK, dQ) and D subtractions (dP as dout . (v - out), see Backward below); the forward once more
+// in the backward (2 * D): for float32 inputs (without dropout) with its out unrounded, for delta
+// (compute_delta_wide), for float16 and bfloat16 for a float32 out (out_for_backward). The scores of
+// float rows and that float32 recomputation's P V sum in double (half the vector width).
 // Memory: the outputs, the head-major copies (forward 3, backward 8
 // tensors of B * H * N * Dp values), the (B, Hq, N) delta of the backward, and
 // O(threads * (QB + QT + KB) * Dp) scratch.
@@ -326,18 +330,23 @@ struct HalfVec {
 };
 
 /*
- * The scores of float rows with a head dim above kFloatScoresMaxHeadDim: C (m x R*W) = alpha *
- * A (m x K) * B (K x R*W), every product and sum in double, times alpha in double and rounded to
- * float once (cmax: the running column max, as in micro). A float sum of the D products of a score
- * rounds D times, and at large logits that error, through the exps, is the largest part of the
- * gradients' error: up to 2.5x plain PyTorch's at D = 256 (whose matmul sums in another order),
- * past the 2x of SPEC section 4. In double the score is the exact dot product of the float rows
- * rounded once; forward and backward sum in the same order, so the backward still recomputes the
- * forward's scores bit for bit.
+ * The scores of float rows: C (m x R*W) = alpha * A (m x K) * B (K x R*W), every product and sum in
+ * double, times alpha in double, rounded to float in C and the rest, rounded to float, in Clo (0
+ * for an infinite or NaN score; cmax: the running column max of C, as in micro). The kernels take
+ * a score as C + Clo (about 48 bits): 2^(s - m) is computed as 2^((C - m) + Clo), where C - m is
+ * exact for the scores that matter. A float sum of the D products of a score rounds D times, and a
+ * score rounded to float once still errs by half a unit in its last place, several float32
+ * epsilons of |s| (logits of tens): at large logits that error, through the exps, was the largest
+ * part of the gradients' error, and of plain PyTorch's, which rounds its scores in its own order.
+ * Two implementations of the same rounding quality then differ by more than 2x in a few percent
+ * of random cases (logit standard deviations 32-64), past the 2x of SPEC section 4; with the
+ * scores' error gone, the kernels' is a small part of plain PyTorch's. Forward and backward sum in
+ * the same order, so the backward recomputes the forward's scores bit for bit.
  */
 template <int B, int M, int R, bool Wide>
-DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, int64_t ak, const float* Bm,
-                            const double* Bw, int64_t ldb, int64_t K, float* cmax, float alpha) {
+DA_INLINE void micro_scores(float* C, float* Clo, int64_t ldc, const float* A, int64_t as, int64_t ak,
+                            const float* Bm, const double* Bw, int64_t ldb, int64_t K, float* cmax,
+                            float alpha) {
   typedef Vec<float, B> X;
   typedef typename X::v V;
   typedef typename HalfVec<B>::d VD;
@@ -377,10 +386,16 @@ DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, i
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < R; ++j) {
-      *(VHu*)(C + i * ldc + j * W) = __builtin_convertvector(c[i][j][0] * al, VH);
-      *(VHu*)(C + i * ldc + j * W + H) = __builtin_convertvector(c[i][j][1] * al, VH);
-    }
+    for (int j = 0; j < R; ++j)
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e) {
+        const VD x = c[i][j][e] * al;
+        const VH hi = __builtin_convertvector(x, VH);
+        VD lo = x - __builtin_convertvector(hi, VD);
+        lo = lo - lo == 0 ? lo : VD{};  // an infinite or NaN score: lo 0 (the score itself says it)
+        *(VHu*)(C + i * ldc + j * W + e * H) = hi;
+        *(VHu*)(Clo + i * ldc + j * W + e * H) = __builtin_convertvector(lo, VH);
+      }
   if (cmax) {
 #pragma GCC unroll 8
     for (int j = 0; j < R; ++j) {
@@ -395,49 +410,44 @@ DA_INLINE void micro_scores(float* C, int64_t ldc, const float* A, int64_t as, i
   }
 }
 
-/*
- * The largest head dim whose float scores are summed in float (gemm): up to 64 products the float
- * sum's rounding stays well within SPEC section 4 at large logits (worst 0.75 of the bound in 250
- * random float32 cases at D = 64, logit standard deviations 4-32), at D = 128 it exceeded the
- * bound in 2 of 250 (1.35x), at D = 256 in 17 of 1,000 comparisons (2.16x).
- */
-constexpr int64_t kFloatScoresMaxHeadDim = 64;
-
 /* micro_scores over the panels of C: MR rows by half of gemm's vectors (its double accumulators take
  * twice the registers), the last vectors one by one. */
 template <int B, bool Wide>
-DA_INLINE void scores_panels(float* C, int64_t ldc, const float* A, int64_t as, int64_t ak, const float* Bm,
-                             const double* Bw, int64_t ldb, int64_t m, int64_t nv, int64_t K, float* cmax,
-                             float alpha) {
+DA_INLINE void scores_panels(float* C, float* Clo, int64_t ldc, const float* A, int64_t as, int64_t ak,
+                             const float* Bm, const double* Bw, int64_t ldb, int64_t m, int64_t nv, int64_t K,
+                             float* cmax, float alpha) {
   const int W = Vec<float, B>::W, MR = Vec<float, B>::MR,
             NV = Vec<float, B>::NV > 1 ? Vec<float, B>::NV / 2 : 1;
   for (int64_t v0 = 0; v0 < nv;) {
     const bool full = v0 + NV <= nv;  // a panel of NV vectors, else the last ones one by one
     float* c = C + v0 * W;
+    float* cl = Clo + v0 * W;
     const float* bb = Bm + v0 * W;
     const double* bw = Wide ? Bw + v0 * W : nullptr;
     float* cm = cmax ? cmax + v0 * W : nullptr;
     int64_t i = 0;
     for (; i + MR <= m; i += MR)
-      full ? micro_scores<B, MR, NV, Wide>(c + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K, cm, alpha)
-           : micro_scores<B, MR, 1, Wide>(c + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K, cm, alpha);
+      full ? micro_scores<B, MR, NV, Wide>(c + i * ldc, cl + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K,
+                                           cm, alpha)
+           : micro_scores<B, MR, 1, Wide>(c + i * ldc, cl + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K,
+                                          cm, alpha);
     for (; i < m; ++i)
-      full ? micro_scores<B, 1, NV, Wide>(c + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K, cm, alpha)
-           : micro_scores<B, 1, 1, Wide>(c + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K, cm, alpha);
+      full ? micro_scores<B, 1, NV, Wide>(c + i * ldc, cl + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K,
+                                          cm, alpha)
+           : micro_scores<B, 1, 1, Wide>(c + i * ldc, cl + i * ldc, ldc, A + i * as, as, ak, bb, bw, ldb, K,
+                                         cm, alpha);
     v0 += full ? NV : 1;
   }
 }
 
 /* The reused operand B of the scores (K x ld floats: packed queries in the forward, keys in the
- * backward) in double, once per tile, where micro_scores runs (float rows, head dim above
- * kFloatScoresMaxHeadDim), so that its inner loop loads doubles instead of converting every step;
- * nullptr elsewhere. */
+ * backward) in double, once per tile, for micro_scores (float rows), so that its inner loop loads
+ * doubles instead of converting every step; nullptr for double rows. */
 template <typename T>
 DA_INLINE const double* widen_operand(const T* src, int64_t K, int64_t ld, std::vector<double>& dst) {
   if constexpr (std::is_same<T, double>::value) {
     return nullptr;
   } else {
-    if (K <= kFloatScoresMaxHeadDim) return nullptr;
     dst.resize((size_t)(K * ld));
     for (int64_t i = 0; i < K * ld; ++i) dst[(size_t)i] = (double)src[i];
     return dst.data();
@@ -445,23 +455,95 @@ DA_INLINE const double* widen_operand(const T* src, int64_t K, int64_t ld, std::
 }
 
 /*
+ * C (m x nv*W doubles, rows at stride ldc) += A (m x K floats) * B (K x nv*W doubles), every
+ * product and sum in double: the P V of the backward's recomputation of the forward for float32
+ * inputs (Fwd::wide), whose output must carry more than float's bits. Register blocks as
+ * scores_panels (gemm_wide_acc).
+ */
+template <int B, int M, int R>
+DA_INLINE void micro_wide_acc(double* C, int64_t ldc, const float* A, int64_t as, int64_t ak,
+                              const double* Bm, int64_t ldb, int64_t K) {
+  typedef typename HalfVec<B>::d VD;
+  typedef typename HalfVec<B>::du VDu;
+  const int W = Vec<float, B>::W, H = W / 2;
+  VD c[M][R][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      c[i][j][0] = *(const VDu*)(C + i * ldc + j * W);
+      c[i][j][1] = *(const VDu*)(C + i * ldc + j * W + H);
+    }
+  for (int64_t k = 0; k < K; ++k) {
+    VD b[R][2];
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      b[j][0] = *(const VDu*)(Bm + k * ldb + j * W);
+      b[j][1] = *(const VDu*)(Bm + k * ldb + j * W + H);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const double a = A[i * as + k * ak];
+#pragma GCC unroll 8
+      for (int j = 0; j < R; ++j) {
+        c[i][j][0] += a * b[j][0];
+        c[i][j][1] += a * b[j][1];
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      *(VDu*)(C + i * ldc + j * W) = c[i][j][0];
+      *(VDu*)(C + i * ldc + j * W + H) = c[i][j][1];
+    }
+}
+
+/* dst[j * Dp + d] = src[j * stride + d] in double, for j < n, d < Dp. */
+template <typename T>
+DA_INLINE void widen_rows(double* dst, const T* src, int64_t stride, int64_t n, int64_t Dp) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < Dp; ++d) dst[j * Dp + d] = (double)src[j * stride + d];
+}
+
+template <int B>
+DA_INLINE void gemm_wide_acc(double* C, int64_t ldc, const float* A, int64_t as, int64_t ak, const double* Bm,
+                             int64_t ldb, int64_t m, int64_t nv, int64_t K) {
+  const int W = Vec<float, B>::W, MR = Vec<float, B>::MR,
+            NV = Vec<float, B>::NV > 1 ? Vec<float, B>::NV / 2 : 1;
+  for (int64_t v0 = 0; v0 < nv;) {
+    const bool full = v0 + NV <= nv;
+    double* c = C + v0 * W;
+    const double* bb = Bm + v0 * W;
+    int64_t i = 0;
+    for (; i + MR <= m; i += MR)
+      full ? micro_wide_acc<B, MR, NV>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K)
+           : micro_wide_acc<B, MR, 1>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K);
+    for (; i < m; ++i)
+      full ? micro_wide_acc<B, 1, NV>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K)
+           : micro_wide_acc<B, 1, 1>(c + i * ldc, ldc, A + i * as, as, ak, bb, ldb, K);
+    v0 += full ? NV : 1;
+  }
+}
+
+/*
  * S = alpha * A B (m x nv*W), the scores of the forward (S^T = scale2 K Q^T, with the column max)
- * and of the backward (S2 = scale2 Q K^T), K = D: gemm for double rows and for float rows of up to
- * kFloatScoresMaxHeadDim values; above, micro_scores (sums in double) in scores_panels, reading B
- * from Bw when it is given (B in double: widen_operand).
+ * and of the backward (S2 = scale2 Q K^T), K = D: gemm for double rows; for float rows micro_scores
+ * (sums in double, the score as C + Clo) in scores_panels, reading B from Bw when it is given (B in
+ * double: widen_operand). Clo is not written for double rows.
  */
 template <typename T, int B>
-DA_INLINE void gemm_scores(T* C, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm, int64_t ldb,
-                           int64_t m, int64_t nv, int64_t K, T* cmax, T alpha, const double* Bw = nullptr) {
+DA_INLINE void gemm_scores(T* C, T* Clo, int64_t ldc, const T* A, int64_t as, int64_t ak, const T* Bm,
+                           int64_t ldb, int64_t m, int64_t nv, int64_t K, T* cmax, T alpha,
+                           const double* Bw = nullptr) {
   if constexpr (std::is_same<T, double>::value) {
-    gemm<T, B>(C, ldc, A, as, ak, Bm, ldb, m, nv, K, false, cmax, alpha);
-  } else if (K <= kFloatScoresMaxHeadDim) {
     gemm<T, B>(C, ldc, A, as, ak, Bm, ldb, m, nv, K, false, cmax, alpha);
   } else {
     if (Bw)
-      scores_panels<B, true>(C, ldc, A, as, ak, Bm, Bw, ldb, m, nv, K, cmax, alpha);
+      scores_panels<B, true>(C, Clo, ldc, A, as, ak, Bm, Bw, ldb, m, nv, K, cmax, alpha);
     else
-      scores_panels<B, false>(C, ldc, A, as, ak, Bm, Bw, ldb, m, nv, K, cmax, alpha);
+      scores_panels<B, false>(C, Clo, ldc, A, as, ak, Bm, Bw, ldb, m, nv, K, cmax, alpha);
   }
 }
 
@@ -541,24 +623,37 @@ struct Fwd {
   T scale2;         // softmax_scale * log2(e): the forward keeps scores, max and lse in base 2
   da_dropout drop;  // attention dropout (drop.threshold 0: none), keyed by rows start + position
   int64_t start;    // the sequence's first row in the (B, N, ...) tensors
+  int wide;         // float rows: sum P V and the denominator in double, out unrounded (the
+                    // backward's recomputation for float32 inputs, compute_delta_wide)
 };
 
 template <typename T>
 struct FwdScratch {
   Arena<T> arena;
-  T *m, *l, *acc;            // block state per position: (QB), (QB), (QB, Dp)
-  T *qt, *st;                // (D, QT) queries, transposed; (KF, QT) scores, then weights
+  T* m;                      // block state per position: the max (QB), and in double
+  double *l, *acc;           // the denominator (QB) and the unnormalised output (QB, Dp)
+  double *lw, *acctw, *ltw;  // Fwd::wide: the denominator summed in double (QB); acct and lt in double
+  double* vw;                // Fwd::wide: the key tile's values in double (KF, Dp)
+  std::vector<double> dbl;   // l, acc, lw, acctw, ltw, vw
+  T *qt, *st, *stlo;         // (D, QT) queries, transposed; (KF, QT) scores, then weights; (KF, QT)
+                             // the scores' low parts (float rows: the score is st + stlo)
   T *mt, *lt, *corr, *tmax;  // (QT) tile state
   T* acct;                   // (QT, Dp)
-  std::vector<double> wide;  // qt in double, for the scores of head dims above kFloatScoresMaxHeadDim
+  std::vector<double> wide;  // qt in double, for the scores of float rows (widen_operand)
   FwdScratch(int64_t QB, int64_t D, int64_t Dp)
-      : arena(Arena<T>::need({(size_t)QB, (size_t)QB, (size_t)(QB * Dp), (size_t)(D * QT), (size_t)(KF * QT),
-                              QT, QT, QT, QT, (size_t)(QT * Dp)})) {
+      : arena(Arena<T>::need({(size_t)QB, (size_t)(D * QT), (size_t)(KF * QT), (size_t)(KF * QT), QT, QT, QT,
+                              QT, (size_t)(QT * Dp)})),
+        dbl((size_t)(QB * (Dp + 2) + QT * (Dp + 1) + KF * Dp)) {
     m = arena.take(QB);
-    l = arena.take(QB);
-    acc = arena.take(QB * Dp);
+    l = dbl.data();
+    acc = l + QB;
+    lw = acc + QB * Dp;
+    acctw = lw + QB;
+    ltw = acctw + QT * Dp;
+    vw = ltw + QT;
     qt = arena.take(D * QT);
     st = arena.take(KF * QT);
+    stlo = arena.take(KF * QT);
     mt = arena.take(QT);
     lt = arena.take(QT);
     corr = arena.take(QT);
@@ -592,7 +687,7 @@ DA_INLINE void mask_future(T* st, int64_t ld, int64_t nk, int64_t nv, int64_t of
  * previous accumulator must be multiplied by. Cost: 2 * nk * nv vector passes, nk * nv exps.
  */
 template <typename T, int B>
-DA_INLINE void online_softmax(T* st, int64_t ld, int64_t nk, int64_t nv, T* mt, T* lt, T* corr,
+DA_INLINE void online_softmax(T* st, const T* stlo, int64_t ld, int64_t nk, int64_t nv, T* mt, T* lt, T* corr,
                               const T* tmax) {
   typedef Vec<T, B> X;
   typedef typename X::v V;
@@ -614,7 +709,9 @@ DA_INLINE void online_softmax(T* st, int64_t ld, int64_t nk, int64_t nv, T* mt, 
     const V c = X::exp2v(m_old - mu);
     V sum = zero;
     for (int64_t j = 0; j < nk; ++j) {
-      const V p = X::exp2v(X::load(st + j * ld + u * W) - mu);
+      V x = X::load(st + j * ld + u * W) - mu;  // exact where it matters (within a factor 2 of mu)
+      if (stlo) x += X::load(stlo + j * ld + u * W);
+      const V p = X::exp2v(x);
       X::store(st + j * ld + u * W, p);
       sum += p;
     }
@@ -660,24 +757,27 @@ static void dropout_tile(const da_dropout& d, int64_t bh, T* t, int64_t si, int6
 }
 
 /* Merge a query tile's state (m2, l2, acc2) into the block's rows row0 + i * step. */
-template <typename T>
-DA_INLINE void merge_tile(T* m, T* l, T* acc, const T* m2, const T* l2, const T* acc2, int64_t n,
-                          int64_t row0, int64_t step, int64_t Dp) {
+template <typename T, typename A>
+DA_INLINE void merge_tile(T* m, double* l, double* acc, const T* m2, const T* l2, const A* acc2, int64_t n,
+                          int64_t row0, int64_t step, int64_t Dp, double* lw = nullptr,
+                          const double* lw2 = nullptr) {
   for (int64_t i = 0; i < n; ++i) {
     if (l2[i] == 0) continue;  // only -inf scores: nothing to add
     const int64_t row = row0 + i * step;
-    T* a = acc + row * Dp;
-    const T* b = acc2 + i * Dp;
+    double* a = acc + row * Dp;
+    const A* b = acc2 + i * Dp;
     if (l[row] == 0) {
       m[row] = m2[i];
       l[row] = l2[i];
+      if (lw) lw[row] = lw2[i];
       for (int64_t d = 0; d < Dp; ++d) a[d] = b[d];
       continue;
     }
     const T mx = m[row] > m2[i] ? m[row] : m2[i];
-    const T ca = exp2(m[row] - mx), cb = exp2(m2[i] - mx);
+    const double ca = ::exp2((double)m[row] - (double)mx), cb = ::exp2((double)m2[i] - (double)mx);
     m[row] = mx;
     l[row] = l[row] * ca + l2[i] * cb;
+    if (lw) lw[row] = lw[row] * ca + lw2[i] * cb;
     for (int64_t d = 0; d < Dp; ++d) a[d] = a[d] * ca + b[d] * cb;
   }
 }
@@ -692,11 +792,33 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
                               FwdScratch<T>* s) {
   const int W = Vec<T, B>::W;
   const int64_t D = P.D, Dp = P.Dp, hk = h / (P.Hq / P.Hkv), rows = a1 - a0;
+  constexpr bool can_widen = std::is_same<T, float>::value;
+  const bool wide = can_widen && P.wide;
   for (int64_t i = 0; i < rows; ++i) {
     s->m[i] = neg_inf<T>();
     s->l[i] = 0;
+    s->lw[i] = 0;
   }
   for (int64_t i = 0; i < rows * Dp; ++i) s->acc[i] = 0;
+  // the tile state afresh: max, denominator and output (in double too, wide)
+  auto restart = [&](int64_t nq, int64_t ld) {
+    for (int64_t i = 0; i < ld; ++i) {
+      s->mt[i] = neg_inf<T>();
+      s->lt[i] = 0;
+    }
+    if (wide) {
+      for (int64_t i = 0; i < ld; ++i) s->ltw[i] = 0;
+      for (int64_t i = 0; i < nq * Dp; ++i) s->acctw[i] = 0;
+    } else {
+      for (int64_t i = 0; i < nq * Dp; ++i) s->acct[i] = 0;
+    }
+  };
+  auto merge = [&](int64_t nq, int64_t row0, int64_t step) {
+    if (wide)
+      merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acctw, nq, row0, step, Dp, s->lw, s->ltw);
+    else
+      merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acct, nq, row0, step, Dp);
+  };
 
   for (int64_t bi = 0; bi < P.br.n; ++bi) {
     const int64_t w = P.br.w[bi], r = P.br.r[bi], o = h % r;
@@ -712,24 +834,32 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
         const T* qp = P.q + b * P.q_sb + (g.first + q0 * r) * P.q_sn + h * P.q_sh;
         pack_transposed(s->qt, ld, qp, r * P.q_sn, nq, D, (T)1);
         const double* qt_wide = widen_operand(s->qt, D, ld, s->wide);
-        for (int64_t i = 0; i < ld; ++i) {
-          s->mt[i] = neg_inf<T>();
-          s->lt[i] = 0;
-        }
-        for (int64_t i = 0; i < nq * Dp; ++i) s->acct[i] = 0;
+        restart(nq, ld);
         const int64_t nk_all = P.causal ? da_min64(g.seg_count, jq0 + nq) : g.seg_count;
         for (int64_t kt0 = 0; kt0 < nk_all; kt0 += KF) {
           const int64_t nk = da_min64(KF, nk_all - kt0);
           const bool diag = P.causal && kt0 + nk - 1 > jq0;
           for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
-          gemm_scores<T, B>(s->st, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D, diag ? nullptr : s->tmax,
-                            P.scale2, qt_wide);  // S^T = scale2 K Q^T and its column max
+          gemm_scores<T, B>(s->st, s->stlo, ld, kp + kt0 * ks, ks, 1, s->qt, ld, nk, nv, D,
+                            diag ? nullptr : s->tmax, P.scale2, qt_wide);  // S^T = scale2 K Q^T, column max
           if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - jq0);
-          online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
-          for (int64_t i = 0; i < nq; ++i) {
-            const T c = s->corr[i];
-            if (c != 1)
-              for (int64_t d = 0; d < Dp; ++d) s->acct[i * Dp + d] *= c;
+          online_softmax<T, B>(s->st, std::is_same<T, float>::value ? s->stlo : nullptr, ld, nk, nv, s->mt,
+                               s->lt, s->corr, diag ? nullptr : s->tmax);
+          if (wide) {  // the same weights and corrections, summed in double
+            for (int64_t i = 0; i < nq; ++i) {
+              const double c = s->corr[i];
+              if (c == 1) continue;
+              s->ltw[i] *= c;
+              for (int64_t d = 0; d < Dp; ++d) s->acctw[i * Dp + d] *= c;
+            }
+            for (int64_t j = 0; j < nk; ++j)
+              for (int64_t i = 0; i < nq; ++i) s->ltw[i] += s->st[j * ld + i];
+          } else {
+            for (int64_t i = 0; i < nq; ++i) {
+              const T c = s->corr[i];
+              if (c != 1)
+                for (int64_t d = 0; d < Dp; ++d) s->acct[i * Dp + d] *= c;
+            }
           }
           if (P.drop.threshold)  // the denominator has the weights; the output their kept share
             dropout_tile(P.drop, b * P.Hq + h, s->st, 1, ld, nq, P.start + g.first + q0 * r, r, nk,
@@ -739,22 +869,34 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
             // ones through 0 * inf in a masked lane: each query row takes only its own keys.
             for (int64_t i = 0; i < nq; ++i) {
               const int64_t nki = da_min64(nk, jq0 + i - kt0 + 1);
-              if (nki > 0)
-                gemm<T, B>(s->acct + i * Dp, Dp, s->st + i, 1, ld, vp + kt0 * vs, vs, 1, Dp / W, nki, true);
+              if (nki <= 0) continue;
+              if constexpr (can_widen) {
+                if (wide) {
+                  widen_rows(s->vw, vp + kt0 * vs, vs, nki, Dp);
+                  gemm_wide_acc<B>(s->acctw + i * Dp, Dp, s->st + i, 1, ld, s->vw, Dp, 1, Dp / W, nki);
+                  continue;
+                }
+              }
+              gemm<T, B>(s->acct + i * Dp, Dp, s->st + i, 1, ld, vp + kt0 * vs, vs, 1, Dp / W, nki, true);
             }
           } else {
-            gemm<T, B>(s->acct, Dp, s->st, 1, ld, vp + kt0 * vs, vs, nq, Dp / W, nk, true);  // += P V
+            bool done = false;
+            if constexpr (can_widen) {
+              if (wide) {  // += P V in double
+                widen_rows(s->vw, vp + kt0 * vs, vs, nk, Dp);
+                gemm_wide_acc<B>(s->acctw, Dp, s->st, 1, ld, s->vw, Dp, nq, Dp / W, nk);
+                done = true;
+              }
+            }
+            if (!done)
+              gemm<T, B>(s->acct, Dp, s->st, 1, ld, vp + kt0 * vs, vs, nq, Dp / W, nk, true);  // += P V
           }
           if (kt0 / KF % SUM_TILES == SUM_TILES - 1 && kt0 + KF < nk_all) {  // a partial sum, then afresh
-            merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acct, nq, g.first + q0 * r - a0, r, Dp);
-            for (int64_t i = 0; i < ld; ++i) {
-              s->mt[i] = neg_inf<T>();
-              s->lt[i] = 0;
-            }
-            for (int64_t i = 0; i < nq * Dp; ++i) s->acct[i] = 0;
+            merge(nq, g.first + q0 * r - a0, r);
+            restart(nq, ld);
           }
         }
-        merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acct, nq, g.first + q0 * r - a0, r, Dp);
+        merge(nq, g.first + q0 * r - a0, r);
       }
     }
   }
@@ -796,17 +938,19 @@ static void fwd_block(Isa isa, const Fwd<T>& P, int64_t b, int64_t h, int64_t a0
  * which would otherwise scale lse by up to one unit in the last place of T. */
 template <typename scalar_t, typename T, typename L>
 static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, L* lse, int64_t a0, int64_t a1,
-                      int64_t D, int64_t Dp, double unit) {
+                      int64_t D, int64_t Dp, double unit, bool wide = false) {
   for (int64_t p = a0; p < a1; ++p) {
     const int64_t row = p - a0;
-    const T l = s.l[row];
+    const double l = s.l[row];
     scalar_t* o = out + p * out_sn;
     if (l == 0) {
       for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)0;
       lse[p] = neg_inf<L>();
+    } else if (wide) {  // double, unrounded
+      for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s.acc[row * Dp + d] / s.lw[row]);
+      lse[p] = (L)((double)s.m[row] * unit + ::log((double)l));
     } else {
-      const T inv = (T)1 / l;
-      for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s.acc[row * Dp + d] * inv);
+      for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(T)(s.acc[row * Dp + d] / l);
       lse[p] = (L)((double)s.m[row] * unit + ::log((double)l));
     }
   }
@@ -968,9 +1112,15 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
     F.drop = drop;
     F.start = 0;
     // out is in the inputs' dtype, or in T (the backward's float32 recomputation for float16 and
-    // bfloat16 inputs: the same values before their rounding).
-    scalar_t* out_p = out.scalar_type() == q_in.scalar_type() ? out.data_ptr<scalar_t>() : nullptr;
-    T* out_t = out_p ? nullptr : out.data_ptr<T>();
+    // bfloat16 inputs: the same values before their rounding), or in double for float rows (the
+    // backward's recomputation for float32 inputs, Fwd::wide: P V and the denominator summed in
+    // double, out not rounded; the same lse bit for bit).
+    const bool wide = std::is_same<T, float>::value && out.scalar_type() == at::kDouble;
+    TORCH_INTERNAL_ASSERT(!wide || !drop.threshold);
+    F.wide = wide;
+    double* out_w = wide ? out.data_ptr<double>() : nullptr;
+    scalar_t* out_p = !wide && out.scalar_type() == q_in.scalar_type() ? out.data_ptr<scalar_t>() : nullptr;
+    T* out_t = wide || out_p ? nullptr : out.data_ptr<T>();
     // lse is float32, or float64 (float64 inputs, or a float64 lse asked for): written as such.
     T* lse_t = lse.scalar_type() == st ? lse.data_ptr<T>() : nullptr;
     double* lse_d = lse_t ? nullptr : lse.data_ptr<double>();
@@ -992,7 +1142,11 @@ static void fwd_sequences(const Problem& P, const std::vector<Sequence>& seqs, c
           const int64_t ot = sq.b * out.stride(0) + sq.start * out.stride(1) + h * out.stride(2);
           const int64_t at = sq.b * lse.stride(0) + h * lse.stride(1) + sq.start;
           const double unit = score_unit(P.scale, F.scale2);
-          if (out_t && lse_t)
+          if (out_w && lse_t)
+            fwd_write<double, T>(s, out_w + ot, out.stride(1), lse_t + at, a0, a1, P.D, Dp, unit, true);
+          else if (out_w)
+            fwd_write<double, T>(s, out_w + ot, out.stride(1), lse_d + at, a0, a1, P.D, Dp, unit, true);
+          else if (out_t && lse_t)
             fwd_write<T, T>(s, out_t + ot, out.stride(1), lse_t + at, a0, a1, P.D, Dp, unit);
           else if (out_t)
             fwd_write<T, T>(s, out_t + ot, out.stride(1), lse_d + at, a0, a1, P.D, Dp, unit);
@@ -1043,7 +1197,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q_in, const 
 
 /* ------------------------------------------------------------------------------------------ */
 /* Backward                                                                                     */
-/*   P = exp(s - lse), dS = P * (dout . (v - out) + dlse)                                       */
+/*   P = exp(s - lse), dS = P * (dout . (v - out) - delta), delta = dout . (out64 - out) - dlse  */
+/*   (float32 inputs, out64 the forward's out unrounded: compute_delta_wide; else -dlse)         */
 /*   dq = scale * dS k,  dk = scale * dS^T q,  dv = P^T dout                                   */
 /*   With dropout (mask M of 0 and 1 / (1 - p)): dS = P * (M * (dout . v) - delta),            */
 /*   delta = rowsum(dout * out) - dlse, and dv = (P * M)^T dout                                 */
@@ -1052,7 +1207,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q_in, const 
 /*   row whose weight sits on one key (large logits), v - out is tiny there and so is the error,  */
 /*   where dP and the rowsum, two dot products rounded apart, would leave their difference's      */
 /*   rounding (and out's) in dS, times P ~ 1: several times the error of plain PyTorch, whose     */
-/*   softmax backward subtracts rowsum(P * dP) from the same rounded dP.                          */
+/*   softmax backward subtracts rowsum(P * dP) from the same rounded dP. out's own rounding      */
+/*   stays in dout . (v - out), and float32 inputs take it back out through delta.              */
 /* ------------------------------------------------------------------------------------------ */
 
 /*
@@ -1101,6 +1257,50 @@ static void compute_delta(const Problem& P, const at::Tensor& dout, const at::Te
   });
 }
 
+/*
+ * delta[b, h, p] = dout . (out64 - out) - dlse for float32 inputs, so that dS = P (dout . (v - out)
+ * - delta) = P (dout . (v - out64) + dlse): out64 is the row's output recomputed with P V and the
+ * denominator summed in double, not rounded (Fwd::wide). It is taken where the recomputed lse is
+ * the given one bit for bit and the given out lies within 2^-10 of out64 (the forward's own rows:
+ * the Python layer hands the backward the forward's float64 lse); elsewhere (rows merged with other
+ * keys, or any other out: the backward takes any out) the term is 0, as before. out rounded to
+ * float leaves its rounding in dout . (v - out), times P ~ 1 for a row whose weight sits on one key
+ * (large logits), where plain PyTorch's softmax backward subtracts rowsum(P * dP) from the same dP:
+ * comparable errors, so that the backward's exceeded twice plain PyTorch's (SPEC section 4) in
+ * about 1% of random cases at logit standard deviations of 32-64. Cost: B * Hq * N * D.
+ */
+static void compute_delta_wide(const Problem& P, const at::Tensor& dout, const at::Tensor& out,
+                               const at::Tensor& out64, const at::Tensor& lse, const at::Tensor& lse64,
+                               const float* dlse, float* delta) {
+  const float* dp = dout.data_ptr<float>();
+  const float* op = out.data_ptr<float>();
+  const double* wp = out64.data_ptr<double>();
+  const double* lp = lse.data_ptr<double>();
+  const double* rp = lse64.data_ptr<double>();
+  at::parallel_for(0, P.B * P.Hq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / P.Hq, h = bh % P.Hq;
+      for (int64_t p = 0; p < P.N; ++p) {
+        const int64_t at = b * lse.stride(0) + h * lse.stride(1) + p;
+        double c = 0;
+        if (std::isfinite(lp[at]) && lp[at] == rp[b * lse64.stride(0) + h * lse64.stride(1) + p]) {
+          const float* x = dp + b * dout.stride(0) + p * dout.stride(1) + h * dout.stride(2);
+          const float* y = op + b * out.stride(0) + p * out.stride(1) + h * out.stride(2);
+          const double* z = wp + b * out64.stride(0) + p * out64.stride(1) + h * out64.stride(2);
+          double far = 0, size = 0;  // how far out is from out64, and the size of out64
+          for (int64_t d = 0; d < P.D; ++d) {
+            far = std::max(far, std::fabs(z[d] - (double)y[d]));
+            size = std::max(size, std::fabs(z[d]));
+            c += (double)x[d] * (z[d] - (double)y[d]);
+          }
+          if (!std::isfinite(c) || !(far <= size * 0x1p-10)) c = 0;
+        }
+        delta[bh * P.N + p] = (float)(c - (dlse ? (double)dlse[bh * P.N + p] : 0.0));
+      }
+    }
+  });
+}
+
 template <typename T>
 struct Bwd {
   const T *q, *k, *v, *dout;  // rows of Dp values (zero padded past D)
@@ -1126,20 +1326,22 @@ struct BwdScratch {
   T *kt, *vt;                // (D, KB) keys and values of the tile, transposed
   T *dkt, *dvt;              // (KB, Dp) their gradients
   T *s, *dp;                 // (QT, KB): scores then P; dout . v then dS
+  T* slo;                    // (QT, KB): the scores' low parts (float rows)
   T *lse, *lselo;            // (QT): lse in base 2 (lse / unit) as hi + lo (lse_base2)
   T* delta;                  // (QT)
   T* dqt;                    // (QT, Dp): one key tile's share of dq
   T* mask;                   // (QT, KB): dropout's factors (0 or 1 / (1 - p)) of the tile
-  std::vector<double> wide;  // kt in double, for the scores of head dims above kFloatScoresMaxHeadDim
+  std::vector<double> wide;  // kt in double, for the scores of float rows (widen_operand)
   BwdScratch(int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp), (size_t)(KB * Dp),
-                              QT * KB, QT * KB, QT, QT, QT, (size_t)(QT * Dp), QT * KB})) {
+                              QT * KB, QT * KB, QT * KB, QT, QT, QT, (size_t)(QT * Dp), QT * KB})) {
     kt = arena.take(D * KB);
     vt = arena.take(D * KB);
     dkt = arena.take(KB * Dp);
     dvt = arena.take(KB * Dp);
     s = arena.take(QT * KB);
     dp = arena.take(QT * KB);
+    slo = arena.take(QT * KB);
     lse = arena.take(QT);
     lselo = arena.take(QT);
     delta = arena.take(QT);
@@ -1171,7 +1373,7 @@ DA_INLINE void lse_base2(double L, double unit, T* hi, T* lo) {
  * forward computed from it, as it does in the forward's own normalisation. Cost: nq * ld exps.
  */
 template <typename T, int B>
-DA_INLINE void ds_tile(T* s, T* dp, int64_t ld, int64_t nq, int64_t nk, int causal, int64_t off,
+DA_INLINE void ds_tile(T* s, const T* slo, T* dp, int64_t ld, int64_t nq, int64_t nk, int causal, int64_t off,
                        const T* lse2, const T* lse2lo, const T* delta, T scale) {
   typedef Vec<T, B> X;
   typedef typename X::v V;
@@ -1183,7 +1385,9 @@ DA_INLINE void ds_tile(T* s, T* dp, int64_t ld, int64_t nq, int64_t nk, int caus
     for (int64_t u = 0; u * W < ld; ++u) {
       T* sp = s + i * ld + u * W;
       T* dpp = dp + i * ld + u * W;
-      V p = l == neg_inf<T>() ? zero : X::exp2v((X::load(sp) - l) - lo);
+      // (s - hi) is exact for the scores that matter, and the low parts are tiny
+      const V x = (X::load(sp) - l) + (slo ? X::load(slo + i * ld + u * W) - lo : X::set(-lo));
+      V p = l == neg_inf<T>() ? zero : X::exp2v(x);
       if ((u + 1) * W - 1 > last) p = iota + (T)(u * W) > (T)last ? zero : p;
       X::store(sp, p);
       X::store(dpp, p * scale * (X::load(dpp) - dl));
@@ -1241,7 +1445,7 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
         }
         const T* qi = qp + qt0 * qs;
         const T* doi = dop + qt0 * dos;
-        gemm_scores<T, B>(s->s, ld, qi, qs, 1, s->kt, ld, nq, nv, D, nullptr, P.scale2,
+        gemm_scores<T, B>(s->s, s->slo, ld, qi, qs, 1, s->kt, ld, nq, nv, D, nullptr, P.scale2,
                           kt_wide);  // S2 = scale2 Q K^T
         if (P.out)                   // dO (V - O)^T
           gemm<T, B, true>(s->dp, ld, doi, dos, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
@@ -1254,7 +1458,8 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
                        P.start + g.seg_first + kt0 * r, r);
           for (int64_t i = 0; i < nq * ld; ++i) s->dp[i] *= s->mask[i];
         }
-        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 - kt0, s->lse, s->lselo, s->delta, P.scale);
+        ds_tile<T, B>(s->s, std::is_same<T, float>::value ? s->slo : nullptr, s->dp, ld, nq, nk, P.causal,
+                      qt0 - kt0, s->lse, s->lselo, s->delta, P.scale);
         if (P.drop.threshold)
           for (int64_t i = 0; i < nq * ld; ++i) s->s[i] *= s->mask[i];
         gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);             // dV += P^T dO
@@ -1331,8 +1536,18 @@ static std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(
     const int64_t Dp = da_ceil_div(P.D, pad_values<T>()) * pad_values<T>();
     const Isa isa = cpu_isa();
     const at::ScalarType st = c10::CppTypeToScalarType<T>::value;
-    compute_delta<scalar_t, T>(P, dout_c, out_c, dlse.defined() ? dlse.data_ptr<T>() : nullptr,
-                               drop.threshold != 0, delta.data_ptr<T>());
+    // float32 without dropout: the forward once more, its out unrounded (compute_delta_wide)
+    const bool wide = std::is_same<scalar_t, float>::value && !drop.threshold;
+    if (wide) {
+      at::Tensor out64 = at::empty(out_c.sizes(), out_c.options().dtype(at::kDouble));
+      at::Tensor lse64 = at::empty(lse.sizes(), lse.options());
+      fwd_sequences(P, seqs, q_in, k_in, v_in, out64, lse64, drop);
+      compute_delta_wide(P, dout_c, out_c, out64, lse, lse64,
+                         dlse.defined() ? dlse.data_ptr<float>() : nullptr, delta.data_ptr<float>());
+    } else {
+      compute_delta<scalar_t, T>(P, dout_c, out_c, dlse.defined() ? dlse.data_ptr<T>() : nullptr,
+                                 drop.threshold != 0, delta.data_ptr<T>());
+    }
     at::Tensor q = head_major_rows(q_in, st, Dp), k = head_major_rows(k_in, st, Dp),
                v = head_major_rows(v_in, st, Dp), dout = head_major_rows(dout_c, st, Dp);
     at::Tensor out = drop.threshold ? at::Tensor() : rows_like(out_c, dout, st, Dp);

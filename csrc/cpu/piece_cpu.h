@@ -65,10 +65,11 @@ DA_INLINE void piece_fwd_tile_impl(const PieceArgs<T>& P, int64_t b, int64_t h, 
     const int64_t nk = da_min64(KF, nk_all - kt0);
     const bool diag = P.causal && kt0 + nk - 1 > qt0 + P.offset;  // the first query misses some
     for (int64_t i = 0; i < ld; ++i) s->tmax[i] = neg_inf<T>();
-    gemm_scores<T, B>(s->st, ld, kp + kt0 * P.k_sn, P.k_sn, 1, s->qt, ld, nk, nv, D, diag ? nullptr : s->tmax,
-                      P.scale2, qt_wide);  // S^T = scale2 K Q^T and its column max
+    gemm_scores<T, B>(s->st, s->stlo, ld, kp + kt0 * P.k_sn, P.k_sn, 1, s->qt, ld, nk, nv, D,
+                      diag ? nullptr : s->tmax, P.scale2, qt_wide);  // S^T = scale2 K Q^T and its column max
     if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - qt0 - P.offset);
-    online_softmax<T, B>(s->st, ld, nk, nv, s->mt, s->lt, s->corr, diag ? nullptr : s->tmax);
+    online_softmax<T, B>(s->st, std::is_same<T, float>::value ? s->stlo : nullptr, ld, nk, nv, s->mt, s->lt,
+                         s->corr, diag ? nullptr : s->tmax);
     for (int64_t i = 0; i < nq; ++i) {
       const T c = s->corr[i];
       if (c != 1)
@@ -142,12 +143,12 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
         const T* qi = qp + qt0 * P.q_sn;
         const T* doi = dop + qt0 * P.do_sn;
         // the forward's scores bit for bit, so that they cancel its lse
-        gemm_scores<T, B>(s->s, ld, qi, P.q_sn, 1, s->kt, ld, nq, nv, D, nullptr, P.scale2,
+        gemm_scores<T, B>(s->s, s->slo, ld, qi, P.q_sn, 1, s->kt, ld, nq, nv, D, nullptr, P.scale2,
                           kt_wide);  // S2 = scale2 Q K^T
         gemm<T, B, true>(s->dp, ld, doi, P.do_sn, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
                          P.out + (doi - P.dout));  // dO (V - O)^T
-        ds_tile<T, B>(s->s, s->dp, ld, nq, nk, P.causal, qt0 + P.offset - kt0, s->lse, s->lselo, s->delta,
-                      P.scale);
+        ds_tile<T, B>(s->s, std::is_same<T, float>::value ? s->slo : nullptr, s->dp, ld, nq, nk, P.causal,
+                      qt0 + P.offset - kt0, s->lse, s->lselo, s->delta, P.scale);
         gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, P.do_sn, nk, Dp / W, nq, true);  // dV += P^T dO
         gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, P.q_sn, nk, Dp / W, nq, true);   // dK += dS^T Q
         gemm<T, B>(dqp + qt0 * P.dq_sn, P.dq_sn, s->dp, ld, 1, kp + kt0 * P.k_sn, P.k_sn, nq, Dp / W, nk,
