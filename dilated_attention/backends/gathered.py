@@ -129,10 +129,15 @@ def _autograd_attention(
     B, N, Hq, D = q.shape
     acc = lse_dtype(q.dtype)
     out_dtype = q.dtype
+    kw: dict[str, Any] = {}
     if backend.computes_in_accumulation_dtype:
-        # One cast up front: the gradients of every view and branch then add up in float32, and
-        # are rounded to q's dtype once, by the backward of this cast.
+        # float16/bfloat16: one cast up front, so that the gradients of every view and branch add
+        # up in float32 and are rounded to q's dtype once, by the backward of this cast. A wider
+        # compute dtype than that (float64 for float32 inputs) is the kernel's own affair: each
+        # call casts its views, and the branches' results and their merge stay in it.
         q, k, v = (t.to(acc) for t in (q, k, v))
+        acc = backend.compute_dtype(out_dtype, q.device)
+        kw["compute_dtype"] = acc
     nonfinite = _NonFinite(q, k, v, is_causal, backend.hides_nonfinite_scores)
     outs, lses = [], []
     for calls in plan:
@@ -144,7 +149,7 @@ def _autograd_attention(
                 qv, kv = view(q[sl], call, call.q), view(k[sl], call, call.kv)
                 vv = view(nonfinite.v_kernel[sl], call, call.kv)
                 og, lg = backend.attn_autograd(
-                    qv, kv, vv, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+                    qv, kv, vv, is_causal=is_causal, scale=scale, dropout_p=dropout_p, **kw
                 )
                 og, lg = nonfinite.apply(call, og, lg[..., : call.m], sl)
                 out_b = write(out_b, sl, call, call.q, og)
@@ -152,7 +157,7 @@ def _autograd_attention(
         outs.append(out_b)
         lses.append(lse_b[..., 0].transpose(1, 2))
     out, lse = merge_branches(outs, lses)
-    return out.to(out_dtype), lse
+    return out.to(out_dtype), lse.to(lse_dtype(out_dtype))
 
 
 def _refuse_untraceable(name: str, N: Any) -> None:
@@ -191,9 +196,16 @@ class GatheredBackend(Backend):
 
     drops_merged_weights = False  # each kernel call drops its own weights (_refuse_branch_dropout)
 
-    #: Whether :meth:`attn_autograd` computes in the accumulation dtype (float32 for float16 and
-    #: bfloat16) anyway: the driver then casts q, k and v once, not every gathered copy.
+    #: Whether :meth:`attn_autograd` computes in a wider dtype anyway (:meth:`compute_dtype`): the
+    #: driver then casts float16/bfloat16 q, k and v to float32 once, not every gathered copy,
+    #: keeps the branches' results in the compute dtype and passes it as ``compute_dtype=``.
     computes_in_accumulation_dtype = False
+
+    def compute_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The dtype the autograd path computes in for inputs in ``dtype`` where
+        :attr:`computes_in_accumulation_dtype`: the accumulation dtype (float32 for float16 and
+        bfloat16, else the inputs' own)."""
+        return lse_dtype(dtype)
 
     #: Whether the kernel turns a NaN score into weight 0 (the driver then makes such rows NaN).
     hides_nonfinite_scores = False

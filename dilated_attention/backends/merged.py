@@ -1,12 +1,13 @@
 """The merged path of the gather-based backends: kernels on strided views, one accumulator.
 
 Forward: every kernel call (see :mod:`.views`) reads strided views of q, k and v, and its
-``out``/``lse`` are merged by log-sum-exp straight into views of one output accumulator (float32
-for float16/bfloat16 inputs; the output itself for float32 and float64) and one lse (SPEC
-section 3). Backward: each call's kernel backward is fed the *merged* ``out`` and ``lse`` of its
-rows (as ring attention does), and its gradients are added in place into strided views of dq, dk
-and dv (float32 accumulators only where several calls add into a position of a float16/bfloat16
-gradient).
+``out``/``lse`` are merged by log-sum-exp straight into views of one running merge (SPEC section 3;
+:func:`dilated_attention.merge.merge_state_`): the unnormalised output, the largest lse and the sum
+of the weights ``exp(lse_i - max)``, in float64 for float32 and float64 inputs (float32 for
+float16/bfloat16), normalised once and rounded once at the end. Backward: each call's kernel
+backward is fed the *merged* ``out`` and ``lse`` of its rows (as ring attention does), and its
+gradients are added in place into strided views of dq, dk and dv (float32 accumulators only where
+several calls add into a position of a float16/bfloat16 gradient).
 
 Both directions are ``autograd.Function`` with ``setup_context`` and a ``vmap`` rule that folds
 the vmapped dimension into the batch, so ``torch.func.grad``, ``vjp``, ``jacrev`` and ``vmap``
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..merge import merge_view_, merged_values
+from ..merge import finish_state, merge_dtype, merge_state_, merged_state
 from ..op.autograd import _message, forward_mode_message
 from .base import lse_dtype
 from .views import Call, batches, last_dim_contiguous, view, write
@@ -30,7 +31,15 @@ __all__ = ["MergedAttention", "TracedMergedAttention", "kernel_backward", "kerne
 
 
 def _is_batched(x: torch.Tensor) -> bool:
-    return bool(torch._C._functorch.is_batchedtensor(x))
+    """Whether ``x`` is batched by ``torch.func.vmap`` at some level, also under the wrappers of
+    the transforms inside it (``vmap(grad(f))`` hands f a gradient-tracking wrapper of a batched
+    tensor, whose values cannot be read either)."""
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(x):
+        if f.is_batchedtensor(x):
+            return True
+        x = f.get_unwrapped(x)
+    return False
 
 
 def _maybe_nonfinite(x: torch.Tensor) -> bool:
@@ -174,10 +183,12 @@ class TracedMergedAttention(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, backend, plan, is_causal, scale, nonfinite):
         B, N, Hq, D = q.shape
-        acc = lse_dtype(q.dtype)
-        out_acc = q.new_zeros((B, N, Hq, D), dtype=acc)
-        lse_acc = q.new_full((B, N, Hq), -math.inf, dtype=acc)
-        lse4 = lse_acc.unsqueeze(-1)
+        # the running merge (merge.merge_state_): unnormalised out, max lse and sum of weights, in
+        # float64 for float32 inputs, normalised once at the end
+        wt = merge_dtype(q.dtype, q.device)
+        out_acc = q.new_zeros((B, N, Hq, D), dtype=wt)
+        m4 = q.new_full((B, N, Hq, 1), -math.inf, dtype=wt)
+        l4 = q.new_zeros((B, N, Hq, 1), dtype=wt)
         nf = nonfinite(q, k, v)
         aux = []
         for b, calls in enumerate(plan):
@@ -189,21 +200,33 @@ class TracedMergedAttention(torch.autograd.Function):
                     og, lg, extra = backend.attn_forward(qv, kv, vv, is_causal=is_causal, scale=scale)
                     aux.append((lg.shape[-1], extra))
                     og, lg = nf.apply(call, og, lg[..., : call.m], sl)
-                    lg = lg.transpose(1, 2)
+                    lg = lg.transpose(1, 2).unsqueeze(-1).to(wt)
                     if torch.compiler.is_compiling():  # out of place (views.write)
                         if b > 0:
-                            og, lg = merged_values(
-                                view(out_acc[sl], call, call.q), view(lse4[sl], call, call.q)[..., 0], og, lg
+                            og, mg, sg = merged_state(
+                                view(out_acc[sl], call, call.q),
+                                view(m4[sl], call, call.q),
+                                view(l4[sl], call, call.q),
+                                og,
+                                lg,
                             )
+                        else:
+                            mg, sg = lg, torch.where(torch.isneginf(lg), 0.0, 1.0).to(wt)
                         out_acc = write(out_acc, sl, call, call.q, og)
-                        lse4 = write(lse4, sl, call, call.q, lg.unsqueeze(-1))
+                        m4 = write(m4, sl, call, call.q, mg)
+                        l4 = write(l4, sl, call, call.q, sg)
                         continue
-                    o_view = view(out_acc[sl], call, call.q)
-                    l_view = view(lse4[sl], call, call.q)[..., 0]
-                    merge_view_(o_view, l_view, og, lg, first=b == 0)
-        lse_acc = lse4[..., 0]
-        out = out_acc if out_acc.dtype == q.dtype else out_acc.to(q.dtype)
-        return out, lse_acc.transpose(1, 2).contiguous(), lse_acc, aux
+                    merge_state_(
+                        view(out_acc[sl], call, call.q),
+                        view(m4[sl], call, call.q),
+                        view(l4[sl], call, call.q),
+                        og,
+                        lg,
+                        first=b == 0,
+                    )
+        out_w, lse4 = finish_state(out_acc, m4, l4)
+        lse_acc = lse4[..., 0].to(lse_dtype(q.dtype))
+        return out_w.to(q.dtype), lse_acc.transpose(1, 2).contiguous(), lse_acc, aux
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -16,6 +16,15 @@ On CPU the backward is :func:`.sdpa_kernels.cpu_exact_backward` (the fused CPU b
 the accuracy rule on large logits); set ``SdpaBackend.cpu_kernel_backward = True`` to run the
 operator's backward instead.
 
+On CPU, float32 inputs run in float64 where the C++ driver runs (no dropout;
+``SdpaBackend.cpu_float32_in_float64``): the operator, the merge of the branches and the backward,
+with out, lse and the gradients rounded to float32 once. In float32 the operator's scores, the
+per-call outputs the merge rescales and the float32 running lse of the merge each carry roundings
+that plain PyTorch's dense softmax does not: at large logits (standard deviation 32-64) the
+gradients exceeded twice plain PyTorch's error (SPEC section 4) in about 5-10% of random cases,
+and ``out`` of a key that several branches read alike (a single position, ``N = 1``) by up to
+80x. It costs about 2.3x the float32 time.
+
 Without dropout the backward feeds the merged ``out``/``lse`` into these backward operators (the
 merged path of :mod:`.gathered`). Neither fused kernel can replay a dropout mask from outside
 (the CPU one has no dropout at all), so with ``dropout_p > 0`` the output comes from
@@ -89,6 +98,18 @@ class SdpaBackend(GatheredBackend):
     #: call (:func:`.sdpa_kernels.cpp_driver_runs`); the Python driver below elsewhere.
     cpp_driver = True
 
+    #: Run float32 calls on the CPU in float64 where the C++ driver runs (module docstring).
+    cpu_float32_in_float64 = True
+
+    def _widened(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+        """Whether this call runs in float64: float32 on the CPU, through the C++ driver."""
+        return (
+            self.cpu_float32_in_float64
+            and q.device.type == "cpu"
+            and q.dtype == torch.float32
+            and self._cpp_runs(q, k, v, dropout_p)
+        )
+
     def _cpp_runs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
         return (
             self.cpp_driver
@@ -97,6 +118,17 @@ class SdpaBackend(GatheredBackend):
         )
 
     def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
+        if self._widened(q, k, v, dropout_p):
+            out, lse = self.forward(
+                q.double(),
+                k.double(),
+                v.double(),
+                segment_lengths,
+                dilation_rates,
+                is_causal=is_causal,
+                softmax_scale=softmax_scale,
+            )
+            return out.float(), lse.float()
         if self._cpp_runs(q, k, v, dropout_p):
             # one op that plans its calls for the N it is given: traceable, exportable with any N
             return views_op.views_attention(
@@ -131,6 +163,20 @@ class SdpaBackend(GatheredBackend):
         softmax_scale,
         dropout_p=0.0,
     ):
+        if self._widened(q, k, v, dropout_p):
+            out, lse = self.forward_varlen(
+                q.double(),
+                k.double(),
+                v.double(),
+                cu_seqlens,
+                max_seqlen,
+                lengths,
+                segment_lengths,
+                dilation_rates,
+                is_causal=is_causal,
+                softmax_scale=softmax_scale,
+            )
+            return out.float(), lse.float()
         if self._cpp_runs(q, k, v, dropout_p):
             return views_op.views_varlen_attention(
                 q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
