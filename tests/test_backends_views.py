@@ -114,6 +114,8 @@ def test_no_copy_of_q_k_v_where_a_view_serves(
     if op_backward and backend == "manual":
         pytest.skip("manual has no kernel backward")
     monkeypatch.setattr(type(get_backend("sdpa")), "cpu_kernel_backward", op_backward)
+    # float32 on the CPU runs in float64 (a copy by design, for the accuracy rule): views in float32
+    monkeypatch.setattr(type(get_backend("sdpa")), "cpu_float32_in_float64", False)
     monkeypatch.setattr(sdpa_kernels, "cpu_exact_backward", _kernel(sdpa_kernels.cpu_exact_backward))
     monkeypatch.setattr(sdpa_kernels, "cpu_row_dots", _kernel(sdpa_kernels.cpu_row_dots))
     manual = type(get_backend("manual"))
