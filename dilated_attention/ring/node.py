@@ -263,9 +263,20 @@ class SpanJob:
         grads: dict[str, torch.Tensor],
     ) -> None:
         """The pieces' backward reads the rank's (merged) ``out``, ``lse`` and their gradients, and
-        adds into ``grads`` (dq, dk, dv in the accumulation dtype)."""
-        self.out, self.lse, self.dout = out, lse, dout
-        self.dlse = torch.zeros_like(lse) if dlse is None else torch.where(torch.isfinite(lse), dlse, 0)
+        adds into ``grads`` (dq, dk, dv in the accumulation dtype); :meth:`end_backward` lets go of
+        them.
+
+        Detached: ``out`` and ``lse`` as the node's backward unpacks them have the node itself as
+        ``grad_fn``, and the node holds this job (``ctx.job``). Kept as they are, they would close a
+        loop through autograd's C++ graph, which Python's collector cannot follow, and the node, its
+        saved tensors, this job, its transport and the process group (with its communication
+        threads, even after ``destroy_process_group``) would never be freed."""
+        self.out, self.lse, self.dout = out.detach(), lse.detach(), dout.detach()
+        self.dlse = (
+            torch.zeros_like(self.lse)
+            if dlse is None
+            else torch.where(torch.isfinite(self.lse), dlse.detach(), 0)
+        )
         self.dq_piece: dict[Piece, torch.Tensor] = {}
         self.grads = grads
 
@@ -303,9 +314,15 @@ class SpanJob:
         for piece, g in self.dq_piece.items():
             heads = self.plan.head_sets(piece.r, piece.o, g.device).heads
             dq[:, self.plan.query_slice(piece)].index_add_(2, heads, g)
-        # No reference to the gradients is kept: autograd hands a gradient that nothing else holds
-        # to .grad as it is, and copies one that something still references.
+
+    def end_backward(self) -> None:
+        """Let go of what the backward read and accumulated (also when it raised): a job lives as
+        long as its autograd node (with ``retain_graph=True``, or while the caller holds the output),
+        and no reference to the gradients is kept: autograd hands a gradient that nothing else
+        holds to ``.grad`` as it is, and copies one that something still references."""
         self.dq_piece, self.piece_rows, self.grads = {}, {}, {}
+        for name in ("out", "lse", "dout", "dlse"):  # set again by the next start_backward
+            self.__dict__.pop(name, None)
 
     def add_key_grads(self, piece: Piece, blk: Block, gk: torch.Tensor, gv: torch.Tensor) -> None:
         """Add the gradients of one block of this rank's keys and values."""
@@ -367,8 +384,11 @@ class SpanAttention(torch.autograd.Function):
                 if job.check is not None and job.plan.steps:
                     job.check.backward(job.comm)
                 job.start_backward(out, lse, dout, dlse, g)
-                ctx.mode.backward(job, q, k, v, saved)
-                job.finish_backward()
+                try:
+                    ctx.mode.backward(job, q, k, v, saved)
+                    job.finish_backward()
+                finally:
+                    job.end_backward()
             grads = (g["dq"].to(q.dtype), g["dk"].to(k.dtype), g["dv"].to(v.dtype))
         # Under create_graph=True, a second backward raises the package's error, not PyTorch's.
         dq, dk, dv = no_double_backward(
