@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.14.1
 # The tested range of the optional extra `transformers` (pyproject.toml), so that its tests run.
 TRANSFORMERS_SPEC ?= transformers>=5.0,<5.25
 
-.PHONY: help deps install lint typecheck format test test-slow train longcontext bench cuda-check gpu-check gpu-session dist dist-check clean
+.PHONY: help deps install lint typecheck format test test-slow train longcontext bench cuda-check gpu-check gpu-session sm90-first-run dist dist-check clean
 
 help:
 	@echo "make help        this list"
@@ -21,6 +21,7 @@ help:
 	@echo "make cuda-check  compile the CUDA kernels, the sm90 ones for sm_90a, and check they assemble for sm_60/61 (no GPU needed)"
 	@echo "make gpu-check   verify the CUDA kernels on this machine's GPU (scripts/gpu_check.sh tests, then sanitize)"
 	@echo "make gpu-session one GPU command (< 10 min): build, attention alone and the GPT (16K-128K) vs dense, a profiled step, then the tests"
+	@echo "make sm90-first-run  the Hopper (wgmma) kernels' first run (< 10 min): registers, smoke under a hard kill, TMA off on failure, speed, profile"
 	@echo "make dist        build the source distribution and a wheel into dist/"
 	@echo "make dist-check  build the sdist, build a wheel from it in a fresh venv, install it there and import it"
 	@echo "make clean       remove the build outputs (build/, dist/, the compiled extension)"
@@ -104,6 +105,11 @@ gpu-check:
 GPU_SESSION_OUT ?= gpu_session_out
 gpu-session:
 	bash scripts/gpu_session.sh $(GPU_SESSION_OUT)
+
+# The first run of the sm90 (wgmma) kernels on an H100/H200: hang, wrong or slow, said at a glance.
+SM90_FIRST_RUN_OUT ?= sm90_first_run_out
+sm90-first-run:
+	bash scripts/sm90_first_run.sh $(SM90_FIRST_RUN_OUT)
 
 # The sdist and a wheel, built against the torch installed here (no download of another torch).
 dist:

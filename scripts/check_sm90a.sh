@@ -2,11 +2,12 @@
 # Compiles the sm90 (wgmma) kernels for sm_90a with ptxas's report, without a GPU: every
 # translation unit that instantiates them (csrc/cuda/tc/*90_*.cu, csrc/cuda/tc90_dispatch.cu), so
 # that `make cuda-check` assembles their inline PTX (scripts/check_cuda_build.sh builds sm_75 and
-# sm_80, where this code compiles to nothing). Prints the registers of each kernel (at launch: 168
-# for the 384 threads; setmaxnreg then gives the producer warpgroup 104 and the consumers 200);
-# fails on a compiler error, on a kernel that spills registers to local memory (none does:
-# docs/cuda.md), on ptxas's C7519/C7517 notes (it inserted a wgmma fence or wait that the code
-# should have) and on its C7514/C7520 notes (it serialises the wgmmas).
+# sm_80, where this code compiles to nothing). Prints the registers of each kernel and fails, by
+# scripts/sm90_registers.py, where a kernel does not start with the 168 registers of a 384-thread
+# block (setmaxnreg then gives the producer warpgroup 104 and the consumers 200: with fewer the
+# consumers would wait forever), spills registers to local memory (none does: docs/cuda.md), or
+# draws ptxas's C7519/C7517 notes (it inserted a wgmma fence or wait that the code should have) or
+# its C7514/C7520 notes (it serialises the wgmmas); and on a compiler error.
 #
 #   scripts/check_sm90a.sh          # a few minutes on 2 cores (MAX_JOBS files at a time)
 set -euo pipefail
@@ -47,28 +48,10 @@ for src in "${sources[@]}"; do
     grep -E "error" "$log" | head -10 >&2
     failed=1
   fi
-  # "Compiling entry function '<mangled>'" then "Used N registers" and the spill line.
-  # ptxas per kernel: "Compiling entry function '<mangled>'", its spill line, then "Used N registers".
-  awk '
-    /Compiling entry function/ { name = $0; sub(/.*function .*_ZN17dilated_attention4cuda[0-9]+/, "", name); sub(/EEEvNS0_6ParamsE.*/, "", name); spills = 0 }
-    /bytes spill stores/ { split($0, w, " "); spills = w[5] + 0 }
-    /Used [0-9]+ registers/ && name != "" {
-      match($0, /Used [0-9]+ registers/); regs = substr($0, RSTART + 5, RLENGTH - 15)
-      printf "  %-50s %4s registers%s\n", name, regs, spills ? ", " spills " bytes of spill stores" : ""
-      if (spills) bad = 1
-      name = ""
-    }
-    END { exit bad }' "$log" || { echo "  $src: a kernel spills registers" >&2; failed=1; }
-  if grep -q "C7519\|C7517" "$log"; then
-    echo "  $src: ptxas inserted a wgmma fence or wait (C7519, C7517): an accumulator is touched between wgmmas" >&2
-    failed=1
-  fi
-  if grep -q "C7514\|C7520" "$log"; then
-    echo "  $src: ptxas serialises the wgmmas (C7514, C7520): a product under a condition, or read in flight" >&2
-    failed=1
-  fi
   i=$((i + 1))
 done
+# Registers (168 at launch for setmaxnreg's split), spills and ptxas's wgmma notes, per kernel.
+"$PYTHON" scripts/sm90_registers.py "$work"/*.log || failed=1
 echo "check_sm90a: ${#sources[@]} files in $(( $(date +%s) - start )) s"
 if [ "$failed" != 0 ]; then
   echo "check_sm90a: FAILED" >&2

@@ -329,6 +329,7 @@ def run_cases(cases: list[Case], device: str, seed: int = 0) -> tuple[int, int]:
                 )
                 skipped += 1
                 continue
+        print(f"RUN {case.name}", flush=True)  # the last such line names a case that hangs
         try:
             errors = check_case(case, device, seed)
             status = "PASS"

@@ -879,3 +879,65 @@ def test_profile_step_keeps_ncu_key_lines_in_the_summary(tmp_path, fake_tools):
     (fake_tools.bin_dir / "ncu").unlink()
     res, rows, summary = fake_tools("--steps", "build profile", tmp_path / "out2")
     assert res.returncode == 1 and rows["profile"] == "unavailable: ncu (Nsight Compute) not found"
+
+
+# ----------------------------------------------------------------------------------------------
+# scripts/sm90_registers.py and scripts/sm90_first_run.sh
+# ----------------------------------------------------------------------------------------------
+
+_PTXAS = """\
+ptxas info    : Compiling entry function '_ZN17dilated_attention4cuda15tc90_fwd_kernelI6__halfLi64ELb0EEEvNS0_6ParamsENS0_7TmaMapsE' for 'sm_90a'
+ptxas info    : Function properties for _ZN17dilated_attention4cuda15tc90_fwd_kernelI6__halfLi64ELb0EEEvNS0_6ParamsENS0_7TmaMapsE
+    0 bytes stack frame, {spill} bytes spill stores, 0 bytes spill loads
+ptxas info    : Used {fwd} registers, used 1 barriers
+ptxas info    : Compiling entry function '_ZN17dilated_attention4cuda14tc90_dq_kernelI6__halfLi64EEEvNS0_6ParamsENS0_7TmaMapsE' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+ptxas info    : Compiling entry function '_ZN17dilated_attention4cuda13tc_fwd_kernelI6__halfLi64EEEvNS0_6ParamsE' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers
+{note}"""
+
+
+@pytest.mark.parametrize(
+    "fwd,spill,note,problem",
+    [
+        (168, 0, "", None),
+        (128, 0, "", "128 registers at launch where setmaxnreg's split needs 168"),
+        (168, 64, "", "64 bytes of spill stores"),
+        (168, 0, "ptxas warning : (C7519) wgmma fence inserted", "C7519"),
+    ],
+)
+def test_sm90_registers_reads_ptxas(tmp_path, capsys, fwd, spill, note, problem):
+    """A tc90 kernel that starts with fewer registers than setmaxnreg's split needs would hang its
+    consumers: the check names it (the sm80 kernel's 128 registers are no concern)."""
+    mod = load_script(ROOT / "scripts" / "sm90_registers.py")
+    log = tmp_path / "build.log"
+    log.write_text(_PTXAS.format(fwd=fwd, spill=spill, note=note))
+    rc = mod.main([str(log)])
+    out = capsys.readouterr()
+    assert "tc90_fwd_kernel" in out.out and "tc90_dq_kernel" in out.out and "tc_fwd_kernel" not in out.out
+    if problem is None:
+        assert rc == 0 and "every tc90 kernel (2) starts with 168 registers" in out.out, out
+    else:
+        assert rc == 1 and problem in out.err, out
+    log.write_text("ptxas info    : Used 40 registers\n")
+    assert mod.main([str(log)]) == 1
+    assert "no tc90 kernel" in capsys.readouterr().err
+
+
+@needs_bash
+def test_sm90_first_run_dry_run(tmp_path):
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "sm90_first_run.sh"), str(tmp_path / "o"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    steps = re.findall(r"^([\w-]+) \((\d+) s\): ", r.stdout, flags=re.M)
+    assert [s for s, _ in steps] == ["build", "registers", "smoke", "bench", "profile"], r.stdout
+    assert sum(int(t) for _, t in steps) <= 575
+    assert "gpu_smoke.py --cases sm90" in r.stdout and "--methods native native90 auto dense" in r.stdout
+    assert "**dry run**" in (tmp_path / "o" / "summary.md").read_text()

@@ -403,6 +403,17 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Waits for every cp.async copy this thread issued, committed or not: a thread that returns waits
+// first, so that no copy of its own outlives it.
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(DA_CUDA_EMULATION)
+  da_emu::cp_commit();
+  da_emu::cp_wait(0);
+#elif DA_SM80
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // Four 8x8 b16 matrices; thread t gives the address of row t % 8 of matrix t / 8.
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* smem) {
 #if defined(DA_CUDA_EMULATION)

@@ -242,7 +242,7 @@ __device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, c
 // The producer warp's loop: for each chunk of the walk w that some row of the block works on, a
 // free stage (empty), the chunk published in its slot, load(w, stage, mi) issuing its copies (map
 // mi = map_for(w), or -1: by cp.async) and
-// every lane's arrival on full; at the end a slot that says so.
+// every lane's arrival on full; at the end a slot that says so, and a wait for this lane's copies.
 template <typename MapFor, typename Load>
 __device__ __forceinline__ void tc90_produce(const Params& p, Walk<4>& w, Tc90Pipe* pipe, int lane,
                                              MapFor map_for, Load load) {
@@ -264,6 +264,7 @@ __device__ __forceinline__ void tc90_produce(const Params& p, Walk<4>& w, Tc90Pi
     }
     if (w.done) {
       mbar_arrive(&pipe->full[stage]);
+      cp_async_wait_all();  // the copies of the last chunks, before this warp returns
       return;
     }
     load(w, stage, mi);
