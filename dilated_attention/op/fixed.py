@@ -36,14 +36,12 @@ backward has no derivative of its own: a second backward (after ``create_graph=T
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from ..flops import accumulation_dtype
 from . import checks
-from .autograd import no_double_backward
-from .func import native_attention
+from .func import NativeAttention, native_attention, register_op_autograd
 from .library import _C, _require_extension, dropout_seed_offset, lse_dtype
 
 __all__ = ["dropout_mask", "native_forward"]
@@ -94,41 +92,12 @@ def _dropout_mask_fake(B, H, Nq, Nk, dropout_p, dropout_seed, dropout_offset) ->
     return torch.empty((B, H, Nq, Nk), dtype=torch.bool)
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs[:7]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.config = (list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
-    ctx.dropout = tuple(inputs[8:11])  # dropout_p, dropout_seed, dropout_offset when given
-
-
-def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse = ctx.saved_tensors
-    segment_lengths, dilation_rates, is_causal, softmax_scale = ctx.config
-    dq, dk, dv = torch.ops.dilated_attention.bwd(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dlse,
-        segment_lengths,
-        dilation_rates,
-        is_causal,
-        softmax_scale,
-        *ctx.dropout,
-    )
-    dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
-    return (dq, dk, dv) + (None,) * 8
-
-
 if _C is not None:
     torch.library.register_fake("dilated_attention::fwd")(_fwd_fake)
     torch.library.register_fake("dilated_attention::bwd")(_bwd_fake)
     if hasattr(torch.ops.dilated_attention, "dropout_mask"):
         torch.library.register_fake("dilated_attention::dropout_mask")(_dropout_mask_fake)
-    torch.library.register_autograd("dilated_attention::fwd", _backward, setup_context=_setup_context)
+    register_op_autograd(NativeAttention, "fwd", lse64_at=7)
 
 
 def native_forward(

@@ -10,9 +10,9 @@ dimension is folded into the batch (the packed ops: into the rows, each vmapped 
 sequences after the previous one's), one kernel call for the whole vmapped batch, so ``vmap`` and
 ``jacrev`` (a vmap over vjps) need no per-example loop. Forward-mode AD (``jvp``, ``jacfwd``,
 ``hessian``) has no formula: it raises an error that names it. Under torch.compile and
-torch.export the op is called directly (Dynamo traces it and its ``register_autograd`` formula,
-which saves the same float64 lse; it does not trace autograd.Functions that define ``jvp`` or take
-one tensor twice, as self-attention's ``q = k = v``).
+torch.export the op is called directly (Dynamo does not trace autograd.Functions that define
+``jvp`` or take one tensor twice, as self-attention's ``q = k = v``), with the same formula
+registered on the op (:func:`register_op_autograd`): one formula per op, two registrations.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
     "fused_function",
     "native_attention",
     "native_varlen_attention",
+    "register_op_autograd",
 ]
 
 
@@ -178,6 +179,7 @@ def fused_function(
         out, lse = output
         ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:tensors])
         ctx.config = tuple(inputs[tensors:])
+        ctx.set_materialize_grads(False)  # no zeros for an unused out or lse
 
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
         return fused_backward(getattr(torch.ops.dilated_attention, bwd), ctx, dout, dlse, backend)
@@ -195,6 +197,28 @@ def fused_function(
         "jvp": staticmethod(jvp),
     }
     return type(name, (FusedFunction,), body)
+
+
+def register_op_autograd(fn: type[FusedFunction], op: str, lse64_at: int | None) -> None:
+    """Registers the formula of ``fn`` (its ``setup_context`` and ``backward``) as the autograd of
+    the op ``dilated_attention::<op>`` itself, which torch.compile and torch.export trace.
+
+    One formula serves every path: eager and torch.func run ``fn`` (torch.func transforms refuse an
+    op's ``register_autograd`` formula), torch.compile runs the op with this registration (Dynamo
+    does not trace autograd.Functions that define ``jvp`` or take one tensor twice). Where ``fn``
+    inserts ``float64_lse`` into the op's arguments (at ``lse64_at``), the op's inputs hold it and
+    its gradient is None."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if lse64_at is not None:
+            inputs = inputs[:lse64_at] + inputs[lse64_at + 1 :]
+        fn.setup_context(ctx, inputs, output)
+
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+        grads = fn.backward(ctx, dout, dlse)
+        return grads if lse64_at is None else (*grads[:lse64_at], None, *grads[lse64_at:])
+
+    torch.library.register_autograd(f"dilated_attention::{op}", backward, setup_context=setup_context)
 
 
 NativeAttention = fused_function(

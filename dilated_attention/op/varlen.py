@@ -11,14 +11,12 @@ q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32 (S + 1,); out (T, Hq, D), ls
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from ..flops import accumulation_dtype
 from . import checks
-from .autograd import no_double_backward
-from .func import native_varlen_attention
+from .func import NativeVarlenAttention, native_varlen_attention, register_op_autograd
 from .library import _C, _require_extension, dropout_seed_offset, lse_dtype
 
 __all__ = ["native_varlen_forward"]
@@ -71,49 +69,10 @@ def _varlen_bwd_fake(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _varlen_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs[:9]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.config = (
-        int(max_seqlen),
-        list(segment_lengths),
-        list(dilation_rates),
-        bool(is_causal),
-        float(softmax_scale),
-    )
-    ctx.dropout = tuple(inputs[10:13])  # dropout_p, dropout_seed, dropout_offset when given
-
-
-def _varlen_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale = ctx.config
-    dq, dk, dv = torch.ops.dilated_attention.varlen_bwd(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dlse,
-        cu_seqlens,
-        max_seqlen,
-        segment_lengths,
-        dilation_rates,
-        is_causal,
-        softmax_scale,
-        *ctx.dropout,
-    )
-    dq, dk, dv = no_double_backward("native", (dq, dk, dv), (dout, dlse, q, k, v))
-    return (dq, dk, dv) + (None,) * 10
-
-
 if _C is not None:
     torch.library.register_fake("dilated_attention::varlen_fwd")(_varlen_fwd_fake)
     torch.library.register_fake("dilated_attention::varlen_bwd")(_varlen_bwd_fake)
-    torch.library.register_autograd(
-        "dilated_attention::varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context
-    )
+    register_op_autograd(NativeVarlenAttention, "varlen_fwd", lse64_at=9)
 
 
 def native_varlen_forward(

@@ -33,8 +33,6 @@ that names it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import checks
@@ -43,11 +41,11 @@ from .func import (
     batched_fwd_rule,
     batched_varlen_bwd_rule,
     batched_varlen_fwd_rule,
-    fused_backward,
     fused_function,
+    register_op_autograd,
 )
 from .library import _C, lse_dtype
-from .varlen import _varlen_bwd_fake, _varlen_fwd_fake, _varlen_setup_context  # the packed ops' own
+from .varlen import _varlen_bwd_fake, _varlen_fwd_fake  # the packed ops' own
 
 __all__ = ["ViewsAttention", "ViewsVarlenAttention", "available", "views_attention", "views_varlen_attention"]
 
@@ -142,35 +140,17 @@ def _views_bwd_fake(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rat
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _varlen_backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    return fused_backward(torch.ops.dilated_attention.views_varlen_bwd, ctx, dout, dlse, "sdpa")
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.config = (list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
-    ctx.set_materialize_grads(False)  # no zeros for an unused out or lse
-
-
-def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    return fused_backward(torch.ops.dilated_attention.views_bwd, ctx, dout, dlse, "sdpa")
-
-
 if _C is not None and hasattr(torch.ops.dilated_attention, "views_fwd"):
     torch.library.register_fake("dilated_attention::views_fwd")(_views_fwd_fake)
     torch.library.register_fake("dilated_attention::views_bwd")(_views_bwd_fake)
-    torch.library.register_autograd("dilated_attention::views_fwd", _backward, setup_context=_setup_context)
+    register_op_autograd(ViewsAttention, "views_fwd", lse64_at=None)
     torch.library.register_vmap("dilated_attention::views_fwd", batched_fwd_rule("views_fwd"))
     torch.library.register_vmap("dilated_attention::views_bwd", batched_bwd_rule("views_bwd"))
-    # the fake kernels and saved context of varlen_fwd / varlen_bwd, whose arguments these ops
-    # share (without float64_lse and dropout, whose defaults they take)
+    # the fake kernels of varlen_fwd / varlen_bwd, whose arguments these ops share (without
+    # float64_lse and dropout, whose defaults they take)
     torch.library.register_fake("dilated_attention::views_varlen_fwd")(_varlen_fwd_fake)
     torch.library.register_fake("dilated_attention::views_varlen_bwd")(_varlen_bwd_fake)
-    torch.library.register_autograd(
-        "dilated_attention::views_varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context
-    )
+    register_op_autograd(ViewsVarlenAttention, "views_varlen_fwd", lse64_at=None)
     torch.library.register_vmap(
         "dilated_attention::views_varlen_fwd", batched_varlen_fwd_rule("views_varlen_fwd")
     )
