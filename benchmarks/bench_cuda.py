@@ -7,7 +7,7 @@
 * ``auto``: ``dilated_attention(...)``, the backend a user gets by default;
 * ``flex``: FlexAttention over the whole sequence with the dilated pattern as its ``mask_mod`` and the
   branches' multiplicity as its ``score_mod`` (:func:`make_flex`);
-* ``gather+flash``: the gather driver (``backends/gathered.py``) with PyTorch's flash kernel on the
+* ``gather+flash``: the gather driver (``backends/driver.py``) with PyTorch's flash kernel on the
   gathered sub-sequences, merged by log-sum-exp, its backward the flash backward fed the merged
   out/lse: the gather path as a fixed baseline, whatever ``sdpa`` becomes;
 * ``dense cuDNN``: dense SDPA (cuDNN) on the same tokens as sequences of length
@@ -95,7 +95,7 @@ def make_gather_baseline():
     """The project's gather/merge driver with PyTorch's flash kernel (its forward returns the
     log-sum-exp, its backward takes the merged out/lse). On the CPU (``--dry-run``) the CPU flash
     operators stand in, refusing what the CUDA flash kernel refuses (anything but fp16/bf16)."""
-    from dilated_attention.backends.gathered import GatheredBackend
+    from dilated_attention.backends.driver import StridedBackend
 
     def _t(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)  # (B, M, H, D) <-> (B, H, M, D)
@@ -111,7 +111,7 @@ def make_gather_baseline():
         if bad:
             raise RuntimeError(f"FlashAttention only supports fp16 and bf16 inputs, got {bad[0]}")
 
-    class GatherFlashBaseline(GatheredBackend):
+    class GatherFlashBaseline(StridedBackend):
         name = "gather+flash"
 
         def native_gqa(self, device: torch.device) -> bool:

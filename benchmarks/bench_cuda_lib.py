@@ -33,7 +33,7 @@ METHODS: tuple[tuple[str, str, str], ...] = (
     (
         "gather",
         "gather+flash",
-        "the gather driver (backends/gathered.py) with PyTorch's flash kernel on the gathered sub-sequences, "
+        "the gather driver (backends/driver.py) with PyTorch's flash kernel on the gathered sub-sequences, "
         "merged by log-sum-exp: the gather path as a baseline that stays whatever sdpa becomes",
     ),
     (

@@ -1,12 +1,10 @@
-"""The attention backends against the float64 dense reference, dropout, and the pattern cache.
+"""The attention backends against the float64 dense reference, dropout, and the plan cache.
 Selection and fallback: test_backends_selection.py; the flash_attn and xformers adapters through
 test doubles: test_backends_adapters.py; the view driver: test_backends_views.py."""
 
 from __future__ import annotations
 
 import math
-import random
-import threading
 
 import pytest
 import torch
@@ -18,7 +16,6 @@ from tolerance import assert_within_rule
 from dilated_attention import backends, dilated_attention_varlen
 from dilated_attention import dilated_attention as dattn
 from dilated_attention.backends import BackendRequest, get_backend, select_backend
-from dilated_attention.backends.patterns import PatternCache, build_positions
 
 # (B, N, Hq, Hkv, D, segment_lengths, dilation_rates)
 CONFIGS = [
@@ -245,84 +242,14 @@ def test_native_declares_dropout_on_cpu_and_cuda():
 
 
 # ----------------------------------------------------------------------------------------------
-# Pattern cache
+# The plan cache (dilated_attention.get_pattern_cache)
 # ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "N,w,r",
-    [(1, 1, 1), (16, 4, 1), (37, 8, 2), (50, 40, 4), (20, 32, 2), (23, 6, 4), (30, 6, 6), (9, 16, 16)],
-)
-def test_positions_cover_exactly_the_branch(N, w, r):
-    pos_all = torch.arange(N)
-    for o in range(r):
-        groups = build_positions(N, w, r, o, torch.device("cpu"))
-        got = torch.cat([g.reshape(-1) for g in groups]) if groups else torch.empty(0, dtype=torch.int64)
-        expected = pos_all[(pos_all % w) % r == o]
-        assert torch.equal(got.sort().values, expected)
-        for g in groups:
-            assert g.dim() == 2 and g.shape[1] >= 1
-            assert ((g // w) == (g[:, :1] // w)).all()  # a row stays in one segment
-            if g.shape[1] > 1:
-                assert (g.diff(dim=1) == r).all()  # strided by r, in order
-
-
-def test_pattern_cache_lru_and_bounds():
-    cache = PatternCache(max_entries=3)
-    cpu = torch.device("cpu")
-    for N in (10, 11, 12):
-        cache.get(N, 4, 2, 0, cpu)
-    cache.get(10, 4, 2, 0, cpu)  # refresh 10
-    cache.get(13, 4, 2, 0, cpu)  # evicts 11, the least recently used
-    assert (11, 4, 2, 0, cpu) not in cache and (10, 4, 2, 0, cpu) in cache and len(cache) == 3
-    info = cache.info()
-    assert info.hits == 1 and info.misses == 4 and info.entries == 3
-    first = cache.get(13, 4, 2, 0, cpu)
-    assert cache.get(13, 4, 2, 0, cpu) is first  # cached objects are reused
-    cache.resize(max_bytes=sum(t.numel() * 8 for t in first))  # room for the last entry only
-    assert len(cache) == 1
-    cache.clear()
-    assert len(cache) == 0 and cache.info().hits == 0
-    with pytest.raises(ValueError, match="max_entries"):
-        cache.resize(max_entries=0)
-    with pytest.raises(ValueError, match="max_bytes"):
-        cache.resize(max_bytes=-1)
-
-
-def test_pattern_cache_thread_safe():
-    cache = PatternCache(max_entries=5)
-    cpu = torch.device("cpu")
-    keys = [(N, w, r, o) for N in (17, 32, 33) for (w, r) in ((4, 2), (8, 4), (16, 1)) for o in range(r)]
-    errors = []
-
-    def work(seed):
-        rnd = random.Random(seed)
-        try:
-            for _ in range(300):
-                N, w, r, o = rnd.choice(keys)
-                got = cache.get(N, w, r, o, cpu)
-                want = build_positions(N, w, r, o, cpu)
-                assert len(got) == len(want) and all(
-                    torch.equal(a, b) for a, b in zip(got, want, strict=True)
-                )
-                assert len(cache) <= 5
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    info = cache.info()
-    assert info.hits + info.misses == 8 * 300 and info.entries <= 5
 
 
 def test_backends_share_the_plan_cache(monkeypatch):
     """The Python drivers share one plan cache (sdpa's C++ driver keeps its own, in C++)."""
     from dilated_attention.backends.sdpa import SdpaBackend
-    from dilated_attention.backends.views import plan_branches
+    from dilated_attention.backends.strided import plan_branches
 
     monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
     plan_branches.cache_clear()
@@ -331,3 +258,11 @@ def test_backends_share_the_plan_cache(monkeypatch):
     dattn(q, k, v, [8], [2], backend="manual")
     info = plan_branches.cache_info()
     assert info.misses == 1 and info.hits >= 1
+    # what users see of it: dilated_attention.get_pattern_cache()
+    from dilated_attention import get_pattern_cache
+
+    cache = get_pattern_cache()
+    assert cache.info().misses == 1 and cache.info().hits == info.hits and len(cache) == 1
+    assert cache.info().max_entries == info.maxsize
+    cache.clear()
+    assert len(cache) == 0 and cache.info().hits == 0

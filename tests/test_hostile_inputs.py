@@ -130,7 +130,7 @@ def test_compile_dynamic_shapes_fullgraph_without_recompiles(backend, how):
 
 @pytest.mark.parametrize("backend", RUNNABLE)
 def test_train_then_inference_mode_then_train_functional(backend):
-    backends.patterns.get_pattern_cache().clear()
+    backends.get_pattern_cache().clear()
     segs, rates = [8, 16], [2, 4]  # fresh (N, w, r): the first use is under inference mode
     q, k, v = make_inputs(1, 48, 4, 2, 8, torch.float32)
     with torch.inference_mode():
@@ -144,7 +144,7 @@ def test_train_then_inference_mode_then_train_functional(backend):
 @pytest.mark.parametrize("backend", RUNNABLE)
 @pytest.mark.parametrize("module", ["DilatedAttention", "hilbert", "MultiheadDilatedAttention"])
 def test_train_then_inference_mode_then_train_modules(backend, module):
-    backends.patterns.get_pattern_cache().clear()
+    backends.get_pattern_cache().clear()
     if module == "MultiheadDilatedAttention":
         m = MultiheadDilatedAttention(32, 4, [8, 16], [1, 2], attention_backend=backend)
         x = torch.randn(2, 48, 32)

@@ -222,7 +222,7 @@ def test_varlen_patterns_are_cached(monkeypatch):
     """The Python driver (which runs dropout, and every packed call with the C++ driver off) plans
     a packing once."""
     from dilated_attention.backends.sdpa import SdpaBackend
-    from dilated_attention.backends.views import plan_branches
+    from dilated_attention.backends.strided import plan_branches
 
     monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
     cu, _ = cu_of([9, 30, 4])

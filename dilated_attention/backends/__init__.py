@@ -4,23 +4,23 @@
 name           what it is
 =============  ==============================================================================
 native         the project's fused C++/CUDA kernels (a torch custom op)
-flash_attn_3   FlashAttention-3 (``flash_attn_interface``) on the gathered sub-sequences
-flash_attn_2   FlashAttention-2 (``flash_attn``) on the gathered sub-sequences
-xformers       ``xformers.ops`` memory-efficient attention on the gathered sub-sequences
+flash_attn_3   FlashAttention-3 (``flash_attn_interface``) on the dilated sub-sequences
+flash_attn_2   FlashAttention-2 (``flash_attn``) on the dilated sub-sequences
+xformers       ``xformers.ops`` memory-efficient attention on the dilated sub-sequences
 sdpa           PyTorch's fused SDPA kernels (the ATen operators that return the log-sum-exp)
 manual         explicit matmul + softmax in PyTorch, autograd end to end
 auto           the first of :func:`dilated_attention.hardware.recommended_backends` that can run
 =============  ==============================================================================
 
-See :mod:`.registry` for the selection and fallback rules, :mod:`.gathered` for how the
-gather-based backends compute and differentiate, and :mod:`.patterns` for the index cache.
+See :mod:`.registry` for the selection and fallback rules, :mod:`.driver` for how the backends
+that run a kernel per call compute and differentiate, and :mod:`.strided` for their views and
+the plan cache.
 """
 
 from __future__ import annotations
 
 from .base import Backend, BackendRequest, Capabilities
-from .gathered import GatheredBackend, merge_branches
-from .patterns import CacheInfo, PatternCache, get_pattern_cache
+from .driver import StridedBackend, merge_branches
 from .registry import (
     BACKEND_CHOICES,
     BACKEND_NAMES,
@@ -34,6 +34,7 @@ from .registry import (
     resolve,
     select_backend,
 )
+from .strided import CacheInfo, PlanCache, get_pattern_cache
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -44,9 +45,9 @@ __all__ = [
     "BackendSelector",
     "CacheInfo",
     "Capabilities",
-    "GatheredBackend",
-    "PatternCache",
+    "PlanCache",
     "Selection",
+    "StridedBackend",
     "backend_reasons",
     "check_backend_name",
     "default_selector",

@@ -1,10 +1,10 @@
-"""``flash_attn_3`` and ``flash_attn_2``: FlashAttention on the gathered sub-sequences.
+"""``flash_attn_3`` and ``flash_attn_2``: FlashAttention on the dilated sub-sequences (strided views).
 
 Only the public ``flash_attn_func`` is used, on (B, N, H, D) tensors, with
 ``return_attn_probs=True`` to get ``softmax_lse`` (B, H, N) (the log-sum-exp of each row of
 ``scale * q k^T``). Its ``out`` is differentiable through FlashAttention's own backward; its
 ``softmax_lse`` is not, so the branch merge gets the log-sum-exp gradient from one more call with
-the keys as values (:func:`.gathered.lse_with_grad`). Backward is therefore exact, and dropout
+the keys as values (:func:`.driver.lse_with_grad`). Backward is therefore exact, and dropout
 (FlashAttention-2 only) keeps working.
 
 * ``flash_attn_2``: package ``flash_attn`` 2.x, CUDA compute capability 8.0 or newer,
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .base import BackendRequest, Capabilities, check_device_dtype, import_optional, lse_dtype
-from .gathered import GatheredBackend, lse_with_grad
+from .driver import StridedBackend, lse_with_grad
 
 __all__ = ["FlashAttn2Backend", "FlashAttn3Backend"]
 
@@ -38,7 +38,7 @@ def _takes(fn: Callable, name: str) -> bool:
         return True
 
 
-class _FlashBackend(GatheredBackend):
+class _FlashBackend(StridedBackend):
     module_name = ""
     min_capability = (8, 0)
     max_capability_major = 99

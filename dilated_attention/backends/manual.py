@@ -1,10 +1,10 @@
-"""``manual``: explicit matmul + softmax in PyTorch on the gathered sub-sequences; autograd end to end.
+"""``manual``: explicit matmul + softmax in PyTorch on the dilated sub-sequences (strided views); autograd end to end.
 
 Runs anywhere PyTorch runs, in every floating dtype, with dropout and grouped-query attention.
 It computes one precision up (:meth:`ManualBackend.compute_dtype`): float32 for float16/bfloat16
 inputs, float64 for float32 and float64 (float32 where the device has no float64, as mps), and
 rounds out, lse and the gradients once. Run in float32 itself, its scores (the dot products of the
-gathered sub-sequences, summed in another order than a dense matmul's) and its branch merge carry
+dilated sub-sequences, summed in another order than a dense matmul's) and its branch merge carry
 roundings of their own which, at large logits (standard deviation 32-64), put its gradients past
 twice plain PyTorch's error (SPEC section 4) in about 3% of random cases. It materialises a
 (m x m) score matrix per sub-sequence (``m = w / r``), so it is the slowest backend and the last
@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from .base import BackendRequest, Capabilities, lse_dtype
-from .gathered import GatheredBackend
+from .driver import StridedBackend
 
 __all__ = ["ManualBackend"]
 
 
-class ManualBackend(GatheredBackend):
+class ManualBackend(StridedBackend):
     name = "manual"
     capabilities = Capabilities(
         needs="PyTorch only",

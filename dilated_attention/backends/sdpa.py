@@ -1,4 +1,4 @@
-"""``sdpa``: PyTorch's fused scaled-dot-product attention kernels on the gathered sub-sequences.
+"""``sdpa``: PyTorch's fused scaled-dot-product attention kernels on the dilated sub-sequences (strided views).
 
 ``torch.nn.functional.scaled_dot_product_attention`` does not return the log-sum-exp that the
 branch merge needs, so this backend calls the ATen operators that it wraps and that do:
@@ -26,7 +26,7 @@ and ``out`` of a key that several branches read alike (a single position, ``N = 
 80x. It costs about 2.3x the float32 time.
 
 Without dropout the backward feeds the merged ``out``/``lse`` into these backward operators (the
-merged path of :mod:`.gathered`). Neither fused kernel can replay a dropout mask from outside
+merged path of :mod:`.driver`). Neither fused kernel can replay a dropout mask from outside
 (the CPU one has no dropout at all), so with ``dropout_p > 0`` the output comes from
 ``F.scaled_dot_product_attention`` itself (autograd, its own dropout) and the log-sum-exp, which
 dropout does not change, from the operator above, given its gradient by ``lse_with_grad``.
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ..op import views as views_op
 from . import sdpa_kernels
 from .base import BackendRequest, Capabilities, check_device_dtype
-from .gathered import GatheredBackend, lse_with_grad
+from .driver import StridedBackend, lse_with_grad
 
 __all__ = ["SdpaBackend"]
 
@@ -78,7 +78,7 @@ def _positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float,
     return torch.zeros_like(q), 1.0, 0.0
 
 
-class SdpaBackend(GatheredBackend):
+class SdpaBackend(StridedBackend):
     name = "sdpa"
     capabilities = Capabilities(
         needs="PyTorch (ATen fused attention operators that return the log-sum-exp)",

@@ -40,7 +40,7 @@ import logging
 import torch
 
 from ..op import views
-from .views import last_dim_contiguous
+from .strided import last_dim_contiguous
 
 __all__ = [
     "cpp_driver_runs",

@@ -1,4 +1,4 @@
-"""``xformers``: ``xformers.ops`` memory-efficient attention on the gathered sub-sequences.
+"""``xformers``: ``xformers.ops`` memory-efficient attention on the dilated sub-sequences (strided views).
 
 Uses the documented API on (B, M, H, K) tensors:
 
@@ -7,7 +7,7 @@ Uses the documented API on (B, M, H, K) tensors:
 * ``xformers.ops.fmha.memory_efficient_attention_backward(grad, output, lse, q, k, v, attn_bias,
   p=0, scale)`` -> ``(dq, dk, dv)``,
 
-so that the backward is fed the merged ``out``/``lse`` (the merged path of :mod:`.gathered`).
+so that the backward is fed the merged ``out``/``lse`` (the merged path of :mod:`.driver`).
 Causal masking is ``xformers.ops.LowerTriangularMask()``. These two functions refuse dropout, so
 with ``dropout_p > 0`` the output comes from ``xformers.ops.memory_efficient_attention(...,
 p=dropout_p)`` (autograd) and the log-sum-exp from the forward above, given its gradient by
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .base import BackendRequest, Capabilities, check_device_dtype, import_optional, lse_dtype
-from .gathered import GatheredBackend, lse_with_grad
+from .driver import StridedBackend, lse_with_grad
 
 __all__ = ["XformersBackend"]
 
@@ -32,7 +32,7 @@ _NEEDED = ("memory_efficient_attention", "LowerTriangularMask")
 _NEEDED_FMHA = ("memory_efficient_attention_forward_requires_grad", "memory_efficient_attention_backward")
 
 
-class XformersBackend(GatheredBackend):
+class XformersBackend(StridedBackend):
     name = "xformers"
     capabilities = Capabilities(
         needs="xformers, CUDA compute capability >= 6.0",

@@ -13,7 +13,7 @@ The schema lives in ``csrc/dilated_attention.cpp``, the driver in ``csrc/views/`
   ``varlen_fwd``), each sequence run as a batch of its own (``csrc/views/varlen.cpp``).
 
 The forward plans every branch's kernel calls as strided views of q, k and v (the plan of
-:mod:`dilated_attention.backends.views`), runs PyTorch's fused attention operator on each (CPU:
+:mod:`dilated_attention.backends.strided`), runs PyTorch's fused attention operator on each (CPU:
 ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: cuDNN or flash attention) and merges the
 calls by log-sum-exp in one fused pass per call. The backward feeds each call the merged ``out``
 and ``lse`` (CPU: the exact matmul backward of :mod:`dilated_attention.backends.sdpa_kernels`; CUDA: the operators'
@@ -22,7 +22,7 @@ dispatched operator each, which ``torch.compile(fullgraph=True)`` keeps as one n
 
 :func:`dilated_attention.backends.sdpa_kernels.cpp_driver_runs` says where the sdpa backend takes
 this driver; elsewhere (dropout, float32 on CUDA) the Python driver of
-:mod:`dilated_attention.backends.gathered` runs.
+:mod:`dilated_attention.backends.driver` runs.
 
 Under ``torch.func`` (``grad``, ``vjp``, ``jacrev``, ``vmap``) the forward runs through
 :class:`ViewsAttention`, an ``autograd.Function`` with ``setup_context``, as the native op's

@@ -12,7 +12,7 @@ q (B, nq, nh, D) over k, v (B, nk, nkv, D), where query head ``i`` reads key/val
   exact through the merge, as in ring attention).
 * Otherwise the module's backend, when it has a kernel backward that takes ``out`` and ``lse``
   (``sdpa``, ``xformers``), else ``sdpa``: the same two entry points that the gather-based
-  backends use (:mod:`dilated_attention.backends.gathered`). A masked piece there is cut into the
+  backends use (:mod:`dilated_attention.backends.driver`). A masked piece there is cut into the
   keys every query sees (no mask) and a square block with the usual causal mask, which is the
   only shape the ring produces (the queries' own keys come last).
 """
@@ -27,8 +27,8 @@ import torch
 from .. import op
 from ..backends import get_backend
 from ..backends.base import Backend
-from ..backends.gathered import GatheredBackend, kernel_backward
-from ..backends.views import last_dim_contiguous
+from ..backends.driver import StridedBackend, kernel_backward
+from ..backends.strided import last_dim_contiguous
 from ..merge import merge_into_
 from .geometry import HeadSets
 
@@ -46,17 +46,17 @@ class PieceAttention:
 
     def __init__(self, backend: Backend, device: torch.device) -> None:
         self.native = backend.name == "native" and op.has_piece_kernel(device.type)
-        self.fallback: GatheredBackend | None = None
+        self.fallback: StridedBackend | None = None
         if not self.native:
-            if isinstance(backend, GatheredBackend) and backend.merged_backward(device, 0.0):
+            if isinstance(backend, StridedBackend) and backend.merged_backward(device, 0.0):
                 self.fallback = backend
             else:
-                self.fallback = cast(GatheredBackend, get_backend("sdpa"))  # SdpaBackend
+                self.fallback = cast(StridedBackend, get_backend("sdpa"))  # SdpaBackend
         self.name = "native" if self.native else self._kernel.name
         logger.info("ring pieces on %s (%s)", device, self.name)
 
     @property
-    def _kernel(self) -> GatheredBackend:
+    def _kernel(self) -> StridedBackend:
         """The gather-based backend; only used when not ``native``."""
         assert self.fallback is not None  # set whenever not native
         return self.fallback

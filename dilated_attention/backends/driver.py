@@ -1,7 +1,7 @@
 """The common driver of the gather-based backends (sdpa, manual, flash_attn_2/3, xformers).
 
 Every branch ``(w, r)`` is a handful of dense kernel calls on *strided views* of q, k and v
-(:mod:`.views`): viewing x (B, N, H, D) as (B * N / w, w, H, D), the query heads of phase ``o``
+(:mod:`.strided`): viewing x (B, N, H, D) as (B * N / w, w, H, D), the query heads of phase ``o``
 read ``x[:, o::r, o::r]``, and when ``r >= Hq`` all heads fit one call on a diagonal view. No
 index is gathered and nothing is copied where a view serves. Branches are merged by their
 log-sum-exp (SPEC section 3):
@@ -10,12 +10,12 @@ log-sum-exp (SPEC section 3):
 
 Two ways to differentiate, both exact:
 
-* **merged** (:mod:`.merged`): the forward merges every call into one accumulator as it goes; the
+* **merged** (:mod:`.accumulated`): the forward merges every call into one accumulator as it goes; the
   backward calls the kernel's own backward once per call with the *merged* ``out`` and ``lse``
   (as ring attention does): with ``P = exp(s - lse)`` the merged probabilities, the kernel computes
   ``dS = P * (dout @ v^T - rowsum(dout * out))``, which summed over calls is the exact gradient
   through the mixing weights, and adds it in place into strided views of dq, dk, dv. A gradient
-  ``dlse`` of the returned ``lse`` adds ``dS += P * dlse`` (:func:`.merged.kernel_backward`). Used
+  ``dlse`` of the returned ``lse`` adds ``dS += P * dlse`` (:func:`.accumulated.kernel_backward`). Used
   where the kernel has a backward that takes ``out`` and ``lse`` and no dropout is asked for.
 * **autograd**: every call returns an ``out`` and an ``lse`` that autograd can differentiate
   (through the views), and the merge runs in plain PyTorch. Used by ``manual``, by ``flash_attn_*``
@@ -39,11 +39,11 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..merge import merge as merge_branches
 from ..op.autograd import first_order_only
+from .accumulated import MergedAttention, TracedMergedAttention, kernel_backward, kernel_values
 from .base import BRANCH_DROPOUT, Backend, lse_dtype
-from .merged import MergedAttention, TracedMergedAttention, kernel_backward, kernel_values
-from .views import Call, batches, last_dim_contiguous, plan_branches, view, write
+from .strided import Call, batches, last_dim_contiguous, plan_branches, view, write
 
-__all__ = ["GatheredBackend", "kernel_backward", "lse_with_grad", "merge_branches"]
+__all__ = ["StridedBackend", "kernel_backward", "lse_with_grad", "merge_branches"]
 
 
 class _NonFinite:
@@ -52,7 +52,7 @@ class _NonFinite:
 
     * Causal: a masked key's weight is 0, but 0 * inf and 0 * NaN are NaN, so a non-finite value
       would reach the earlier rows of its sub-sequence. Where v has non-finite entries, the kernel
-      gets v with them replaced by 0 (:func:`.merged.kernel_values`, which the merged backward
+      gets v with them replaced by 0 (:func:`.accumulated.kernel_values`, which the merged backward
       applies too), and each row then adds the non-finite entries of the keys it reads, a prefix
       sum along the sub-sequence: inf or NaN where there are any.
     * ``poison_scores`` (kernels that turn a NaN score into weight 0, as PyTorch's fused CPU kernel
@@ -117,7 +117,7 @@ def lse_with_grad(
 
 
 def _autograd_attention(
-    backend: GatheredBackend,
+    backend: StridedBackend,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -181,8 +181,8 @@ def _refuse_untraceable(name: str, N: Any) -> None:
         )
 
 
-class GatheredBackend(Backend):
-    """A backend that runs a dense attention kernel on the gathered dilated sub-sequences.
+class StridedBackend(Backend):
+    """A backend that runs a dense attention kernel on the dilated sub-sequences, strided views of q, k and v.
 
     Subclasses provide, on tensors q (Bb, m, h, D), k and v (Bb, m, hk, D) with ``h % hk == 0``
     (query head ``j`` reads key/value head ``j // (h // hk)``; ``hk == h`` unless
@@ -197,7 +197,7 @@ class GatheredBackend(Backend):
     drops_merged_weights = False  # each kernel call drops its own weights (_refuse_branch_dropout)
 
     #: Whether :meth:`attn_autograd` computes in a wider dtype anyway (:meth:`compute_dtype`): the
-    #: driver then casts float16/bfloat16 q, k and v to float32 once, not every gathered copy,
+    #: driver then casts float16/bfloat16 q, k and v to float32 once, not every view,
     #: keeps the branches' results in the compute dtype and passes it as ``compute_dtype=``.
     computes_in_accumulation_dtype = False
 
@@ -231,7 +231,7 @@ class GatheredBackend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(sum_x P(p, x) (dout_p . v_x), sum_x P(p, x))`` over the call's keys, each (Bb, m, h)
         in lse's dtype, for a backend whose backward takes ``delta`` and ``norm`` (the merged path
-        sums them over every call, see ``merged._merged_rows``); None: it does not."""
+        sums them over every call, see ``accumulated._merged_rows``); None: it does not."""
         return None
 
     def attn_forward(
@@ -366,7 +366,7 @@ def _refuse_branch_dropout(name: str, segment_lengths: Any, dilation_rates: Any,
 def _last_dims_contiguous(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v with their last dimension contiguous (:func:`.views.last_dim_contiguous`), as
+    """q, k and v with their last dimension contiguous (:func:`.strided.last_dim_contiguous`), as
     every kernel reads it; a tensor passed twice (self-attention) is copied once."""
     qc = last_dim_contiguous(q)
     kc = qc if k is q else last_dim_contiguous(k)

@@ -1,6 +1,6 @@
 """The merged path of the gather-based backends: kernels on strided views, one accumulator.
 
-Forward: every kernel call (see :mod:`.views`) reads strided views of q, k and v, and its
+Forward: every kernel call (see :mod:`.strided`) reads strided views of q, k and v, and its
 ``out``/``lse`` are merged by log-sum-exp straight into views of one running merge (SPEC section 3;
 :func:`dilated_attention.merge.merge_state_`): the unnormalised output, the largest lse and the sum
 of the weights ``exp(lse_i - max)``, in float64 for float32 and float64 inputs (float32 for
@@ -25,7 +25,7 @@ import torch
 from ..merge import finish_state, merge_dtype, merge_state_, merged_state
 from ..op.autograd import _message, forward_mode_message
 from .base import lse_dtype
-from .views import Call, batches, last_dim_contiguous, view, write
+from .strided import Call, batches, last_dim_contiguous, view, write
 
 __all__ = ["MergedAttention", "TracedMergedAttention", "kernel_backward", "kernel_values"]
 
@@ -57,7 +57,7 @@ def kernel_values(v: torch.Tensor, is_causal: bool) -> torch.Tensor:
     the rows before ``x`` in its sub-sequence, forward, and backward their ``dout . v_x`` (so
     ``delta``, which the merged backward sums over every branch of the row, and through it the
     gradients of the row's keys in the other branches). The forward adds the non-finite entries
-    back to the rows that read them (``gathered._NonFinite``); the backward computes ``dq`` and
+    back to the rows that read them (``driver._NonFinite``); the backward computes ``dq`` and
     ``dk`` with them taken as 0 (``dv`` does not read v)."""
     if is_causal and _maybe_nonfinite(v):
         return torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
@@ -280,7 +280,7 @@ def _kernel_calls(plan, aux, B: int, N: int):
 
 def _merged_rows(dout, q, k, v, lse_bnh, backend, plan, is_causal, scale, aux):
     """``(delta, norm)`` (B, N, Hq, 1) each, for a backend with
-    :meth:`~.gathered.GatheredBackend.row_dots` (else None): over the keys of every call,
+    :meth:`~.driver.StridedBackend.row_dots` (else None): over the keys of every call,
     ``Z = sum_x P(p, x)`` and ``norm = 1 / Z``, ``delta = sum_x P(p, x) (dout_p . v_x) / Z``.
 
     In exact arithmetic Z = 1 and delta = rowsum(dout * out). Computed from the backward's own

@@ -29,10 +29,23 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["Call", "Part", "Strided", "batches", "last_dim_contiguous", "plan_branches", "view", "write"]
+__all__ = [
+    "CacheInfo",
+    "Call",
+    "Part",
+    "PlanCache",
+    "Strided",
+    "batches",
+    "get_pattern_cache",
+    "last_dim_contiguous",
+    "plan_branches",
+    "view",
+    "write",
+]
 
 
 @dataclass(frozen=True)
@@ -257,3 +270,39 @@ def plan_branches(
                 calls += _phase_calls(part, r, Hq, G, native_gqa)
         plan.append(tuple(calls))
     return tuple(plan)
+
+
+class CacheInfo(NamedTuple):
+    """What :meth:`PlanCache.info` reports."""
+
+    hits: int
+    misses: int
+    entries: int
+    max_entries: int
+
+
+class PlanCache:
+    """The cache of :func:`plan_branches`: the kernel calls of each geometry (sequence length or
+    packed lengths, heads, branches), planned once per process and shared by every call of the
+    backends that run a kernel per call (``sdpa``'s Python driver, ``manual``, ``flash_attn_*``,
+    ``xformers``). Plain Python tuples, no tensors. ``sdpa``'s C++ driver and ``native`` plan in
+    C++ and do not use it."""
+
+    def info(self) -> CacheInfo:
+        c = plan_branches.cache_info()
+        return CacheInfo(c.hits, c.misses, c.currsize, c.maxsize or 0)
+
+    def clear(self) -> None:
+        plan_branches.cache_clear()
+
+    def __len__(self) -> int:
+        return plan_branches.cache_info().currsize
+
+
+_PLAN_CACHE = PlanCache()
+
+
+def get_pattern_cache() -> PlanCache:
+    """The process's plan cache (:class:`PlanCache`): ``.info()`` (hits, misses, entries,
+    max_entries) and ``.clear()``."""
+    return _PLAN_CACHE
