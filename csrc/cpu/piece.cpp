@@ -15,13 +15,39 @@
 //            accumulate in the tile, dq in a head-major accumulator. Tasks write disjoint rows.
 //
 // Cost: forward 2 * D multiply-adds per visible (query, key) pair, backward 5 * D and D
-// subtractions (float16 and bfloat16: 2 * D more, the forward once more for a float32 out). Memory: the outputs and the head-major copies of the op (forward
-// 3, backward 8
-// tensors of B * H * n * Dp values), O(threads * (QT + KB) * Dp) scratch.
+// subtractions (float16 and bfloat16: 2 * D more, the forward once more for a float32 out).
+// Memory: the outputs and the head-major copies of the op (forward 3, backward 8 tensors of
+// B * H * n * Dp values), O(threads * (QT + KB) * Dp) scratch.
 //
-// This file is part of the translation unit of dilated_attention_cpu.cpp: it is included at the end
-// of that file's anonymous namespace and uses its micro-kernel (gemm), tiles, vector helpers,
-// instruction-set dispatch and buffers, so that both kernels share one copy of them.
+// A translation unit of its own on the op's kernel parts: the micro-kernel (microgemm.h), the
+// tile steps (softmax.h), the scratch and tasks (forward.h, backward.h, tasks.h), the head-major
+// copies (head_major.h) and the instruction-set dispatch (isa.h).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <math.h>
+#include <stdint.h>
+
+#include <cmath>
+#include <tuple>
+#include <type_traits>
+
+#include "../checks.h"
+#include "../dilated_attention.h"
+#include "backward.h"
+#include "forward.h"
+#include "head_major.h"
+#include "isa.h"
+#include "microgemm.h"
+#include "ops.h"
+#include "softmax.h"
+#include "tasks.h"
+#include "vec.h"
+
+namespace dilated_attention {
+namespace cpu {
+namespace {
 
 template <typename T>
 struct PieceArgs {
@@ -250,6 +276,8 @@ static void piece_fwd_into(const Problem& P, const at::Tensor& q_in, const at::T
       });
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> piece_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                  const at::Tensor& v_in, bool is_causal,
                                                  int64_t causal_offset, double softmax_scale,
@@ -326,7 +354,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> piece_bwd_cpu(
   return {dq, dk, dv};
 }
 
-TORCH_LIBRARY_IMPL(dilated_attention, CPU, m) {
-  m.impl("piece_fwd", &piece_fwd_cpu);
-  m.impl("piece_bwd", &piece_bwd_cpu);
-}
+}  // namespace cpu
+}  // namespace dilated_attention
