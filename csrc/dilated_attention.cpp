@@ -48,7 +48,7 @@
 #include <exception>
 
 namespace dilated_attention {
-const char* cpu_kernel_isa();  // cpu/dilated_attention_cpu.cpp
+const char* cpu_kernel_isa();  // cpu/isa.cpp
 }
 
 // _C.cpu_isa() -> str: the instruction set the CPU kernels run with in this process ("avx512",

@@ -4,14 +4,14 @@
 // (float16/bfloat16 on sm80+) and simt.cu (everything else); tiling.h says how the work is cut into
 // thread blocks.
 //
-// Semantics are those of the CPU kernel (csrc/cpu/dilated_attention_cpu.cpp, SPEC sections 2-3):
+// Semantics are those of the CPU kernel (csrc/cpu/forward.cpp and backward.cpp, SPEC sections 2-3):
 // out (B, N, Hq, D) contiguous in the input dtype, lse (B, Hq, N) float32 (float64 for float64
 // inputs); rows that no branch covers get out = 0 and lse = -inf. Attention dropout (dropout_p,
 // dropout_seed, dropout_offset of fwd, bwd, varlen_fwd, varlen_bwd) draws the CPU kernel's mask
 // (csrc/dropout.h, keyed by the rows of the (B, N, ...) tensors, or of a packed call's (1, T, ...)
 // view), so both devices drop the same weights; the pieces take no dropout, as on the CPU.
 //
-// The pieces of sequence parallelism (piece_fwd/piece_bwd, those of csrc/cpu/piece_cpu.h: dense
+// The pieces of sequence parallelism (piece_fwd/piece_bwd, those of csrc/cpu/piece.cpp: dense
 // attention of q (B, nq, Hq, D) over k, v (B, nk, Hkv, D), key j visible to query i when
 // j <= i + causal_offset under causal masking) run the same kernels as one segment of one branch
 // (w = max(nq, nk), r = 1; tiling.h da_piece): the forward and dq launches have the nq queries as
@@ -390,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_sequences(const Problem& P, c
   const Device prop = device_info(q.device().index());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   // float16/bfloat16: delta from the forward's float32 out (out_for_backward in
-  // csrc/cpu/dilated_attention_cpu.cpp says why), recomputed by one forward; taken where its rounding
+  // csrc/cpu/backward.cpp says why), recomputed by one forward; taken where its rounding
   // is the given out, and the given out elsewhere (the backward takes any out).
   at::Tensor out_read = out;
   if (t == DType::kHalf || t == DType::kBFloat16) {
@@ -498,7 +498,7 @@ Problem check_piece_cuda(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return P;
 }
 
-// A piece (csrc/cpu/piece_cpu.h): out (B, nq, Hq, D), lse (B, Hq, nq); without keys out = 0 and
+// A piece (csrc/cpu/piece.cpp): out (B, nq, Hq, D), lse (B, Hq, nq); without keys out = 0 and
 // lse = -inf.
 std::tuple<at::Tensor, at::Tensor> piece_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                   const at::Tensor& v_in, bool is_causal,
