@@ -26,7 +26,7 @@ the rest is long, then fills the last, nearly square, part starting along its ev
 sizes get the published curve unchanged.
 
 Every step of the resulting curve is a unit move between 4-neighbours. This was checked
-exhaustively for every size up to 128 x 128 (``tests/test_hilbert.py`` checks all sizes up to
+exhaustively for every size up to 128 x 128 (``tests/modules/test_hilbert.py`` checks all sizes up to
 48 x 48 and many larger ones, and all up to 128 x 128 with ``DILATED_ATTENTION_SLOW=1``), and
 :func:`hilbert_permutation` verifies it for every size it computes: a failure would raise a
 ``RuntimeError``, never give a silently worse curve.

@@ -213,7 +213,7 @@ build_cmd=(env -u DILATED_ATTENTION_CPU_ONLY FORCE_CUDA=1 "TORCH_CUDA_ARCH_LIST=
 # -v: one line per test as it ends ("[gw3] [ 12%] FAILED tests/..."), so that a run cut by its time
 # limit still names every result so far; --tb=short keeps the tracebacks (printed at the end) short.
 tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -v --tb=short -rfEs --durations=25 -p no:cacheprovider
-  tests/test_decode_cuda.py tests/test_backends_views.py tests/test_cuda.py tests/test_ring_pieces.py "${tests_sel[@]}")
+  tests/cuda/test_decode_cuda.py tests/backends/test_backends_views.py tests/cuda/test_cuda.py tests/ring/test_ring_pieces.py "${tests_sel[@]}")
 smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases errors small large sm90)
 sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
 read -r -a bench_extra <<<"${GPU_CHECK_BENCH_ARGS:-}"  # e.g. "--tokens 262144": fewer configurations

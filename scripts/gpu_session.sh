@@ -10,7 +10,7 @@
 #   3. gpt: benchmarks/bench_gpt.py: the example GPT at blocks 16K, 64K and 128K, dense attention
 #      against auto, eager and compiled, side by side
 #   4. profile: benchmarks/bench_gpt.py --profile auto:16k:eager: one profiled training step
-#   5. views: the C++ views driver's cuda-marked tests (tests/test_views_driver.py)
+#   5. views: the C++ views driver's cuda-marked tests (tests/backends/test_views_driver.py)
 #   6. check: scripts/gpu_check.sh tests --steps tests,smoke (the cuda-marked tests, the smoke test)
 #
 #   scripts/gpu_session.sh [OUT_DIR] [--deadline SECONDS] [--dry-run]
@@ -104,7 +104,7 @@ step gpt "$GPT" "$PYTHON" benchmarks/bench_gpt.py --blocks 16k,64k,128k --compil
 step profile "$PROFILE" "$PYTHON" benchmarks/bench_gpt.py --profile auto:16k:eager --out "$work/profile"
 xdist=()
 "$PYTHON" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
-STEP_LOG=$out_dir/views.log step views "$VIEWS" "$PYTHON" -m pytest -q -p no:cacheprovider "${xdist[@]}" -m cuda tests/test_views_driver.py
+STEP_LOG=$out_dir/views.log step views "$VIEWS" "$PYTHON" -m pytest -q -p no:cacheprovider "${xdist[@]}" -m cuda tests/backends/test_views_driver.py
 check_limit=$(left)
 step check "$check_limit" bash scripts/gpu_check.sh tests "$work/check" --steps tests,smoke --deadline $((check_limit - 10))
 

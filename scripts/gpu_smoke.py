@@ -2,7 +2,7 @@
 
 Each case runs ``torch.ops.dilated_attention.fwd`` and ``.bwd`` on the device, then the CPU op in
 float64 on the same inputs (upcast), and compares out, lse, dq, dk and dv with a tolerance for the
-case's dtype. The CPU op is itself tested against the dense float64 reference (tests/test_op.py).
+case's dtype. The CPU op is itself tested against the dense float64 reference (tests/op/test_op.py).
 
 * ``--cases small``: float64 and bfloat16 problems, among them B = 64 and LongNet-shaped branches.
 * ``--cases large``: inputs of more than 2^31 elements (bfloat16 on the tensor-core kernels, float32

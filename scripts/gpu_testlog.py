@@ -25,9 +25,9 @@ BACKTRACE_END = "----- gpu_check backtrace"  # "----- gpu_check backtrace 1: exi
 OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 _OUTCOME = "|".join(OUTCOMES)
 _NODEID = r"[\w./-]+\.py::\S+"
-# pytest-xdist -v: "[gw3] [ 12%] PASSED tests/test_cuda.py::test_x[a]"
+# pytest-xdist -v: "[gw3] [ 12%] PASSED tests/cuda/test_cuda.py::test_x[a]"
 XDIST_RESULT = re.compile(rf"^\[(gw\d+)\] \[\s*\d+%\] ({_OUTCOME}) ({_NODEID})")
-# pytest -v: "tests/test_cuda.py::test_x[a] PASSED    [ 12%]" (SKIPPED may carry "(reason)")
+# pytest -v: "tests/cuda/test_cuda.py::test_x[a] PASSED    [ 12%]" (SKIPPED may carry "(reason)")
 PLAIN_RESULT = re.compile(rf"^({_NODEID}) ({_OUTCOME})\b.*\[\s*\d+%\]\s*$")
 # pytest -v prints the node id when a test starts (xdist: its own line; without: the result follows)
 STARTED = re.compile(rf"^({_NODEID})(?:\s|$)")
@@ -67,7 +67,7 @@ class PytestLog:
 
 
 def _tests_path(path: str) -> str:
-    """/work/main/tests/test_cuda.py -> tests/test_cuda.py (the node ids' form); an installed
+    """/work/main/tests/cuda/test_cuda.py -> tests/cuda/test_cuda.py (the node ids' form); an installed
     package's file from its package folder on (.../site-packages/torch/x.py -> torch/x.py)."""
     for mark in ("/tests/", "/site-packages/", "/dilated_attention/"):
         i = path.rfind(mark)

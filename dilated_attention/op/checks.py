@@ -4,7 +4,7 @@ Under ``FakeTensorMode``, ``torch.compile``, ``torch.export`` and on meta tensor
 fake kernels, not the C++ ones. Without these checks a call that the kernels refuse (a head dim of
 257, ``softmax_scale=1e39``, mismatched shapes) would trace into a graph that fails only when it
 runs. Each check here raises what the C++ check raises: the same exception type and the same
-message, in the same order (``tests/test_op_checks.py`` holds them to that on every case).
+message, in the same order (``tests/op/test_op_checks.py`` holds them to that on every case).
 
 What the fake kernels cannot check stays with the kernels: the values of ``cu_seqlens`` and of a
 decode step's positions (data), and the device of the tensors (a meta tensor is on no device).

@@ -1,7 +1,7 @@
 """Which positions each rank holds, and which keys its queries read from other ranks.
 
 Pure arithmetic on positions: no processes, no communication, so every rule here is testable in
-one process (``tests/test_ring_pieces.py`` does). The sequence of ``N`` positions is cut into chunks of
+one process (``tests/ring/test_ring_pieces.py`` does). The sequence of ``N`` positions is cut into chunks of
 equal length and the chunks are dealt to the ``P`` ranks by a :class:`Layout`:
 
 * ``"contiguous"`` (SPEC section 5): ``P`` chunks, rank ``j`` holds chunk ``j``.

@@ -18,7 +18,7 @@ library that matches point-to-point messages in the order they were posted (NCCL
 therefore pairs every message with its counterpart, and since each transfer waits only for
 transfers posted before it everywhere, no rank can wait on a peer that waits on it, even where
 some ranks hold none of a head's positions (``r > N/P``) and exchange at fewer distances than
-others. ``tests/test_ring_pieces.py`` checks this order on a model of in-order matching.
+others. ``tests/ring/test_ring_pieces.py`` checks this order on a model of in-order matching.
 """
 
 from __future__ import annotations

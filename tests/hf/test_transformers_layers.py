@@ -212,7 +212,7 @@ def test_loading_a_dense_checkpoint_warns(tmp_path):
 def test_models_that_bypass_the_interface_are_refused_by_name(arch, layer):
     """BLOOM and XGLM run their own dense attention whatever the implementation is: built with or
     switched to dilated attention, they are refused naming the class and its layer. (CodeGen and
-    GPT-J did too up to transformers 5.23; tests/test_transformers_models.py checks every
+    GPT-J did too up to transformers 5.23; tests/hf/test_transformers_models.py checks every
     architecture against what it does in the installed release.)"""
     cfg = transformers.AutoConfig.for_model(
         arch, vocab_size=V, hidden_size=32, n_embd=32, d_model=32, num_layers=1, n_layer=1, n_head=4

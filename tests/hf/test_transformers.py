@@ -328,7 +328,7 @@ def test_the_tested_range_is_declared_everywhere():
     tested with (another installed version gets a warning on import)."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     pin = f'"transformers{dt.TESTED_VERSIONS}"'
     assert f"transformers = [{pin}]" in (root / "pyproject.toml").read_text()
     assert f"TRANSFORMERS_SPEC ?= transformers{dt.TESTED_VERSIONS}" in (root / "Makefile").read_text()
@@ -337,7 +337,7 @@ def test_the_tested_range_is_declared_everywhere():
 def test_readme_snippet_runs():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("## Use it in a transformers model")
     code = readme[
         readme.index("```python\n", start) + 10 : readme.index("```\n", readme.index("```python\n", start))

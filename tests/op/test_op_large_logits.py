@@ -13,7 +13,7 @@ queries no longer those that dk is summed over) put up to 2.4x the rule's bound 
 standard deviations of 10-12 (``SCALED_SCORES``). And each score of float rows sums its D products
 in double and is kept as a float and its remainder: summed in float, at D = 256 the D roundings
 put up to 1.9x the rule's bound into dk and dq (``DOUBLE_SCORES``). Larger logits (standard
-deviations 32-64), for every backend: tests/test_large_logits_backends.py.
+deviations 32-64), for every backend: tests/op/test_large_logits_backends.py.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 import torch
 from common import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 needs_bash = pytest.mark.skipif(
@@ -146,14 +146,14 @@ created: 8/8 workers
 
 scheduling tests via LoadScheduling
 
-tests/test_cuda.py::test_fwd[bf16-64]
-tests/test_cuda.py::test_fwd[bf16-128]
-[gw1] [  0%] PASSED tests/test_cuda.py::test_fwd[bf16-64]
-[gw2] [  0%] FAILED tests/test_cuda.py::test_fwd[bf16-128]
-tests/test_cuda.py::test_bwd[f32]
-[gw3] [  0%] SKIPPED tests/test_cuda.py::test_bwd[f32]
-tests/test_cuda.py::test_empty_inputs_and_errors
-tests/test_cuda.py::test_long[1m] Fatal Python error: Segmentation fault
+tests/cuda/test_cuda.py::test_fwd[bf16-64]
+tests/cuda/test_cuda.py::test_fwd[bf16-128]
+[gw1] [  0%] PASSED tests/cuda/test_cuda.py::test_fwd[bf16-64]
+[gw2] [  0%] FAILED tests/cuda/test_cuda.py::test_fwd[bf16-128]
+tests/cuda/test_cuda.py::test_bwd[f32]
+[gw3] [  0%] SKIPPED tests/cuda/test_cuda.py::test_bwd[f32]
+tests/cuda/test_cuda.py::test_empty_inputs_and_errors
+tests/cuda/test_cuda.py::test_long[1m] Fatal Python error: Segmentation fault
 
 Thread 0x00007f1d71fff6c0 (most recent call first):
   File "/opt/venv/lib/python3.12/site-packages/execnet/gateway_base.py", line 534 in read
@@ -161,17 +161,17 @@ Thread 0x00007f1d71fff6c0 (most recent call first):
 Current thread 0x00007f1d73401b80 (most recent call first):
   File "/opt/venv/lib/python3.12/site-packages/torch/_ops.py", line 1243 in __call__
   File "/work/main/tests/common.py", line 88 in run_fwd
-  File "/work/main/tests/test_cuda.py", line 1732 in test_empty_inputs_and_errors
+  File "/work/main/tests/cuda/test_cuda.py", line 1732 in test_empty_inputs_and_errors
   File "/opt/venv/lib/python3.12/site-packages/_pytest/python.py", line 166 in pytest_pyfunc_call
 
 Extension modules: torch._C, numpy.core._multiarray_umath (total: 20)
 [gw7] node down: Not properly terminated
-[gw7] [  0%] FAILED tests/test_cuda.py::test_empty_inputs_and_errors
+[gw7] [  0%] FAILED tests/cuda/test_cuda.py::test_empty_inputs_and_errors
 
 replacing crashed worker gw7
-[gw0] [  0%] ERROR tests/test_ring_pieces.py::test_pieces[2]
-[gw4] [  0%] PASSED tests/test_cuda.py::test_long[1m]
-tests/test_cuda.py::test_decode_paged[4096]
+[gw0] [  0%] ERROR tests/ring/test_ring_pieces.py::test_pieces[2]
+[gw4] [  0%] PASSED tests/cuda/test_cuda.py::test_long[1m]
+tests/cuda/test_cuda.py::test_decode_paged[4096]
 """
 
 
@@ -232,7 +232,7 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
     assert "setup.py build_ext --inplace" in lines["build"] and "skipped when up to date" in lines["build"]
     assert (
         "pytest" in lines["tests"]
-        and "tests/test_cuda.py tests/test_ring_pieces.py -m cuda" in lines["tests"]
+        and "tests/cuda/test_cuda.py tests/ring/test_ring_pieces.py -m cuda" in lines["tests"]
     )
     # One line per test as it ends (a run cut by its budget still names its failures), short tracebacks.
     assert "pytest -v --tb=short -rfEs --durations=25 " in lines["tests"]
@@ -472,17 +472,20 @@ def test_a_run_cut_by_its_budget_names_the_failed_and_crashed_tests(tmp_path, fa
         in summary
     )
     assert "2 passed, 2 failed, 1 skipped, 1 error" in summary
-    assert "FAILED tests/test_cuda.py::test_fwd[bf16-128]" in lines
-    assert "ERROR tests/test_ring_pieces.py::test_pieces[2]" in lines
-    assert "CRASHED tests/test_cuda.py::test_empty_inputs_and_errors (gw7: Not properly terminated)" in lines
-    assert "FAILED tests/test_cuda.py::test_empty_inputs_and_errors" not in lines
+    assert "FAILED tests/cuda/test_cuda.py::test_fwd[bf16-128]" in lines
+    assert "ERROR tests/ring/test_ring_pieces.py::test_pieces[2]" in lines
+    assert (
+        "CRASHED tests/cuda/test_cuda.py::test_empty_inputs_and_errors (gw7: Not properly terminated)"
+        in lines
+    )
+    assert "FAILED tests/cuda/test_cuda.py::test_empty_inputs_and_errors" not in lines
     # The faulthandler dump names the test function, not the test whose line it interrupted.
     assert (
-        "Fatal Python error: Segmentation fault -- in tests/test_cuda.py line 1732 in test_empty_inputs_and_errors;"
+        "Fatal Python error: Segmentation fault -- in tests/cuda/test_cuda.py line 1732 in test_empty_inputs_and_errors;"
         " innermost Python frame: torch/_ops.py line 1243 in __call__" in lines
     )
     # Started, with no result when the log ends.
-    assert "RUNNING tests/test_cuda.py::test_decode_paged[4096]  (no result when the log ends)" in lines
+    assert "RUNNING tests/cuda/test_cuda.py::test_decode_paged[4096]  (no result when the log ends)" in lines
     assert not any("RUNNING" in line and ("test_long" in line or "test_empty" in line) for line in lines)
     # The crashed test alone, under cuda-gdb; its native frames #0-#30 in summary.md.
     args = (tmp_path / "debugger_args").read_text().splitlines()
@@ -490,7 +493,7 @@ def test_a_run_cut_by_its_budget_names_the_failed_and_crashed_tests(tmp_path, fa
     assert args[0].endswith(
         "-ex run -ex bt -ex quit --args "
         + str(fake_tools.bin_dir / "python")
-        + " -m pytest -x -q -p no:cacheprovider -p no:xdist tests/test_cuda.py::test_empty_inputs_and_errors"
+        + " -m pytest -x -q -p no:cacheprovider -p no:xdist tests/cuda/test_cuda.py::test_empty_inputs_and_errors"
     )
     assert rows["backtrace"] == "done: 1 of 1 crashed tests rerun under cuda-gdb (tests.log)"
     assert "## native backtraces of the crashed tests" in summary
@@ -515,9 +518,9 @@ def test_backtrace_without_a_debugger_says_so(tmp_path, fake_tools):
     log = (tmp_path / "out" / "tests.log").read_text()
     assert (
         "neither cuda-gdb nor gdb found" in log
-        and "not rerun: tests/test_cuda.py::test_empty_inputs_and_errors" in log
+        and "not rerun: tests/cuda/test_cuda.py::test_empty_inputs_and_errors" in log
     )
-    assert "CRASHED tests/test_cuda.py::test_empty_inputs_and_errors" in summary  # still named
+    assert "CRASHED tests/cuda/test_cuda.py::test_empty_inputs_and_errors" in summary  # still named
 
 
 @needs_bash
@@ -546,49 +549,51 @@ def test_testlog_one_process_crash_and_a_finished_run(testlog, capsys):
     # Without xdist the crash ends pytest: the test on the open line is the one that crashed.
     log = testlog.parse(
         "collecting ... collected 12 items / 3 deselected / 9 selected\n\n"
-        "tests/test_cuda.py::test_a[0] PASSED                                    [ 11%]\n"
-        "tests/test_cuda.py::test_b SKIPPED (needs a CUDA GPU)                   [ 22%]\n"
-        "tests/test_cuda.py::test_c[x-1] Fatal Python error: Aborted\n\n"
+        "tests/cuda/test_cuda.py::test_a[0] PASSED                                    [ 11%]\n"
+        "tests/cuda/test_cuda.py::test_b SKIPPED (needs a CUDA GPU)                   [ 22%]\n"
+        "tests/cuda/test_cuda.py::test_c[x-1] Fatal Python error: Aborted\n\n"
         "Current thread 0x00007fad5c1c1b80 (most recent call first):\n"
-        '  File "/w/tests/test_cuda.py", line 40 in _helper\n'
-        '  File "/w/tests/test_cuda.py", line 44 in test_c\n'
+        '  File "/w/tests/cuda/test_cuda.py", line 40 in _helper\n'
+        '  File "/w/tests/cuda/test_cuda.py", line 44 in test_c\n'
     )
-    assert log.crashed == [("tests/test_cuda.py::test_c[x-1]", "", "Fatal Python error: Aborted")]
-    assert testlog.rerun_targets(log) == ["tests/test_cuda.py::test_c[x-1]"]
+    assert log.crashed == [("tests/cuda/test_cuda.py::test_c[x-1]", "", "Fatal Python error: Aborted")]
+    assert testlog.rerun_targets(log) == ["tests/cuda/test_cuda.py::test_c[x-1]"]
     text = testlog.summary(log)
     assert "2 results so far for 9 tests: 1 passed, 1 skipped" in text
-    assert "CRASHED tests/test_cuda.py::test_c[x-1] (Fatal Python error: Aborted)" in text
+    assert "CRASHED tests/cuda/test_cuda.py::test_c[x-1] (Fatal Python error: Aborted)" in text
     assert "RUNNING" not in text
-    assert "Fatal Python error: Aborted -- in tests/test_cuda.py line 44 in test_c; innermost" in text
+    assert "Fatal Python error: Aborted -- in tests/cuda/test_cuda.py line 44 in test_c; innermost" in text
     # A finished run: pytest's count, the failures with their messages, the skip reasons, the slowest tests.
     log = testlog.parse(
-        "[gw0] [ 50%] FAILED tests/test_cuda.py::test_x[a]\n"
-        "[gw1] [100%] PASSED tests/test_cuda.py::test_y\n"
+        "[gw0] [ 50%] FAILED tests/cuda/test_cuda.py::test_x[a]\n"
+        "[gw1] [100%] PASSED tests/cuda/test_cuda.py::test_y\n"
         "============================= slowest 25 durations =============================\n"
-        "12.50s call     tests/test_cuda.py::test_y\n"
+        "12.50s call     tests/cuda/test_cuda.py::test_y\n"
         "=========================== short test summary info ============================\n"
-        "FAILED tests/test_cuda.py::test_x[a] - AssertionError: out differs\n"
-        "SKIPPED [3] tests/test_cuda.py:10: needs a CUDA GPU\n"
+        "FAILED tests/cuda/test_cuda.py::test_x[a] - AssertionError: out differs\n"
+        "SKIPPED [3] tests/cuda/test_cuda.py:10: needs a CUDA GPU\n"
         "=================== 1 failed, 1 passed in 200.12s (0:03:20) ====================\n"
     )
     text = testlog.summary(log)
     assert text.splitlines()[3:6] == [
         "pytest: 1 failed, 1 passed in 200.12s (0:03:20)",
-        "FAILED tests/test_cuda.py::test_x[a] - AssertionError: out differs",
-        "SKIPPED [3] tests/test_cuda.py:10: needs a CUDA GPU",
+        "FAILED tests/cuda/test_cuda.py::test_x[a] - AssertionError: out differs",
+        "SKIPPED [3] tests/cuda/test_cuda.py:10: needs a CUDA GPU",
     ]
-    assert "## slowest tests (--durations)" in text and "12.50s call     tests/test_cuda.py::test_y" in text
+    assert (
+        "## slowest tests (--durations)" in text and "12.50s call     tests/cuda/test_cuda.py::test_y" in text
+    )
     assert testlog.rerun_targets(log) == []
 
 
 def test_testlog_rerun_targets_one_per_test_function_at_most_three(testlog):
     dump = (
         "Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
-        '  File "/w/tests/test_cuda.py", line {} in {}\n\n'
+        '  File "/w/tests/cuda/test_cuda.py", line {} in {}\n\n'
     )
     text = (
-        "[gw1] node down: Not properly terminated\n[gw1] [  1%] FAILED tests/test_cuda.py::test_a[1]\n"
-        "[gw2] node down: Not properly terminated\n[gw2] [  2%] FAILED tests/test_cuda.py::test_a[2]\n"
+        "[gw1] node down: Not properly terminated\n[gw1] [  1%] FAILED tests/cuda/test_cuda.py::test_a[1]\n"
+        "[gw2] node down: Not properly terminated\n[gw2] [  2%] FAILED tests/cuda/test_cuda.py::test_a[2]\n"
         + dump.format(10, "test_a")
         + dump.format(20, "test_b")  # its worker's report never came: the function, all parameters
         + dump.format(30, "test_c")
@@ -596,9 +601,9 @@ def test_testlog_rerun_targets_one_per_test_function_at_most_three(testlog):
     )
     log = testlog.parse(text)
     assert testlog.rerun_targets(log) == [
-        "tests/test_cuda.py::test_a[1]",
-        "tests/test_cuda.py::test_b",
-        "tests/test_cuda.py::test_c",
+        "tests/cuda/test_cuda.py::test_a[1]",
+        "tests/cuda/test_cuda.py::test_b",
+        "tests/cuda/test_cuda.py::test_c",
     ]
     assert len(testlog.rerun_targets(log, limit=10)) == 4
 
@@ -730,10 +735,10 @@ def pytest_collection_finish(session):
 @pytest.mark.parametrize(
     "test_file",
     [
-        "tests/test_cuda.py",
-        "tests/test_ring_pieces.py",
-        "tests/test_decode_cuda.py",
-        "tests/test_backends_views.py",
+        "tests/cuda/test_cuda.py",
+        "tests/ring/test_ring_pieces.py",
+        "tests/cuda/test_decode_cuda.py",
+        "tests/backends/test_backends_views.py",
     ],
 )
 def test_every_gpu_test_is_marked_cuda(tmp_path, test_file):

@@ -1,6 +1,6 @@
 """MultiheadDilatedAttention's nn.MultiheadAttention-style arguments (batch-first; its padding mask
 keeps this library's convention, True = a real token): the causal attn_mask, from_torch, and the
-sequence-first warning. The drop-in with torch's conventions is tests/test_drop_in.py."""
+sequence-first warning. The drop-in with torch's conventions is tests/modules/test_drop_in.py."""
 
 from __future__ import annotations
 

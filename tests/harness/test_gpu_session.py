@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_session.sh"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -39,7 +39,7 @@ def test_dry_run_names_every_step_within_the_deadline(tmp_path):
     assert sum(int(s) for s in limits.values()) <= 575
     assert int(limits["build"]) >= 150, "the build took 97 s on an H200 at 199db38"
     assert "scripts/gpu_check.sh tests" in r.stdout and "--steps build" in r.stdout
-    assert "--steps tests,smoke" in r.stdout and "tests/test_views_driver.py" in r.stdout
+    assert "--steps tests,smoke" in r.stdout and "tests/backends/test_views_driver.py" in r.stdout
     assert "bench_cuda.py --gpt" in r.stdout and "native90" not in r.stdout
     assert "--blocks 16k,64k,128k --compile both --backends dense,auto" in r.stdout
     assert "--profile auto:16k:eager" in r.stdout

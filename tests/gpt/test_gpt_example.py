@@ -17,7 +17,7 @@ import pytest
 import torch
 from reference import multiplicity, reference_attention
 
-GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+GPT_DIR = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
 
 import configurator

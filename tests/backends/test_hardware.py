@@ -303,7 +303,7 @@ def test_a_speed_measurement_orders_sdpa(fake_cuda, verified, monkeypatch):
 
 
 def test_speed_measurements_name_committed_tables():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for cap, record in hardware.CUDA_SPEED_MEASURED.items():
         table = root / record.table
         assert table.is_file(), (cap, record.table)

@@ -2,7 +2,7 @@
 
 The CPU kernels are built once per instruction set (AVX-512, AVX2, baseline) and the widest one the
 CPU has runs; DILATED_ATTENTION_CPU_ISA chooses another. Each choice this CPU can run goes through
-the reference tests of tests/test_op.py in a fresh process.
+the reference tests of tests/op/test_op.py in a fresh process.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_instruction_set_matches_reference(isa):
             tests,
         ],
         env=env,
-        cwd=HERE.parent,
+        cwd=HERE.parents[1],  # the checkout
         capture_output=True,
         text=True,
         timeout=1800,

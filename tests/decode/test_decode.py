@@ -240,7 +240,7 @@ def test_gather_reads_any_cache_layout(layout):
 def test_readme_snippet_runs():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("## Generation in bounded memory")
     code = readme[
         readme.index("```python\n", start) + 10 : readme.index("```\n", readme.index("```python\n", start))

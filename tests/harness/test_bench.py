@@ -15,7 +15,7 @@ from reference import multiplicity, reference_attention
 
 from dilated_attention.flops import attention_flops, attention_pairs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,7 @@ def test_auto_keeps_native_for_dropout_on_cpu():
 
 
 def test_native_takes_dropout_on_cuda(fake_gpu, monkeypatch):
-    """The CUDA kernels draw the CPU kernels' mask (tests/test_cuda.py checks them, emulated and on a
+    """The CUDA kernels draw the CPU kernels' mask (tests/cuda/test_cuda.py checks them, emulated and on a
     GPU): dropout changes none of native's reasons on either device, and a CUDA request with dropout
     runs native wherever one without would (explicitly, or first in auto's order)."""
     monkeypatch.setattr(_ops, "has_kernel", lambda device: True)

@@ -47,7 +47,7 @@ from dilated_attention.flops import attention_pairs
 from dilated_attention.merge import merge
 from dilated_attention.op import has_kernel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SLOW = os.environ.get("DILATED_ATTENTION_SLOW", "0") == "1"
 
 # ----------------------------------------------------------------------------------------------
@@ -984,14 +984,14 @@ def test_emulated_simt_float32_large_logits_float64_lse(emu, seed, N, Hq, Hkv, D
 
 
 # (seed, N, Hq, Hkv, D, segment_lengths, dilation_rates, is_causal, logit std), inputs from one
-# generator (q * std, k, v, dout, dlse; tests/test_op_large_logits.py SCALED_SCORES): the CPU
+# generator (q * std, k, v, dout, dlse; tests/op/test_op_large_logits.py SCALED_SCORES): the CPU
 # kernel's dk exceeded the rule on them when it scaled the queries before the dot products.
 SCALED_SCORES = [
     pytest.param(205, 63, 2, 2, 32, [8, 128], [4, 1], True, 12, id="two-branches-causal-d32"),
     pytest.param(206, 9, 2, 1, 8, [8], [1], True, 10, id="one-branch-gqa-causal"),
     pytest.param(210, 57, 2, 1, 8, [4, 8, 16], [1, 4, 1], True, 12, id="three-branches-causal"),
     # head dim 256: a score summed in float put 1.5-1.9x the rule's bound into dk on the CPU kernel;
-    # both kernels now sum a score's products in double (tests/test_op_large_logits.py DOUBLE_SCORES)
+    # both kernels now sum a score's products in double (tests/op/test_op_large_logits.py DOUBLE_SCORES)
     pytest.param(305, 53, 2, 2, 256, [53], [1], False, 24, id="one-segment-d256"),
     pytest.param(336, 32, 2, 1, 256, [16], [1], False, 24, id="gqa-d256"),
 ]
@@ -1205,7 +1205,7 @@ def test_emulated_kernels_on_packed_sequences(emu, lengths, Hq, Hkv, D, segs, ra
 
 
 # Attention dropout in the emulated kernels, against references that apply the CPU kernels' keep
-# mask (tests/test_op_dropout.py checks the CPU kernels the same way): the CUDA kernels must draw
+# mask (tests/op/test_op_dropout.py checks the CPU kernels the same way): the CUDA kernels must draw
 # the identical mask, keyed by the rows of the (B, N, ...) tensors and the head b * Hq + h.
 
 # (B, N, Hq, Hkv, D, segment_lengths, dilation_rates): a batch of two, grouped-query attention, N
@@ -1679,7 +1679,7 @@ def test_backward_is_bitwise_reproducible(dtype):
     "dtype,scale", [(torch.float32, 1e39), (torch.bfloat16, -1e39), (torch.float16, 3e38)]
 )
 def test_raw_ops_refuse_a_scale_the_scores_cannot_hold(dtype, scale):
-    """As on the CPU (tests/test_op.py): the CUDA entries share checks.h's scale rule."""
+    """As on the CPU (tests/op/test_op.py): the CUDA entries share checks.h's scale rule."""
     q = torch.randn(1, 8, 2, 32, device="cuda", dtype=dtype)
     cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
     want = r"softmax_scale must be finite in the compute dtype float32 .*got " + re.escape(repr(scale))

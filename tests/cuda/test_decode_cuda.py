@@ -17,7 +17,7 @@ from dilated_attention.decode import BoundedDilatedKVCache
 from dilated_attention.op.decode import decode_step, has_decode_kernel
 from dilated_attention.op.slots import branch_slots
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from common import load_script, one_thread  # noqa: F401  (one_thread: a fixture)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("dense", "auto", "native", "sdpa")
 
 

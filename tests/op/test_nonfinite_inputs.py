@@ -1,6 +1,6 @@
 """Non-finite values (NaN, +-inf) in q, k or v reach exactly the rows that read them, forward, and
 stay in their segment backward, on every backend that runs on the CPU. Found mishandled by a
-randomized run against the float64 reference (the other such inputs: tests/test_hostile_inputs.py).
+randomized run against the float64 reference (the other such inputs: tests/backends/test_hostile_inputs.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Inputs and uses that a randomized run against the float64 reference found mishandled: double
 backward, dynamic-shape compilation, inference mode, large logits and long causal segments in
 float32, extreme arguments, and several branches in low precision (non-finite values:
-tests/test_nonfinite_inputs.py).
+tests/op/test_nonfinite_inputs.py).
 
 Every check compares with the float64 reference of ``tests/reference.py`` or with a property of
 SPEC sections 2-4, never with the code under test.

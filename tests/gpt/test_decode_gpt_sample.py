@@ -10,7 +10,7 @@ import pytest
 import torch
 from common import one_thread  # noqa: F401  (one_thread: an autouse fixture)
 
-GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
+GPT_DIR = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
 
 import sample  # noqa: E402

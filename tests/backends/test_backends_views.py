@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dilated_attention import dilated_attention as dattn
 from dilated_attention import hardware
-from dilated_attention.backends import get_backend, sdpa_kernels, views
+from dilated_attention.backends import get_backend, sdpa_kernels, strided
 
 # (B, N, Hq, Hkv, D, segment_lengths, dilation_rates): N a multiple of w and not, r = 1, r < Hq,
 # r >= Hq, grouped-query attention with G | r, r | G and neither.
@@ -325,26 +325,26 @@ class _Attn(torch.nn.Module):
     "B,N,Hq,Hkv,D,segs,rates", [*GEOMETRIES, pytest.param(1, 4, 4, 2, 1, [4, 4], [1, 4])]
 )
 def test_out_of_place_writes_match_the_in_place_ones(monkeypatch, B, N, Hq, Hkv, D, segs, rates):
-    """views.write as torch.compile runs it (index_copy / index_add over the rows) leaves what the
+    """strided.write as torch.compile runs it (index_copy / index_add over the rows) leaves what the
     in-place write through the view leaves, for every call of every plan, set and added, into q's
     and k's layout (a stride-0 shared head: added as one)."""
     g = torch.Generator().manual_seed(0)
     for native_gqa in (False, True):
-        for calls in views.plan_branches(N, Hq, Hkv, tuple(segs), tuple(rates), native_gqa):
+        for calls in strided.plan_branches(N, Hq, Hkv, tuple(segs), tuple(rates), native_gqa):
             for call in calls:
                 for s, H in ((call.q, Hq), (call.kv, Hkv)):
                     if s.expanded:
-                        s = views.Strided(s.p0, s.dp, s.c0, 1, 1)
+                        s = strided.Strided(s.p0, s.dp, s.c0, 1, 1)
                     dst = torch.randn(B, N, H, D, generator=g, dtype=torch.float64)
-                    for sl in views.batches(call, B, N):
+                    for sl in strided.batches(call, B, N):
                         val = torch.randn(
-                            views.view(dst[sl], call, s).shape, generator=g, dtype=torch.float64
+                            strided.view(dst[sl], call, s).shape, generator=g, dtype=torch.float64
                         )
                         for add in (False, True):
                             monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-                            eager = views.write(dst.clone(), sl, call, s, val, add=add)
+                            eager = strided.write(dst.clone(), sl, call, s, val, add=add)
                             monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-                            traced = views.write(dst.clone(), sl, call, s, val, add=add)
+                            traced = strided.write(dst.clone(), sl, call, s, val, add=add)
                             assert torch.equal(traced, eager), (call, s, add)
 
 
