@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Grads", "check_decode_step", "check_fixed", "check_piece", "check_varlen"]
+__all__ = ["Grads", "check_fixed", "check_piece", "check_varlen"]
 
 DA_MAX_BRANCHES = 16  # csrc/dilated_attention.h
 DA_MAX_HEAD_DIM = 256
@@ -339,87 +339,6 @@ def _check_piece_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softm
     _check_cuda_rows(q, q.shape[1], "the number of queries of a piece", "nq")
     _check_cuda_rows(q, k.shape[1], "the number of keys of a piece", "nk")
     _check_cuda_grid(q)
-
-
-def check_decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    slot_lengths: Sequence[int],
-    softmax_scale: float,
-) -> None:
-    """check_decode_step of csrc/cpu/decode_cpu.cpp. Not the positions' values (data)."""
-    _require(
-        q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
-        f"decode_step: q (B, Hq, D), k and v (B, Hkv, D) must be 3-D, got q {_shape(q)}, k {_shape(k)}, "
-        f"v {_shape(v)}",
-    )
-    _require(
-        k_cache.dim() == 4 and _same_shape(k_cache, v_cache),
-        "decode_step: k_cache and v_cache must be (B, Hkv, T, D) of one shape, got "
-        f"{_shape(k_cache)} and {_shape(v_cache)}",
-    )
-    B, Hq, D, Hkv = q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1]
-    agree = _all(
-        _same_shape(k, v),
-        k.shape[0] == B,
-        k.shape[1] == Hkv,
-        k.shape[2] == D,
-        k_cache.shape[0] == B,
-        k_cache.shape[3] == D,
-    ) and (Hkv > 0 and Hq % Hkv == 0)
-    _require(
-        agree,
-        "decode_step: shapes must agree (q (B, Hq, D), k, v (B, Hkv, D), caches (B, Hkv, T, D), Hq a "
-        "multiple of Hkv), got q "
-        f"{_shape(q)}, k {_shape(k)}, k_cache {_shape(k_cache)}",
-    )
-    _check_dtype(q, "decode_step")
-    _require(
-        _all(D >= 1, D <= DA_MAX_HEAD_DIM),
-        f"decode_step: head dim must be in [1, {DA_MAX_HEAD_DIM}], got {D}",
-    )
-    _check_scale(softmax_scale, q.dtype, "decode_step")
-    for t in (k, v, k_cache, v_cache):
-        _require(
-            t.dtype == q.dtype and t.device == q.device,
-            f"decode_step: every tensor must have q's dtype and device ({_dtype(q.dtype)}, {_device(q)}), "
-            f"got {_dtype(t.dtype)}, {_device(t)}",
-        )
-    _require(
-        k_cache.is_contiguous() and v_cache.is_contiguous(),
-        "decode_step: k_cache and v_cache must be contiguous",
-    )
-    _require(
-        pos.dim() == 1 and pos.shape[0] == B and pos.dtype == torch.int64,
-        f"decode_step: pos must be an int64 (B,) tensor, got {_dtype(pos.dtype)} {_shape(pos)}",
-    )
-    _require(
-        pos.device == q.device, f"decode_step: pos must be on q's device {_device(q)}, got {_device(pos)}"
-    )
-    segs, rates, lengths = list(segment_lengths), list(dilation_rates), list(slot_lengths)
-    _require(
-        len(segs) == len(rates) == len(lengths) and len(segs) > 0,
-        "decode_step: segment_lengths, dilation_rates and slot_lengths must have one entry per branch",
-    )
-    G = Hq // Hkv
-    total: Any = 0
-    for i, (w, r, n) in enumerate(zip(segs, rates, lengths, strict=True)):
-        _require(
-            1 <= r <= w and 1 <= n <= (w + r - 1) // r,
-            f"decode_step: branch {i} must have 1 <= r <= w and 1 <= slots <= ceil(w / r), got w={w} "
-            f"r={r} slots={n}",
-        )
-        total = total + min(G, r) * n
-    _require(
-        k_cache.shape[2] == total,
-        f"decode_step: the caches must have {total} slots for these branches, got {k_cache.shape[2]}",
-    )
 
 
 # What a backward call adds to its forward's arguments: dout, out, lse, dlse (or None).
