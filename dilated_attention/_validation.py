@@ -1,4 +1,5 @@
-"""Argument checks of the Python API. Every error names the value it got and what it expected."""
+"""Argument checks of the Python API, and the dtype rules they and the ops share. Every error names
+the value it got and what it expected."""
 
 from __future__ import annotations
 
@@ -256,3 +257,8 @@ def varlen_lengths(cu_seqlens: torch.Tensor, T: int, max_seqlen: int) -> list[in
         if n > max_seqlen:
             raise ValueError(f"sequence {i} has length {n} > max_seqlen = {max_seqlen}")
     return lengths
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, else float32: the dtype of ``lse`` and of every sum."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

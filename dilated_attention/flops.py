@@ -1,7 +1,8 @@
 """The counting and dtype rules that the package, the benchmarks and the example share.
 
 * :func:`accumulation_dtype`: float64 for float64 inputs, float32 for everything else (the dtype
-  of ``lse`` and of every accumulation, SPEC section 1).
+  of ``lse`` and of every accumulation, SPEC section 1); stated with the package's other dtype
+  rules in :mod:`dilated_attention._validation`, and offered here to the benchmarks and the example.
 * :func:`attention_pairs` / :func:`attention_flops`: (query, key) pairs with multiplicity and the
   FLOPs every TFLOP/s figure of the project is computed from (SPEC section 3).
 * :func:`matmul_flops`: the rate of a dense matmul on a device, the yardstick the benchmarks and
@@ -15,12 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ._validation import accumulation_dtype
+
 __all__ = ["accumulation_dtype", "attention_flops", "attention_pairs", "matmul_flops"]
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 inputs, else float32: the dtype of ``lse`` and of every sum."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _covered(length: int, o: int, r: int) -> int:

@@ -11,9 +11,9 @@ import torch
 
 from . import _validation as V
 from ._padding import has_no_data
+from ._validation import accumulation_dtype
 from ._warnings import LayoutWarning, UncoveredPositionsWarning, warn_once
 from .backends import BackendSelector, check_backend_name, default_selector
-from .flops import accumulation_dtype
 
 # More heads than this in dimension 2 of q, with fewer positions in dimension 1, looks like a
 # (B, H, N, D) tensor passed for (B, N, H, D).

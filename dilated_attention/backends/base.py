@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..flops import accumulation_dtype as lse_dtype
+from .._validation import accumulation_dtype as lse_dtype
 
 __all__ = ["Backend", "BackendRequest", "Capabilities", "dtype_name", "import_optional", "lse_dtype"]
 

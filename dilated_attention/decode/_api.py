@@ -8,9 +8,9 @@ from typing import Literal, overload
 import torch
 
 from .. import _validation as V
+from .._validation import accumulation_dtype
 from .._warnings import CacheUsageWarning, warn_user
 from ..backends import check_backend_name
-from ..flops import accumulation_dtype
 from ..functional import _attention
 from . import _gather
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..flops import accumulation_dtype
+from .._validation import accumulation_dtype
 
 # Gathered keys per chunk of queries (elements of (B, m, slots, Hkv, D)): bounds the memory of a
 # call with many queries (a chunked prefill).

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import _validation as V
-from ..flops import accumulation_dtype
+from .._validation import accumulation_dtype
 from ..functional import _attention
 from ..op.decode import decode_step
 from ..op.slots import attend_slots, branch_slots, write_slots

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validation as V
-from ..flops import accumulation_dtype
+from .._validation import accumulation_dtype
 
 __all__ = ["dense_dilated_attention"]
 

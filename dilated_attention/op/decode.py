@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..flops import accumulation_dtype
+from .._validation import accumulation_dtype
 from . import checks
 from .library import _C
 from .slots import BranchSlots, attend_slots, write_slots

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..flops import accumulation_dtype
+from .._validation import accumulation_dtype
 from . import checks
 from .func import NativeAttention, native_attention, register_op_autograd
 from .library import _C, _require_extension, dropout_seed_offset, lse_dtype
@@ -116,7 +116,8 @@ def native_forward(
     (:mod:`.func`); the backward reads the float64 lse the op computed (module docstring).
 
     ``RuntimeError`` saying what to run when the extension is not loaded."""
-    _require_extension()
+    if _C is None:
+        _require_extension()
     seed, offset = dropout_seed_offset() if dropout_p > 0 else (0, 0)
     out, lse = native_attention(
         q,

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from .._validation import accumulation_dtype
 from .._warnings import ExtensionWarning, warn_once
-from ..flops import accumulation_dtype
 
 __all__ = [
     "EXTENSION_ERROR",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..flops import accumulation_dtype
+from .._validation import accumulation_dtype
 
 # Scores held at once by the plain attention of several new tokens (elements of (B, m, Hq, keys)).
 _SCORE_BUDGET = 1 << 24

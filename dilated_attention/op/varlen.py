@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..flops import accumulation_dtype
+from .._validation import accumulation_dtype
 from . import checks
 from .func import NativeVarlenAttention, native_varlen_attention, register_op_autograd
 from .library import _C, _require_extension, dropout_seed_offset, lse_dtype

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _validation as V
+from .._validation import accumulation_dtype
 from ..backends import BackendSelector, check_backend_name
-from ..flops import accumulation_dtype
 from ..functional import _attention
 from ..merge import merge
 from ..modules._script import NotScriptable

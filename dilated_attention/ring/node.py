@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import op
-from ..flops import accumulation_dtype
+from .._validation import accumulation_dtype
 from ..merge import merge_into_
 from ..op.autograd import no_double_backward
 from .consistency import CallCheck
