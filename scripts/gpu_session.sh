@@ -27,24 +27,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-out_dir="" deadline=575 dry=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -h | --help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
-    --dry-run) dry=1 ;;
-    --deadline) [ $# -ge 2 ] || { echo "gpu_session: --deadline needs seconds" >&2; exit 2; }; deadline=$2; shift ;;
-    --deadline=*) deadline=${1#--deadline=} ;;
-    -*) echo "gpu_session: unknown option '$1'" >&2; exit 2 ;;
-    *) [ -z "$out_dir" ] || { echo "gpu_session: one output folder only, got '$out_dir' and '$1'" >&2; exit 2; }
-       out_dir=$1 ;;
-  esac
-  shift
-done
-[[ "$deadline" =~ ^[0-9]+$ ]] || { echo "gpu_session: the deadline must be whole seconds, got '$deadline'" >&2; exit 2; }
-out_dir=${out_dir:-${OUT:-gpu_session_out}}
-mkdir -p "$out_dir" && out_dir=$(cd "$out_dir" && pwd) || { echo "gpu_session: cannot create '$out_dir'" >&2; exit 2; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+source scripts/session_args.sh
+session_args gpu_session gpu_session_out "${BASH_SOURCE[0]}" "$@"
 
 # Seconds each step is given (its own limit inside the command); the check gets the rest
 # (on an H200 at 199db38: build 97 s, tests 246 s, smoke 36 s; views 39 s, profile 17 s).

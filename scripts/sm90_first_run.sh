@@ -25,24 +25,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-out_dir="" deadline=575 dry=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    -h | --help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
-    --dry-run) dry=1 ;;
-    --deadline) [ $# -ge 2 ] || { echo "sm90_first_run: --deadline needs seconds" >&2; exit 2; }; deadline=$2; shift ;;
-    --deadline=*) deadline=${1#--deadline=} ;;
-    -*) echo "sm90_first_run: unknown option '$1'" >&2; exit 2 ;;
-    *) [ -z "$out_dir" ] || { echo "sm90_first_run: one output folder only, got '$out_dir' and '$1'" >&2; exit 2; }
-       out_dir=$1 ;;
-  esac
-  shift
-done
-[[ "$deadline" =~ ^[0-9]+$ ]] || { echo "sm90_first_run: the deadline must be whole seconds, got '$deadline'" >&2; exit 2; }
-out_dir=${out_dir:-${OUT:-sm90_first_run_out}}
-mkdir -p "$out_dir" && out_dir=$(cd "$out_dir" && pwd) || { echo "sm90_first_run: cannot create '$out_dir'" >&2; exit 2; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+source scripts/session_args.sh
+session_args sm90_first_run sm90_first_run_out "${BASH_SOURCE[0]}" "$@"
 
 # Seconds per step (a step gets at most what the deadline leaves).
 BUILD=220 SMOKE=60 BENCH=130 PROFILE=100
