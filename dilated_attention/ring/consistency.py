@@ -252,7 +252,7 @@ class CallLedger:
         self._checked: set[tuple] = set()
         self._agreed: tuple | None = None  # (P, mode) of the last fingerprint sent
 
-    def _count(self, phase: str = "forward") -> dict[str, int]:
+    def _count(self, debug: bool, phase: str = "forward") -> dict[str, int]:
         """Number this forward call: the per-call fields of its fingerprint."""
         call, self.calls = self.calls, self.calls + 1
         seq = _SEQUENCE.get(self.key, 0)
@@ -264,7 +264,7 @@ class CallLedger:
             "call on the process group": seq,
             "call_key": _NO_KEY if key is None else key,
         }
-        if debug_mode():
+        if debug:
             what = f"call {seq}: {self.label}, call {call} of the module, {phase}" + (
                 "" if key is None else f", call_key {key}"
             )
@@ -272,9 +272,9 @@ class CallLedger:
             logger.info("ring %s", what)
         return fields
 
-    def _checks(self, mode: bool | str, P: int) -> bool:
+    def _checks(self, mode: bool | str, P: int, debug: bool) -> bool:
         """Whether this call sends its fingerprint (peers of the same mode send theirs too)."""
-        return debug_mode() or mode is True or self._agreed != (P, mode)
+        return debug or mode is True or self._agreed != (P, mode)
 
     def check(
         self, comm: Comm, config: dict[str, int], names: dict[str, tuple[str, ...]], mode: bool | str
@@ -283,9 +283,9 @@ class CallLedger:
         across the ranks as ``mode`` says; raise ``ValueError`` on every rank when they differ.
         Returns what the backward compares again (mode True or the debug mode)."""
         debug = debug_mode()
-        fields = {**config, **self._count(), "debug": int(debug)}
+        fields = {**config, **self._count(debug), "debug": int(debug)}
         once_key = tuple(v for name, v in fields.items() if name not in _PER_CALL)
-        if self._checks(mode, comm.P) or (mode == "once" and once_key not in self._checked):
+        if self._checks(mode, comm.P, debug) or (mode == "once" and once_key not in self._checked):
             compare(comm, fields, names, self.key)
             self._agreed = (comm.P, mode)
             if mode == "once":
@@ -297,10 +297,11 @@ class CallLedger:
         compare this call's fingerprint (mode True, the debug mode, or the module's first call),
         join them with a refusal, so that every rank raises and the ranks stay in step. Returns
         normally: the caller raises its own error."""
-        fields = _fields(magic=_MAGIC, **self._count(), debug=int(debug_mode()))
+        debug = debug_mode()
+        fields = _fields(magic=_MAGIC, **self._count(debug), debug=int(debug))
         fields["refused (the rank's own checks refused its inputs)"] = 1
         fields["check_consistency"] = CHECK_MODES.index(mode)
-        if self._checks(mode, comm.P):
+        if self._checks(mode, comm.P, debug):
             with contextlib.suppress(ValueError):
                 compare(comm, fields, {}, self.key)
             self._agreed = (comm.P, mode)
