@@ -43,9 +43,14 @@
 //
 // Each device registers its implementation with TORCH_LIBRARY_IMPL in cpu/ and cuda/.
 #include <Python.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <exception>
+#include <vector>
+
+#include "views/plan.h"
 
 namespace dilated_attention {
 const char* cpu_kernel_isa();  // cpu/isa.cpp
@@ -62,12 +67,119 @@ static PyObject* cpu_isa(PyObject*, PyObject*) {
   }
 }
 
+// The ints of a Python sequence of ints (what), or NULL with a Python error naming it.
+static bool int_list(PyObject* seq, const char* what, std::vector<int64_t>* out) {
+  PyObject* fast = PySequence_Fast(seq, "");
+  if (fast == NULL) {
+    PyErr_Format(PyExc_ValueError, "dilated_attention plan: %s must be a sequence of ints, got %R", what,
+                 seq);
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(fast, i);
+    const long long v = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+    if (!PyLong_Check(item) || (v == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError, "dilated_attention plan: %s must be a sequence of ints, got %R", what,
+                   seq);
+      Py_DECREF(fast);
+      return false;
+    }
+    out->push_back((int64_t)v);
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
+// A tuple of n Python ints from vals, or NULL (a Python error set).
+static PyObject* int_tuple(const int64_t* vals, Py_ssize_t n) {
+  PyObject* t = PyTuple_New(n);
+  for (Py_ssize_t i = 0; t != NULL && i < n; ++i) {
+    PyObject* v = PyLong_FromLongLong(vals[i]);
+    if (v == NULL) {
+      Py_DECREF(t);
+      return NULL;
+    }
+    PyTuple_SET_ITEM(t, i, v);
+  }
+  return t;
+}
+
+// _C.plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa): the kernel calls of every
+// branch (views/plan.h), through the plan cache: a tuple per branch of one tuple of 16 ints per call,
+// (start, rows, length, r, m, q.p0, q.dp, q.c0, q.dc, q.n, kv.p0, kv.dp, kv.c0, kv.dc, kv.n, g).
+// lengths: the sequences of a packed batch (one for a fixed-length batch). Bad arguments raise
+// ValueError naming them.
+static PyObject* plan(PyObject*, PyObject* args) {
+  PyObject *lengths_obj, *segs_obj, *rates_obj;
+  long long Hq, Hkv;
+  int native_gqa;
+  if (!PyArg_ParseTuple(args, "OLLOOp:plan", &lengths_obj, &Hq, &Hkv, &segs_obj, &rates_obj, &native_gqa))
+    return NULL;
+  std::vector<int64_t> lengths, segs, rates;
+  if (!int_list(lengths_obj, "lengths", &lengths) || !int_list(segs_obj, "segment_lengths", &segs) ||
+      !int_list(rates_obj, "dilation_rates", &rates))
+    return NULL;
+  std::shared_ptr<const dilated_attention::views::Plan> p;
+  try {
+    p = dilated_attention::views::plan_branches(lengths, Hq, Hkv, segs, rates, native_gqa != 0);
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return NULL;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return NULL;
+  }
+  PyObject* out = PyTuple_New((Py_ssize_t)p->branches.size());
+  for (size_t b = 0; out != NULL && b < p->branches.size(); ++b) {
+    const auto& calls = p->branches[b];
+    PyObject* branch = PyTuple_New((Py_ssize_t)calls.size());
+    for (size_t i = 0; branch != NULL && i < calls.size(); ++i) {
+      const auto& c = calls[i];
+      const int64_t vals[16] = {c.part.start, c.part.rows, c.part.length, c.r,   c.m,     c.q.p0,
+                                c.q.dp,       c.q.c0,      c.q.dc,        c.q.n, c.kv.p0, c.kv.dp,
+                                c.kv.c0,      c.kv.dc,     c.kv.n,        c.g};
+      PyObject* call = int_tuple(vals, 16);
+      if (call == NULL)
+        Py_CLEAR(branch);
+      else
+        PyTuple_SET_ITEM(branch, (Py_ssize_t)i, call);
+    }
+    if (branch == NULL)
+      Py_CLEAR(out);
+    else
+      PyTuple_SET_ITEM(out, (Py_ssize_t)b, branch);
+  }
+  return out;
+}
+
+// _C.plan_cache_info() -> (hits, misses, entries, max_entries) of the plan cache (views/plan.h),
+// which every driver's plan goes through.
+static PyObject* plan_cache_info(PyObject*, PyObject*) {
+  const auto info = dilated_attention::views::plan_cache_info();
+  const int64_t vals[4] = {info.hits, info.misses, info.entries, info.max_entries};
+  return int_tuple(vals, 4);
+}
+
+// _C.plan_cache_clear(): empties the plan cache and zeroes its counts.
+static PyObject* plan_cache_clear(PyObject*, PyObject*) {
+  dilated_attention::views::plan_cache_clear();
+  Py_RETURN_NONE;
+}
+
 extern "C" {
 // Importing dilated_attention._C runs the static initialisers below, which register the op.
 PyObject* PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"cpu_isa", cpu_isa, METH_NOARGS,
        "The instruction set the CPU kernels run with: avx512, avx2 or baseline."},
+      {"plan", plan, METH_VARARGS,
+       "plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa): the kernel calls of every "
+       "branch, a tuple of 16 ints per call."},
+      {"plan_cache_info", plan_cache_info, METH_NOARGS,
+       "The plan cache's (hits, misses, entries, max_entries)."},
+      {"plan_cache_clear", plan_cache_clear, METH_NOARGS, "Empties the plan cache and zeroes its counts."},
       {NULL, NULL, 0, NULL},
   };
   static struct PyModuleDef module_def = {

@@ -1,4 +1,4 @@
-// The plan of the views driver's kernel calls (plan.h), and its cache.
+// The plan of the drivers' kernel calls (plan.h), and its cache.
 #include "views/plan.h"
 
 #include <algorithm>
@@ -97,49 +97,113 @@ void diagonal_calls(const Part& part, int64_t r, int64_t Hq, int64_t G, std::vec
   }
 }
 
+// The parts of a branch of segment length w: per sequence of n > 0 positions, its n / L segments
+// of L = min(w, n) positions, and its shorter last segment when n % L != 0.
+std::vector<Part> parts_of(at::IntArrayRef lengths, int64_t w) {
+  std::vector<Part> parts;
+  int64_t start = 0;
+  for (const int64_t n : lengths) {
+    if (n > 0) {
+      const int64_t L = std::min(w, n), full = n / L;
+      parts.push_back({start, full, L});
+      if (n - full * L) parts.push_back({start + full * L, 1, n - full * L});
+    }
+    start += n;
+  }
+  return parts;
+}
+
 // The plan, computed (plan_branches caches it).
-std::shared_ptr<const Plan> make_plan(int64_t N, int64_t Hq, int64_t Hkv, at::IntArrayRef segment_lengths,
-                                      at::IntArrayRef dilation_rates, bool native_gqa) {
+std::shared_ptr<const Plan> make_plan(at::IntArrayRef lengths, int64_t Hq, int64_t Hkv,
+                                      at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                                      bool native_gqa) {
   auto plan = std::make_shared<Plan>();
   const int64_t G = Hq / Hkv;
   for (size_t b = 0; b < segment_lengths.size(); ++b) {
     const int64_t w = segment_lengths[b], r = dilation_rates[b];
     std::vector<Call> calls;
-    if (N > 0) {
-      const int64_t L = std::min(w, N), full = N / L;
-      std::vector<Part> parts = {{0, full, L}};
-      if (N - full * L) parts.push_back({full * L, 1, N - full * L});
-      for (const Part& part : parts) {
-        if (r >= Hq && Hq > 1)
-          diagonal_calls(part, r, Hq, G, &calls);
-        else
-          phase_calls(part, r, Hq, G, native_gqa, &calls);
-      }
+    for (const Part& part : parts_of(lengths, w)) {
+      if (r >= Hq && Hq > 1)
+        diagonal_calls(part, r, Hq, G, &calls);
+      else
+        phase_calls(part, r, Hq, G, native_gqa, &calls);
     }
     plan->branches.push_back(std::move(calls));
   }
   return plan;
 }
 
+// Every argument the plan's rule needs, or c10::ValueError naming the one that is not.
+void check_plan_arguments(at::IntArrayRef lengths, int64_t Hq, int64_t Hkv, at::IntArrayRef segment_lengths,
+                          at::IntArrayRef dilation_rates) {
+  for (size_t i = 0; i < lengths.size(); ++i)
+    TORCH_CHECK_VALUE(lengths[i] >= 0, "dilated_attention plan: sequence lengths must be >= 0, got lengths[",
+                      i, "] = ", lengths[i]);
+  TORCH_CHECK_VALUE(Hq >= 1 && Hkv >= 1 && Hq % Hkv == 0,
+                    "dilated_attention plan: Hq must be a positive multiple of Hkv >= 1, got Hq = ", Hq,
+                    ", Hkv = ", Hkv);
+  TORCH_CHECK_VALUE(segment_lengths.size() == dilation_rates.size(),
+                    "dilated_attention plan: segment_lengths and dilation_rates must have one entry per "
+                    "branch, got ",
+                    segment_lengths, " and ", dilation_rates);
+  for (size_t b = 0; b < segment_lengths.size(); ++b)
+    TORCH_CHECK_VALUE(segment_lengths[b] >= 1 && dilation_rates[b] >= 1, "dilated_attention plan: branch ", b,
+                      " must have w >= 1 and r >= 1, got w = ", segment_lengths[b],
+                      ", r = ", dilation_rates[b]);
+}
+
+// The cache: plans per key, and its counts (under lock).
+constexpr int64_t kMaxPlans = 256;  // a bounded cache: geometries rarely change
+struct Cache {
+  std::mutex lock;
+  std::map<std::vector<int64_t>, std::shared_ptr<const Plan>> plans;
+  int64_t hits = 0, misses = 0;
+};
+
+Cache& cache() {
+  static Cache c;
+  return c;
+}
+
 }  // namespace
 
-std::shared_ptr<const Plan> plan_branches(int64_t N, int64_t Hq, int64_t Hkv, at::IntArrayRef segment_lengths,
-                                          at::IntArrayRef dilation_rates, bool native_gqa) {
-  static std::mutex lock;
-  static std::map<std::vector<int64_t>, std::shared_ptr<const Plan>> cache;
-  std::vector<int64_t> key = {N, Hq, Hkv, (int64_t)native_gqa, (int64_t)segment_lengths.size()};
+std::shared_ptr<const Plan> plan_branches(at::IntArrayRef lengths, int64_t Hq, int64_t Hkv,
+                                          at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                                          bool native_gqa) {
+  check_plan_arguments(lengths, Hq, Hkv, segment_lengths, dilation_rates);
+  std::vector<int64_t> key = {Hq, Hkv, (int64_t)native_gqa, (int64_t)segment_lengths.size(),
+                              (int64_t)lengths.size()};
   key.insert(key.end(), segment_lengths.begin(), segment_lengths.end());
   key.insert(key.end(), dilation_rates.begin(), dilation_rates.end());
+  key.insert(key.end(), lengths.begin(), lengths.end());
+  Cache& c = cache();
   {
-    std::lock_guard<std::mutex> guard(lock);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
+    std::lock_guard<std::mutex> guard(c.lock);
+    auto it = c.plans.find(key);
+    if (it != c.plans.end()) {
+      ++c.hits;
+      return it->second;
+    }
   }
-  auto plan = make_plan(N, Hq, Hkv, segment_lengths, dilation_rates, native_gqa);
-  std::lock_guard<std::mutex> guard(lock);
-  if (cache.size() >= 256) cache.clear();  // a bounded cache: geometries rarely change
-  cache.emplace(std::move(key), plan);
+  auto plan = make_plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa);
+  std::lock_guard<std::mutex> guard(c.lock);
+  ++c.misses;
+  if ((int64_t)c.plans.size() >= kMaxPlans) c.plans.clear();
+  c.plans.emplace(std::move(key), plan);
   return plan;
+}
+
+PlanCacheInfo plan_cache_info() {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> guard(c.lock);
+  return {c.hits, c.misses, (int64_t)c.plans.size(), kMaxPlans};
+}
+
+void plan_cache_clear() {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> guard(c.lock);
+  c.plans.clear();
+  c.hits = c.misses = 0;
 }
 
 }  // namespace views

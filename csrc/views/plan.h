@@ -1,9 +1,12 @@
-// The kernel calls of the sdpa backend's driver, as strided views of q, k and v (no gathers); the
-// C++ form of dilated_attention/backends/views.py's plan_branches for one sequence length.
+// The kernel calls of every driver that runs a kernel per call, as strided views of q, k and v (no
+// gathers): the one plan, used by the sdpa backend's C++ driver (views.cpp, varlen.cpp through it)
+// and, through the extension's plan() (dilated_attention.cpp), by the Python driver
+// (dilated_attention/backends/strided.py decodes it into its Call tuples).
 //
-// A branch (w, r) cuts the sequence into segments of L = min(w, N) positions (and a shorter last
-// one, a separate part, when N % w != 0). A kernel call takes n heads whose phase and head index
-// both step by a constant:
+// A branch (w, r) cuts each sequence of n positions into segments of L = min(w, n) positions (and a
+// shorter last one, a separate part, when n % L != 0); the sequences of a packed batch follow each
+// other, each with parts of its own. A kernel call takes n heads whose phase and head index both
+// step by a constant:
 //
 //     element [bb, j, t, e] = segment[bb][p0 + t * dp + j * r, c0 + t * dc, e]
 //
@@ -50,11 +53,31 @@ struct Plan {
   std::vector<std::vector<Call>> branches;
 };
 
-// The plan of a sequence of N positions, Hq query and Hkv key/value heads and the branches
-// (segment_lengths, dilation_rates), cached per key (thread-safe). native_gqa: the kernel takes
-// fewer key/value heads than query heads.
-std::shared_ptr<const Plan> plan_branches(int64_t N, int64_t Hq, int64_t Hkv, at::IntArrayRef segment_lengths,
-                                          at::IntArrayRef dilation_rates, bool native_gqa);
+// The plan of the sequences of lengths (a packed batch: they follow each other, the first at
+// position 0), Hq query and Hkv key/value heads and the branches (segment_lengths,
+// dilation_rates), cached per key (thread-safe). native_gqa: the kernel takes fewer key/value
+// heads than query heads. A bad argument (a negative length, Hq not a multiple of Hkv >= 1, w or
+// r < 1, lists of two lengths) throws c10::ValueError naming it.
+std::shared_ptr<const Plan> plan_branches(at::IntArrayRef lengths, int64_t Hq, int64_t Hkv,
+                                          at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                                          bool native_gqa);
+
+// The plan of one sequence of N positions (a batch of such sequences runs each call per batch entry
+// or folded, folds() below).
+inline std::shared_ptr<const Plan> plan_branches(int64_t N, int64_t Hq, int64_t Hkv,
+                                                 at::IntArrayRef segment_lengths,
+                                                 at::IntArrayRef dilation_rates, bool native_gqa) {
+  return plan_branches(at::IntArrayRef(&N, 1), Hq, Hkv, segment_lengths, dilation_rates, native_gqa);
+}
+
+// What the plan cache holds and has done since it was last cleared: every plan_branches call
+// counts, from C++ (the views ops) or Python.
+struct PlanCacheInfo {
+  int64_t hits, misses, entries, max_entries;
+};
+PlanCacheInfo plan_cache_info();
+// Empties the plan cache and zeroes its counts.
+void plan_cache_clear();
 
 // Whether the segments of call fold with the batch dim of a contiguous (B, N, ...) tensor into
 // one dim (one batch, one segment per row, or segments that tile the sequence); otherwise the
