@@ -40,12 +40,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
 import logging
 import math
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -55,23 +53,19 @@ from typing import Any
 
 import torch
 
-from dilated_attention.flops import attention_flops, attention_pairs, matmul_flops
-
+# benchlib beside this file; importing it puts the checkout's package on the path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_args as ba
+import benchlib as lib
+
+from dilated_attention.flops import attention_flops, attention_pairs, matmul_flops
 
 log = logging.getLogger("bench")
 
 BACKENDS = ("native", "flash_attn_3", "flash_attn_2", "xformers", "sdpa", "manual")
 ALTERNATIVES = ("dense_causal_sdpa", "dense_mask_sdpa", "gather_sdpa")
 MODES = ("fwd", "fwdbwd")
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-K = 1024
+DTYPES = lib.DTYPES
+K = lib.K
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,8 +293,7 @@ def run_case(spec: dict) -> dict:
     q, k, v, dout = inputs(N)
 
     def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(dev)
+        lib.sync(dev)
 
     sync()
     base = torch.cuda.memory_allocated(dev) if cuda else _status_kb("VmRSS")
@@ -403,77 +396,6 @@ def check_alternatives(cfg: dict, N: int = 512) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def machine_info(device: torch.device) -> dict:
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-    }
-    try:
-        import dilated_attention
-
-        info["dilated_attention"] = dilated_attention.__version__
-    except Exception as exc:
-        info["dilated_attention"] = f"unavailable ({type(exc).__name__})"
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        info["git_commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=here,
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=False,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        m = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-        info["cpu"] = m.group(1).strip() if m else platform.processor()
-        flags = re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE)
-        isa = [x for x in ("avx512f", "avx2", "fma") if flags and x in flags.group(1).split()]
-        info["cpu_isa"] = ",".join(isa)
-        try:
-            from dilated_attention import op as _ops
-
-            info["kernel_isa"] = _ops.cpu_isa()
-        except Exception as exc:
-            info["kernel_isa"] = f"unknown ({type(exc).__name__})"
-        with open("/proc/meminfo") as f:
-            mem = f.read()
-        info["mem_total_gib"] = round(int(re.search(r"MemTotal:\s+(\d+)", mem).group(1)) / 2**20, 1)
-    except OSError:
-        info["cpu"] = platform.processor()
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info["gpu"] = props.name
-        info["gpu_capability"] = f"{props.major}.{props.minor}"
-        info["gpu_mem_gib"] = round(props.total_memory / 2**30, 1)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def machine_tag(info: dict) -> str:
-    if "gpu" in info:
-        name = info["gpu"]
-    else:
-        name = f"{info.get('cpu', 'cpu')}-{info.get('cpu_count')}core"
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    slug = re.sub(r"-(processor|cpu)\b", "", slug)
-    if "gpu" not in info and info.get("cpu_isa"):
-        slug += "-" + info["cpu_isa"].split(",")[0].replace("avx512f", "avx512")  # the widest vector ISA
-    return f"{info['device'].split(':')[0]}-{slug}"
-
-
 def memory_budget(device: torch.device, fraction: float) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -501,11 +423,6 @@ def runnable_backends(device: torch.device, dtype: torch.dtype, cfg: dict) -> tu
 # ------------------------------------------------------------------------------------------------
 # The sweep
 # ------------------------------------------------------------------------------------------------
-
-
-def _ints(text: str) -> list[int]:
-    """Comma-separated ints with k/m suffixes (``4k,16k,1m``); a bad one is an argparse error."""
-    return ba.int_list(text)
 
 
 def _fmt_n(n: int) -> str:
@@ -914,21 +831,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--device", type=ba.device, default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", type=lib.device, default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument(
         "--n",
-        type=ba.positive_int_list,
+        type=lib.positive_int_list,
         default=None,
         help="sequence lengths, e.g. 8k,16k (default 1K..256K on CPU, 1K..4M on CUDA)",
     )
-    p.add_argument("--batch", "-B", type=ba.positive_int, default=1)
-    p.add_argument("--heads", "-H", type=ba.positive_int, default=8)
+    p.add_argument("--batch", "-B", type=lib.positive_int, default=1)
+    p.add_argument("--heads", "-H", type=lib.positive_int, default=8)
     p.add_argument(
-        "--kv-heads", type=ba.positive_int, default=None, help="key/value heads (default: --heads)"
+        "--kv-heads", type=lib.positive_int, default=None, help="key/value heads (default: --heads)"
     )
-    p.add_argument("--dim", "-D", type=ba.positive_int, default=64, help="head dim")
-    p.add_argument("--segments", type=ba.positive_int_list, default=[2048, 4096, 8192])
-    p.add_argument("--rates", type=ba.positive_int_list, default=[1, 2, 4])
+    p.add_argument("--dim", "-D", type=lib.positive_int, default=64, help="head dim")
+    p.add_argument("--segments", type=lib.positive_int_list, default=[2048, 4096, 8192])
+    p.add_argument("--rates", type=lib.positive_int_list, default=[1, 2, 4])
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="default float32 (CPU), bfloat16 (CUDA)"
     )
@@ -938,51 +855,51 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"comma-separated subset of {', '.join(BACKENDS + ALTERNATIVES)} (default: all that run)",
     )
-    p.add_argument("--repeats", type=ba.positive_int, default=3, help="timed calls per case and round")
+    p.add_argument("--repeats", type=lib.positive_int, default=3, help="timed calls per case and round")
     p.add_argument(
-        "--rounds", type=ba.positive_int, default=1, help="interleaved rounds per case (median of rounds)"
+        "--rounds", type=lib.positive_int, default=1, help="interleaved rounds per case (median of rounds)"
     )
     p.add_argument(
         "--target-rounds",
-        type=ba.positive_int,
+        type=lib.positive_int,
         default=3,
         help="rounds for N in 8K..64K, where the targets are checked",
     )
-    p.add_argument("--warmup", type=ba.nonnegative_int, default=1)
+    p.add_argument("--warmup", type=lib.nonnegative_int, default=1)
     p.add_argument(
-        "--threads", type=ba.positive_int, default=None, help="torch threads (default: torch's default)"
+        "--threads", type=lib.positive_int, default=None, help="torch threads (default: torch's default)"
     )
     p.add_argument(
         "--max-seconds",
-        type=ba.positive_float,
+        type=lib.positive_float,
         default=60.0,
         help="skip a case predicted to take longer per call",
     )
     p.add_argument(
         "--slow-seconds",
-        type=ba.nonnegative_float,
+        type=lib.nonnegative_float,
         default=15.0,
         help="a case predicted to take longer per call runs once, without warm-up",
     )
     p.add_argument(
         "--case-timeout",
-        type=ba.positive_float,
+        type=lib.positive_float,
         default=1800.0,
         help="kill a case's subprocess after this long",
     )
     p.add_argument(
         "--mem-fraction",
-        type=ba.fraction,
+        type=lib.fraction,
         default=0.75,
         help="of the available memory, the most a case may use",
     )
     p.add_argument(
         "--scale-n",
-        type=ba.nonnegative_int_list,
+        type=lib.nonnegative_int_list,
         default=None,
         help="N of the native-only scale run (default 1M on CPU, 1M,4M on CUDA; 0 to skip)",
     )
-    p.add_argument("--scale-heads", type=ba.positive_int, default=4)
+    p.add_argument("--scale-heads", type=lib.positive_int, default=4)
     p.add_argument(
         "--from-json",
         metavar="PATH",
@@ -1001,9 +918,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker is not None or args.from_json:
         return args
-    ba.check_branches(p, args.segments, args.rates)
-    ba.check_heads(p, args.heads, args.kv_heads)
-    ba.check_head_dim(p, args.dim, "--dim")
+    lib.check_branches(p, args.segments, args.rates)
+    lib.check_heads(p, args.heads, args.kv_heads)
+    lib.check_head_dim(p, args.dim, "--dim")
     if args.methods is not None:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in wanted if m not in BACKENDS + ALTERNATIVES]
@@ -1063,7 +980,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log.warning("backend %s cannot run here (%s): left out", m, "; ".join(why_not.get(m, [])))
         methods = [m for m in wanted if m in ALTERNATIVES or m in backends]
 
-    meta = machine_info(device)
+    meta = lib.machine_info(device)
     budget = memory_budget(device, args.mem_fraction)
     meta.update(
         {
@@ -1103,25 +1020,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     )
 
-    report(rows, meta, mm, cfg, output_stem(args.out, args.tag or machine_tag(meta), args.overwrite))
+    report(rows, meta, mm, cfg, output_stem(args.out, args.tag or lib.machine_tag(meta), args.overwrite))
     return 0
 
 
 def output_stem(out: str, tag: str, overwrite: bool = False) -> str:
-    """``<out>/<tag>``, or ``<out>/<tag>-<date>-<time>`` where results named ``<tag>`` exist and
-    ``overwrite`` is not set: a new run never replaces saved (e.g. committed) results unasked."""
-    stem = os.path.join(out, tag)
-    if overwrite or not any(os.path.exists(stem + ext) for ext in (".csv", ".json", ".png", ".txt")):
-        return stem
-    fresh = f"{stem}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    n = 1
-    while any(os.path.exists(fresh + ext) for ext in (".csv", ".json", ".png")):
-        n += 1
-        fresh = f"{stem}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{n}"
-    print(
-        f"results named {tag!r} exist in {out}: writing {os.path.basename(fresh)}.* beside them (--overwrite replaces them)"
-    )
-    return fresh
+    """``<out>/<tag>``, or beside it with the time in the name where results of that name exist."""
+    return lib.fresh_stem(os.path.join(out, tag), (".csv", ".json", ".png", ".txt"), overwrite)
 
 
 def report(rows: list[dict], meta: dict, mm: float, cfg: dict, stem: str) -> None:
@@ -1147,7 +1052,7 @@ def report_saved(path: str, out: str, tag: str | None, overwrite: bool = False) 
         raise SystemExit(
             f"--from-json {path}: not a saved benchmark run ({type(exc).__name__}: {exc})"
         ) from None
-    report(rows, meta, mm, cfg, output_stem(out, tag or machine_tag(meta), overwrite))
+    report(rows, meta, mm, cfg, output_stem(out, tag or lib.machine_tag(meta), overwrite))
     return 0
 
 

@@ -20,9 +20,20 @@ keys and values each cache holds for one layer (also for L up to ``--memory-leng
 from the layout). It writes ``<out>/<tag>.csv``, ``.json`` (rows, memory rows, machine, versions,
 date, commit and the ``--note``) and ``.png`` (time and bytes against L, log-log).
 
+``--generate TOKENS`` measures instead the memory of HuggingFace ``generate()`` on the bounded
+cache over a long generation: a tiny Llama (random weights, ``attn_implementation=
+"dilated_attention"``) generates TOKENS new tokens greedily with
+``dilated_attention.transformers_cache.BoundedDilatedCache``; every ``--every`` tokens it records the
+process's resident memory (VmRSS, Linux), its peak (VmHWM), the cache's bytes and the time per
+token. The cache's bytes stop growing at the largest segment; the RSS should too. For comparison,
+``--cache dynamic`` runs transformers' own cache (every position kept). It writes
+``<out>/<tag>.json`` (default tag ``decode-generate-<cache>``) and prints a line per record.
+
     python benchmarks/bench_decode.py                       # L = 4K .. 1M, float32, on the CPU
     python benchmarks/bench_decode.py --lengths 4k,64k --repeats 5 --threads 1 --note "shared machine"
     python benchmarks/bench_decode.py --device cuda
+    python benchmarks/bench_decode.py --generate 32768 --threads 1
+    python benchmarks/bench_decode.py --generate 8192 --cache dynamic
 """
 
 from __future__ import annotations
@@ -41,13 +52,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+# benchlib beside this file; importing it puts the checkout's package on the path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib as lib
+
 from dilated_attention import CacheUsageWarning, dilated_attention_decode
 from dilated_attention.decode import BoundedDilatedKVCache, decode_key_positions
 from dilated_attention.op.slots import branch_slots
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_args as ba
-from bench import DTYPES, machine_info, machine_tag
 
 log = logging.getLogger("bench_decode")
 
@@ -172,23 +183,6 @@ def check(cache_k: torch.Tensor, cache_v: torch.Tensor, L: int, args: argparse.N
     return float((a.float() - b.float()).abs().max())
 
 
-def time_fn(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def plot(path: str, rows: list[dict], memory: list[dict], meta: dict) -> bool:
     try:
         import matplotlib
@@ -257,51 +251,72 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--lengths",
-        type=ba.positive_int_list,
-        default=ba.int_list("4k,16k,64k,256k,1m"),
+        type=lib.positive_int_list,
+        default=lib.int_list("4k,16k,64k,256k,1m"),
         help="cache lengths",
     )
     p.add_argument(
         "--memory-lengths",
-        type=ba.positive_int_list,
-        default=ba.int_list("4k,16k,64k,256k,1m,4m,16m"),
+        type=lib.positive_int_list,
+        default=lib.int_list("4k,16k,64k,256k,1m,4m,16m"),
         help="cache lengths of the memory table (computed, not allocated)",
     )
-    p.add_argument("--batch", type=ba.positive_int, default=1)
-    p.add_argument("--heads", type=ba.positive_int, default=8, help="query heads")
-    p.add_argument("--kv-heads", type=ba.positive_int, default=2, help="key/value heads")
-    p.add_argument("--dim", type=ba.positive_int, default=64, help="head dim")
-    p.add_argument("--segments", type=ba.positive_int_list, default=[2048, 8192, 32768, 131072, 524288])
-    p.add_argument("--rates", type=ba.positive_int_list, default=[1, 4, 16, 64, 256])
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--device", type=ba.device, default="cpu")
+    p.add_argument("--batch", type=lib.positive_int, default=1)
+    p.add_argument("--heads", type=lib.positive_int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=lib.positive_int, default=2, help="key/value heads")
+    p.add_argument("--dim", type=lib.positive_int, default=64, help="head dim")
     p.add_argument(
-        "--threads", type=ba.nonnegative_int, default=0, help="torch threads on the CPU (0: torch's default)"
+        "--segments",
+        type=lib.positive_int_list,
+        help="segment lengths (default 2048,8192,32768,131072,524288; with --generate 512,2048,8192)",
     )
-    p.add_argument("--warmup", type=ba.nonnegative_int, default=2)
-    p.add_argument("--repeats", type=ba.positive_int, default=10)
+    p.add_argument(
+        "--rates",
+        type=lib.positive_int_list,
+        help="dilation rates (default 1,4,16,64,256; with --generate 1,4,16)",
+    )
+    p.add_argument("--dtype", choices=sorted(lib.DTYPES), default="float32")
+    p.add_argument("--device", type=lib.device, default="cpu")
+    p.add_argument(
+        "--threads", type=lib.nonnegative_int, default=0, help="torch threads on the CPU (0: torch's default)"
+    )
+    p.add_argument("--warmup", type=lib.nonnegative_int, default=2)
+    p.add_argument("--repeats", type=lib.positive_int, default=10)
     p.add_argument("--note", default="", help="a label for the run, e.g. that the machine was shared")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default=None, help="output file stem (default: decode-<machine>)")
+    g = p.add_argument_group("--generate: HuggingFace generate() on the bounded cache (CPU)")
+    g.add_argument("--generate", type=lib.positive_int, metavar="TOKENS", help="new tokens to generate")
+    g.add_argument("--every", type=lib.positive_int, default=2048, help="record every this many tokens")
+    g.add_argument("--cache", choices=["bounded", "dynamic"], default="bounded")
     args = p.parse_args(argv)
-    ba.check_branches(p, args.segments, args.rates)
-    ba.check_heads(p, args.heads, args.kv_heads)
-    ba.check_head_dim(p, args.dim, "--dim")
+    generate = args.generate is not None
+    if args.segments is None:
+        args.segments = [512, 2048, 8192] if generate else [2048, 8192, 32768, 131072, 524288]
+    if args.rates is None:
+        args.rates = [1, 4, 16] if generate else [1, 4, 16, 64, 256]
+    lib.check_branches(p, args.segments, args.rates)
+    if generate and args.every > args.generate:
+        p.error(f"--every {args.every} records nothing in --generate {args.generate}: give at most that")
+    lib.check_heads(p, args.heads, args.kv_heads)
+    lib.check_head_dim(p, args.dim, "--dim")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.generate is not None:
+        return generate(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from tqdm import tqdm
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
-    meta = machine_info(device)
+    dtype = lib.DTYPES[args.dtype]
+    meta = lib.machine_info(device)
     meta.update(segments=args.segments, rates=args.rates, note=args.note)
-    stem = os.path.join(args.out, args.tag or f"decode-{machine_tag(meta)}")
+    stem = os.path.join(args.out, args.tag or f"decode-{lib.machine_tag(meta)}")
     Lmax = max(args.lengths)
     shape = (args.batch, args.kv_heads, Lmax, args.dim)
     gib = 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size() / 2**30
@@ -337,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             full = 2 * args.batch * args.kv_heads * L * args.dim * esize
             for m in METHODS:
                 bar.set_description(f"{m} L={L}")
-                times = time_fn(fns[m], device, args.warmup, args.repeats)
+                times = lib.time_ms(fns[m], device, args.warmup, args.repeats)
                 rows.append(
                     {
                         "method": m,
@@ -376,6 +391,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         written.append(stem + ".png")
     print_table(rows, memory)
     print("wrote " + ", ".join(written))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# --generate
+# ------------------------------------------------------------------------------------------------
+
+
+def _status(key: str) -> int:
+    """A field of /proc/self/status in bytes (0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    """--generate: the memory of HuggingFace generate() on the bounded (or dynamic) cache."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria
+
+    import dilated_attention.transformers_cache as dtc
+
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=args.generate + 64, bos_token_id=None, eos_token_id=None,
+        dilated_attention={"segment_lengths": args.segments, "dilation_rates": args.rates},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="dilated_attention").eval()
+    cache = dtc.BoundedDilatedCache(model.config) if args.cache == "bounded" else None
+    rows: list[dict] = []
+    start = time.perf_counter()
+    meta = lib.machine_info(torch.device("cpu"))
+    meta.update(
+        segments=args.segments, rates=args.rates, cache=args.cache, tokens=args.generate, note=args.note
+    )
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, (args.tag or f"decode-generate-{args.cache}") + ".json")
+
+    def save() -> None:  # after every record: a run cut short keeps what it measured
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    class Record(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: object) -> torch.Tensor:
+            n = input_ids.shape[1] - 16
+            if n % args.every == 0:
+                held = cache.memory_bytes() if cache is not None else 0
+                rows.append(
+                    {
+                        "tokens": n,
+                        "rss_bytes": _status("VmRSS"),
+                        "peak_rss_bytes": _status("VmHWM"),
+                        "cache_bytes": held,
+                        "s_per_token": (time.perf_counter() - start) / n,
+                    }
+                )
+                print(
+                    f"{n:>7} tokens  RSS {rows[-1]['rss_bytes'] / 2**20:8.1f} MiB  peak "
+                    f"{rows[-1]['peak_rss_bytes'] / 2**20:8.1f} MiB  cache {held / 2**20:6.1f} MiB  "
+                    f"{1e3 * rows[-1]['s_per_token']:.1f} ms/token",
+                    flush=True,
+                )
+                save()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    ids = torch.randint(1, 256, (1, 16))
+    kw = {"past_key_values": cache} if cache is not None else {}
+    with torch.no_grad():
+        model.generate(
+            ids, max_new_tokens=args.generate, min_new_tokens=args.generate, do_sample=False, pad_token_id=0,
+            stopping_criteria=[Record()], **kw,
+        )  # fmt: skip
+    save()
+    print(f"wrote {path}")
     return 0
 
 

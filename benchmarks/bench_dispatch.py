@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -36,14 +34,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_args beside this file
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the checkout's package
-import bench_args as ba
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this file (it adds the checkout)
+import benchlib as lib
 
 from dilated_attention import BACKEND_CHOICES, dilated_attention, select_backend
 
-ROOT = Path(__file__).resolve().parent.parent
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: lib.DTYPES[name] for name in ("float32", "bfloat16", "float16")}
 DEFAULT_BACKENDS = ["native", "sdpa"]  # manual materializes each segment's scores: minutes at 16K
 
 
@@ -65,7 +61,7 @@ class DispatchCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
 
-backend_list = ba.names_among(BACKEND_CHOICES)
+backend_list = lib.names_among(BACKEND_CHOICES)
 
 
 def count_call(
@@ -117,49 +113,17 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def git_commit() -> str:
-    """The checkout's commit (``+modified`` when tracked files differ from it), or ``unknown`` when
-    this folder is not the root of a git checkout of its own (e.g. a copy of the files)."""
-
-    def git(*cmd: str) -> str:
-        r = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
-        return r.stdout.strip()
-
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != ROOT:
-            return "unknown"
-        commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return commit + ("+modified" if dirty else "")
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model name."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n", type=ba.positive_int, default=16 * 1024, help="sequence length (e.g. 16k)")
-    p.add_argument("--batch", type=ba.positive_int, default=1)
-    p.add_argument("--heads", type=ba.positive_int, default=12, help="query heads")
+    p.add_argument("--n", type=lib.positive_int, default=16 * 1024, help="sequence length (e.g. 16k)")
+    p.add_argument("--batch", type=lib.positive_int, default=1)
+    p.add_argument("--heads", type=lib.positive_int, default=12, help="query heads")
     p.add_argument(
-        "--kv-heads", type=ba.positive_int, default=None, help="key/value heads (default: --heads)"
+        "--kv-heads", type=lib.positive_int, default=None, help="key/value heads (default: --heads)"
     )
-    p.add_argument("--dim", type=ba.positive_int, default=64, help="head dim")
-    p.add_argument("--segments", type=ba.positive_int_list, default=[2048, 4096, 8192, 16384])
-    p.add_argument("--rates", type=ba.positive_int_list, default=[1, 2, 4, 8])
+    p.add_argument("--dim", type=lib.positive_int, default=64, help="head dim")
+    p.add_argument("--segments", type=lib.positive_int_list, default=[2048, 4096, 8192, 16384])
+    p.add_argument("--rates", type=lib.positive_int_list, default=[1, 2, 4, 8])
     p.add_argument("--causal", type=int, choices=(0, 1), default=1)
     p.add_argument(
         "--backends",
@@ -167,17 +131,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_BACKENDS,
         help=f"comma-separated, among {','.join(BACKEND_CHOICES)} (default: native,sdpa)",
     )
-    p.add_argument("--device", type=ba.device, default="cpu")
+    p.add_argument("--device", type=lib.device, default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument(
-        "--warmup", type=ba.nonnegative_int, default=0, help="uncounted calls before the counted one"
+        "--warmup", type=lib.nonnegative_int, default=0, help="uncounted calls before the counted one"
     )
-    p.add_argument("--top", type=ba.nonnegative_int, default=4, help="most dispatched ops shown per backend")
+    p.add_argument("--top", type=lib.nonnegative_int, default=4, help="most dispatched ops shown per backend")
     p.add_argument("--out", default=None, help="write the table to this markdown file")
     args = p.parse_args(argv)
-    ba.check_branches(p, args.segments, args.rates)
-    ba.check_heads(p, args.heads, args.kv_heads)
-    ba.check_head_dim(p, args.dim, "--dim")
+    lib.check_branches(p, args.segments, args.rates)
+    lib.check_heads(p, args.heads, args.kv_heads)
+    lib.check_head_dim(p, args.dim, "--dim")
     if args.out and not Path(args.out).resolve().parent.is_dir():
         p.error(f"--out {args.out}: its folder does not exist")
     return args
@@ -216,8 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(args.device)
     kv_heads = args.kv_heads or args.heads
     where = (
-        f"{device_name(device)} ({args.device}), {args.dtype}, torch {torch.__version__}, "
-        f"commit {git_commit()}, {datetime.datetime.now(datetime.timezone.utc).date()}"
+        f"{lib.device_name(device)} ({args.device}), {args.dtype}, torch {torch.__version__}, "
+        f"commit {lib.git_commit()}, {datetime.datetime.now(datetime.timezone.utc).date()}"
     )
     shape = (
         f"B={args.batch} N={args.n} H={args.heads} Hkv={kv_heads} D={args.dim} causal={bool(args.causal)} "

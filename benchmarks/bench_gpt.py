@@ -41,7 +41,6 @@ import csv
 import datetime
 import gc
 import os
-import re
 import shlex
 import sys
 import tempfile
@@ -55,18 +54,15 @@ from unittest.mock import patch
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_args, bench_cuda beside this file
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the checkout's package
-sys.path.insert(2, str(Path(__file__).resolve().parent.parent / "examples" / "gpt"))  # the example
-import bench_args as ba
-from bench_cuda import longnet_branches
-from bench_dispatch import device_name, git_commit
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib beside this file (it adds the checkout)
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "examples" / "gpt"))  # the example
+import benchlib as lib
 from model import ATTENTION_BACKENDS, GPT, GPTConfig
 from train_config import DTYPES, TrainConfig
 from train_utils import auto_dtype, backend_in_use, peak_flops
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+ROOT = lib.ROOT
+RESULTS = lib.RESULTS
 BACKENDS = ["dense", "auto", "native", "sdpa"]
 COMPILE = {"off": [False], "on": [True], "both": [False, True]}
 # The optimizer of GPT-2 small's training (nanoGPT): AdamW, lr 6e-4, betas (0.9, 0.95), clipping at 1.
@@ -134,7 +130,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     # native with the tensor-core passes on Hopper's warpgroup MMA (csrc/cuda/tc90_kernels.cuh)
     "native-sm90": ("native", {"DILATED_ATTENTION_CUDA_SM90": "1"}),
 }
-backend_list = ba.names_among([*ATTENTION_BACKENDS, *VARIANTS])
+backend_list = lib.names_among([*ATTENTION_BACKENDS, *VARIANTS])
 
 
 @contextmanager
@@ -157,7 +153,7 @@ def profile_spec(text: str) -> tuple[str, int, bool]:
     if mode not in ("eager", "compile"):
         raise argparse.ArgumentTypeError(f"the mode must be eager or compile, got {text!r}")
     try:
-        block = ba.positive_int(parts[1])
+        block = lib.positive_int(parts[1])
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"BLOCK must be an integer >= 1, got {text!r}") from None
     return parts[0], block, mode == "compile"
@@ -165,7 +161,7 @@ def profile_spec(text: str) -> tuple[str, int, bool]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=ba.positive_int_list, default=[16 * 1024, 64 * 1024])
+    p.add_argument("--blocks", type=lib.positive_int_list, default=[16 * 1024, 64 * 1024])
     p.add_argument(
         "--backends",
         type=backend_list,
@@ -180,33 +176,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"torch.compile's backend (default: inductor; {DRY_RUN_COMPILE_BACKEND} with --dry-run)",
     )
     p.add_argument(
-        "--warmup", type=ba.nonnegative_int, default=5, help="untimed steps (compilation, allocation)"
+        "--warmup", type=lib.nonnegative_int, default=5, help="untimed steps (compilation, allocation)"
     )
-    p.add_argument("--steps", type=ba.positive_int, default=20, help="timed steps")
-    p.add_argument("--layers", type=ba.positive_int, default=12)
-    p.add_argument("--heads", type=ba.positive_int, default=12)
-    p.add_argument("--embd", type=ba.positive_int, default=768, help="model width (heads x head dim)")
-    p.add_argument("--vocab", type=ba.positive_int, default=50304)
-    p.add_argument("--batch", type=ba.positive_int, default=1)
+    p.add_argument("--steps", type=lib.positive_int, default=20, help="timed steps")
+    p.add_argument("--layers", type=lib.positive_int, default=12)
+    p.add_argument("--heads", type=lib.positive_int, default=12)
+    p.add_argument("--embd", type=lib.positive_int, default=768, help="model width (heads x head dim)")
+    p.add_argument("--vocab", type=lib.positive_int, default=50304)
+    p.add_argument("--batch", type=lib.positive_int, default=1)
     p.add_argument(
-        "--w0", type=ba.positive_int, default=2048, help="first segment length (w0 * 2^i, r = 2^i)"
+        "--w0", type=lib.positive_int, default=2048, help="first segment length (w0 * 2^i, r = 2^i)"
     )
     p.add_argument(
         "--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bfloat16 on GPUs from sm80"
     )
     p.add_argument(
-        "--device", type=ba.device, default=None, help="default: cuda where there is one, else cpu"
+        "--device", type=lib.device, default=None, help="default: cuda where there is one, else cpu"
     )
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument(
         "--budget",
-        type=ba.nonnegative_float,
+        type=lib.nonnegative_float,
         default=0.0,
         help="seconds: no configuration starts after this much time (a row says so); 0: no limit",
     )
     p.add_argument(
         "--peak-flops",
-        type=ba.nonnegative_float,
+        type=lib.nonnegative_float,
         default=0.0,
         help="per device, for the MFU (0: table or measured)",
     )
@@ -223,7 +219,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="profile one training step of this configuration instead of the table",
     )
     p.add_argument(
-        "--profile-rows", type=ba.positive_int, default=30, help="operations in the profile's table"
+        "--profile-rows", type=lib.positive_int, default=30, help="operations in the profile's table"
     )
     args = p.parse_args(argv)
     if args.dry_run:
@@ -234,10 +230,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.profile = (args.profile[0], DRY_RUN["blocks"][0], args.profile[2])
     if args.embd % args.heads:
         p.error(f"--embd {args.embd} must be a multiple of --heads {args.heads}")
-    if args.embd // args.heads > ba.MAX_HEAD_DIM:
+    if args.embd // args.heads > lib.MAX_HEAD_DIM:
         p.error(
             f"--embd {args.embd} / --heads {args.heads} = {args.embd // args.heads}: the head dim must be "
-            f"at most {ba.MAX_HEAD_DIM} (dilated_attention's head dims)"
+            f"at most {lib.MAX_HEAD_DIM} (dilated_attention's head dims)"
         )
     args.compile_backend = args.compile_backend or "inductor"
     if args.device is None:
@@ -251,7 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace, block: int, backend: str) -> GPTConfig:
-    segs, rates = longnet_branches(block, args.w0)
+    segs, rates = lib.longnet_branches(block, args.w0)
     return GPTConfig(
         block_size=block,
         vocab_size=args.vocab,
@@ -314,11 +310,6 @@ def build(
     return model, step, n
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def fresh(device: torch.device) -> None:
     """Nothing of the previous configuration left: Dynamo's caches and counters, memory."""
     torch._dynamo.reset()
@@ -339,11 +330,11 @@ def measure(
         model, step, _ = build(args, device, dtype, conf, row.compiled)
         for i in range(args.warmup):
             step(i)
-        sync(device)
+        lib.sync(device)
         t0 = time.perf_counter()
         for i in range(args.warmup, args.warmup + args.steps):
             loss = step(i)
-        sync(device)
+        lib.sync(device)
         seconds = time.perf_counter() - t0
     row.loss = float(loss)
     row.tokens_per_s = args.batch * row.block * args.steps / seconds
@@ -427,11 +418,8 @@ def write(stem: Path, args: argparse.Namespace, meta: dict[str, str], rows: list
 
 def results_stem(args: argparse.Namespace, out: Path, kind: str, device: torch.device) -> Path:
     """``out/<tag>`` or ``out/gpt-<kind><device>``, with the time added when that exists already."""
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
-    stem = out / (args.tag or f"gpt-{kind}{slug}")
-    if args.tag is None and any(stem.with_suffix(s).exists() for s in (".md", ".csv", ".txt")):
-        stem = stem.with_name(f"{stem.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    return stem
+    stem = out / (args.tag or f"gpt-{kind}{lib.slug(lib.device_name(device))}")
+    return Path(lib.fresh_stem(stem, (".md", ".csv", ".txt"), overwrite=args.tag is not None))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,12 +439,12 @@ def profile_step(
     _, step, _ = build(args, device, dtype, conf, compiled)
     for i in range(max(args.warmup, 1)):
         step(i)
-    sync(device)
+    lib.sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         step(max(args.warmup, 1))
-        sync(device)
+        lib.sync(device)
         seconds = time.perf_counter() - t0
     events = prof.key_averages()
     on_gpu = device.type == "cuda"
@@ -515,10 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else (Path(tempfile.mkdtemp(prefix="bench_gpt-")) if args.dry_run else RESULTS)
     )
     meta = {
-        "device": f"{device_name(device)} ({device})",
+        "device": f"{lib.device_name(device)} ({device})",
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda) if device.type == "cuda" else "none",
-        "commit": git_commit(),
+        "commit": lib.git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dtype": str(dtype).replace("torch.", ""),
         "command": shlex.join(
@@ -545,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tqdm(configs, unit="config", dynamic_ncols=True) as bar:
         for block, compiled, backend in bar:
             bar.set_description(f"{backend} {block} {'compiled' if compiled else 'eager'}")
-            segs, rates = longnet_branches(block, args.w0)
+            segs, rates = lib.longnet_branches(block, args.w0)
             row = Row(block, backend, compiled, ",".join(map(str, segs)), ",".join(map(str, rates)))
             spent = time.perf_counter() - start
             if args.budget and spent >= args.budget:  # what is left is a row each, not a silence

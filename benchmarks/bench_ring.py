@@ -42,29 +42,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # bench.py, and the package of this checkout
-import bench_args as ba  # noqa: E402  (benchmarks/ is not a package)
-from bench import machine_info  # noqa: E402
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # benchlib, and the package of this checkout
+import benchlib as lib  # noqa: E402  (benchmarks/ is not a package)
 
 from dilated_attention import dilated_attention  # noqa: E402
 from dilated_attention.ring import COMM_MODES, RingDilatedAttention, comm_stats, reset_comm_stats  # noqa: E402
 from dilated_attention.ring.geometry import LAYOUTS, Plan, make_layout  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {name: lib.DTYPES[name] for name in ("float32", "bfloat16", "float64")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=ba.positive_int, default=32768, help="sequence length N")
-    p.add_argument("--batch", type=ba.positive_int, default=1)
-    p.add_argument("--heads", type=ba.positive_int, default=8)
-    p.add_argument("--head-dim", type=ba.positive_int, default=64)
-    p.add_argument("--segments", type=ba.positive_int, nargs="+", default=[2048, 8192, 32768])
-    p.add_argument("--rates", type=ba.positive_int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--procs", type=ba.positive_int, default=2, help="P, the processes of the split run")
+    p.add_argument("--n", type=lib.positive_int, default=32768, help="sequence length N")
+    p.add_argument("--batch", type=lib.positive_int, default=1)
+    p.add_argument("--heads", type=lib.positive_int, default=8)
+    p.add_argument("--head-dim", type=lib.positive_int, default=64)
+    p.add_argument("--segments", type=lib.positive_int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--rates", type=lib.positive_int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--procs", type=lib.positive_int, default=2, help="P, the processes of the split run")
     p.add_argument(
         "--threads",
-        type=ba.positive_int,
+        type=lib.positive_int,
         default=os.cpu_count(),
         help="cores in all; P processes get 1/P each",
     )
@@ -72,19 +71,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comms", nargs="+", choices=COMM_MODES, default=list(COMM_MODES))
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--rounds", type=ba.positive_int, default=3, help="timed rounds (median)")
-    p.add_argument("--warmup", type=ba.nonnegative_int, default=1)
+    p.add_argument("--rounds", type=lib.positive_int, default=3, help="timed rounds (median)")
+    p.add_argument("--warmup", type=lib.nonnegative_int, default=1)
     p.add_argument("--tag", default=None, help="output name; default: ring-<machine>-N<n>")
     p.add_argument("--note", default="", help="a line about the conditions, written with the results")
-    p.add_argument("--out", default=os.path.join(_HERE, "results"))
+    p.add_argument("--out", default=str(lib.RESULTS))
     args = p.parse_args(argv)
     if len(args.segments) != len(args.rates) and args.rates == p.get_default("rates"):
         p.error(
             f"--segments {' '.join(map(str, args.segments))}: give --rates too (one rate per segment; "
             f"the default --rates {' '.join(map(str, args.rates))} has {len(args.rates)})"
         )
-    ba.check_branches(p, args.segments, args.rates)
-    ba.check_head_dim(p, args.head_dim, "--head-dim")
+    lib.check_branches(p, args.segments, args.rates)
+    lib.check_head_dim(p, args.head_dim, "--head-dim")
     if args.n % (2 * args.procs):
         p.error(f"--n {args.n} must be divisible by 2 * --procs = {2 * args.procs}")
     return args
@@ -242,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    info = machine_info(torch.device("cpu"))
+    info = lib.machine_info(torch.device("cpu"))
     tag = args.tag or f"ring-cpu-{args.threads}core-N{args.n}"
     cases = [(c, m, lay) for c in causals for m in args.comms for lay in args.layouts]
     workers = Workers(args)

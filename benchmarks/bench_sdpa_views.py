@@ -3,8 +3,8 @@
 Each measurement runs in a fresh process (peak resident memory is per process): forward, then
 backward of ``out.sum()``, on q, k, v of shape (1, N, 8, 64), LongNet branches w = [2048, 8192,
 32768] (cut to N), r = [1, 2, 4]. ``--baseline DIR`` is a checkout of the commit before the view
-driver (``git worktree add DIR <commit>``, with the compiled extension copied in); it is imported
-instead of this tree for the "before" rows.
+driver (``git worktree add DIR <commit>``, with the compiled extension copied in); its package is imported
+instead of this tree's for the "before" rows.
 
     python benchmarks/bench_sdpa_views.py --baseline /tmp/da_base --n 16384 65536 \\
         --dtype float32 bfloat16 --out benchmarks/results/sdpa-views-cpu.txt
@@ -23,14 +23,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_args as ba  # noqa: E402  (benchmarks/ is not a package; imports neither torch nor the package)
+import benchlib as lib  # noqa: E402  (benchmarks/ is not a package; benchlib does not import the package)
 
 VARIANTS = ("before", "after", "after-op-bwd")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 
-def _measure(n: int, dtype_name: str) -> dict:
+def _measure(n: int, dtype_name: str, checkout: str) -> dict:
+    """One measurement, of the package of ``checkout`` (first on the path: it wins over this tree)."""
     import resource
+
+    sys.path.insert(0, checkout)
 
     import torch
 
@@ -57,9 +60,9 @@ def _measure(n: int, dtype_name: str) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--baseline", type=ba.existing_dir, help="checkout of the commit before (the 'before' rows)"
+        "--baseline", type=lib.existing_dir, help="checkout of the commit before (the 'before' rows)"
     )
-    p.add_argument("--n", type=ba.positive_int, nargs="+", default=[16384])
+    p.add_argument("--n", type=lib.positive_int, nargs="+", default=[16384])
     p.add_argument("--dtype", nargs="+", choices=DTYPE_NAMES, default=["float32"])
     p.add_argument("--out", type=Path)
     p.add_argument(
@@ -70,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="before: the baseline checkout; after: this tree; after-op-bwd: this tree with the fused "
         "CPU backward operator (SdpaBackend.cpu_kernel_backward = True)",
     )
-    p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # N DTYPE CHECKOUT: in the child
     a = p.parse_args(argv)
     if a.one:
         return a
@@ -88,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     if a.one:
-        print(json.dumps(_measure(int(a.one[0]), a.one[1])))
+        print(json.dumps(_measure(int(a.one[0]), a.one[1], a.one[2])))
         return
     paths = {"before": a.baseline, "after": ROOT, "after-op-bwd": ROOT}
     impls = [(v, paths[v]) for v in a.variants if paths[v] is not None]
@@ -101,11 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     for n in a.n:
         for dt in a.dtype:
             for name, path in impls:
-                env = dict(os.environ, PYTHONPATH=str(path))
+                env = dict(os.environ)
                 if name == "after-op-bwd":
                     env["DA_BENCH_OP_BWD"] = "1"
                 res = subprocess.run(
-                    [sys.executable, str(Path(__file__).resolve()), "--one", str(n), dt],
+                    [sys.executable, str(Path(__file__).resolve()), "--one", str(n), dt, str(path)],
                     env=env,
                     cwd="/tmp",
                     capture_output=True,

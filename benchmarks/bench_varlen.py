@@ -24,21 +24,19 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import torch
+
+# benchlib beside this file; importing it puts the checkout's package on the path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib as lib
 
 from dilated_attention import dilated_attention, dilated_attention_varlen
 from dilated_attention.backends import BACKEND_NAMES
 from dilated_attention.flops import attention_flops, attention_pairs
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_args as ba
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: lib.DTYPES[name] for name in ("float32", "float16", "bfloat16")}
 
 
 def document_lengths(docs: int, tokens: int, seed: int) -> list[int]:
@@ -52,54 +50,28 @@ def document_lengths(docs: int, tokens: int, seed: int) -> list[int]:
     return lengths.tolist()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], None], device: torch.device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return (time.perf_counter() - t0) * 1e3
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--docs", type=ba.positive_int, default=64)
-    ap.add_argument("--tokens", type=ba.positive_int, default=64 * 1024)
-    ap.add_argument("--heads", type=ba.positive_int, default=8)
-    ap.add_argument("--head-dim", type=ba.positive_int, default=64)
-    ap.add_argument("--segments", type=ba.positive_int_list, default=[2048, 4096, 8192])
-    ap.add_argument("--rates", type=ba.positive_int_list, default=[1, 2, 4])
+    ap.add_argument("--docs", type=lib.positive_int, default=64)
+    ap.add_argument("--tokens", type=lib.positive_int, default=64 * 1024)
+    ap.add_argument("--heads", type=lib.positive_int, default=8)
+    ap.add_argument("--head-dim", type=lib.positive_int, default=64)
+    ap.add_argument("--segments", type=lib.positive_int_list, default=[2048, 4096, 8192])
+    ap.add_argument("--rates", type=lib.positive_int_list, default=[1, 2, 4])
     ap.add_argument(
         "--causal", type=int, default=1, choices=[0, 1], help="1: causal (language modelling), 0: not"
     )
     ap.add_argument("--backend", default="native", choices=["auto", *BACKEND_NAMES])
-    ap.add_argument("--device", type=ba.device, default="cpu")
+    ap.add_argument("--device", type=lib.device, default="cpu")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    ap.add_argument("--rounds", type=ba.positive_int, default=3, help="timed rounds after one warm-up round")
+    ap.add_argument("--rounds", type=lib.positive_int, default=3, help="timed rounds after one warm-up round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default="", help="a label for the run, e.g. that the machine was shared")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default="varlen")
     args = ap.parse_args(argv)
-    ba.check_branches(ap, args.segments, args.rates)
-    ba.check_head_dim(ap, args.head_dim, "--head-dim")
+    lib.check_branches(ap, args.segments, args.rates)
+    lib.check_head_dim(ap, args.head_dim, "--head-dim")
     if args.tokens < args.docs:
         ap.error(f"--tokens {args.tokens} must be at least --docs {args.docs} (every document has a token)")
     return args
@@ -151,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     times: dict[tuple[str, str], list[float]] = {c: [] for c in cases}
     for r in range(args.rounds + 1):  # round 0 warms up
         for case, fn in cases.items():
-            ms = timed(fn, device)
+            (ms,) = lib.time_ms(fn, device)
             if r:
                 times[case].append(ms)
             print(f"round {r}: {case[0]:6s} {case[1]:6s} {ms:10.1f} ms", file=sys.stderr, flush=True)
@@ -198,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         },
         "torch": torch.__version__,
-        "commit": git_commit(),
+        "commit": lib.git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "note": args.note,
         "rows": rows,
