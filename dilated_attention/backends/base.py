@@ -10,7 +10,16 @@ import torch
 
 from .._validation import accumulation_dtype as lse_dtype
 
-__all__ = ["Backend", "BackendRequest", "Capabilities", "dtype_name", "import_optional", "lse_dtype"]
+__all__ = [
+    "CAPABILITIES",
+    "Backend",
+    "BackendRequest",
+    "Capabilities",
+    "cuda_reasons",
+    "dtype_name",
+    "import_optional",
+    "lse_dtype",
+]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -92,15 +101,74 @@ class Capabilities:
     backward: str = ""
 
 
+#: What each backend declares, by name: one table for the docs and the environment report.
+CAPABILITIES: dict[str, Capabilities] = {
+    "native": Capabilities(
+        needs="the compiled extension (CPU kernels always; CUDA kernels when built with nvcc)",
+        devices="cpu, cuda (where built)",
+        dtypes="float16, bfloat16, float32 (float64 on cpu)",
+        dropout=True,
+        gqa="native",
+        backward="fused backward kernel",
+    ),
+    "flash_attn_3": Capabilities(
+        needs="FlashAttention-3 (module flash_attn_interface), CUDA compute capability 9.x (Hopper)",
+        devices="cuda",
+        dtypes="float16, bfloat16",
+        dropout=False,
+        gqa="native",
+        backward="FlashAttention backward (out) + one extra call for the lse gradient",
+    ),
+    "flash_attn_2": Capabilities(
+        needs="flash_attn 2.x, CUDA compute capability >= 8.0",
+        devices="cuda",
+        dtypes="float16, bfloat16",
+        dropout=True,
+        gqa="native",
+        backward="FlashAttention backward (out) + one extra call for the lse gradient",
+    ),
+    "xformers": Capabilities(
+        needs="xformers, CUDA compute capability >= 6.0",
+        devices="cuda",
+        dtypes="float16, bfloat16, float32",
+        dropout=True,
+        gqa="repeated k/v heads",
+        backward="memory_efficient_attention_backward fed the merged out/lse; autograd with dropout",
+    ),
+    "sdpa": Capabilities(
+        needs="PyTorch (ATen fused attention operators that return the log-sum-exp)",
+        devices="cpu, cuda",
+        dtypes="cpu: float16, bfloat16, float32, float64; cuda: float16, bfloat16, float32",
+        dropout=True,
+        gqa="cpu: native; cuda: repeated k/v heads",
+        head_dims="1..256 (cuda: multiple of 8)",
+        backward="kernel backward fed the merged out/lse (cpu: exact matmul backward); autograd with dropout",
+    ),
+    "manual": Capabilities(
+        needs="PyTorch only",
+        devices="any",
+        dtypes="float16, bfloat16, float32, float64",
+        dropout=True,
+        gqa="native",
+        backward="autograd end to end",
+    ),
+}
+
+
 class Backend:
-    """Base class. Subclasses set ``name``, ``capabilities`` and implement ``reasons`` and ``forward``."""
+    """Base class. Subclasses set ``name`` (a key of :data:`CAPABILITIES`) and implement ``reasons``
+    and ``forward``."""
 
     name: str = ""
-    capabilities: Capabilities
     #: Whether the backend's dropout drops the merged weights of all branches (SPEC section 3);
     #: the gather-based backends drop each kernel call's own weights, which differs with several
     #: branches (a key that two branches find would be dropped twice, independently).
     drops_merged_weights: bool = True
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this backend declares it can run (its row of :data:`CAPABILITIES`)."""
+        return CAPABILITIES[self.name]
 
     def reasons(self, request: BackendRequest) -> list[str]:
         """Why this backend cannot run ``request``; an empty list when it can."""
@@ -177,3 +245,29 @@ def check_device_dtype(
         names = ", ".join(dtype_name(d) for d in ok)
         return [f"{name} on {dev} supports {names}, got {dtype_name(request.dtype)}"]
     return []
+
+
+def cuda_reasons(
+    request: BackendRequest,
+    name: str,
+    dtypes: Sequence[torch.dtype],
+    lowest: tuple[int, int] = (0, 0),
+    highest_major: int | None = None,
+) -> list[str]:
+    """Reasons of a backend that runs on CUDA devices only: of compute capability ``lowest`` or newer
+    (with a major version of at most ``highest_major``, when given), in one of ``dtypes``."""
+    if request.device.type != "cuda":
+        return [f"{name} needs a CUDA device, got {request.device}"]
+    from .. import hardware
+
+    cap = hardware.compute_capability(request.device)
+    why = []
+    if cap is None:
+        why.append("CUDA is not available")
+    elif cap < lowest or (highest_major is not None and cap[0] > highest_major):
+        wanted = f"{lowest[0]}.{lowest[1]} or newer" if highest_major is None else f"{lowest[0]}.x"
+        why.append(
+            f"{name} needs compute capability {wanted}, got {cap[0]}.{cap[1]} "
+            f"({hardware.device_name(request.device)})"
+        )
+    return why + check_device_dtype(request, name, {"cuda": dtypes})

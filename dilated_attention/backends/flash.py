@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from .base import BackendRequest, Capabilities, check_device_dtype, import_optional, lse_dtype
+from .base import BackendRequest, cuda_reasons, import_optional, lse_dtype
 from .driver import StridedBackend, lse_with_grad
 
 __all__ = ["FlashAttn2Backend", "FlashAttn3Backend"]
 
-_HALF = {"cuda": (torch.float16, torch.bfloat16)}
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _takes(fn: Callable, name: str) -> bool:
@@ -41,8 +41,7 @@ def _takes(fn: Callable, name: str) -> bool:
 class _FlashBackend(StridedBackend):
     module_name = ""
     min_capability = (8, 0)
-    max_capability_major = 99
-    supports_dropout = True
+    max_capability_major: int | None = None
 
     def _module(self) -> tuple[Any, list[str]]:
         mod, why = import_optional(self.module_name)
@@ -55,32 +54,15 @@ class _FlashBackend(StridedBackend):
     def reasons(self, request: BackendRequest) -> list[str]:
         _, why = self._module()
         why = list(why) + self._version_reasons()
-        if request.device.type != "cuda":
-            why.append(f"{self.name} needs a CUDA device, got {request.device}")
-        else:
-            from .. import hardware
-
-            cap = hardware.compute_capability(request.device)
-            if cap is None:
-                why.append("CUDA is not available")
-            elif cap < self.min_capability or cap[0] > self.max_capability_major:
-                why.append(
-                    f"{self.name} needs compute capability {self._capability_text()}, got "
-                    f"{cap[0]}.{cap[1]} ({hardware.device_name(request.device)})"
-                )
-            why += check_device_dtype(request, self.name, _HALF)
+        why += cuda_reasons(request, self.name, _HALF, self.min_capability, self.max_capability_major)
         if request.head_dim > 256:
             why.append(f"{self.name} supports head dims up to 256, got {request.head_dim}")
-        if request.dropout and not self.supports_dropout:
+        if request.dropout and not self.capabilities.dropout:
             why.append(f"{self.name} has no attention dropout (dropout_p > 0 requested)")
         return why
 
     def _version_reasons(self) -> list[str]:
         return []
-
-    def _capability_text(self) -> str:
-        lo = f"{self.min_capability[0]}.{self.min_capability[1]}"
-        return f"{lo} or newer" if self.max_capability_major >= 99 else f"{self.min_capability[0]}.x"
 
     def native_gqa(self, device: torch.device) -> bool:
         return True
@@ -119,17 +101,6 @@ class _FlashBackend(StridedBackend):
 class FlashAttn2Backend(_FlashBackend):
     name = "flash_attn_2"
     module_name = "flash_attn"
-    min_capability = (8, 0)
-    supports_dropout = True
-    capabilities = Capabilities(
-        needs="flash_attn 2.x, CUDA compute capability >= 8.0",
-        devices="cuda",
-        dtypes="float16, bfloat16",
-        dropout=True,
-        gqa="native",
-        head_dims="1..256",
-        backward="FlashAttention backward (out) + one extra call for the lse gradient",
-    )
 
     def _version_reasons(self) -> list[str]:
         mod, _ = import_optional(self.module_name)
@@ -153,16 +124,6 @@ class FlashAttn3Backend(_FlashBackend):
     module_name = "flash_attn_interface"
     min_capability = (9, 0)
     max_capability_major = 9
-    supports_dropout = False
-    capabilities = Capabilities(
-        needs="FlashAttention-3 (module flash_attn_interface), CUDA compute capability 9.x (Hopper)",
-        devices="cuda",
-        dtypes="float16, bfloat16",
-        dropout=False,
-        gqa="native",
-        head_dims="1..256",
-        backward="FlashAttention backward (out) + one extra call for the lse gradient",
-    )
 
     def _call(self, q, k, v, *, is_causal, scale, dropout_p, with_lse):
         fa = self._func()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import BackendRequest, Capabilities, lse_dtype
+from .base import BackendRequest, lse_dtype
 from .driver import StridedBackend
 
 __all__ = ["ManualBackend"]
@@ -24,14 +24,6 @@ __all__ = ["ManualBackend"]
 
 class ManualBackend(StridedBackend):
     name = "manual"
-    capabilities = Capabilities(
-        needs="PyTorch only",
-        devices="any",
-        dtypes="float16, bfloat16, float32, float64",
-        dropout=True,
-        gqa="native",
-        backward="autograd end to end",
-    )
 
     def reasons(self, request: BackendRequest) -> list[str]:
         from .. import hardware

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import op
-from .base import Backend, BackendRequest, Capabilities, check_device_dtype
+from .base import Backend, BackendRequest, check_device_dtype
 
 __all__ = ["NativeBackend"]
 
@@ -23,14 +23,6 @@ _DTYPES = {
 
 class NativeBackend(Backend):
     name = "native"
-    capabilities = Capabilities(
-        needs="the compiled extension (CPU kernels always; CUDA kernels when built with nvcc)",
-        devices="cpu, cuda (where built)",
-        dtypes="float16, bfloat16, float32 (float64 on cpu)",
-        dropout=True,
-        gqa="native",
-        backward="fused backward kernel",
-    )
 
     def reasons(self, request: BackendRequest) -> list[str]:
         why = []

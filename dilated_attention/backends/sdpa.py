@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..op import views as views_op
 from . import sdpa_kernels
-from .base import BackendRequest, Capabilities, check_device_dtype
+from .base import BackendRequest, check_device_dtype
 from .driver import StridedBackend, lse_with_grad
 
 __all__ = ["SdpaBackend"]
@@ -80,15 +80,6 @@ def _positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float,
 
 class SdpaBackend(StridedBackend):
     name = "sdpa"
-    capabilities = Capabilities(
-        needs="PyTorch (ATen fused attention operators that return the log-sum-exp)",
-        devices="cpu, cuda",
-        dtypes="cpu: float16, bfloat16, float32, float64; cuda: float16, bfloat16, float32",
-        dropout=True,
-        gqa="cpu: native; cuda: repeated k/v heads",
-        head_dims="1..256 (cuda: multiple of 8)",
-        backward="kernel backward fed the merged out/lse (cpu: exact matmul backward); autograd with dropout",
-    )
 
     #: Run the CPU flash operator's own backward (fast, but outside the float32 accuracy rule on
     #: large logits) instead of :func:`.sdpa_kernels.cpu_exact_backward`.

@@ -22,27 +22,18 @@ from typing import Any
 
 import torch
 
-from .base import BackendRequest, Capabilities, check_device_dtype, import_optional, lse_dtype
+from .base import BackendRequest, cuda_reasons, import_optional, lse_dtype
 from .driver import StridedBackend, lse_with_grad
 
 __all__ = ["XformersBackend"]
 
-_DTYPES = {"cuda": (torch.float16, torch.bfloat16, torch.float32)}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NEEDED = ("memory_efficient_attention", "LowerTriangularMask")
 _NEEDED_FMHA = ("memory_efficient_attention_forward_requires_grad", "memory_efficient_attention_backward")
 
 
 class XformersBackend(StridedBackend):
     name = "xformers"
-    capabilities = Capabilities(
-        needs="xformers, CUDA compute capability >= 6.0",
-        devices="cuda",
-        dtypes="float16, bfloat16, float32",
-        dropout=True,
-        gqa="repeated k/v heads",
-        head_dims="1..256",
-        backward="memory_efficient_attention_backward fed the merged out/lse; autograd with dropout",
-    )
 
     def _ops(self) -> Any:
         # Imported (and checked) when the backend was selected: a plain lookup here.
@@ -59,18 +50,7 @@ class XformersBackend(StridedBackend):
             lacks += [f"fmha.{n}" for n in _NEEDED_FMHA if not hasattr(fmha, n)]
             if lacks:
                 why.append(f"xformers.ops lacks {', '.join(lacks)}")
-        if request.device.type != "cuda":
-            why.append(f"xformers needs a CUDA device, got {request.device}")
-        else:
-            from .. import hardware
-
-            cap = hardware.compute_capability(request.device)
-            if cap is None:
-                why.append("CUDA is not available")
-            elif cap < (6, 0):
-                why.append(f"xformers needs compute capability 6.0 or newer, got {cap[0]}.{cap[1]}")
-            why += check_device_dtype(request, "xformers", _DTYPES)
-        return why
+        return why + cuda_reasons(request, "xformers", _DTYPES, (6, 0))
 
     def merged_backward(self, device: torch.device, dropout_p: float) -> bool:
         return dropout_p == 0.0

@@ -120,15 +120,7 @@ class DilatedAttention(NotScriptable, nn.Module):
         return out
 
     if TYPE_CHECKING:  # nn.Module.__call__ is typed as returning Any; give callers forward's types
-
-        def __call__(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            is_causal: bool = False,
-            key_padding_mask: torch.Tensor | None = None,
-        ) -> torch.Tensor: ...
+        __call__ = forward
 
     def _forward_padded(
         self,

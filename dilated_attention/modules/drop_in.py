@@ -302,18 +302,7 @@ class DropInMultiheadAttention(NotScriptable, nn.Module):
         return torch._nested_tensor_from_mask(out, real, mask_check=False), weights
 
     if TYPE_CHECKING:  # nn.Module.__call__ is typed as returning Any; give callers forward's types
-
-        def __call__(
-            self,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            key_padding_mask: torch.Tensor | None = None,
-            need_weights: bool = True,
-            attn_mask: torch.Tensor | None = None,
-            average_attn_weights: bool = True,
-            is_causal: bool = False,
-        ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+        __call__ = forward
 
     @classmethod
     def from_torch(

@@ -287,18 +287,7 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
         return (x.squeeze(0) if unbatched else x), None
 
     if TYPE_CHECKING:  # nn.Module.__call__ is typed as returning Any; give callers forward's types
-
-        def __call__(
-            self,
-            query: torch.Tensor,
-            key: torch.Tensor | None = None,
-            value: torch.Tensor | None = None,
-            key_padding_mask: torch.Tensor | None = None,
-            need_weights: bool | None = None,
-            attn_mask: torch.Tensor | None = None,
-            average_attn_weights: bool = True,
-            is_causal: bool = False,
-        ) -> tuple[torch.Tensor, None]: ...
+        __call__ = forward
 
     def _check_layout(self, query: torch.Tensor) -> None:
         """Warn once when a (B, N, E) input looks sequence-first, (N, B, E): the first dimension

@@ -221,6 +221,31 @@ def test_capability_declarations_give_reasons():
         assert caps.devices and caps.dtypes and caps.needs and isinstance(caps.dropout, bool)
 
 
+@pytest.mark.parametrize(
+    ("cap", "name", "expected"),
+    [
+        ((8, 6), "flash_attn_3", "flash_attn_3 needs compute capability 9.x, got 8.6 (GPU)"),
+        ((10, 0), "flash_attn_3", "flash_attn_3 needs compute capability 9.x, got 10.0 (GPU)"),
+        ((7, 5), "flash_attn_2", "flash_attn_2 needs compute capability 8.0 or newer, got 7.5 (GPU)"),
+        ((5, 2), "xformers", "xformers needs compute capability 6.0 or newer, got 5.2 (GPU)"),
+        ((9, 0), "flash_attn_3", None),
+        ((12, 0), "flash_attn_2", None),
+    ],
+)
+def test_cuda_backends_name_the_capability_they_need(monkeypatch, cap, name, expected):
+    from dilated_attention import hardware
+
+    monkeypatch.setattr(hardware, "compute_capability", lambda device=None: cap)
+    monkeypatch.setattr(hardware, "device_name", lambda device=None: "GPU")
+    request = BackendRequest(torch.device("cuda"), torch.float16, 64, dropout=True)
+    why = get_backend(name).reasons(request)
+    capability = [r for r in why if "compute capability" in r]
+    assert capability == ([expected] if expected else [])
+    assert ("has no attention dropout" in " ".join(why)) == (not get_backend(name).capabilities.dropout)
+    half = BackendRequest(torch.device("cuda"), torch.float64, 64)
+    assert f"{name} on cuda supports" in " ".join(get_backend(name).reasons(half))
+
+
 def test_compiled_selection_passes_only_constants(monkeypatch):
     """Under torch.compile the choice is baked into the graph by a call whose arguments must be
     constants (PyTorch 2.11 refuses an object there): the selector goes by an int, the key holds
