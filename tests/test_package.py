@@ -43,20 +43,23 @@ def _run_without_extension(mode: str, body: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("mode", ["missing", "mismatched"])
-def test_without_the_extension_sdpa_and_manual_run_and_native_says_why(mode):
+def test_without_the_extension_every_backend_says_why(mode):
+    """The extension holds native's kernels and the plan of the other backends' calls: without it
+    a call raises naming it and what to run; the report still runs."""
     run = _run_without_extension(
         mode,
         """
         import warnings
         import torch
         import dilated_attention as da
-        from reference import reference_attention
         from dilated_attention.backends import BackendRequest, get_backend
         q = torch.randn(1, 24, 2, 8, dtype=torch.float64)
-        ref, _ = reference_attention(q, q, q, [8, 16], [1, 2])
-        for backend in ("auto", "sdpa", "manual", "native"):
-            out = da.dilated_attention(q, q, q, [8, 16], [1, 2], backend=backend)
-            torch.testing.assert_close(out, ref)
+        for backend in ("auto", "sdpa", "manual"):
+            try:
+                da.dilated_attention(q, q, q, [8, 16], [1, 2], backend=backend)
+            except RuntimeError as exc:
+                print("CALL:", backend, exc)
+        print("CACHE:", da.get_pattern_cache().info())
         why = get_backend("native").reasons(BackendRequest(torch.device("cpu"), torch.float32, 8))
         print("NATIVE:", why)
         try:
@@ -77,11 +80,14 @@ def test_without_the_extension_sdpa_and_manual_run_and_native_says_why(mode):
     else:
         assert "failed to load" in err and "undefined symbol" in err and torch.__version__ in err
     assert "circular import" not in out + err
-    # A requested native falls back to sdpa with the reason; auto takes sdpa silently.
-    assert "BackendFallbackWarning" in err and "using 'sdpa' instead" in err
+    for backend in ("auto", "sdpa", "manual"):
+        line = next(x for x in out.splitlines() if x.startswith(f"CALL: {backend} "))
+        assert "the compiled extension dilated_attention._C" in line, line
+        assert "pip install --no-build-isolation -e ." in line, line
+    assert "CACHE: CacheInfo(hits=0, misses=0, entries=0, max_entries=0)" in out
     assert 'NATIVE: ["the compiled extension dilated_attention._C' in out
     assert "RAISES: dilated_attention: the compiled extension" in out
-    assert "extension        not loaded:" in out and "recommended      dtype float32, backend sdpa" in out
+    assert "extension        not loaded:" in out
 
 
 def test_uncovered_positions_warn_once_and_only_when_some_position_has_no_head():

@@ -315,9 +315,8 @@ class StridedBackend(Backend):
         _refuse_branch_dropout(self.name, segment_lengths, dilation_rates, dropout_p)
         q, k, v = _last_dims_contiguous(q, k, v)
         n = tuple(int(x) for x in N) if isinstance(N, tuple) else int(N)
-        # Dynamo traces the planning itself (plain Python on ints, constant in the graph) and warns
-        # about an lru_cache it would step over: it is given the uncached function.
-        plan = (plan_branches.__wrapped__ if torch.compiler.is_compiling() else plan_branches)(
+        # The C++ plan; under torch.compile a constant of the graph (strided.plan_branches)
+        plan = plan_branches(
             n,
             int(q.shape[2]),
             int(k.shape[2]),

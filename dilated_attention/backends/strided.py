@@ -22,16 +22,25 @@ views:
   by several query heads of a call is a stride-0 head).
 
 Rows of different segment lengths (the shorter last segment, or the sequences of a packed batch)
-are separate *parts*. The plans are cached per geometry (pure Python, no tensors).
+are separate *parts*.
+
+The plan lives in C++ (``csrc/views/plan.h``/``plan.cpp``), once for every driver: the sdpa
+backend's C++ driver calls it there, and :func:`plan_branches` here decodes what the extension's
+``plan()`` returns into :class:`Call` tuples. Its cache is the C++ one (:func:`get_pattern_cache`);
+without the compiled extension there is no plan, and :func:`plan_branches` raises a
+``RuntimeError`` that names the extension and how to build it.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from ..op import library
 
 __all__ = [
     "CacheInfo",
@@ -161,93 +170,33 @@ def batches(call: Call, B: int, N: int) -> list[slice]:
     return [slice(b, b + 1) for b in range(B)]
 
 
-def _runs(vals: list[int]) -> list[tuple[int, int]]:
-    """Split ``vals`` into the longest runs ``[i, j)`` whose consecutive differences are equal."""
-    runs, i = [], 0
-    while i < len(vals):
-        j = i + 1
-        if j < len(vals):
-            d = vals[j] - vals[i]
-            while j < len(vals) and vals[j] - vals[j - 1] == d:
-                j += 1
-        runs.append((i, j))
-        i = j
-    return runs
-
-
-def _step(vals: list[int]) -> int:
-    return vals[1] - vals[0] if len(vals) > 1 else 1
-
-
-def _phase_calls(part: Part, r: int, Hq: int, G: int, native_gqa: bool) -> list[Call]:
-    """``r < Hq``: one call per phase ``o`` (heads ``o::r``), split where the key/value heads do
-    not step evenly."""
-    calls = []
-    for o in range(r):
-        m = len(range(o, part.length, r))
-        qh = list(range(o, Hq, r))
-        if m == 0 or not qh:
-            continue
-        kvh = [h // G for h in qh]
-        uniq = sorted(set(kvh))
-        g = len(qh) // len(uniq)
-        if (
-            native_gqa
-            and g > 1
-            and len(qh) == g * len(uniq)
-            and kvh == [uniq[j // g] for j in range(len(qh))]
-            and len(_runs(uniq)) == 1
-        ):
-            kv = Strided(o, 0, uniq[0], _step(uniq), len(uniq))
-            calls.append(Call(part, r, m, Strided(o, 0, o, r, len(qh)), kv, g))
-            continue
-        for i, j in _runs(kvh):
-            sub = kvh[i:j]
-            kv = Strided(o, 0, sub[0], _step(sub) if len(sub) > 1 else 1, j - i)
-            if len(sub) > 1 and sub[1] == sub[0]:
-                kv = Strided(o, 0, sub[0], 0, j - i)
-                if native_gqa:  # one key/value head read by every query head of the run
-                    kv = Strided(o, 0, sub[0], 1, 1)
-                    calls.append(Call(part, r, m, Strided(o, 0, qh[i], r, j - i), kv, j - i))
-                    continue
-            calls.append(Call(part, r, m, Strided(o, 0, qh[i], r, j - i), kv, 1))
-    return calls
-
-
-def _diagonal_calls(part: Part, r: int, Hq: int, G: int) -> list[Call]:
-    """``r >= Hq``: head ``h`` reads phase ``h``; heads ``i, i + G, ...`` in one call, split where
-    their number of rows changes."""
-    calls = []
-    for i in range(G):
-        heads = [h for h in range(i, Hq, G) if h < part.length]
-        ms = [len(range(h, part.length, r)) for h in heads]
-        a = 0
-        while a < len(heads):
-            b = a + 1
-            while b < len(heads) and ms[b] == ms[a]:
-                b += 1
-            n, h0 = b - a, heads[a]
-            q = Strided(h0, G, h0, G, n)
-            kv = Strided(h0, G, h0 // G, 1, n)
-            calls.append(Call(part, r, ms[a], q, kv, 1))
-            a = b
-    return calls
-
-
-def _parts(lengths: tuple[int, ...], w: int) -> list[Part]:
-    parts, start = [], 0
-    for n in lengths:
-        if n > 0:
-            L = min(w, n)
-            full = n // L
-            parts.append(Part(start, full, L))
-            if n - full * L:
-                parts.append(Part(start + full * L, 1, n - full * L))
-        start += n
-    return parts
+@torch.compiler.assume_constant_result
+def _planned(
+    lengths: tuple[int, ...],
+    Hq: int,
+    Hkv: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    native_gqa: bool,
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The extension's plan (plain ints, 16 a call). torch.compile calls it while tracing and keeps
+    the result as a constant of the graph (a call into C would break the graph)."""
+    return library._require_extension().plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa)
 
 
 @functools.lru_cache(maxsize=256)
+def _decoded(planned: tuple[tuple[tuple[int, ...], ...], ...]) -> tuple[tuple[Call, ...], ...]:
+    """The :class:`Call` tuples of a plan of the extension, kept per plan (building the frozen
+    dataclasses costs more than planning)."""
+    return tuple(
+        tuple(
+            Call(Part(c[0], c[1], c[2]), c[3], c[4], Strided(*c[5:10]), Strided(*c[10:15]), c[15])
+            for c in calls
+        )
+        for calls in planned
+    )
+
+
 def plan_branches(
     N: int | tuple[int, ...],
     Hq: int,
@@ -257,19 +206,20 @@ def plan_branches(
     native_gqa: bool,
 ) -> tuple[tuple[Call, ...], ...]:
     """The kernel calls of every branch: one tuple of :class:`Call` per branch. ``N`` is the
-    sequence length, or the lengths of the sequences of a packed batch."""
-    lengths = N if isinstance(N, tuple) else (N,)
-    G = Hq // Hkv
-    plan = []
-    for w, r in zip(segment_lengths, dilation_rates, strict=True):
-        calls: list[Call] = []
-        for part in _parts(lengths, w):
-            if r >= Hq and Hq > 1:
-                calls += _diagonal_calls(part, r, Hq, G)
-            else:
-                calls += _phase_calls(part, r, Hq, G, native_gqa)
-        plan.append(tuple(calls))
-    return tuple(plan)
+    sequence length, or the lengths of the sequences of a packed batch. Planned in C++, through
+    its cache (module docstring); a symbolic length (torch.compile's dynamic shapes) is
+    specialised to its value (``operator.index``, a guard on it), as the plan depends on it."""
+    lengths = tuple(operator.index(n) for n in (N if isinstance(N, tuple) else (N,)))
+    planned = _planned(
+        lengths,
+        operator.index(Hq),
+        operator.index(Hkv),
+        tuple(segment_lengths),
+        tuple(dilation_rates),
+        bool(native_gqa),
+    )
+    # Dynamo warns about an lru_cache it would step over: it traces the uncached function
+    return (_decoded.__wrapped__ if torch.compiler.is_compiling() else _decoded)(planned)
 
 
 class CacheInfo(NamedTuple):
@@ -282,21 +232,22 @@ class CacheInfo(NamedTuple):
 
 
 class PlanCache:
-    """The cache of :func:`plan_branches`: the kernel calls of each geometry (sequence length or
-    packed lengths, heads, branches), planned once per process and shared by every call of the
-    backends that run a kernel per call (``sdpa``'s Python driver, ``manual``, ``flash_attn_*``,
-    ``xformers``). Plain Python tuples, no tensors. ``sdpa``'s C++ driver and ``native`` plan in
-    C++ and do not use it."""
+    """The plan cache (``csrc/views/plan.cpp``): the kernel calls of each geometry (sequence length
+    or packed lengths, heads, branches), planned once per process and shared by every driver that
+    runs a kernel per call (``sdpa``'s C++ and Python drivers, ``manual``, ``flash_attn_*``,
+    ``xformers``). ``native`` needs no plan."""
 
     def info(self) -> CacheInfo:
-        c = plan_branches.cache_info()
-        return CacheInfo(c.hits, c.misses, c.currsize, c.maxsize or 0)
+        if library._C is None:  # without the extension nothing is planned
+            return CacheInfo(0, 0, 0, 0)
+        return CacheInfo(*library._C.plan_cache_info())
 
     def clear(self) -> None:
-        plan_branches.cache_clear()
+        if library._C is not None:
+            library._C.plan_cache_clear()
 
     def __len__(self) -> int:
-        return plan_branches.cache_info().currsize
+        return self.info().entries
 
 
 _PLAN_CACHE = PlanCache()

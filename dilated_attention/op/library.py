@@ -30,7 +30,7 @@ _REBUILD = (
     "in the source tree, or `pip install --no-build-isolation .` for a copy"
 )
 _BUILD_HINT = _REBUILD + (
-    ". Until then the sdpa and manual backends run (backend='auto' picks them) and native cannot"
+    ". Until then no backend runs: it holds native's kernels and the plan of the other backends' kernel calls"
 )
 
 

@@ -221,16 +221,16 @@ def test_torch_compile_fullgraph_forward_and_backward():
 def test_varlen_patterns_are_cached(monkeypatch):
     """The Python driver (which runs dropout, and every packed call with the C++ driver off) plans
     a packing once."""
+    from dilated_attention import get_pattern_cache
     from dilated_attention.backends.sdpa import SdpaBackend
-    from dilated_attention.backends.strided import plan_branches
 
     monkeypatch.setattr(SdpaBackend, "cpp_driver", False)
     cu, _ = cu_of([9, 30, 4])
     q = torch.randn(43, 2, 8)
     dilated_attention_varlen(q, q, q, cu, 30, [8], [2], backend="sdpa")
-    before = plan_branches.cache_info()
+    before = get_pattern_cache().info()
     dilated_attention_varlen(q, q, q, cu, 30, [8], [2], backend="sdpa")
-    after = plan_branches.cache_info()
+    after = get_pattern_cache().info()
     assert after.hits > before.hits and after.misses == before.misses
 
 
