@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_cuda import longnet_branches
+from benchlib import longnet_branches
 
 import dilated_attention
 

@@ -27,15 +27,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-source scripts/session_args.sh
+source scripts/session_lib.sh
 session_args gpu_session gpu_session_out "${BASH_SOURCE[0]}" "$@"
 
 # Seconds each step is given (its own limit inside the command); the check gets the rest
 # (on an H200 at 199db38: build 97 s, tests 246 s, smoke 36 s; views 39 s, profile 17 s).
 BUILD=200 ATTN=90 GPT=170 PROFILE=25 VIEWS=40
-start=$(date +%s)
-spent=0  # a dry run's steps take their whole limits, so that it shows what each would get
-left() { echo $((deadline - ($(date +%s) - start) - spent)); }
 
 if [ "$dry" = 0 ] && ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "gpu_session: no CUDA GPU here; nothing to check, skipping."
@@ -43,54 +40,19 @@ if [ "$dry" = 0 ] && ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda
   exit 0
 fi
 
-declare -a rows=()
-status=0
-step() {  # step NAME LIMIT COMMAND...: runs COMMAND under timeout LIMIT, records its status and time
-  local name=$1 limit=$2
-  shift 2
-  local t0 rc
-  if [ "$(left)" -lt 20 ] || [ "$limit" -lt 20 ]; then
-    rows+=("| $name | not run: $(left) s left of the deadline | 0 |")
-    status=1
-    return
-  fi
-  [ "$limit" -le "$(left)" ] || limit=$(left)
-  if [ "$dry" = 1 ]; then
-    echo "$name (${limit} s): $*"
-    spent=$((spent + limit))
-    rows+=("| $name | dry run | 0 |")
-    return
-  fi
-  echo "gpu_session: $name (up to ${limit} s) ..."
-  t0=$(date +%s)
-  if [ -n "${STEP_LOG:-}" ]; then timeout "$limit" "$@" >"$STEP_LOG" 2>&1; else timeout "$limit" "$@"; fi
-  rc=$?
-  local took=$(($(date +%s) - t0))
-  if [ "$rc" = 0 ]; then
-    rows+=("| $name | pass | $took |")
-  elif [ "$rc" = 124 ]; then
-    rows+=("| $name | FAIL: out of time (${limit} s) | $took |")
-    status=1
-  else
-    rows+=("| $name | FAIL (exit status $rc) | $took |")
-    status=1
-  fi
-  echo "gpu_session: $name: ${rows[-1]}"
-}
-
-step build "$BUILD" bash scripts/gpu_check.sh tests "$work/build" --steps build --deadline $((BUILD - 10))
+session_step build "$BUILD" - bash scripts/gpu_check.sh tests "$work/build" --steps build --deadline $((BUILD - 10))
 # native sm90 (off by default, never run on a GPU) is left to its own command: a hang there would
 # cost this step's other rows.
-step attn "$ATTN" "$PYTHON" benchmarks/bench_cuda.py --gpt --methods dense auto sdpa native flex gather \
+session_step attn "$ATTN" - "$PYTHON" benchmarks/bench_cuda.py --gpt --methods dense auto sdpa native flex gather \
   --iters 5 --budget $((ATTN - 30)) --out "$work/attn/attn"
-step gpt "$GPT" "$PYTHON" benchmarks/bench_gpt.py --blocks 16k,64k,128k --compile both --backends dense,auto \
+session_step gpt "$GPT" - "$PYTHON" benchmarks/bench_gpt.py --blocks 16k,64k,128k --compile both --backends dense,auto \
   --steps 3 --warmup 1 --budget $((GPT - 40)) --out "$work/gpt"
-step profile "$PROFILE" "$PYTHON" benchmarks/bench_gpt.py --profile auto:16k:eager --out "$work/profile"
+session_step profile "$PROFILE" - "$PYTHON" benchmarks/bench_gpt.py --profile auto:16k:eager --out "$work/profile"
 xdist=()
 "$PYTHON" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
-STEP_LOG=$out_dir/views.log step views "$VIEWS" "$PYTHON" -m pytest -q -p no:cacheprovider "${xdist[@]}" -m cuda tests/backends/test_views_driver.py
+session_step views "$VIEWS" "$out_dir/views.log" "$PYTHON" -m pytest -q -p no:cacheprovider "${xdist[@]}" -m cuda tests/backends/test_views_driver.py
 check_limit=$(left)
-step check "$check_limit" bash scripts/gpu_check.sh tests "$work/check" --steps tests,smoke --deadline $((check_limit - 10))
+session_step check "$check_limit" - bash scripts/gpu_check.sh tests "$work/check" --steps tests,smoke --deadline $((check_limit - 10))
 
 if [ "$dry" = 0 ]; then
   for f in tests.log smoke.log; do [ -f "$work/check/$f" ] && cp "$work/check/$f" "$out_dir/$f"; done
@@ -105,12 +67,7 @@ fi
 {
   echo "# GPU session"
   echo
-  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo unknown)"
-  echo
-  echo "| step | status | seconds |"
-  echo "| --- | --- | --- |"
-  printf '%s\n' "${rows[@]}"
+  session_table
   echo
   [ -f "$out_dir/attn.md" ] && { echo; cat "$out_dir/attn.md"; }
   [ -f "$out_dir/gpt.md" ] && { echo; cat "$out_dir/gpt.md"; }
@@ -118,4 +75,5 @@ fi
   [ -f "$work/check/summary.md" ] && { echo; cat "$work/check/summary.md"; }
 } >"$out_dir/summary.md"
 printf '%s\n' "${rows[@]}"
-exit $status
+session_failed && exit 1
+exit 0

@@ -25,7 +25,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${GPU_CHECK_PYTHON:-${PYTHON:-python3}}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-source scripts/session_args.sh
+step_signal=KILL  # a hung kernel does not answer SIGTERM: every step under a hard kill
+source scripts/session_lib.sh
 session_args sm90_first_run sm90_first_run_out "${BASH_SOURCE[0]}" "$@"
 
 # Seconds per step (a step gets at most what the deadline leaves).
@@ -41,58 +42,22 @@ print("%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() 
   fi
 fi
 
-start=$(date +%s) spent=0
-left() { echo $((deadline - ($(date +%s) - start) - spent)); }
-declare -a rows=()
-declare -A RC=()
-# run NAME LIMIT LOG COMMAND...: COMMAND under a hard kill after LIMIT seconds (a hung kernel does
-# not answer SIGTERM), its output in LOG; RC[NAME]: its exit status, 137 when killed.
-run() {
-  local name=$1 limit=$2 log=$3
-  shift 3
-  [ "$limit" -le "$(left)" ] || limit=$(left)
-  if [ "$limit" -lt 20 ]; then
-    rows+=("| $name | not run: $(left) s left of the deadline | 0 |")
-    RC[$name]=not-run
-    return
-  fi
-  if [ "$dry" = 1 ]; then
-    echo "$name (${limit} s): $*"
-    spent=$((spent + limit))
-    rows+=("| $name | dry run | 0 |")
-    RC[$name]=0
-    return
-  fi
-  echo "sm90_first_run: $name (up to ${limit} s) ..."
-  local t0=$(date +%s)
-  timeout -s KILL "$limit" "$@" >"$log" 2>&1
-  RC[$name]=$?
-  local took=$(($(date +%s) - t0)) what
-  case "${RC[$name]}" in
-    0) what=pass ;;
-    137) what="KILLED after ${limit} s (a hang)" ;;
-    *) what="FAIL (exit status ${RC[$name]})" ;;
-  esac
-  rows+=("| $name | $what | $took |")
-  echo "sm90_first_run: $name: $what"
-}
-
-run build "$BUILD" "$work/build.out" bash scripts/gpu_check.sh tests "$work/build" --steps build --deadline $((BUILD - 10))
+session_step build "$BUILD" "$work/build.out" bash scripts/gpu_check.sh tests "$work/build" --steps build --deadline $((BUILD - 10))
 [ -f "$work/build/build.log" ] && cp "$work/build/build.log" "$out_dir/build.log"
 if [ "$dry" = 1 ] || [ -f "$out_dir/build.log" ]; then
-  run registers 30 "$out_dir/registers.txt" "$PYTHON" scripts/sm90_registers.py "$out_dir/build.log"
+  session_step registers 30 "$out_dir/registers.txt" "$PYTHON" scripts/sm90_registers.py "$out_dir/build.log"
 fi
-run smoke "$SMOKE" "$out_dir/smoke.log" "$PYTHON" scripts/gpu_smoke.py --cases sm90
+session_step smoke "$SMOKE" "$out_dir/smoke.log" "$PYTHON" scripts/gpu_smoke.py --cases sm90
 tma=1
 if [ "${RC[smoke]}" != 0 ]; then
-  run cp-async "$SMOKE" "$out_dir/smoke-cp-async.log" env DILATED_ATTENTION_CUDA_TMA=0 "$PYTHON" scripts/gpu_smoke.py --cases sm90
+  session_step cp-async "$SMOKE" "$out_dir/smoke-cp-async.log" env DILATED_ATTENTION_CUDA_TMA=0 "$PYTHON" scripts/gpu_smoke.py --cases sm90
   [ "${RC[cp-async]}" = 0 ] && tma=0
 fi
 if [ "${RC[smoke]}" = 0 ] || [ "$tma" = 0 ]; then
-  run bench "$BENCH" "$work/bench.out" env DILATED_ATTENTION_CUDA_TMA=$tma "$PYTHON" benchmarks/bench_cuda.py --gpt \
+  session_step bench "$BENCH" "$work/bench.out" env DILATED_ATTENTION_CUDA_TMA=$tma "$PYTHON" benchmarks/bench_cuda.py --gpt \
     --methods native native90 auto dense --iters 5 --budget $((BENCH - 40)) --out "$work/bench/bench"
   [ -f "$work/bench/bench.md" ] && cp "$work/bench/bench.md" "$out_dir/bench.md"
-  run profile "$PROFILE" "$work/profile.out" bash scripts/gpu_check.sh profile "$work/profile" --deadline $((PROFILE - 10))
+  session_step profile "$PROFILE" "$work/profile.out" bash scripts/gpu_check.sh profile "$work/profile" --deadline $((PROFILE - 10))
   [ -f "$work/profile/summary.md" ] && cp "$work/profile/summary.md" "$out_dir/profile.md"
 fi
 
@@ -121,12 +86,7 @@ fi
   echo
   echo "**$verdict**"
   echo
-  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown); $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo unknown)"
-  echo
-  echo "| step | status | seconds |"
-  echo "| --- | --- | --- |"
-  printf '%s\n' "${rows[@]}"
+  session_table
   for f in registers.txt smoke.log smoke-cp-async.log; do
     [ -f "$out_dir/$f" ] && { echo; echo "## $f"; echo; echo '```'; tail -40 "$out_dir/$f"; echo '```'; }
   done
