@@ -10,6 +10,22 @@ from .. import _validation as V
 from ._api import StepGuard, _as_lengths, cache_dtype_device, dilated_attention_decode
 
 
+def check_sizes(
+    num_layers: object, batch_size: object, num_kv_heads: object, head_dim: object, **more: object
+) -> None:
+    """A cache's sizes (and ``more`` of them, by name) are ints >= 1: a ValueError names the first
+    that is not."""
+    sizes = {
+        "num_layers": num_layers,
+        "batch_size": batch_size,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+    }
+    for name, value in {**sizes, **more}.items():
+        if V._as_int(value, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 class DilatedKVCache:
     """Keys and values of every layer of a model for a batch of sequences of different lengths.
 
@@ -39,15 +55,7 @@ class DilatedKVCache:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("batch_size", batch_size),
-            ("max_seqlen", max_seqlen),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if V._as_int(value, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_sizes(num_layers, batch_size, num_kv_heads, head_dim, max_seqlen=max_seqlen)
         shape = (batch_size, max_seqlen, num_kv_heads, head_dim)
         dtype, device = cache_dtype_device(dtype, device, type(self).__name__)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

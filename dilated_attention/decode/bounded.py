@@ -19,6 +19,7 @@ from ..functional import _attention
 from ..op.decode import decode_step
 from ..op.slots import attend_slots, branch_slots, write_slots
 from ._api import StepGuard, _as_lengths, cache_dtype_device
+from ._cache import check_sizes
 
 __all__ = ["BoundedDilatedKVCache"]
 
@@ -59,15 +60,7 @@ class BoundedDilatedKVCache:
         device: torch.device | str | None = None,
         fused: bool | None = None,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("batch_size", batch_size),
-            ("num_heads", num_heads),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if V._as_int(value, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_sizes(num_layers, batch_size, num_kv_heads, head_dim, num_heads=num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads must be a multiple of num_kv_heads, got {num_heads} and {num_kv_heads}"

@@ -9,7 +9,7 @@ back, so that each segment is a compact patch of the image rather than a thin st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,17 @@ from ._options import check_ordering, hilbert_permutation
 from ._script import NotScriptable
 
 __all__ = ["DilatedAttention"]
+
+
+def attention_rows(
+    rows: PackedRows | StaticRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kw: Any
+) -> torch.Tensor:
+    """``out`` (B, N, Hq, D) of a padded batch whose real tokens ``rows`` finds: gathered into packed
+    sequences, run in one call of :func:`~dilated_attention.functional._attention_varlen` (``args``
+    and ``kw``: its branches, lengths and keywords) and scattered back (0 at padded positions)."""
+    packed = (rows.gather(q), rows.gather(k), rows.gather(v))
+    out, _ = _attention_varlen(*packed, rows.cu_seqlens, rows.max_seqlen, *args, **kw)  # (T, Hq, D)
+    return rows.scatter(out, *q.shape[:2])
 
 
 class DilatedAttention(NotScriptable, nn.Module):
@@ -104,16 +115,7 @@ class DilatedAttention(NotScriptable, nn.Module):
             perm, inv = self._curve(q.shape[1], q.device)
             q, k, v = (t.index_select(1, perm) for t in (q, k, v))  # (B, N, H, D) in curve order
         out, _ = _attention(
-            q,
-            k,
-            v,
-            self.segment_lengths,
-            self.dilation_rates,
-            is_causal=is_causal,
-            softmax_scale=self.softmax_scale,
-            dropout_p=dropout_p,
-            backend=self.attention_backend,
-            selector=self._selector,
+            q, k, v, self.segment_lengths, self.dilation_rates, **self._options(is_causal, dropout_p)
         )
         if self.ordering == "hilbert":
             out = out.index_select(1, inv)  # back to row-major order
@@ -149,22 +151,19 @@ class DilatedAttention(NotScriptable, nn.Module):
             rows = pack_padding_mask(key_padding_mask, B, N, q.device)
             if rows.full:  # nothing is padded
                 return self.forward(q, k, v, is_causal=is_causal)
-        out, _ = _attention_varlen(
-            rows.gather(q),
-            rows.gather(k),
-            rows.gather(v),
-            rows.cu_seqlens,
-            rows.max_seqlen,
-            self.segment_lengths,
-            self.dilation_rates,
-            is_causal=is_causal,
-            softmax_scale=self.softmax_scale,
-            dropout_p=dropout_p,
-            backend=self.attention_backend,
-            selector=self._selector,
-            lengths=rows.lengths if isinstance(rows, PackedRows) else meta_lengths,
-        )  # (T, Hq, D)
-        return rows.scatter(out, B, N)
+        options = self._options(is_causal, dropout_p)
+        options["lengths"] = rows.lengths if isinstance(rows, PackedRows) else meta_lengths
+        return attention_rows(rows, q, k, v, self.segment_lengths, self.dilation_rates, **options)
+
+    def _options(self, is_causal: bool, dropout_p: float) -> dict[str, Any]:
+        """The keywords of this module's calls of the functional core."""
+        return {
+            "is_causal": is_causal,
+            "softmax_scale": self.softmax_scale,
+            "dropout_p": dropout_p,
+            "backend": self.attention_backend,
+            "selector": self._selector,
+        }
 
     @property
     def selected_backends(self) -> str:
@@ -180,3 +179,18 @@ class DilatedAttention(NotScriptable, nn.Module):
         if self.ordering != "sequence":
             s += f", ordering={self.ordering!r}, grid={self.grid}"
         return s
+
+
+class BranchesOfInner:
+    """For a layer that attends through ``self.attention`` (a :class:`DilatedAttention` or a module
+    with its attributes): that module's branches, as the layer's own."""
+
+    attention: DilatedAttention
+
+    @property
+    def segment_lengths(self) -> list[int]:
+        return self.attention.segment_lengths
+
+    @property
+    def dilation_rates(self) -> list[int]:
+        return self.attention.dilation_rates

@@ -18,7 +18,7 @@ from ._dense import dense_dilated_attention
 from ._options import check_embed_heads, pick, resolve_dtype
 from ._script import NotScriptable
 from ._torch_masks import causal_from_attn_mask, real_tokens_from_torch_mask
-from .dilated import DilatedAttention
+from .dilated import BranchesOfInner, DilatedAttention
 
 __all__ = ["DropInMultiheadAttention"]
 
@@ -31,7 +31,7 @@ def _width(value: Any, name: str, default: int) -> int:
     return int(value)
 
 
-class DropInMultiheadAttention(NotScriptable, nn.Module):
+class DropInMultiheadAttention(NotScriptable, BranchesOfInner, nn.Module):
     """A drop-in for ``nn.MultiheadAttention`` that attends with LongNet's dilated pattern.
 
     **Masks follow torch, not this library's other modules**: in ``key_padding_mask``, bool
@@ -171,14 +171,6 @@ class DropInMultiheadAttention(NotScriptable, nn.Module):
         if not self.kdim == self.vdim == self.embed_dim:
             return None
         return torch.cat(self._projections())
-
-    @property
-    def segment_lengths(self) -> list[int]:
-        return self.attention.segment_lengths
-
-    @property
-    def dilation_rates(self) -> list[int]:
-        return self.attention.dilation_rates
 
     def _load_from_state_dict(
         self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any

@@ -18,12 +18,12 @@ from .._warnings import LayoutWarning, warn_once
 from ._options import check_embed_heads, pick, resolve_dtype
 from ._script import NotScriptable
 from ._torch_masks import causal_from_attn_mask, multihead_real_tokens, refuse_torch_layer_mask
-from .dilated import DilatedAttention
+from .dilated import BranchesOfInner, DilatedAttention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
 
-class MultiheadDilatedAttention(NotScriptable, nn.Module):
+class MultiheadDilatedAttention(NotScriptable, BranchesOfInner, nn.Module):
     """Multi-head dilated attention with ``nn.MultiheadAttention(batch_first=True)``'s argument names.
 
     **Not a drop-in for nn.MultiheadAttention**: its ``key_padding_mask`` reads **True as a real
@@ -186,14 +186,6 @@ class MultiheadDilatedAttention(NotScriptable, nn.Module):
     @property
     def heads(self) -> int:
         return self.num_heads
-
-    @property
-    def segment_lengths(self) -> list[int]:
-        return self.attention.segment_lengths
-
-    @property
-    def dilation_rates(self) -> list[int]:
-        return self.attention.dilation_rates
 
     @property
     def attention_backend(self) -> str:

@@ -17,7 +17,8 @@ from .. import _validation as V
 from .._padding import pack_padding_mask
 from ..backends import check_backend_name
 from ..decode import dilated_attention_decode
-from ..functional import _attention_varlen, dilated_attention
+from ..functional import dilated_attention
+from ..modules.dilated import attention_rows
 from .layers import (
     cross_attention_reason,
     dense_cross_attention,
@@ -134,18 +135,7 @@ def padded_attention(
     rows = pack_padding_mask(mask, B, N, q.device)
     if rows.full:  # nothing is padded
         return dilated_attention(q, k, v, segment_lengths, dilation_rates, **kw)
-    out, _ = _attention_varlen(
-        rows.gather(q),
-        rows.gather(k),
-        rows.gather(v),
-        rows.cu_seqlens,
-        rows.max_seqlen,
-        segment_lengths,
-        dilation_rates,
-        lengths=rows.lengths,
-        **kw,
-    )  # (T, Hq, D)
-    return rows.scatter(out, B, N)
+    return attention_rows(rows, q, k, v, segment_lengths, dilation_rates, lengths=rows.lengths, **kw)
 
 
 def dilated_attention_forward(
