@@ -1,11 +1,17 @@
 """Argument checks of the Python API, and the dtype rules they and the ops share. Every error names
-the value it got and what it expected."""
+the value it got and what it expected.
+
+Each rule is stated once, here, and serves two callers: the Python API, which raises ``ValueError``
+(``TypeError`` for what is not a tensor), and the op's fake kernels (:mod:`.op.checks`), which pass
+``error=RuntimeError`` where the C++ op's ``TORCH_CHECK`` raises that. Sizes may be symbolic
+(torch.compile, torch.export): :func:`require` records a symbolic condition in a fake kernel as
+``torch._check`` does, and lets Dynamo guard on it where Dynamo traces the API."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -15,6 +21,28 @@ MAX_HEAD_DIM = 256
 MAX_BRANCHES = 16
 _HUGE_SEGMENT = 2**40  # above any sequence length; below it, index arithmetic cannot overflow int64
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+Error = type[Exception]
+
+
+def require(cond: Any, error: Error, message: Callable[..., str]) -> None:
+    """``error(message())`` unless ``cond``. A symbolic ``cond`` (a SymBool of symbolic sizes) is
+    recorded as ``torch._check_with`` records it (a fake kernel under torch.compile or torch.export
+    then fails while tracing, or at run time for a size known only then); where Dynamo traces the
+    caller it guards on ``cond`` as on any ``if``."""
+    if isinstance(cond, torch.SymBool) and not torch.compiler.is_dynamo_compiling():
+        torch._check_with(error, cond, message)
+    elif not cond:
+        raise error(message())
+
+
+def require_shape(t: torch.Tensor, sizes: Sequence[Any], error: Error, message: Callable[..., str]) -> None:
+    """``t`` has exactly ``sizes``: its rank, then each size (a symbolic condition per size, where
+    comparing whole shapes would guard on every one)."""
+    require(t.dim() == len(sizes), error, message)
+    for have, want in zip(t.shape, sizes, strict=True):
+        require(have == want, error, message)
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -54,67 +82,145 @@ def normalize_branches(segment_lengths: Any, dilation_rates: Any) -> tuple[list[
 
     segs = as_list(segment_lengths, "segment_lengths")
     rates = as_list(dilation_rates, "dilation_rates")
-    if not segs:
-        raise ValueError(f"segment_lengths must not be empty, got {segment_lengths!r}")
-    if len(segs) != len(rates):
-        raise ValueError(
+    check_branches(segs, rates)
+    return segs, rates
+
+
+def check_branches(segs: list[Any], rates: list[Any], error: Error = ValueError) -> None:
+    """The branches' rules: at least one and at most :data:`MAX_BRANCHES`, as many rates as
+    segment lengths, ``w >= 1`` and ``1 <= r <= w``."""
+    require(len(segs) >= 1, error, lambda: f"segment_lengths must not be empty, got {segs!r}")
+    require(
+        len(segs) == len(rates),
+        error,
+        lambda: (
             f"segment_lengths and dilation_rates must have the same length, got {segs} ({len(segs)}) "
             f"and {rates} ({len(rates)})"
-        )
-    if len(segs) > MAX_BRANCHES:
-        raise ValueError(f"at most {MAX_BRANCHES} branches are supported, got {len(segs)}")
+        ),
+    )
+    require(
+        len(segs) <= MAX_BRANCHES,
+        error,
+        lambda: f"at most {MAX_BRANCHES} branches are supported, got {len(segs)}",
+    )
     for i, (w, r) in enumerate(zip(segs, rates, strict=True)):
-        if w < 1:
-            raise ValueError(f"segment_lengths[{i}] must be >= 1, got {w} (segment_lengths={segs})")
-        if r < 1:
-            raise ValueError(f"dilation_rates[{i}] must be >= 1, got {r} (dilation_rates={rates})")
-        if r > w:
-            raise ValueError(
+        require(
+            w >= 1,
+            error,
+            lambda i=i, w=w: f"segment_lengths[{i}] must be >= 1, got {w} (segment_lengths={segs})",
+        )
+        require(
+            r >= 1,
+            error,
+            lambda i=i, r=r: f"dilation_rates[{i}] must be >= 1, got {r} (dilation_rates={rates})",
+        )
+        require(
+            r <= w,
+            error,
+            lambda i=i, w=w, r=r: (
                 f"dilation_rates[{i}] = {r} must not exceed segment_lengths[{i}] = {w} "
                 f"(segment_lengths={segs}, dilation_rates={rates})"
-            )
-    return segs, rates
+            ),
+        )
 
 
 _RAGGED_HINT = "for sequences of different lengths use dilated_attention_varlen or key_padding_mask"
 
 
-def check_qkv(q: Any, k: Any, v: Any, ragged_hint: str = _RAGGED_HINT) -> None:
-    """Check that q (B, N, Hq, D), k and v (B, N, Hkv, D) agree in type, dtype, device and shape.
+def check_tensor(t: Any, name: str, ragged_hint: str = _RAGGED_HINT) -> None:
+    """``t`` is a dense (strided) tensor (``TypeError``); ``ragged_hint`` ends the error for a
+    nested one: what the caller takes for sequences of different lengths."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {kind}; {ragged_hint}")
+
+
+def check_rank(t: torch.Tensor, name: str, layout: str, error: Error = ValueError) -> None:
+    """``t`` has as many dimensions as ``layout`` names, e.g. ``"(B, N, H, D)"``."""
+    dims = layout.count(",") + 1
+    require(t.dim() == dims, error, lambda: f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def check_float(t: torch.Tensor, name: str, error: Error = ValueError) -> None:
+    """``t`` has one of the dtypes the kernels take, :data:`FLOAT_DTYPES`."""
+    require(
+        t.dtype in FLOAT_DTYPES,
+        error,
+        lambda: f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}",
+    )
+
+
+def check_like_q(q: torch.Tensor, t: torch.Tensor, name: str, error: Error = ValueError) -> None:
+    """``t`` has q's dtype and is on q's device."""
+    require(
+        t.dtype == q.dtype,
+        error,
+        lambda: f"q and {name} must have the same dtype, got {q.dtype} and {t.dtype}",
+    )
+    require(
+        t.device == q.device,
+        error,
+        lambda: f"q and {name} must be on the same device, got {q.device} and {t.device}",
+    )
+
+
+def check_heads(Hq: Any, Hkv: Any, D: Any, error: Error = ValueError) -> None:
+    """Hq query heads, a positive multiple of the Hkv key/value heads, of head dim D in
+    ``[1, MAX_HEAD_DIM]``."""
+
+    def heads() -> str:
+        return (
+            f"the number of query heads ({Hq}) must be a positive multiple of the number of key/value "
+            f"heads ({Hkv})"
+        )
+
+    require(Hq >= 1, error, heads)
+    require(Hkv >= 1, error, heads)
+    require(Hq % Hkv == 0, error, heads)
+    for cond in (D >= 1, D <= MAX_HEAD_DIM):
+        require(cond, error, lambda: f"head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+
+
+def check_qkv(
+    q: Any,
+    k: Any,
+    v: Any,
+    ragged_hint: str = _RAGGED_HINT,
+    *,
+    error: Error = ValueError,
+    same_length: bool = True,
+) -> None:
+    """Check that q (B, N, Hq, D), k and v (B, N, Hkv, D) agree in type, dtype, device and shape
+    (``error`` for what is not a type error). ``same_length=False``: k and v may have another
+    length than q (B, Nk, Hkv, D).
 
     ``ragged_hint`` ends the error for a nested (or otherwise non-strided) tensor: what the caller
     takes for sequences of different lengths."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.is_nested or t.layout != torch.strided:
-            kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-            raise TypeError(f"{name} must be a dense (strided) tensor, got {kind}; {ragged_hint}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (B, N, H, D), got shape {tuple(t.shape)}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"q and {name} must have the same dtype, got {q.dtype} and {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"q and {name} must be on the same device, got {q.device} and {t.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, N, Hq, D = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (B, N, D):
-        raise ValueError(
-            f"q (B, N, Hq, D) and k (B, N, Hkv, D) must agree in B, N and D, got q {tuple(q.shape)} "
-            f"and k {tuple(k.shape)}"
+        check_tensor(t, name, ragged_hint)
+        check_rank(t, name, "(B, N, H, D)", error)
+        check_float(t, name, error)
+    check_like_q(q, k, "k", error)
+    check_like_q(q, v, "v", error)
+    require_shape(
+        v,
+        k.shape,
+        error,
+        lambda: f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}",
+    )
+    dims = (0, 1, 3) if same_length else (0, 3)
+    for i in dims:
+        require(
+            k.shape[i] == q.shape[i],
+            error,
+            lambda: (
+                f"q (B, N, Hq, D) and k (B, {'N' if same_length else 'Nk'}, Hkv, D) must agree in "
+                f"{'B, N and D' if same_length else 'B and D'}, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+            ),
         )
-    Hkv = k.shape[2]
-    if Hq < 1 or Hkv < 1 or Hq % Hkv != 0:
-        raise ValueError(
-            f"the number of query heads ({Hq}) must be a positive multiple of the number of key/value "
-            f"heads ({Hkv})"
-        )
-    if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    check_heads(q.shape[2], k.shape[2], q.shape[3], error)
 
 
 def resolve_scale(softmax_scale: Any, head_dim: int) -> float:
@@ -199,26 +305,40 @@ def cache_dtype_device(dtype: Any, device: Any) -> tuple[torch.dtype, torch.devi
     return dtype, dev
 
 
-def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: Any) -> int:
+def check_packed(q: Any, k: Any, v: Any, cu_seqlens: Any, error: Error = ValueError) -> None:
     """Check a packed batch: q (T, Hq, D), k and v (T, Hkv, D) (as :func:`check_qkv`), cu_seqlens an
-    int32 (S + 1,) tensor on q's device, max_seqlen an int in [0, 2^40). Returns max_seqlen as an int."""
+    int32 (S + 1,) tensor on q's device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (T, H, D) for packed sequences, got shape {tuple(t.shape)}")
-    check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+        check_tensor(t, name)
+        check_rank(t, name, "(T, H, D)", error)
+    check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), error=error)
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be 1-D of shape (S + 1,), got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    require(
+        cu_seqlens.dtype == torch.int32, error, lambda: f"cu_seqlens must be int32, got {cu_seqlens.dtype}"
+    )
+    require(
+        cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1,
+        error,
+        lambda: f"cu_seqlens must be 1-D of shape (S + 1,), got shape {tuple(cu_seqlens.shape)}",
+    )
+    require(
+        cu_seqlens.device == q.device,
+        error,
+        lambda: f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}",
+    )
+
+
+def check_max_seqlen(max_seqlen: Any, error: Error = ValueError) -> None:
+    require(max_seqlen >= 0, error, lambda: f"max_seqlen must be >= 0, got {max_seqlen}")
+
+
+def check_varlen_qkv(q: Any, k: Any, v: Any, cu_seqlens: Any, max_seqlen: Any) -> int:
+    """Check a packed batch (:func:`check_packed`) and max_seqlen, an int in [0, 2^40). Returns
+    max_seqlen as an int."""
+    check_packed(q, k, v, cu_seqlens)
     max_seqlen = _as_int(max_seqlen, "max_seqlen")
-    if max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+    check_max_seqlen(max_seqlen)
     if max_seqlen >= _HUGE_SEGMENT:
         raise ValueError(
             f"max_seqlen must be below 2^40 = {_HUGE_SEGMENT} (longer than any sequence a tensor holds), "

@@ -3,7 +3,7 @@ Python adds to each op, imported one way down (no module imports one above it):
 
 ==============  =====================================================================================
 ``library``     loads ``dilated_attention._C``; :data:`EXTENSION_ERROR`, :func:`has_kernel`, :func:`cpu_isa`
-``checks``      the fake kernels' argument checks: those of ``csrc/checks.h``, with the same errors
+``checks``      the fake kernels' argument checks: those of ``csrc/checks.h``, with ``_validation``'s rules
 ``autograd``    what the ops' backwards share: no double backward, forward mode refused by name
 ``func``        the fixed-length and packed ops under torch.func (``autograd.Function`` + vmap rules)
 ``fixed``       ``fwd``/``bwd``/``dropout_mask``: fake kernels, autograd formula, :func:`native_forward`

@@ -129,14 +129,14 @@ def views_varlen_attention(
 
 
 def _views_fwd_fake(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale):
-    checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
+    checks.check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
     B, N, Hq, D = q.shape
     return q.new_empty((B, N, Hq, D)), q.new_empty((B, Hq, N), dtype=lse_dtype(q.dtype))
 
 
 def _views_bwd_fake(dout, q, k, v, out, lse, dlse, segment_lengths, dilation_rates, is_causal, softmax_scale):
-    checks._check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
-    checks._check_backward_inputs(q, dout, out, lse, dlse)
+    checks.check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
+    checks.check_backward(q, dout, out, lse, dlse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
