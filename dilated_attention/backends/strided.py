@@ -10,25 +10,15 @@ kernel call takes ``n`` heads whose phase and head index both step by a constant
 which is a strided view with the last dimension contiguous (the driver first copies an x whose last
 dimension is not, :func:`last_dim_contiguous`), built from ordinary view operations
 (``unflatten``, slicing, ``unfold``, ``diagonal``) so that autograd and ``torch.func`` see plain
-views:
+views. Rows of different segment lengths (the shorter last segment, or the sequences of a packed
+batch) are separate *parts*.
 
-* ``r < Hq``: the heads of one phase ``o`` (``dp = 0``, heads ``o::r``) in one call, grouped-query
-  attention kept where the kernel takes it (group size dividing ``r`` or ``r`` dividing it) and
-  the key/value heads step evenly;
-* ``r >= Hq``: every head reads its own phase ``h``; the heads ``i, i + G, ...`` (``G`` the group
-  size) share one call (``dp = dc = G`` for q, key/value heads ``0, 1, ...``), split where the
-  number of rows ``m`` of a head changes (``r`` not dividing ``L``);
-* everything else splits into the longest runs of heads that step evenly (a key/value head read
-  by several query heads of a call is a stride-0 head).
-
-Rows of different segment lengths (the shorter last segment, or the sequences of a packed batch)
-are separate *parts*.
-
-The plan lives in C++ (``csrc/views/plan.h``/``plan.cpp``), once for every driver: the sdpa
-backend's C++ driver calls it there, and :func:`plan_branches` here decodes what the extension's
-``plan()`` returns into :class:`Call` tuples. Its cache is the C++ one (:func:`get_pattern_cache`);
-without the compiled extension there is no plan, and :func:`plan_branches` raises a
-``RuntimeError`` that names the extension and how to build it.
+Which heads and rows share a call is the plan's rule, which lives in C++ only
+(``csrc/views/plan.h``/``plan.cpp``), once for every driver: the sdpa backend's C++ driver calls
+it there, and :func:`plan_branches` here decodes what the extension's ``plan()`` returns into
+:class:`Call` tuples. Its cache is the C++ one (:func:`get_pattern_cache`); without the compiled
+extension there is no plan, and :func:`plan_branches` raises a ``RuntimeError`` that names the
+extension and how to build it.
 """
 
 from __future__ import annotations
