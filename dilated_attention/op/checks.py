@@ -76,27 +76,6 @@ def _check_cuda(q: torch.Tensor, rows: Sequence[tuple[str, Any]]) -> None:
     )
 
 
-def _check_scale_and_branches(
-    dtype: torch.dtype, softmax_scale: float, segment_lengths: Sequence[Any], dilation_rates: Sequence[Any]
-) -> None:
-    """What check_inputs checks after the tensors (the scale a ValueError, as TORCH_CHECK_VALUE)."""
-    V.check_scale_for_dtype(softmax_scale, dtype)
-    _check_branches(segment_lengths, dilation_rates)
-
-
-def check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segment_lengths: Sequence[Any],
-    dilation_rates: Sequence[Any],
-    softmax_scale: float,
-) -> None:
-    """check_inputs: q (B, N, Hq, D), k and v (B, N, Hkv, D), the softmax scale, the branches."""
-    V.check_qkv(q, k, v, error=RuntimeError)
-    _check_scale_and_branches(q.dtype, softmax_scale, segment_lengths, dilation_rates)
-
-
 def check_backward(
     q: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: Any
 ) -> None:
@@ -142,13 +121,20 @@ def check_fixed(
     softmax_scale: float,
     dropout_p: float,
     grads: Grads | None = None,
+    *,
+    cuda_limits: bool = True,
 ) -> None:
-    """The checks of ``fwd``, or with ``grads`` of ``bwd``, in the order of their C++ entries."""
-    check_inputs(q, k, v, segment_lengths, dilation_rates, softmax_scale)
+    """The checks of ``fwd``, or with ``grads`` of ``bwd``, in the order of their C++ entries (the
+    scale a ValueError, as TORCH_CHECK_VALUE). ``cuda_limits=False``: not those of the CUDA
+    kernels (``views_fwd``/``views_bwd``, which run PyTorch's attention)."""
+    V.check_qkv(q, k, v, error=RuntimeError)
+    V.check_scale_for_dtype(softmax_scale, q.dtype)
+    _check_branches(segment_lengths, dilation_rates)
     if grads is not None:
         check_backward(q, *grads)
     V.check_dropout(dropout_p)
-    _check_cuda(q, [("the sequence length", q.shape[1])])
+    if cuda_limits:
+        _check_cuda(q, [("the sequence length", q.shape[1])])
 
 
 def check_varlen(
@@ -170,7 +156,8 @@ def check_varlen(
     V.check_max_seqlen(max_seqlen, RuntimeError)
     T = q.shape[0]
     V.require(T <= 2**31 - 1, RuntimeError, lambda: f"T must fit in int32 (cu_seqlens), got {T}")
-    _check_scale_and_branches(q.dtype, softmax_scale, segment_lengths, dilation_rates)
+    V.check_scale_for_dtype(softmax_scale, q.dtype)
+    _check_branches(segment_lengths, dilation_rates)
     q4 = q.unsqueeze(0)
     if grads is not None:
         dout, out, lse, dlse = grads

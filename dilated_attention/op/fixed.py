@@ -41,8 +41,8 @@ import torch
 
 from .._validation import accumulation_dtype
 from . import checks
-from .func import NativeAttention, native_attention, register_op_autograd
-from .library import _C, _require_extension, dropout_seed_offset, lse_dtype
+from .func import NativeAttention, dropout_args, register_op_autograd
+from .library import _C, _require_extension, lse_dtype
 
 __all__ = ["dropout_mask", "native_forward"]
 
@@ -89,6 +89,7 @@ def _bwd_fake(
 
 
 def _dropout_mask_fake(B, H, Nq, Nk, dropout_p, dropout_seed, dropout_offset) -> torch.Tensor:
+    checks.check_dropout_mask(B, H, Nq, Nk, dropout_p)
     return torch.empty((B, H, Nq, Nk), dtype=torch.bool)
 
 
@@ -118,19 +119,8 @@ def native_forward(
     ``RuntimeError`` saying what to run when the extension is not loaded."""
     if _C is None:
         _require_extension()
-    seed, offset = dropout_seed_offset() if dropout_p > 0 else (0, 0)
-    out, lse = native_attention(
-        q,
-        k,
-        v,
-        list(segment_lengths),
-        list(dilation_rates),
-        bool(is_causal),
-        float(softmax_scale),
-        float(dropout_p),
-        seed,
-        offset,
-    )
+    args = (list(segment_lengths), list(dilation_rates), bool(is_causal), float(softmax_scale))
+    out, lse = NativeAttention.call(q, k, v, *args, *dropout_args(dropout_p))
     return out, lse.to(accumulation_dtype(q.dtype))
 
 

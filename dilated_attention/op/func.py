@@ -1,8 +1,8 @@
 """The fused ops under torch.func (``grad``, ``vjp``, ``jacrev``, ``vmap``) and torch.export.
 
-:func:`native_attention` runs ``torch.ops.dilated_attention.fwd`` through :class:`NativeAttention`,
-and :func:`native_varlen_attention` the packed ``varlen_fwd`` through
-:class:`NativeVarlenAttention`: ``autograd.Function``s written with ``setup_context`` (what
+:class:`NativeAttention` runs ``torch.ops.dilated_attention.fwd`` and :class:`NativeVarlenAttention`
+the packed ``varlen_fwd`` (``.call``: :func:`~.fixed.native_forward`, :func:`~.varlen.native_varlen_forward`):
+``autograd.Function``s written with ``setup_context`` (what
 torch.func transforms require; the ops' own ``register_autograd`` formulas are the older kind,
 which they refuse, and under forward mode give a zero tangent without a word), whose forward and
 backward run the ops. The four ops have vmap rules (``torch.library.register_vmap``): the vmapped
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .autograd import forward_mode_message, no_double_backward
-from .library import _C
+from .library import _C, dropout_seed_offset
 
 __all__ = [
     "FusedFunction",
@@ -32,10 +32,9 @@ __all__ = [
     "batched_fwd_rule",
     "batched_varlen_bwd_rule",
     "batched_varlen_fwd_rule",
+    "dropout_args",
     "fused_backward",
     "fused_function",
-    "native_attention",
-    "native_varlen_attention",
     "register_op_autograd",
 ]
 
@@ -246,37 +245,9 @@ NativeVarlenAttention = fused_function(
 )
 
 
-def native_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    is_causal: bool,
-    softmax_scale: float,
-    dropout_p: float = 0.0,
-    dropout_seed: int = 0,
-    dropout_offset: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the fused op through :class:`NativeAttention` (lse in float64), with
-    attention dropout ``(dropout_p, dropout_seed, dropout_offset)`` (csrc/dropout.h)."""
-    dropout = (dropout_p, dropout_seed, dropout_offset) if dropout_p > 0 else ()
-    return NativeAttention.call(q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale, *dropout)
-
-
-def native_varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    segment_lengths: list[int],
-    dilation_rates: list[int],
-    is_causal: bool,
-    softmax_scale: float,
-    dropout: tuple[float, int, int] | tuple[()] = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the fused packed op through :class:`NativeVarlenAttention` (lse in
-    float64); ``dropout`` is ``(dropout_p, dropout_seed, dropout_offset)`` or empty."""
-    args = (q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale)
-    return NativeVarlenAttention.call(*args, *dropout)
+def dropout_args(dropout_p: float) -> tuple[float, int, int] | tuple[()]:
+    """The trailing inputs ``*dropout`` of :class:`NativeAttention` and
+    :class:`NativeVarlenAttention` for attention dropout with probability ``dropout_p``:
+    ``(dropout_p, dropout_seed, dropout_offset)`` with a new seed and offset
+    (:func:`~.library.dropout_seed_offset`); none without dropout (the ops' defaults)."""
+    return (float(dropout_p), *dropout_seed_offset()) if dropout_p > 0 else ()

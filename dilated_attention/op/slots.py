@@ -99,47 +99,60 @@ def attend_slots(
     padding, ``out = 0``, ``lse = -inf``), after ``lengths`` (B,) positions held in the slots
     ``kbuf``, ``vbuf`` (B, Hkv, T, D). Reads the slots (the keys before the call) and the new keys
     with their multiplicity over the branches; one softmax over both. Returns out (B, m, Hq, D) in
-    q's dtype and lse (B, Hq, m).
+    q's dtype and lse (B, Hq, m). The queries go in chunks whose scores fit ``_SCORE_BUDGET``.
     """
-    B, m, Hq = q.shape[:3]
-    Hkv = kbuf.shape[1]
+    B, m, Hq, D = q.shape
+    Hkv, T = kbuf.shape[1], kbuf.shape[2]
     G = Hq // Hkv
     ct = accumulation_dtype(q.dtype)
-    keys = kbuf.shape[2] + m
-    chunk = max(1, _SCORE_BUDGET // max(1, B * Hq * keys))
+    chunk = max(1, _SCORE_BUDGET // max(1, B * Hq * (T + m)))
+    kold, knew = kbuf.to(ct), k.to(ct)
+    vnew = v.to(ct).masked_fill((pos < 0)[..., None, None], 0)  # padding tokens may hold anything
     outs, lses = [], []
     for c0 in range(0, m, chunk):
-        o, s = _attend_chunk(q[:, c0 : c0 + chunk], k, v, kbuf, vbuf, lengths, pos, c0, layout, G, scale, ct)
-        outs.append(o)
-        lses.append(s)
+        qc = q[:, c0 : c0 + chunk].to(ct)
+        mc = qc.shape[1]
+        old_mask, mult = _reads(pos[:, c0 : c0 + mc], pos, lengths, layout, Hq, Hkv, ct)
+        qc = qc.view(B, mc, Hkv, G, D)
+        s_old = torch.einsum("bcjgd,bjtd->bcjgt", qc, kold) * scale
+        s_old = s_old.masked_fill(~old_mask, float("-inf")).reshape(B, mc, Hq, -1)
+        s_new = torch.einsum("bcjgd,bkjd->bcjgk", qc, knew).reshape(B, mc, Hq, -1) * scale
+        s_new = (s_new + mult.clamp(min=1).log()).masked_fill(mult == 0, float("-inf"))
+        s = torch.cat([s_old, s_new], dim=-1)
+        lse = torch.logsumexp(s, dim=-1)  # (B, mc, Hq)
+        w_ = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+        # Slots never read may hold stale or unwritten values: their weight is exactly 0, and their
+        # values are zeroed so that 0 * NaN cannot appear.
+        vold = vbuf.to(ct).masked_fill(~old_mask.any(dim=(1, 3))[..., None], 0)  # (B, Hkv, T, D)
+        w_old = w_[..., :T].reshape(B, mc, Hkv, G, T)
+        w_new = w_[..., T:].reshape(B, mc, Hkv, G, -1)
+        out = torch.einsum("bcjgt,bjtd->bcjgd", w_old, vold) + torch.einsum("bcjgk,bkjd->bcjgd", w_new, vnew)
+        outs.append(out.reshape(B, mc, Hq, D))
+        lses.append(lse.transpose(1, 2))
     return torch.cat(outs, dim=1).to(q.dtype), torch.cat(lses, dim=-1)
 
 
-def _attend_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kbuf: torch.Tensor,
-    vbuf: torch.Tensor,
-    lengths: torch.Tensor,
+def _reads(
+    p: torch.Tensor,
     pos: torch.Tensor,
-    c0: int,
+    lengths: torch.Tensor,
     layout: Sequence[BranchSlots],
-    G: int,
-    scale: float,
+    Hq: int,
+    Hkv: int,
     ct: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attend_slots` for the queries ``c0 .. c0 + q.shape[1]``."""
-    B, mc, Hq, D = q.shape
-    Hkv = kbuf.shape[1]
-    dev = q.device
-    p = pos[:, c0 : c0 + mc]  # (B, mc)
+    """What the queries at positions ``p`` (B, mc) read (:func:`attend_slots`): the slots, a bool
+    mask (B, mc, Hkv, G, T), and how many times each new key at ``pos`` (B, m), summed over the
+    branches, (B, mc, Hq, m) in ``ct``."""
+    B, mc = p.shape
+    G = Hq // Hkv
+    dev = p.device
     heads = torch.arange(Hq, device=dev)
     g = torch.arange(G, device=dev)
     j = torch.arange(Hkv, device=dev)
     L = lengths[:, None]  # (B, 1)
     old_masks = []
-    mult = torch.zeros(B, mc, Hq, k.shape[1], dtype=ct, device=dev)
+    mult = torch.zeros(B, mc, Hq, pos.shape[1], dtype=ct, device=dev)
     for br in layout:
         w, r = br.w, br.r
         t = p.remainder(w)
@@ -163,21 +176,4 @@ def _attend_chunk(
             pk[:, None] <= p[..., None]
         )  # (B, mc, m)
         mult += (covers[..., None] & kcov.transpose(1, 2)[:, None] & link[:, :, None]).to(ct)
-    old_mask = torch.cat(old_masks, dim=-1)  # (B, mc, Hkv, G, T)
-    qc = q.to(ct).view(B, mc, Hkv, G, D)
-    s_old = torch.einsum("bcjgd,bjtd->bcjgt", qc, kbuf.to(ct)) * scale
-    s_old = s_old.masked_fill(~old_mask, float("-inf")).reshape(B, mc, Hq, -1)
-    s_new = torch.einsum("bcjgd,bkjd->bcjgk", qc, k.to(ct)).reshape(B, mc, Hq, -1) * scale
-    s_new = (s_new + mult.clamp(min=1).log()).masked_fill(mult == 0, float("-inf"))
-    s = torch.cat([s_old, s_new], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)  # (B, mc, Hq)
-    w_ = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-    T = kbuf.shape[2]
-    # Slots never read may hold stale or unwritten values: their weight is exactly 0, and their
-    # values are zeroed so that 0 * NaN cannot appear.
-    vold = vbuf.to(ct).masked_fill(~old_mask.any(dim=(1, 3))[..., None], 0)  # (B, Hkv, T, D)
-    w_old = w_[..., :T].reshape(B, mc, Hkv, G, T)
-    w_new = w_[..., T:].reshape(B, mc, Hkv, G, -1)
-    vnew = v.to(ct).masked_fill((pos < 0)[..., None, None], 0)  # padding tokens may hold anything
-    out = torch.einsum("bcjgt,bjtd->bcjgd", w_old, vold) + torch.einsum("bcjgk,bkjd->bcjgd", w_new, vnew)
-    return out.reshape(B, mc, Hq, D), lse.transpose(1, 2)
+    return torch.cat(old_masks, dim=-1), mult  # (B, mc, Hkv, G, T)

@@ -16,8 +16,8 @@ import torch
 
 from .._validation import accumulation_dtype
 from . import checks
-from .func import NativeVarlenAttention, native_varlen_attention, register_op_autograd
-from .library import _C, _require_extension, dropout_seed_offset, lse_dtype
+from .func import NativeVarlenAttention, dropout_args, register_op_autograd
+from .library import _C, _require_extension, lse_dtype
 
 __all__ = ["native_varlen_forward"]
 
@@ -89,21 +89,17 @@ def native_varlen_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused packed op: ``out`` (T, Hq, D) and ``lse`` (Hq, T), float32 (float64 for
     float64 inputs); attention dropout with probability ``dropout_p``.
-    Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap`` (:mod:`._func`);
+    Differentiable, also under torch.func's ``grad``, ``vjp``, ``jacrev`` and ``vmap`` (:mod:`.func`);
     the backward reads the op's float64 lse (see :mod:`.fixed`).
 
     ``RuntimeError`` saying what to run when the extension is not loaded."""
     _require_extension()
-    out, lse = native_varlen_attention(
-        q,
-        k,
-        v,
-        cu_seqlens,
+    args = (
         int(max_seqlen),
         list(segment_lengths),
         list(dilation_rates),
         bool(is_causal),
         float(softmax_scale),
-        (float(dropout_p), *dropout_seed_offset()) if dropout_p > 0 else (),
     )
+    out, lse = NativeVarlenAttention.call(q, k, v, cu_seqlens, *args, *dropout_args(dropout_p))
     return out, lse.to(accumulation_dtype(q.dtype))
