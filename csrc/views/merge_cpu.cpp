@@ -4,7 +4,6 @@
 #include <ATen/Parallel.h>
 
 #include "views/merge.h"
-#include "views/merge_rule.h"
 
 namespace dilated_attention {
 namespace views {
@@ -14,13 +13,14 @@ namespace {
 // merge_call_ on CPU tensors: one row (bb, j, t) of D values per step.
 template <typename scalar_t, typename acc_t>
 void merge_cpu(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
-               const at::Tensor& lse_c, bool first) {
+               const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
   const int64_t Bb = out_acc.size(0), m = out_acc.size(1), n = out_acc.size(2), D = out_acc.size(3);
   acc_t* oa = out_acc.data_ptr<acc_t>();
   acc_t* la = lse_acc.data_ptr<acc_t>();
   const scalar_t* oc = out_c.const_data_ptr<scalar_t>();
   const acc_t* lc = lse_c.const_data_ptr<acc_t>();
   const auto so = out_acc.strides(), sl = lse_acc.strides(), sc = out_c.strides(), slc = lse_c.strides();
+  const NonFiniteRows<scalar_t> nf = nonfinite_rows<scalar_t>(fix);
   at::parallel_for(0, Bb * m * n, std::max<int64_t>(1, 4096 / std::max<int64_t>(D, 1)),
                    [&](int64_t lo, int64_t hi) {
                      for (int64_t i = lo; i < hi; ++i) {
@@ -28,16 +28,17 @@ void merge_cpu(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::T
                        acc_t* o = oa + bb * so[0] + j * so[1] + t * so[2];
                        acc_t* l = la + bb * sl[0] + j * sl[1] + t * sl[2];
                        const scalar_t* c = oc + bb * sc[0] + t * sc[1] + j * sc[2];
-                       const acc_t b = lc[bb * slc[0] + t * slc[1] + j * slc[2]];
+                       const CorrectedRow<scalar_t, acc_t> row(nf, bb, j, t);
+                       const acc_t b = row.lse(lc[bb * slc[0] + t * slc[1] + j * slc[2]]);
                        if (first) {
-                         for (int64_t d = 0; d < D; ++d) o[d * so[3]] = (acc_t)c[d * sc[3]];
+                         for (int64_t d = 0; d < D; ++d) o[d * so[3]] = row.out((acc_t)c[d * sc[3]], d);
                          *l = b;
                          continue;
                        }
                        acc_t lse, wa, wb;
                        merge_weights<acc_t>(*l, b, &lse, &wa, &wb);
                        for (int64_t d = 0; d < D; ++d)
-                         o[d * so[3]] = o[d * so[3]] * wa + (acc_t)c[d * sc[3]] * wb;
+                         o[d * so[3]] = o[d * so[3]] * wa + row.out((acc_t)c[d * sc[3]], d) * wb;
                        *l = lse;
                      }
                    });
@@ -46,7 +47,7 @@ void merge_cpu(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::T
 }  // namespace
 
 void merge_call_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
-                 const at::Tensor& lse_c, bool first) {
+                 const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
   TORCH_CHECK(out_acc.scalar_type() == lse_acc.scalar_type() &&
                   (out_acc.scalar_type() == at::kFloat || out_acc.scalar_type() == at::kDouble),
               "dilated_attention views merge: the accumulators must be float32 or float64, got ",
@@ -59,16 +60,16 @@ void merge_call_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at:
       lse_c.scalar_type() == out_acc.scalar_type() ? lse_c : lse_c.to(out_acc.scalar_type());
 #ifdef DILATED_ATTENTION_WITH_CUDA
   if (out_acc.is_cuda()) {
-    merge_call_cuda_(out_acc, lse_acc, out_c, lc, first);
+    merge_call_cuda_(out_acc, lse_acc, out_c, lc, first, fix);
     return;
   }
 #endif
   TORCH_CHECK(out_acc.is_cpu(), "dilated_attention views merge: unsupported device ", out_acc.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_c.scalar_type(), "views_merge", [&] {
     if (out_acc.scalar_type() == at::kDouble)
-      merge_cpu<scalar_t, double>(out_acc, lse_acc, out_c, lc, first);
+      merge_cpu<scalar_t, double>(out_acc, lse_acc, out_c, lc, first, fix);
     else
-      merge_cpu<scalar_t, float>(out_acc, lse_acc, out_c, lc, first);
+      merge_cpu<scalar_t, float>(out_acc, lse_acc, out_c, lc, first, fix);
   });
 }
 

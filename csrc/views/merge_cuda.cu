@@ -7,7 +7,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "views/merge.h"
-#include "views/merge_rule.h"
 
 namespace dilated_attention {
 namespace views {
@@ -24,7 +23,8 @@ struct MergeShape {
 // lane has read the old one.
 template <typename scalar_t, typename acc_t>
 __global__ void merge_kernel(acc_t* __restrict__ oa, acc_t* __restrict__ la, const scalar_t* __restrict__ oc,
-                             const acc_t* __restrict__ lc, MergeShape s, bool first) {
+                             const acc_t* __restrict__ lc, MergeShape s, bool first,
+                             NonFiniteRows<scalar_t> nf) {
   const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= s.Bb * s.m * s.n) return;
@@ -32,11 +32,12 @@ __global__ void merge_kernel(acc_t* __restrict__ oa, acc_t* __restrict__ la, con
   acc_t* o = oa + bb * s.so[0] + j * s.so[1] + t * s.so[2];
   acc_t* l = la + bb * s.sl[0] + j * s.sl[1] + t * s.sl[2];
   const scalar_t* c = oc + bb * s.sc[0] + t * s.sc[1] + j * s.sc[2];
-  const acc_t b = lc[bb * s.slc[0] + t * s.slc[1] + j * s.slc[2]];
+  const CorrectedRow<scalar_t, acc_t> corrected(nf, bb, j, t);
+  const acc_t b = corrected.lse(lc[bb * s.slc[0] + t * s.slc[1] + j * s.slc[2]]);
   acc_t lse = b, wa = 0, wb = 1;
   if (!first) merge_weights<acc_t>(*l, b, &lse, &wa, &wb);
   for (int64_t d = lane; d < s.D; d += 32) {
-    const acc_t v = (acc_t)c[d * s.sc[3]] * wb;
+    const acc_t v = corrected.out((acc_t)c[d * s.sc[3]], d) * wb;
     o[d * s.so[3]] = first ? v : o[d * s.so[3]] * wa + v;
   }
   __syncwarp();
@@ -68,7 +69,7 @@ bool cuda_capturing() {
 }
 
 void merge_call_cuda_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
-                      const at::Tensor& lse_c, bool first) {
+                      const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
   const c10::cuda::CUDAGuard guard(out_acc.device());
   MergeShape s;
   s.Bb = out_acc.size(0);
@@ -86,11 +87,11 @@ void merge_call_cuda_(const at::Tensor& out_acc, const at::Tensor& lse_acc, cons
     if (out_acc.scalar_type() == at::kDouble)
       merge_kernel<scalar_t, double><<<blocks, threads, 0, stream>>>(
           out_acc.data_ptr<double>(), lse_acc.data_ptr<double>(), out_c.const_data_ptr<scalar_t>(),
-          lse_c.const_data_ptr<double>(), s, first);
+          lse_c.const_data_ptr<double>(), s, first, nonfinite_rows<scalar_t>(fix));
     else
       merge_kernel<scalar_t, float><<<blocks, threads, 0, stream>>>(
           out_acc.data_ptr<float>(), lse_acc.data_ptr<float>(), out_c.const_data_ptr<scalar_t>(),
-          lse_c.const_data_ptr<float>(), s, first);
+          lse_c.const_data_ptr<float>(), s, first, nonfinite_rows<scalar_t>(fix));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

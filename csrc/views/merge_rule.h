@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define DA_MERGE_HD __host__ __device__ __forceinline__
@@ -38,6 +39,78 @@ DA_MERGE_HD void merge_weights(acc_t a, acc_t b, acc_t* lse, acc_t* wa, acc_t* w
   *wa = exp(a - *lse);
   *wb = exp(b - *lse);
 }
+
+// The corrections for non-finite inputs of one kernel call (gathered.py's _NonFinite), read by the
+// merge of the call's rows; int flags per row (1: the row holds a non-finite entry), set on the
+// device, never read on the host. A row (bb, j, t) of the call reads its query row and the key rows
+// x of key/value head u = t / g, x <= j with causal masking, every x without:
+//
+// * any row it reads of q or k holds a non-finite entry: its out and lse are NaN;
+// * causal masking: the kernel read v with its non-finite entries taken as 0 (0 * inf kept out of
+//   the masked weights); the non-finite entries of the values it reads are added to its out.
+template <typename scalar_t>
+struct NonFiniteRows {
+  const int* any;   // nonzero where some row holds a non-finite entry; nullptr: no corrections
+  const int* qbad;  // (Bb, m, n)
+  int64_t sq[3];
+  const int* kbad;  // (Bb, mk, nk)
+  int64_t sk[3];
+  const int* vbad;  // (Bb, mk, nk); nullptr without causal masking
+  int64_t sv[3];
+  const scalar_t* v;  // the values (Bb, mk, nk, D) as the inputs hold them
+  int64_t svv[4];
+  int64_t mk, g;
+  bool causal;
+
+  // Whether the merge corrects its rows at all (one read of the flag).
+  DA_MERGE_HD bool active() const { return any != nullptr && *any != 0; }
+
+  // The last key row that row j reads.
+  DA_MERGE_HD int64_t last(int64_t j) const { return causal && j < mk - 1 ? j : mk - 1; }
+
+  // Whether row (bb, j, t) reads a query or key row with a non-finite entry.
+  DA_MERGE_HD bool reads_nonfinite(int64_t bb, int64_t j, int64_t t) const {
+    if (qbad[bb * sq[0] + j * sq[1] + t * sq[2]]) return true;
+    const int64_t u = t / g, end = last(j);
+    for (int64_t x = 0; x <= end; ++x)
+      if (kbad[bb * sk[0] + x * sk[1] + u * sk[2]]) return true;
+    return false;
+  }
+
+  // The sum of the non-finite entries d of the values that row (bb, j, t) reads (0 where none,
+  // or without causal masking).
+  template <typename acc_t>
+  DA_MERGE_HD acc_t nonfinite_values(int64_t bb, int64_t j, int64_t t, int64_t d) const {
+    acc_t s = 0;
+    if (vbad == nullptr) return s;
+    const int64_t u = t / g, end = last(j);
+    for (int64_t x = 0; x <= end; ++x) {
+      if (!vbad[bb * sv[0] + x * sv[1] + u * sv[2]]) continue;
+      const acc_t e = static_cast<acc_t>(v[bb * svv[0] + x * svv[1] + u * svv[2] + d * svv[3]]);
+      if (!(e - e == 0)) s += e;  // inf - inf and NaN - NaN are NaN
+    }
+    return s;
+  }
+};
+
+// A call's row (bb, j, t) as the merge takes it: its lse b and out entries c (in acc_t), corrected
+// for non-finite inputs (fix active).
+template <typename scalar_t, typename acc_t>
+struct CorrectedRow {
+  const NonFiniteRows<scalar_t>& fix;
+  int64_t bb, j, t;
+  bool active, nan;
+
+  DA_MERGE_HD CorrectedRow(const NonFiniteRows<scalar_t>& f, int64_t bb_, int64_t j_, int64_t t_)
+      : fix(f), bb(bb_), j(j_), t(t_), active(f.active()), nan(active && f.reads_nonfinite(bb_, j_, t_)) {}
+
+  DA_MERGE_HD acc_t lse(acc_t b) const { return nan ? static_cast<acc_t>(NAN) : b; }
+
+  DA_MERGE_HD acc_t out(acc_t c, int64_t d) const {
+    if (nan) return static_cast<acc_t>(NAN);
+    return active ? c + fix.template nonfinite_values<acc_t>(bb, j, t, d) : c;
+  }
+};
 
 }  // namespace views
 }  // namespace dilated_attention

@@ -1,5 +1,5 @@
-// Whole-row moves of the views driver's CUDA backward, and its forward's check for non-finite
-// inputs (rows_kernel.cuh): up to three tensors in one launch.
+// Whole-row moves of the views driver's CUDA backward, and its forward's marks of non-finite input
+// rows (rows_kernel.cuh): up to three tensors in one launch.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -17,9 +17,13 @@ namespace views {
 // add_ pair by pair (rows_cuda.cu).
 void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add);
 
-// Whether every entry of xs (1 to 3 CUDA tensors of one dtype, at most four dims) is finite: one
-// launch and one read of the flag back to the host (at::isfinite and all per tensor elsewhere).
-bool all_finite_cuda(const std::vector<at::Tensor>& xs);
+// Sets flags[i][...row] = 1 for every row of xs[i] (1 to 3 CUDA tensors of one dtype, float32,
+// bfloat16 or float16, at most four dims, the last the row) that holds a NaN or an infinity, and
+// any[0] = 1 where some row does: one launch, nothing read back to the host. flags[i] (int32, xs[i]'s
+// sizes without the last) and any (int32, one element) hold 0 before. False where xs do not fit
+// the kernel (nothing launched).
+bool mark_nonfinite_rows_cuda_(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& flags,
+                               const at::Tensor& any);
 #endif
 
 }  // namespace views

@@ -74,29 +74,26 @@ void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::T
   launch(job, add ? RowOp::kAdd : RowOp::kCopy, source.value_or(RowSource::kFloat), dst[0].device());
 }
 
-bool all_finite_cuda(const std::vector<at::Tensor>& xs) {
-  TORCH_CHECK(!xs.empty(), "all_finite_cuda: no tensor");
+bool mark_nonfinite_rows_cuda_(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& flags,
+                               const at::Tensor& any) {
+  TORCH_CHECK(!xs.empty() && xs.size() == flags.size(), "mark_nonfinite_rows_cuda_: 1 to ", kRowPairs,
+              " tensors and as many flags, got ", xs.size(), " and ", flags.size());
   const std::optional<RowSource> source = row_source(xs[0].scalar_type());
-  const at::Tensor flag = at::zeros({1}, xs[0].options().dtype(at::kInt));
   RowJob job;
+  job.any = any.data_ptr<int>();
   bool fits = source.has_value() && xs.size() <= static_cast<size_t>(kRowPairs);
   for (size_t i = 0; fits && i < xs.size(); ++i) {
     const at::Tensor& x = xs[i];
-    fits = x.dim() <= 4 && x.is_cuda() && x.scalar_type() == xs[0].scalar_type();
+    fits = x.dim() <= 4 && x.is_cuda() && x.scalar_type() == xs[0].scalar_type() &&
+           flags[i].scalar_type() == at::kInt && flags[i].dim() == x.dim() - 1;
     if (!fits) break;
-    RowTensor src = row_tensor(x), dst = src;  // the flag, read at every element (zero strides)
-    dst.data = flag.data_ptr();
-    dst.elem_bytes = 4;
-    for (int d = 0; d < 4; ++d) dst.stride[d] = 0;
-    fits = add_row_pair(job, dst, src, false);
+    // the row's flag, read at every element of the row (stride 0)
+    RowTensor dst = row_tensor(flags[i].unsqueeze(-1).expand(x.sizes()));
+    fits = add_row_pair(job, dst, row_tensor(x), false);
   }
-  if (!fits) {
-    for (const at::Tensor& x : xs)
-      if (!at::isfinite(x).all().item<bool>()) return false;
-    return true;
-  }
+  if (!fits) return false;
   if (job.max_warps > 0) launch(job, RowOp::kCheck, *source, xs[0].device());
-  return flag.item<int>() == 0;
+  return true;
 }
 
 }  // namespace views

@@ -7,7 +7,8 @@
 //     bytes arrive unchanged;
 //   * the adds of a call's dq, dk, dv into strided views of the float32 accumulators, in float32
 //     (the source converted exactly first), as at::add_ computes them;
-//   * the forward's check for non-finite entries in q, k and v: one flag set by any of them.
+//   * the forward's check for non-finite entries in q, k and v: a flag per row (or one flag for
+//     every row, zero strides) and, where the job has one, a flag set by any of them.
 //
 // Each row (i0, i1, i2) of the pair blockIdx.y gets `lanes` threads of a warp over its elements (32
 // for rows of 32 elements or more, fewer for short rows: a warp then moves several rows). Compiled
@@ -55,6 +56,7 @@ struct RowJob {
   RowPair pair[kRowPairs];
   int count = 0;
   int64_t max_warps = 0;  // the most warps a pair needs: the grid's x covers them
+  int* any = nullptr;     // a check's flag set by every non-finite entry of every pair (or none)
 };
 
 // Adds dst <- src to job. words: a plain copy moved as 16-bit words, for elements of the same size
@@ -94,7 +96,8 @@ inline bool add_row_pair(RowJob& job, const RowTensor& dst, const RowTensor& src
 }
 
 // What rows_kernel does with each element: dst = src; dst = dst + src (in dst_t, src converted
-// first); or, for a src element that is not finite, *dst = 1 (dst: one int flag, zero strides).
+// first); or, for a src element that is not finite, *dst = 1 (dst: an int flag per row, its row
+// stride 0) and *job.any = 1 (where the job has it).
 enum class RowOp { kCopy, kAdd, kCheck };
 
 template <typename dst_t, typename src_t, RowOp kOp>
@@ -110,7 +113,10 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowJob job) {
   for (int64_t e = lane % p.lanes; e < p.len; e += p.lanes) {
     if constexpr (kOp == RowOp::kCheck) {
       const float x = static_cast<float>(s[e * p.ss[3]]);
-      if (!(x - x == 0.0f)) *d = 1;  // inf - inf and NaN - NaN are NaN
+      if (!(x - x == 0.0f)) {  // inf - inf and NaN - NaN are NaN
+        *d = 1;
+        if (job.any != nullptr) *job.any = 1;
+      }
     } else {
       const dst_t v = static_cast<dst_t>(s[e * p.ss[3]]);
       if constexpr (kOp == RowOp::kAdd)

@@ -17,10 +17,16 @@
 //   the graph bakes in the strides of out, dout and the statistics. A call of one row and one key
 //   runs in closed form (cuDNN refuses s_q = s_kv = 1): out = v, lse = scale (q . k).
 //
-// Non-finite inputs (checked once per forward) take the corrections of gathered.py's _NonFinite:
-// causal masking's 0 * inf is kept out of the kernel, and a row that reads a non-finite query or
-// key gets NaN (the CPU kernel turns NaN scores into weight 0).
+// Non-finite inputs take the corrections of gathered.py's _NonFinite, without a read back to the
+// host: one pass flags the rows of q, k and v that hold a NaN or an infinity, and the merge of
+// every call corrects its rows from the flags (only where some flag is set): causal masking's
+// 0 * inf is kept out of the kernel, and a row that reads a non-finite query or key gets NaN (the
+// CPU kernel turns NaN scores into weight 0). Nothing in either direction synchronises with the
+// host or allocates by data on CUDA, so a step can be captured into a CUDA graph.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -120,12 +126,6 @@ at::Tensor repeat_heads(const at::Tensor& x, int64_t h) {
   return h > 1 && x.stride(2) == 0 ? x.contiguous() : x;
 }
 
-// The per-row sums of a kernel call's keys: a prefix sum along the rows when causal, else the
-// whole sub-sequence (x (Bb, m, h, E)).
-at::Tensor reads(const at::Tensor& x, bool is_causal) {
-  return is_causal ? x.cumsum(1) : x.sum(1, true);
-}
-
 // Whether the current CUDA stream of q is being captured into a graph.
 bool capturing(const at::Tensor& q) {
 #ifdef DILATED_ATTENTION_WITH_CUDA
@@ -136,42 +136,99 @@ bool capturing(const at::Tensor& q) {
 #endif
 }
 
-// Non-finite inputs (gathered.py's _NonFinite): v_kernel is v with non-finite entries replaced
-// by 0 where causal masking would multiply them by 0, v_bad the entries themselves; zq and zk are
-// 0 for a finite row and NaN for a non-finite one.
-struct NonFinite {
-  at::Tensor v_kernel, v_bad, zq, zk;
+// flags (x's sizes without the last) = 1 at every row of the CPU tensor x (at most four dims) that
+// holds a NaN or an infinity: one pass over x, the rows in parallel (at::isfinite(x).all(-1) is
+// several times slower).
+void mark_rows_cpu(const at::Tensor& x, const at::Tensor& flags) {
+  TORCH_CHECK(x.dim() >= 1 && x.dim() <= 4 && flags.is_contiguous(),
+              "dilated_attention views: rows of 1 to 4 dims to check, got ", x.sizes());
+  int64_t size[4] = {1, 1, 1, 1}, stride[4] = {0, 0, 0, 0};
+  for (int64_t i = 0; i < x.dim(); ++i)
+    size[4 - x.dim() + i] = x.size(i), stride[4 - x.dim() + i] = x.stride(i);
+  const int64_t rows = size[0] * size[1] * size[2], len = size[3];
+  int* f = flags.data_ptr<int>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "views_mark_rows", [&] {
+    const scalar_t* base = x.const_data_ptr<scalar_t>();
+    at::parallel_for(
+        0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(len, 1)), [&](int64_t lo, int64_t hi) {
+          for (int64_t r = lo; r < hi; ++r) {
+            const scalar_t* row = base + (r / (size[1] * size[2])) * stride[0] +
+                                  (r / size[2] % size[1]) * stride[1] + (r % size[2]) * stride[2];
+            bool bad = false;
+            for (int64_t e = 0; e < len; ++e) {
+              const auto y = static_cast<at::opmath_type<scalar_t>>(row[e * stride[3]]);
+              bad |= !(y - y == 0);  // inf - inf and NaN - NaN are NaN
+            }
+            f[r] = bad;
+          }
+        });
+  });
+}
 
-  // The corrections for q, k, v ((B, N, H, D)); none where every entry is finite (finite, from
-  // inputs_finite). While a CUDA graph is captured the values cannot be read: the corrections are
-  // applied as if there were non-finite entries (exact either way).
-  NonFinite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal, bool finite)
-      : v_kernel(v) {
-    if (finite) return;
-    if (is_causal && (capturing(q) || !at::isfinite(v).all().item<bool>())) {
+// Flags of the rows of xs (1 to 3 tensors of one dtype, the last dim the row) that hold a NaN or
+// an infinity: {any (1,), flags of xs[0], ...}, int32, 1 where the row (any: some row) holds one.
+// On CUDA one launch and no read back to the host.
+std::vector<at::Tensor> mark_nonfinite(const std::vector<at::Tensor>& xs) {
+  std::vector<int64_t> counts;
+  int64_t total = 1;
+  for (const at::Tensor& x : xs) {
+    counts.push_back(x.numel() / std::max<int64_t>(1, x.size(-1)));
+    total += counts.back();
+  }
+  const at::Tensor flags = at::zeros({total}, xs[0].options().dtype(at::kInt));
+  std::vector<at::Tensor> out = {flags.narrow(0, 0, 1)};
+  int64_t at = 1;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    out.push_back(flags.narrow(0, at, counts[i]).view(xs[i].sizes().slice(0, xs[i].dim() - 1)));
+    at += counts[i];
+  }
+#ifdef DILATED_ATTENTION_WITH_CUDA
+  if (xs[0].is_cuda() && mark_nonfinite_rows_cuda_(xs, {out.begin() + 1, out.end()}, out[0])) return out;
+#endif
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (xs[i].is_cpu())
+      mark_rows_cpu(xs[i], out[i + 1]);
+    else
+      out[i + 1].copy_(at::isfinite(xs[i]).all(-1).logical_not());
+  }
+  out[0].copy_(flags.narrow(0, 1, total - 1).any());
+  return out;
+}
+
+// Non-finite inputs (gathered.py's _NonFinite), marked on the device (mark_nonfinite) and corrected
+// by the merge of every call (merge_rule.h NonFiniteRows): no value is read back to the host on
+// CUDA. v_kernel: with causal masking, the values the kernels read, v with its non-finite entries
+// taken as 0 (masking's 0 * inf kept out of the kernel); on the CPU v itself where every row is
+// finite (the CPU reads the flag for free).
+struct NonFinite {
+  at::Tensor any, qbad, kbad, vbad, v, v_kernel;
+  bool causal;
+
+  NonFinite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v_in, bool is_causal)
+      : v(v_in), v_kernel(v_in), causal(is_causal) {
+    const std::vector<at::Tensor> m = mark_nonfinite({q, k, v});
+    any = m[0];
+    qbad = m[1];
+    kbad = m[2];
+    vbad = m[3];
+    if (is_causal && (q.is_cuda() || any.item<int>() != 0))  // .item on the CPU only
       v_kernel = at::nan_to_num(v, 0.0, 0.0, 0.0);
-      v_bad = v - v_kernel;
-    }
-    zq = q.sum(-1, true).mul(0);
-    zk = k.sum(-1, true).mul(0);
   }
 
-  // A call's kernel out (Bb, n, m, D) and lse (Bb, n, m), corrected.
-  std::pair<at::Tensor, at::Tensor> apply(const Call& c, int64_t b, bool is_causal, at::Tensor og,
-                                          at::Tensor lg) const {
-    const int64_t h = c.q.n;
-    if (v_bad.defined()) {
-      og = og + reads(repeat_heads(call_view(v_bad, c, c.kv, b), h), is_causal)
-                    .transpose(1, 2)
-                    .to(og.scalar_type());
+  // The corrections of call c at batch entry b (views as call_view takes them).
+  CallNonFinite call(const Call& c, int64_t b) const {
+    CallNonFinite f{any,
+                    call_view3(qbad, c, c.q, b),
+                    call_view3(kbad, c, c.kv, b),
+                    at::Tensor(),
+                    at::Tensor(),
+                    c.q.n / c.kv.n,
+                    causal};
+    if (causal) {
+      f.vbad = call_view3(vbad, c, c.kv, b);
+      f.v = call_view(v, c, c.kv, b);
     }
-    if (zq.defined()) {
-      const at::Tensor z =
-          call_view(zq, c, c.q, b) + reads(repeat_heads(call_view(zk, c, c.kv, b), h), is_causal);
-      og = og + z.transpose(1, 2).to(og.scalar_type());
-      lg = lg + z.select(-1, 0).transpose(1, 2).to(lg.scalar_type());
-    }
-    return {og, lg};
+    return f;
   }
 };
 
@@ -396,10 +453,7 @@ Problem check_views_inputs(const at::Tensor& q, const at::Tensor& k, const at::T
 // inputs_finite (views.h).
 bool inputs_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   if (capturing(q)) return false;
-#ifdef DILATED_ATTENTION_WITH_CUDA
-  if (q.is_cuda()) return all_finite_cuda({q, k, v});
-#endif
-  return (at::isfinite(q).all() & at::isfinite(k).all() & at::isfinite(v).all()).item<bool>();
+  return mark_nonfinite({q, k, v})[0].item<int>() == 0;  // the one read back: the packed form's
 }
 
 // dilated_attention::views_fwd (views.h).
@@ -409,7 +463,6 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
                                              double softmax_scale, std::optional<bool> finite) {
   const Problem P =
       check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
-  if (!finite) finite = inputs_finite(q_in, k_in, v_in);
   const bool cuda = q_in.is_cuda();
   const int kind = cuda ? cuda_kind(q_in) : 0;
   (void)kind;  // read by the CUDA kernels only
@@ -420,13 +473,15 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   const at::Tensor out_acc = at::zeros({P.B, P.N, P.Hq, P.D}, q.options().dtype(acc));
   const at::Tensor lse_acc =
       at::full({P.B, P.N, P.Hq}, -std::numeric_limits<double>::infinity(), q.options().dtype(acc));
-  const NonFinite nf(q, k, v, is_causal, *finite);
+  const std::optional<NonFinite> nf =
+      finite.value_or(false) ? std::nullopt : std::make_optional<NonFinite>(q, k, v, is_causal);
+  const at::Tensor& v_kernel = nf ? nf->v_kernel : v;
   const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
   for (size_t br = 0; br < plan->branches.size(); ++br) {
     for (const Call& c : plan->branches[br]) {
       for (int64_t b : batches(c, P.B, P.N)) {
         const at::Tensor qv = call_view(q, c, c.q, b), kv = call_view(k, c, c.kv, b);
-        const at::Tensor vv = call_view(nf.v_kernel, c, c.kv, b);
+        const at::Tensor vv = call_view(v_kernel, c, c.kv, b);
         at::Tensor og, lg;
         if (!cuda) {
           std::tie(og, lg) = at::_scaled_dot_product_flash_attention_for_cpu(
@@ -438,9 +493,9 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
               cuda_forward(kind, qv, repeat_heads(kv, c.q.n), repeat_heads(vv, c.q.n), is_causal, scale);
 #endif
         }
-        lg = lg.narrow(2, 0, c.m);
-        std::tie(og, lg) = nf.apply(c, b, is_causal, og, lg);
-        merge_call_(call_view(out_acc, c, c.q, b), call_view3(lse_acc, c, c.q, b), og, lg, br == 0);
+        const std::optional<CallNonFinite> fix = nf ? std::make_optional(nf->call(c, b)) : std::nullopt;
+        merge_call_(call_view(out_acc, c, c.q, b), call_view3(lse_acc, c, c.q, b), og, lg.narrow(2, 0, c.m),
+                    br == 0, fix ? &*fix : nullptr);
       }
     }
   }

@@ -11,14 +11,17 @@ namespace dilated_attention {
 namespace views {
 
 // Whether q, k and v hold only finite values, which spares the forward its corrections for
-// non-finite inputs: one device synchronisation (on CUDA one launch); false while a CUDA graph is
-// captured (the corrections are then applied, exact either way).
+// non-finite inputs: one launch and one device synchronisation on CUDA (for the packed form, which
+// reads its cu_seqlens on the host anyway); false while a CUDA graph is captured (the corrections
+// are then applied, exact either way).
 bool inputs_finite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 // dilated_attention::views_fwd: out (B, N, Hq, D) in q's dtype and lse (B, Hq, N) float32
-// (float64 for float64 inputs) of every branch merged (SPEC sections 2-3). finite: what
-// inputs_finite says of these inputs, where the caller knows it (the packed form checks its whole
-// tensors once); nullopt: checked here.
+// (float64 for float64 inputs) of every branch merged (SPEC sections 2-3). finite: true where the
+// caller knows that these inputs are finite (the packed form checks its whole tensors once), which
+// spares the forward its corrections for non-finite inputs; false or nullopt: the rows holding
+// non-finite entries are flagged on the device and corrected in the merge, without a read back to
+// the host.
 std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
                                              const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                              at::IntArrayRef dilation_rates, bool is_causal,

@@ -20,10 +20,12 @@ using dilated_attention::views::with_rows_kernel;
 
 // Moves `count` pairs: meta holds, per pair, the element bytes of dst and of src, then dst's four
 // sizes and four strides and src's (18 values); ptrs holds dst0, src0, dst1, src1, ...
-// op: 0 copy, 1 add, 2 check (dst: an int flag); source: 0 float32, 1 bfloat16, 2 float16 (adds
-// and checks). Returns 0, or 1 where a pair does not fit the kernel (nothing moved).
-extern "C" int da_emu_rows(int op, int source, int count, const int64_t* meta, void** ptrs) {
+// op: 0 copy, 1 add, 2 check (dst: an int flag per row, or one flag); source: 0 float32,
+// 1 bfloat16, 2 float16 (adds and checks); any: a check's flag for every pair (or null). Returns
+// 0, or 1 where a pair does not fit the kernel (nothing moved).
+extern "C" int da_emu_rows_any(int op, int source, int count, const int64_t* meta, void** ptrs, int* any) {
   RowJob job;
+  job.any = any;
   for (int i = 0; i < count; ++i) {
     const int64_t* m = meta + 18 * i;
     RowTensor dst{ptrs[2 * i], m[0], {m[2], m[3], m[4], m[5]}, {m[6], m[7], m[8], m[9]}};
@@ -41,4 +43,9 @@ extern "C" int da_emu_rows(int op, int source, int count, const int64_t* meta, v
         da_emu::run_block(grid, dim3(x, y, 1), kRowThreads, [&] { kernel(job); });
   });
   return 0;
+}
+
+// da_emu_rows_any without the flag for every pair.
+extern "C" int da_emu_rows(int op, int source, int count, const int64_t* meta, void** ptrs) {
+  return da_emu_rows_any(op, source, count, meta, ptrs, nullptr);
 }
