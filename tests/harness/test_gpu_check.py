@@ -305,45 +305,6 @@ def test_each_phase_fits_its_deadline_with_a_full_build():
 
 
 @needs_bash
-def test_a_copy_without_git_history_names_no_other_commit(tmp_path, fake_tools):
-    """Run from a copy of the project that has no .git of its own, inside another repository, the
-    summary says the commit is unknown instead of that repository's HEAD."""
-    outer = tmp_path / "outer"
-    shutil.copytree(ROOT / "scripts", outer / "proj" / "scripts")
-    subprocess.run(["git", "init", "-q", str(outer)], check=True)
-    env = {
-        "GIT_AUTHOR_NAME": "a",
-        "GIT_AUTHOR_EMAIL": "a@b",
-        "GIT_COMMITTER_NAME": "a",
-        "GIT_COMMITTER_EMAIL": "a@b",
-    }
-    subprocess.run(["git", "-C", str(outer), "add", "-A"], check=True)
-    subprocess.run(["git", "-C", str(outer), "commit", "-qm", "x"], check=True, env={**os.environ, **env})
-    head = subprocess.run(
-        ["git", "-C", str(outer), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    out = tmp_path / "out"
-    fake_env = {
-        "GPU_CHECK_ASSUME_GPU": "1",
-        "GPU_CHECK_PYTHON": str(fake_tools.bin_dir / "python"),
-        "GPU_CHECK_STAMP": str(tmp_path / "stamp"),
-        "FAKE_BUILDS": str(tmp_path / "builds"),
-        "REAL_PYTHON": sys.executable,
-        "PATH": f"{fake_tools.bin_dir}:{os.environ['PATH']}",
-    }
-    subprocess.run(
-        ["bash", str(outer / "proj" / "scripts" / "gpu_check.sh"), str(out), "--steps", "build"],
-        env={**os.environ, **fake_env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    summary = (out / "summary.md").read_text()
-    assert "- commit: unknown (no git history" in summary
-    assert head not in summary
-
-
-@needs_bash
 def test_every_step_passing(tmp_path, fake_tools):
     res, rows, summary = fake_tools(tmp_path / "out")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -523,22 +484,6 @@ def test_backtrace_without_a_debugger_says_so(tmp_path, fake_tools):
     assert "CRASHED tests/cuda/test_cuda.py::test_empty_inputs_and_errors" in summary  # still named
 
 
-@needs_bash
-@pytest.mark.skipif(
-    shutil.which("cuda-gdb") is not None
-    or any(
-        Path(d, "cuda-gdb").exists()
-        for d in (os.environ.get("CUDA_HOME", "/nonexistent") + "/bin", "/usr/local/cuda/bin")
-    ),
-    reason="cuda-gdb is installed here: it comes before gdb",
-)
-def test_backtrace_falls_back_to_gdb(tmp_path, fake_tools):
-    (fake_tools.bin_dir / "cuda-gdb").rename(fake_tools.bin_dir / "gdb")
-    _, rows, _ = _crash_run(tmp_path, fake_tools, "out")
-    assert rows["backtrace"] == "done: 1 of 1 crashed tests rerun under gdb (tests.log)"
-    assert (tmp_path / "debugger_args").read_text().startswith("gdb -batch ")
-
-
 @pytest.fixture(scope="module")
 def testlog():
     yield load_script(ROOT / "scripts" / "gpu_testlog.py")
@@ -584,28 +529,6 @@ def test_testlog_one_process_crash_and_a_finished_run(testlog, capsys):
         "## slowest tests (--durations)" in text and "12.50s call     tests/cuda/test_cuda.py::test_y" in text
     )
     assert testlog.rerun_targets(log) == []
-
-
-def test_testlog_rerun_targets_one_per_test_function_at_most_three(testlog):
-    dump = (
-        "Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
-        '  File "/w/tests/cuda/test_cuda.py", line {} in {}\n\n'
-    )
-    text = (
-        "[gw1] node down: Not properly terminated\n[gw1] [  1%] FAILED tests/cuda/test_cuda.py::test_a[1]\n"
-        "[gw2] node down: Not properly terminated\n[gw2] [  2%] FAILED tests/cuda/test_cuda.py::test_a[2]\n"
-        + dump.format(10, "test_a")
-        + dump.format(20, "test_b")  # its worker's report never came: the function, all parameters
-        + dump.format(30, "test_c")
-        + dump.format(40, "test_d")
-    )
-    log = testlog.parse(text)
-    assert testlog.rerun_targets(log) == [
-        "tests/cuda/test_cuda.py::test_a[1]",
-        "tests/cuda/test_cuda.py::test_b",
-        "tests/cuda/test_cuda.py::test_c",
-    ]
-    assert len(testlog.rerun_targets(log, limit=10)) == 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -732,18 +655,18 @@ def pytest_collection_finish(session):
 """
 
 
-@pytest.mark.parametrize(
-    "test_file",
-    [
-        "tests/cuda/test_cuda.py",
-        "tests/ring/test_ring_pieces.py",
-        "tests/cuda/test_decode_cuda.py",
-        "tests/backends/test_backends_views.py",
-    ],
+GPU_TEST_FILES = (
+    "tests/cuda/test_cuda.py",
+    "tests/ring/test_ring_pieces.py",
+    "tests/cuda/test_decode_cuda.py",
+    "tests/backends/test_backends_views.py",
 )
-def test_every_gpu_test_is_marked_cuda(tmp_path, test_file):
+
+
+def test_every_gpu_test_is_marked_cuda(tmp_path):
     """gpu_check.sh runs ``-m cuda``: a GPU test without the mark would never run on the GPU. A
-    test needs the GPU when it carries the skip of ``common.needs_cuda_kernels``."""
+    test needs the GPU when it carries the skip of ``common.needs_cuda_kernels``. One collection of
+    the files the tests step runs."""
     import json
 
     (tmp_path / "da_marks_plugin.py").write_text(_MARKS_PLUGIN)
@@ -761,7 +684,7 @@ def test_every_gpu_test_is_marked_cuda(tmp_path, test_file):
             "da_marks_plugin",
             "-p",
             "no:cacheprovider",
-            test_file,
+            *GPU_TEST_FILES,
         ],
         cwd=ROOT,
         env=env,
@@ -773,7 +696,10 @@ def test_every_gpu_test_is_marked_cuda(tmp_path, test_file):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads(out.read_text())
     needs = [r for r in rows if any(s.startswith("needs a CUDA GPU") for s in r["skip_reasons"])]
-    assert needs, f"no test of {test_file} is recognised as a GPU test: the check would pass vacuously"
+    for test_file in GPU_TEST_FILES:
+        assert any(r["id"].startswith(test_file) for r in needs), (
+            f"no test of {test_file} is recognised as a GPU test: the check would pass vacuously"
+        )
     unmarked = [r["id"] for r in needs if "cuda" not in r["marks"]]
     assert not unmarked, f"GPU tests without @pytest.mark.cuda (gpu_check.sh -m cuda skips them): {unmarked}"
     # and the other way round: a test marked cuda is skipped where there is no GPU
@@ -824,29 +750,6 @@ def test_bench_cuda_dry_run_measures_every_method(tmp_path, capsys):
     assert flex and max(flex) < 0.05, flex
     pytest.importorskip("matplotlib")
     assert (tmp_path / "b.png").stat().st_size > 0
-
-
-def test_bench_cuda_gather_baseline_backward_takes_float32_inputs():
-    """The gather driver hands the kernel float32 copies in a multi-branch backward; the flash
-    kernel takes bf16/fp16 only, so the baseline gives it bf16 (the CPU stand-in refuses float32
-    as the CUDA kernel does)."""
-    bench = load_script(ROOT / "benchmarks" / "bench_cuda.py")
-    try:
-        base = bench.make_gather_baseline()
-    finally:
-        del sys.modules["bench_cuda"]
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 16, 2, 8, generator=g, dtype=torch.bfloat16) for _ in range(3))
-    out, lse, extra = base.attn_forward(q, k, v, is_causal=True, scale=0.35)
-    with pytest.raises(RuntimeError, match="only supports fp16 and bf16"):
-        base.attn_forward(q.float(), k.float(), v.float(), is_causal=True, scale=0.35)
-    dout = torch.randn(out.shape, generator=g)
-    wide = base.attn_backward(
-        dout, q.float(), k.float(), v.float(), out.float(), lse, extra, is_causal=True, scale=0.35
-    )
-    narrow = base.attn_backward(dout.bfloat16(), q, k, v, out, lse, extra, is_causal=True, scale=0.35)
-    for a, b in zip(wide, narrow, strict=True):
-        torch.testing.assert_close(a.float(), b.float())
 
 
 def test_bench_cuda_dry_run_past_its_budget(tmp_path):
