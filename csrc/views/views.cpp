@@ -122,7 +122,10 @@ at::Tensor driver_layout(const at::Tensor& x) {
 // has; a stride-0 head dim is materialised (the kernels' backward writes one gradient per head).
 at::Tensor repeat_heads(const at::Tensor& x, int64_t h) {
   const int64_t hk = x.size(2);
-  if (hk != h) return x.repeat_interleave(h / hk, 2);
+  if (hk != h) {  // expand and copy (repeat_interleave may read a size back from the device)
+    const int64_t Bb = x.size(0), m = x.size(1), D = x.size(3);
+    return x.unsqueeze(3).expand({Bb, m, hk, h / hk, D}).reshape({Bb, m, h, D});
+  }
   return h > 1 && x.stride(2) == 0 ? x.contiguous() : x;
 }
 

@@ -1,0 +1,131 @@
+"""The kernel launches of the sdpa backend's C++ driver on CUDA (``csrc/views/views.cpp``:
+``views_fwd`` and ``views_bwd``), counted from its plan.
+
+The driver runs every kernel call of the plan (:func:`.strided.plan_branches`, planned without
+native grouped-query attention on CUDA) once per batch run (:func:`.strided.batches`); what it
+launches per run and once per direction is what the functions below add up, branch by branch,
+from the same conditions as the driver's code (a call of one row and one key runs in closed form;
+a stride-0 key/value head is copied to every head; the three gradient adds share one launch where
+the heads match). An attention operator call (cuDNN or flash attention, forward or backward) counts
+as one launch: the kernels inside it (cuDNN's backward runs several) are the operator's.
+
+:func:`views_launches` says how far a geometry is from a launch count that does not grow with the
+dilation rates ("at most 4 per branch plus a constant" a direction): today a branch with
+``r < Hq`` runs one call per phase, ``r`` calls (``tests/backends/test_views_launches.py`` prints
+the counts of the example GPT's geometry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .strided import Call, batches, plan_branches
+
+__all__ = ["BranchLaunches", "Launches", "views_launches"]
+
+# Launches of the closed form of a call of one row and one key (views.cpp cuda_forward /
+# cuda_backward, half-precision inputs): the float32 casts and elementwise ops it runs.
+_CLOSED_FORWARD = 6  # q, k to float32; q * k; sum; * scale; the lse made contiguous
+_CLOSED_BACKWARD = 21  # q, k, v, dout, out to float32 and the 16 products, sums and exps of P, dS
+# The dlse term of a backward call: a second operator call on a unit out and -dlse dout (zeros,
+# fills, a negation and copy, the float32 sums of dq and dk); cuDNN takes dout and out contiguous.
+_DLSE = {"cudnn": 13, "flash": 11}
+
+
+@dataclass(frozen=True)
+class BranchLaunches:
+    """One branch: its kernel calls (times batch runs), and the launches of its forward and
+    backward (operator calls included)."""
+
+    calls: int
+    forward: int
+    backward: int
+
+
+@dataclass(frozen=True)
+class Launches:
+    """The launches of one ``views_fwd`` and one ``views_bwd``: per branch, and the ones that do
+    not depend on the branches (allocations filled on the device, the non-finite flags, the casts
+    of the results)."""
+
+    branches: tuple[BranchLaunches, ...]
+    forward_constant: int
+    backward_constant: int
+
+    @property
+    def forward(self) -> int:
+        return self.forward_constant + sum(b.forward for b in self.branches)
+
+    @property
+    def backward(self) -> int:
+        return self.backward_constant + sum(b.backward for b in self.branches)
+
+    @property
+    def calls(self) -> int:
+        return sum(b.calls for b in self.branches)
+
+    def most_per_branch(self) -> int:
+        """The most launches of one branch in either direction."""
+        return max((max(b.forward, b.backward) for b in self.branches), default=0)
+
+
+def _repeats(c: Call) -> int:
+    """Copies of k and v whose heads the kernel cannot read as they are (views.cpp repeat_heads)."""
+    return 2 if c.kv.expanded or c.kv.n != c.q.n else 0
+
+
+def _forward(c: Call) -> int:
+    attention = _CLOSED_FORWARD if c.m == 1 else 1
+    return _repeats(c) + attention + 1  # + the merge
+
+
+def _backward(c: Call, has_dlse: bool, kind: str) -> int:
+    if c.m == 1:
+        kernel, same_dtypes = _CLOSED_BACKWARD + int(has_dlse), True  # all three in float32
+    else:
+        kernel = 2 + (_DLSE[kind] if has_dlse else 0)  # the contiguous copies (cuDNN) or lse (flash)
+        same_dtypes = not has_dlse  # the dlse term makes dq and dk float32
+    if not c.kv.expanded and c.kv.n == c.q.n and same_dtypes:
+        adds = 1  # dq, dk, dv in one launch
+    elif c.kv.expanded or c.kv.n != c.q.n:
+        adds = 1 + 4  # dq; dk and dv summed over the heads that read them, then added
+    else:
+        adds = 3
+    return _repeats(c) + kernel + adds
+
+
+def views_launches(
+    B: int,
+    N: int,
+    Hq: int,
+    Hkv: int,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    is_causal: bool,
+    *,
+    has_dlse: bool = False,
+    kind: str = "cudnn",
+) -> Launches:
+    """The launches of ``views_fwd`` and ``views_bwd`` on CUDA for q (B, N, Hq, D) and k, v
+    (B, N, Hkv, D), contiguous, half precision, a positive scale. kind: the attention operator,
+    ``"cudnn"`` (sm_90+) or ``"flash"``."""
+    if kind not in _DLSE:
+        raise ValueError(f"kind must be 'cudnn' or 'flash', got {kind!r}")
+    plan = plan_branches(N, Hq, Hkv, tuple(segment_lengths), tuple(dilation_rates), False)
+    branches = []
+    for calls in plan:
+        runs = [c for c in calls for _ in batches(c, B, N)]
+        branches.append(
+            BranchLaunches(
+                calls=len(runs),
+                forward=sum(_forward(c) for c in runs),
+                backward=sum(_backward(c, has_dlse, kind) for c in runs),
+            )
+        )
+    # forward: the accumulators (zeros, a fill), the flags (zeros, the check), v with its
+    # non-finite entries as 0 (causal), out cast to the inputs' dtype, lse made (B, Hq, N)
+    forward_constant = 6 + int(is_causal)
+    # backward: v with non-finite entries as 0 (causal), lse (and dlse) made (B, N, Hq), the three
+    # float32 gradients zeroed and cast back
+    backward_constant = 7 + int(is_causal) + int(has_dlse)
+    return Launches(tuple(branches), forward_constant, backward_constant)

@@ -1,0 +1,81 @@
+"""The kernel launches of the sdpa backend's C++ driver on CUDA, counted from its plan
+(dilated_attention/backends/sdpa_launches.py), at the example GPT's geometry: B = 1, 12 heads,
+causal, LongNet branches w = 2048 * 2^i, r = 2^i up to the block length, for blocks of 16K, 64K and
+128K. The counts are printed against the target "at most 4 launches per branch and direction plus a
+constant"; the target is asserted where the driver meets it (a branch of one kernel call), and the
+number of kernel calls the count is built on is checked against the operator calls of the driver's
+own CPU run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from common import make_inputs
+
+from dilated_attention.backends.sdpa_launches import views_launches
+from dilated_attention.op import views as _views_op
+
+pytestmark = pytest.mark.skipif(not _views_op.available("cpu"), reason="the extension lacks the views driver")
+
+TARGET = 4  # launches per branch and direction
+
+
+def _gpt_branches(N: int, base: int = 2048) -> tuple[list[int], list[int]]:
+    """w = base * 2^i, r = 2^i for every w <= N."""
+    segs, rates = [], []
+    while base << len(segs) <= N:
+        segs.append(base << len(segs))
+        rates.append(1 << len(rates))
+    return segs, rates
+
+
+@pytest.mark.parametrize("N", [16 * 1024, 64 * 1024, 128 * 1024], ids=lambda n: f"{n // 1024}K")
+def test_gpt_geometry_launch_count(N, capsys):
+    segs, rates = _gpt_branches(N)
+    counted = views_launches(1, N, 12, 12, segs, rates, True)
+    lines = [
+        f"N={N // 1024}K: {counted.calls} calls, forward {counted.forward}, backward {counted.backward} launches"
+    ]
+    for w, r, b in zip(segs, rates, counted.branches, strict=True):
+        lines.append(
+            f"  w={w:6d} r={r:2d}: {b.calls:2d} calls, forward {b.forward:3d}, backward {b.backward:3d}"
+        )
+    lines.append(
+        f"  constant: forward {counted.forward_constant}, backward {counted.backward_constant}; "
+        f"target: at most {TARGET} per branch and direction, "
+        f"{'met' if counted.most_per_branch() <= TARGET else f'not met (most: {counted.most_per_branch()})'}"
+    )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert counted.forward == counted.forward_constant + sum(b.forward for b in counted.branches)
+    for b in counted.branches:
+        assert b.calls >= 1 and b.forward >= b.calls and b.backward >= b.calls  # an operator each
+        if b.calls == 1:  # what the driver meets today: a branch of one kernel call
+            assert b.forward <= TARGET and b.backward <= TARGET
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "B,N,Hq,segs,rates",
+    [
+        (1, 256, 12, [32, 64, 128, 256], [1, 2, 4, 8]),  # the GPT geometry, scaled down
+        (1, 512, 12, [32, 64, 128, 256, 512], [1, 2, 4, 8, 16]),  # r >= Hq: a head per phase
+        (2, 200, 4, [64, 128], [1, 2]),  # a short last part: one run per batch entry
+    ],
+)
+def test_calls_are_the_driver_operator_calls(B, N, Hq, segs, rates, is_causal):
+    """The kernel calls the count is built on (the plan's calls, once per batch run) are the
+    attention operator calls the driver makes (its CPU run, where the plan is the same for
+    Hq == Hkv)."""
+    q, k, v = make_inputs(B, N, Hq, Hq, 8, torch.bfloat16, requires_grad=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ops.dilated_attention.views_fwd(q, k, v, segs, rates, is_causal, 8**-0.5)
+    ran = sum(
+        e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu"
+    )
+    assert ran == views_launches(B, N, Hq, Hq, segs, rates, is_causal).calls
+
+
+def test_kind_is_checked_by_name():
+    with pytest.raises(ValueError, match="'tpu'"):
+        views_launches(1, 64, 2, 2, [64], [1], False, kind="tpu")
