@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -187,6 +188,12 @@ def _decoded(planned: tuple[tuple[tuple[int, ...], ...], ...]) -> tuple[tuple[Ca
     )
 
 
+def _ints(xs: Iterable[int]) -> tuple[int, ...]:
+    """Plain ints: a symbolic one (torch.compile's dynamic shapes, or an int it made symbolic) is
+    specialised to its value, a guard on it."""
+    return tuple(operator.index(x) for x in xs)
+
+
 def plan_branches(
     N: int | tuple[int, ...],
     Hq: int,
@@ -197,15 +204,14 @@ def plan_branches(
 ) -> tuple[tuple[Call, ...], ...]:
     """The kernel calls of every branch: one tuple of :class:`Call` per branch. ``N`` is the
     sequence length, or the lengths of the sequences of a packed batch. Planned in C++, through
-    its cache (module docstring); a symbolic length (torch.compile's dynamic shapes) is
-    specialised to its value (``operator.index``, a guard on it), as the plan depends on it."""
-    lengths = tuple(operator.index(n) for n in (N if isinstance(N, tuple) else (N,)))
+    its cache (module docstring); under torch.compile the plan is a constant of the graph, the
+    ints it depends on specialised to their values (:func:`_ints`)."""
     planned = _planned(
-        lengths,
+        _ints(N if isinstance(N, tuple) else (N,)),
         operator.index(Hq),
         operator.index(Hkv),
-        tuple(segment_lengths),
-        tuple(dilation_rates),
+        _ints(segment_lengths),
+        _ints(dilation_rates),
         bool(native_gqa),
     )
     # Dynamo warns about an lru_cache it would step over: it traces the uncached function
