@@ -48,7 +48,7 @@ inline void check_branches(at::IntArrayRef segment_lengths, at::IntArrayRef dila
 }
 
 // A dtype as Python names it (torch.float32 -> "float32"), so that the errors name dtypes as the
-// user wrote them (and as the fake kernels' checks, dilated_attention/_op_checks.py, do).
+// user wrote them (and as the fake kernels' checks, dilated_attention/_validation.py and op/checks.py, do).
 inline const char* dtype_name(at::ScalarType t) {
   switch (t) {
     case at::kDouble: return "float64";

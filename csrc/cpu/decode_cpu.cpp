@@ -456,14 +456,17 @@ void check_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                 "decode_step: every tensor must have q's dtype and device (", dtype_name(q.scalar_type()),
                 ", ", q.device(), "), got ", dtype_name(t->scalar_type()), ", ", t->device());
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(),
-              "decode_step: k_cache and v_cache must be contiguous");
+              "decode_step: k_cache and v_cache must be contiguous, got strides ", kc.strides(), " and ",
+              vc.strides());
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == B && pos.scalar_type() == at::kLong,
               "decode_step: pos must be an int64 (B,) tensor, got ", dtype_name(pos.scalar_type()), " ",
               pos.sizes());
   TORCH_CHECK(pos.device() == q.device(), "decode_step: pos must be on q's device ", q.device(), ", got ",
               pos.device());
-  TORCH_CHECK(segs.size() == rates.size() && segs.size() == lengths.size() && !segs.empty(),
-              "decode_step: segment_lengths, dilation_rates and slot_lengths must have one entry per branch");
+  TORCH_CHECK(
+      segs.size() == rates.size() && segs.size() == lengths.size() && !segs.empty(),
+      "decode_step: segment_lengths, dilation_rates and slot_lengths must have one entry per branch, got ",
+      segs, ", ", rates, " and ", lengths);
   const int64_t G = Hq / Hkv;
   int64_t total = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
