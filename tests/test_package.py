@@ -45,7 +45,7 @@ def _run_without_extension(mode: str, body: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("mode", ["missing", "mismatched"])
 def test_without_the_extension_every_backend_says_why(mode):
     """The extension holds native's kernels and the plan of the other backends' calls: without it
-    a call raises naming it and what to run; the report still runs."""
+    no backend is chosen, a call raises naming it and what to run; the report still runs."""
     run = _run_without_extension(
         mode,
         """
@@ -58,7 +58,7 @@ def test_without_the_extension_every_backend_says_why(mode):
             try:
                 da.dilated_attention(q, q, q, [8, 16], [1, 2], backend=backend)
             except RuntimeError as exc:
-                print("CALL:", backend, exc)
+                print("CALL:", backend, str(exc).replace("\\n", " "))
         print("CACHE:", da.get_pattern_cache().info())
         why = get_backend("native").reasons(BackendRequest(torch.device("cpu"), torch.float32, 8))
         print("NATIVE:", why)

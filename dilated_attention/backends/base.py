@@ -176,8 +176,13 @@ class Backend:
 
     def all_reasons(self, request: BackendRequest) -> list[str]:
         """:meth:`reasons`, and the rules that hold for every backend (dropout over several
-        branches needs the merged weights): what selection goes by."""
+        branches needs the merged weights, and every backend needs the compiled extension: native
+        for its kernels, the others for the plan of their calls): what selection goes by."""
+        from .. import op
+
         why = list(self.reasons(request))
+        if op.EXTENSION_ERROR is not None and op.EXTENSION_ERROR not in why:
+            why.insert(0, op.EXTENSION_ERROR)
         if request.merged_dropout and not self.drops_merged_weights:
             why.append(f"{BRANCH_DROPOUT} (use native)")
         return why
