@@ -1,7 +1,9 @@
 // dilated_attention::views_fwd and views_bwd: the sdpa backend's driver in one op each way.
 //
-// Every branch is a handful of dense attention calls on strided views of q, k and v (plan.h); a
-// call's (out, lse) is merged by log-sum-exp into one accumulator (merge.h). The backward feeds
+// Every branch is a handful of dense attention calls on strided views of q, k and v (plan.h; with
+// one batch entry and one segment, the calls of a branch's phases run as one, their index as the
+// kernel's batch dim: Run); a call's (out, lse) is merged by log-sum-exp into one accumulator
+// (merge.h). The backward feeds
 // each call the *merged* out and lse of its rows (as ring attention does) and adds its gradients
 // into strided views of float32 (float64) dq, dk and dv. Only the per-call kernel differs:
 //
@@ -59,38 +61,84 @@ namespace {
 // Score-chunk budget of the CPU backward, in elements (float32: 16 MiB per buffer).
 constexpr int64_t kChunkElements = 4 * 1024 * 1024;
 
-// The strided view (Bb, m, n, E) of x (B, N, H, E) at the rows of call and the heads s: all
-// batch entries folded with the segments (b < 0, where folds() holds) or batch entry b's
-// segments. x's batch and sequence dims must fold (x.stride(0) == N * x.stride(1) where B > 1 and
-// the call's segments do not stand alone), which the driver's contiguous tensors satisfy.
-at::Tensor call_view(const at::Tensor& x, const Call& c, const Strided& s, int64_t b) {
-  const int64_t B = x.size(0), sB = x.stride(0), sN = x.stride(1), sH = x.stride(2), sE = x.stride(3);
-  const Part& p = c.part;
-  int64_t Bb, sBb, off = x.storage_offset() + (p.start + s.p0) * sN + s.c0 * sH;
-  if (b >= 0) {
-    Bb = p.rows;
-    sBb = p.length * sN;
-    off += b * sB;
-  } else if (p.rows == 1) {
-    Bb = B;
-    sBb = sB;
-  } else {
-    Bb = B * p.rows;
-    sBb = p.length * sN;
+// One kernel call of the driver: call c of the plan at batch entry b (b < 0: every batch entry
+// at once, where folds() holds), or, with count > 1, the count calls of the plan c, c + step, ...
+// whose phases and heads step evenly (the phases of a branch: phase o + 1 reads the next position
+// and the next heads), in one kernel call whose batch dim is that index. The calls' index can ride
+// as the batch dim only where the batch and the segments take none of it (B = 1, one segment).
+struct Run {
+  Call c;
+  int64_t b;
+  int64_t count = 1;
+  int64_t step_p = 0, step_q = 0, step_kv = 0;  // per index: the phase, the q and k/v heads
+
+  // The strided view (Bb, m, n, E) of x (B, N, H, E) at the rows of the run and the heads s
+  // (c.q or c.kv, or a view of the same heads; step_c: their head step per index): all batch
+  // entries folded with the segments (b < 0), batch entry b's segments, or the run's calls (count
+  // > 1). x's batch and sequence dims must fold (x.stride(0) == N * x.stride(1) where B > 1 and the
+  // call's segments do not stand alone), which the driver's contiguous tensors satisfy.
+  at::Tensor view(const at::Tensor& x, const Strided& s, int64_t step_c) const {
+    const int64_t B = x.size(0), sB = x.stride(0), sN = x.stride(1), sH = x.stride(2), sE = x.stride(3);
+    const Part& p = c.part;
+    int64_t Bb, sBb, off = x.storage_offset() + (p.start + s.p0) * sN + s.c0 * sH;
+    if (count > 1) {
+      Bb = count;
+      sBb = step_p * sN + step_c * sH;
+    } else if (b >= 0) {
+      Bb = p.rows;
+      sBb = p.length * sN;
+      off += b * sB;
+    } else if (p.rows == 1) {
+      Bb = B;
+      sBb = sB;
+    } else {
+      Bb = B * p.rows;
+      sBb = p.length * sN;
+    }
+    return x.as_strided({Bb, c.m, s.n, x.size(3)}, {sBb, c.r * sN, s.dp * sN + s.dc * sH, sE}, off);
   }
-  return x.as_strided({Bb, c.m, s.n, x.size(3)}, {sBb, c.r * sN, s.dp * sN + s.dc * sH, sE}, off);
+
+  at::Tensor q(const at::Tensor& x) const { return view(x, c.q, step_q); }
+  at::Tensor kv(const at::Tensor& x) const { return view(x, c.kv, step_kv); }
+  // q and kv of a (B, N, H) tensor: (Bb, m, n).
+  at::Tensor q3(const at::Tensor& x) const { return view(x.unsqueeze(-1), c.q, step_q).select(-1, 0); }
+  at::Tensor kv3(const at::Tensor& x) const { return view(x.unsqueeze(-1), c.kv, step_kv).select(-1, 0); }
+};
+
+// Whether call d extends run r as its next index: one batch entry and one segment, the same
+// shape of call, phases and heads that step as the run's.
+bool extends(const Run& r, const Call& d, int64_t B) {
+  const Call& c = r.c;
+  auto same = [](const Strided& x, const Strided& y) { return x.n == y.n && x.dp == y.dp && x.dc == y.dc; };
+  if (B != 1 || r.b >= 0 || c.part.rows != 1 || d.part.rows != 1 || d.part.start != c.part.start ||
+      d.part.length != c.part.length || d.r != c.r || d.m != c.m || d.g != c.g || !same(d.q, c.q) ||
+      !same(d.kv, c.kv))
+    return false;
+  const int64_t dp = d.q.p0 - c.q.p0, dq = d.q.c0 - c.q.c0, dkv = d.kv.c0 - c.kv.c0;
+  if (d.kv.p0 - c.kv.p0 != dp) return false;
+  if (r.count == 1) return dp != 0 || dq != 0;
+  return dp == r.count * r.step_p && dq == r.count * r.step_q && dkv == r.count * r.step_kv;
 }
 
-// call_view of a (B, N, H) tensor: (Bb, m, n).
-at::Tensor call_view3(const at::Tensor& x, const Call& c, const Strided& s, int64_t b) {
-  return call_view(x.unsqueeze(-1), c, s, b).select(-1, 0);
-}
-
-// The batch entries to run a call on: {-1} (all at once) where it folds, else 0 .. B-1.
-std::vector<int64_t> batches(const Call& c, int64_t B, int64_t N) {
-  if (folds(c, B, N)) return {-1};
-  std::vector<int64_t> out;
-  for (int64_t b = 0; b < B; ++b) out.push_back(b);
+// The kernel calls of a branch's plan calls: one per call and batch entry where the call does not
+// fold, the calls that extend one another (extends) in one.
+std::vector<Run> runs(const std::vector<Call>& calls, int64_t B, int64_t N) {
+  std::vector<Run> out;
+  for (const Call& c : calls) {
+    if (!folds(c, B, N)) {
+      for (int64_t b = 0; b < B; ++b) out.push_back({c, b});
+    } else if (!out.empty() && extends(out.back(), c, B)) {
+      Run& r = out.back();
+      if (r.count == 1) {
+        r.step_p = c.q.p0 - r.c.q.p0;
+        r.step_q = c.q.c0 - r.c.q.c0;
+        r.step_kv = c.kv.c0 - r.c.kv.c0;
+      }
+      ++r.count;
+    } else {
+      out.push_back({c, -1});
+    }
+  }
   return out;
 }
 
@@ -218,18 +266,12 @@ struct NonFinite {
       v_kernel = at::nan_to_num(v, 0.0, 0.0, 0.0);
   }
 
-  // The corrections of call c at batch entry b (views as call_view takes them).
-  CallNonFinite call(const Call& c, int64_t b) const {
-    CallNonFinite f{any,
-                    call_view3(qbad, c, c.q, b),
-                    call_view3(kbad, c, c.kv, b),
-                    at::Tensor(),
-                    at::Tensor(),
-                    c.q.n / c.kv.n,
-                    causal};
+  // The corrections of a run (views as Run takes them).
+  CallNonFinite call(const Run& r) const {
+    CallNonFinite f{any, r.q3(qbad), r.kv3(kbad), at::Tensor(), at::Tensor(), r.c.q.n / r.c.kv.n, causal};
     if (causal) {
-      f.vbad = call_view3(vbad, c, c.kv, b);
-      f.v = call_view(v, c, c.kv, b);
+      f.vbad = r.kv3(vbad);
+      f.v = r.kv(v);
     }
     return f;
   }
@@ -481,25 +523,21 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   const at::Tensor& v_kernel = nf ? nf->v_kernel : v;
   const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
   for (size_t br = 0; br < plan->branches.size(); ++br) {
-    for (const Call& c : plan->branches[br]) {
-      for (int64_t b : batches(c, P.B, P.N)) {
-        const at::Tensor qv = call_view(q, c, c.q, b), kv = call_view(k, c, c.kv, b);
-        const at::Tensor vv = call_view(v_kernel, c, c.kv, b);
-        at::Tensor og, lg;
-        if (!cuda) {
-          std::tie(og, lg) = at::_scaled_dot_product_flash_attention_for_cpu(
-              qv.transpose(1, 2), kv.transpose(1, 2), vv.transpose(1, 2), 0.0, is_causal, std::nullopt,
-              scale);
-        } else {
+    for (const Run& run : runs(plan->branches[br], P.B, P.N)) {
+      const at::Tensor qv = run.q(q), kv = run.kv(k), vv = run.kv(v_kernel);
+      at::Tensor og, lg;
+      if (!cuda) {
+        std::tie(og, lg) = at::_scaled_dot_product_flash_attention_for_cpu(
+            qv.transpose(1, 2), kv.transpose(1, 2), vv.transpose(1, 2), 0.0, is_causal, std::nullopt, scale);
+      } else {
 #ifdef DILATED_ATTENTION_WITH_CUDA
-          std::tie(og, lg) =
-              cuda_forward(kind, qv, repeat_heads(kv, c.q.n), repeat_heads(vv, c.q.n), is_causal, scale);
+        std::tie(og, lg) = cuda_forward(kind, qv, repeat_heads(kv, run.c.q.n), repeat_heads(vv, run.c.q.n),
+                                        is_causal, scale);
 #endif
-        }
-        const std::optional<CallNonFinite> fix = nf ? std::make_optional(nf->call(c, b)) : std::nullopt;
-        merge_call_(call_view(out_acc, c, c.q, b), call_view3(lse_acc, c, c.q, b), og, lg.narrow(2, 0, c.m),
-                    br == 0, fix ? &*fix : nullptr);
       }
+      const std::optional<CallNonFinite> fix = nf ? std::make_optional(nf->call(run)) : std::nullopt;
+      merge_call_(run.q(out_acc), run.q3(lse_acc), og, lg.narrow(2, 0, run.c.m), br == 0,
+                  fix ? &*fix : nullptr);
     }
   }
   return {out_acc.to(q.scalar_type()), lse_acc.permute({0, 2, 1}).contiguous()};
@@ -539,53 +577,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
     const at::Tensor dots = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
     const at::Tensor total = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
     for (const auto& calls : plan->branches)
-      for (const Call& c : calls)
-        for (int64_t b : batches(c, P.B, P.N))
-          cpu_row_dots(call_view(dout, c, c.q, b), call_view(q, c, c.q, b), call_view(k, c, c.kv, b),
-                       call_view(v, c, c.kv, b), call_view3(lse_bnh, c, c.q, b), is_causal, scale,
-                       call_view3(dots, c, c.q, b), call_view3(total, c, c.q, b));
+      for (const Run& r : runs(calls, P.B, P.N))
+        cpu_row_dots(r.q(dout), r.q(q), r.kv(k), r.kv(v), r.q3(lse_bnh), is_causal, scale, r.q3(dots),
+                     r.q3(total));
     const at::Tensor norm = at::where(total > 0, total.reciprocal(), at::ones_like(total));
     at::Tensor delta = dots.mul_(norm);
     if (has_dlse) delta.sub_(dlse_bnh);
     for (const auto& calls : plan->branches)
-      for (const Call& c : calls)
-        for (int64_t b : batches(c, P.B, P.N))
-          cpu_exact_backward(call_view(dout, c, c.q, b), call_view(q, c, c.q, b), call_view(k, c, c.kv, b),
-                             call_view(v, c, c.kv, b), call_view3(lse_bnh, c, c.q, b),
-                             call_view3(delta, c, c.q, b), call_view3(norm, c, c.q, b), is_causal, scale,
-                             call_view(dq, c, c.q, b), call_view(dk, c, c.kv, b), call_view(dv, c, c.kv, b));
+      for (const Run& r : runs(calls, P.B, P.N))
+        cpu_exact_backward(r.q(dout), r.q(q), r.kv(k), r.kv(v), r.q3(lse_bnh), r.q3(delta), r.q3(norm),
+                           is_causal, scale, r.q(dq), r.kv(dk), r.kv(dv));
   } else {
 #ifdef DILATED_ATTENTION_WITH_CUDA
     const at::Tensor out = out_in.contiguous();
     for (const auto& calls : plan->branches) {
-      for (const Call& c : calls) {
-        for (int64_t b : batches(c, P.B, P.N)) {
-          const int64_t n = c.q.n;
-          const at::Tensor kv = call_view(k, c, c.kv, b), vv = call_view(v, c, c.kv, b);
-          auto [gq, gk, gv] =
-              cuda_backward(kind, call_view(dout, c, c.q, b), call_view(q, c, c.q, b), repeat_heads(kv, n),
-                            repeat_heads(vv, n), call_view(out, c, c.q, b), call_view3(lse_bnh, c, c.q, b),
-                            has_dlse ? call_view3(dlse_bnh, c, c.q, b) : at::Tensor(), is_causal, scale);
-          const int64_t hk = kv.size(2);
-          if (!c.kv.expanded() && hk == n && gk.scalar_type() == gq.scalar_type() &&
-              gv.scalar_type() == gq.scalar_type()) {  // the three adds in one launch
-            move_rows_cuda_({call_view(dq, c, c.q, b), call_view(dk, c, c.kv, b), call_view(dv, c, c.kv, b)},
-                            {gq, gk, gv}, true);
-            continue;
-          }
-          call_view(dq, c, c.q, b).add_(gq);
-          Strided skv = c.kv;
-          if (c.kv.expanded()) {  // one head read by every head of the call: the sum, in float32
-            skv = Strided{c.kv.p0, c.kv.dp, c.kv.c0, 1, 1};
-            gk = at::sum(gk, {2}, true, at::kFloat);
-            gv = at::sum(gv, {2}, true, at::kFloat);
-          } else if (hk != n) {
-            gk = at::sum(gk.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
-            gv = at::sum(gv.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
-          }
-          call_view(dk, c, skv, b).add_(gk);
-          call_view(dv, c, skv, b).add_(gv);
+      for (const Run& r : runs(calls, P.B, P.N)) {
+        const Call& c = r.c;
+        const int64_t n = c.q.n;
+        const at::Tensor kv = r.kv(k), vv = r.kv(v);
+        auto [gq, gk, gv] =
+            cuda_backward(kind, r.q(dout), r.q(q), repeat_heads(kv, n), repeat_heads(vv, n), r.q(out),
+                          r.q3(lse_bnh), has_dlse ? r.q3(dlse_bnh) : at::Tensor(), is_causal, scale);
+        const int64_t hk = kv.size(2);
+        if (!c.kv.expanded() && hk == n && gk.scalar_type() == gq.scalar_type() &&
+            gv.scalar_type() == gq.scalar_type()) {  // the three adds in one launch
+          move_rows_cuda_({r.q(dq), r.kv(dk), r.kv(dv)}, {gq, gk, gv}, true);
+          continue;
         }
+        r.q(dq).add_(gq);
+        Strided skv = c.kv;
+        if (c.kv.expanded()) {  // one head read by every head of the call: the sum, in float32
+          skv = Strided{c.kv.p0, c.kv.dp, c.kv.c0, 1, 1};
+          gk = at::sum(gk, {2}, true, at::kFloat);
+          gv = at::sum(gv, {2}, true, at::kFloat);
+        } else if (hk != n) {
+          gk = at::sum(gk.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
+          gv = at::sum(gv.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
+        }
+        r.view(dk, skv, r.step_kv).add_(gk);
+        r.view(dv, skv, r.step_kv).add_(gv);
       }
     }
 #endif

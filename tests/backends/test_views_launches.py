@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from common import make_inputs
+from reference import reference_attention
 
-from dilated_attention.backends.sdpa_launches import views_launches
+from dilated_attention.backends import strided
+from dilated_attention.backends.sdpa_launches import runs, views_launches
 from dilated_attention.op import views as _views_op
 
 pytestmark = pytest.mark.skipif(not _views_op.available("cpu"), reason="the extension lacks the views driver")
@@ -61,6 +63,8 @@ def test_gpt_geometry_launch_count(N, capsys):
         (1, 256, 12, [32, 64, 128, 256], [1, 2, 4, 8]),  # the GPT geometry, scaled down
         (1, 512, 12, [32, 64, 128, 256, 512], [1, 2, 4, 8, 16]),  # r >= Hq: a head per phase
         (2, 200, 4, [64, 128], [1, 2]),  # a short last part: one run per batch entry
+        (1, 96, 12, [32, 96], [4, 8]),  # phases of one segment as one call's batch
+        (1, 100, 6, [100], [4]),  # phases of different lengths: runs of equal ones
     ],
 )
 def test_calls_are_the_driver_operator_calls(B, N, Hq, segs, rates, is_causal):
@@ -79,3 +83,31 @@ def test_calls_are_the_driver_operator_calls(B, N, Hq, segs, rates, is_causal):
 def test_kind_is_checked_by_name():
     with pytest.raises(ValueError, match="'tpu'"):
         views_launches(1, 64, 2, 2, [64], [1], False, kind="tpu")
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "N,Hq,Hkv,segs,rates",
+    [
+        (64, 12, 12, [64], [8]),  # 8 phases of 2 or 1 heads: two calls
+        (64, 12, 6, [16, 32, 64], [2, 4, 8]),  # grouped-query heads
+        (64, 6, 2, [64], [8]),  # r >= Hq: the heads of every key/value head in one call
+        (60, 6, 2, [60], [4]),  # phases of 15 rows each
+        (61, 6, 3, [61], [4]),  # phases of different lengths
+    ],
+)
+def test_phases_run_as_one_call_exactly(N, Hq, Hkv, segs, rates, is_causal):
+    """One batch entry and one segment: the calls of a branch's phases run as one kernel call (their
+    index the kernel's batch dim), fewer calls than the plan has, and out, lse and every gradient
+    are the float64 reference's."""
+    plan = strided.plan_branches(N, Hq, Hkv, tuple(segs), tuple(rates), True)
+    assert sum(len(runs(c, 1, N)) for c in plan) < sum(len(c) for c in plan)
+    q, k, v = make_inputs(1, N, Hq, Hkv, 8, torch.float64)
+    out, lse = torch.ops.dilated_attention.views_fwd(q, k, v, segs, rates, is_causal, 0.3)
+    ref, ref_lse = reference_attention(q, k, v, segs, rates, is_causal, 0.3)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse.detach(), rtol=1e-10, atol=1e-10)
+    dout = torch.randn_like(out)
+    got = torch.ops.dilated_attention.views_bwd(dout, q, k, v, out, lse, None, segs, rates, is_causal, 0.3)
+    for a, e in zip(got, torch.autograd.grad(ref, (q, k, v), dout), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
