@@ -1,24 +1,30 @@
 """The log-sum-exp merge of partial attention results (SPEC section 3), written once.
 
-Two partial results over disjoint key sets, ``(out_a, lse_a)`` and ``(out_b, lse_b)``, combine to
-the result over the union of the key sets:
+Partial results over disjoint key sets, ``(out_i, lse_i)``, combine to the result over the union
+of the key sets:
 
-    lse = logaddexp(lse_a, lse_b),    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b.
+    lse = log(sum_i exp(lse_i)),    out = sum_i exp(lse_i - lse) * out_i.
 
-This is how the branches of one query are mixed (the gather-based backends) and how the pieces of
-a segment that spans ranks are combined (sequence parallelism). A row that no part covers has
-``out = 0`` and ``lse = -inf`` and stays so: no NaN. ``out`` is (..., n, H, D) and ``lse``
-(..., H, n), the layout of the op.
+This is how the branches of one query are mixed (the gather-based backends) and how the parts of
+a rank's rows are combined (sequence parallelism: the local runs, and the pieces of a segment that
+spans ranks). A row that no part covers has ``out = 0`` and ``lse = -inf`` and stays so: no NaN.
 
-Where several parts are merged in one place (:func:`merge`, and the running state of
-:func:`merge_state_`), the merge is the kernels' own: the parts are weighted by ``exp(lse_i - m)``,
-``m`` the largest ``lse_i`` (so each exponent is exact), summed unnormalised and divided once by the
-sum of the weights, ``lse = m + log(sum)``, in float64 for float32 (and float64) parts. A merge
-that went through a float32 running ``lse`` (``logaddexp`` rounded after every part) would put
-that rounding, half a unit in the last place of ``|lse|`` (tens of float32 epsilons when ``|lse|``
-is tens), into the weight of every part merged before, and ``1/3``-style weights rounded before
-the sum would move an ``out`` that several branches see alike (a key counted three times) off
-``v``: several times plain PyTorch's error in ``out``.
+The rule is a running merge, the kernels' own: a state ``(acc, m, den)`` holds the unnormalised
+sum ``acc = sum_i exp(lse_i - m) out_i``, the largest ``lse_i`` so far ``m`` (so each exponent is
+exact) and the sum of the weights ``den = sum_i exp(lse_i - m)``; :func:`finish_state` divides
+once, ``out = acc / den`` and ``lse = m + log(den)``. It computes in :func:`merge_dtype`: float64
+for float32 (and float64) parts, float32 for float16/bfloat16. :func:`start_state` begins a state
+from one part, :func:`merge_state_` adds a part in place, :func:`merged_state` out of place (and
+differentiably), and :func:`merge` folds a list of parts with them.
+
+A merge that went through a float32 running ``lse`` (``logaddexp`` rounded after every part) would
+put that rounding, half a unit in the last place of ``|lse|`` (tens of float32 epsilons when
+``|lse|`` is tens), into the weight of every part merged before, and ``1/3``-style weights rounded
+before the sum would move an ``out`` that several branches see alike (a key counted three times)
+off ``v``: several times plain PyTorch's error in ``out``.
+
+Layout: the state and the parts put a row's lse beside its out, ``out`` (..., D) and ``lse``
+(..., 1); :func:`merge` takes the op's layout, ``out`` (..., n, H, D) and ``lse`` (..., H, n).
 """
 
 from __future__ import annotations
@@ -28,7 +34,18 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["finish_state", "merge", "merge_dtype", "merge_into_", "merge_state_", "merged_state"]
+__all__ = [
+    "across",
+    "beside",
+    "finish_state",
+    "merge",
+    "merge_dtype",
+    "merge_state_",
+    "merged_state",
+    "start_state",
+]
+
+State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (acc, m, den) of a running merge
 
 
 def merge_dtype(dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
@@ -40,47 +57,11 @@ def merge_dtype(dtype: torch.dtype, device: torch.device | None = None) -> torch
     return torch.float32
 
 
-def _weights(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """exp(lse - total) as (..., n, H, 1) multipliers of an ``out``; 0 where ``total`` is -inf."""
-    safe = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
-    return torch.exp(lse - safe).transpose(-1, -2).unsqueeze(-1)
-
-
-def merge_into_(
-    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Merge ``(out_b, lse_b)`` into the accumulators: ``out_acc`` is updated in place and the
-    merged lse is returned (the caller stores it). Not differentiable (in-place); the accumulators
-    are in the accumulation dtype (float32, float64 for float64 inputs)."""
-    new = torch.logaddexp(lse_acc, lse_b)  # -inf only where both are -inf
-    out_acc.mul_(_weights(lse_acc, new)).add_(out_b.to(out_acc.dtype) * _weights(lse_b, new))
-    return new
-
-
-def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable merge of several partial results, returned in the dtype of the ``lses``
-    (computed in :func:`merge_dtype` of it: weights ``exp(lse_i - m)``, ``m`` the largest, the
-    weighted sum normalised once).
-
-    outs: (..., n, H, D) each; lses: (..., H, n) each. Gradients are exact through the mixing
-    weights (the merged lse does not depend on the max taken for stability).
-    """
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    L = torch.stack(list(lses))  # (k, ..., H, n)
-    wt = merge_dtype(L.dtype, L.device)
-    Lw = L.to(wt)
-    m = Lw.detach().amax(dim=0)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(Lw - m)  # 0 where a part does not cover the row; exact exponents near the max
-    s = e.sum(dim=0)
-    covered = s != 0  # a NaN (non-finite score) stays NaN rather than counting as uncovered
-    s_safe = torch.where(covered, s, torch.ones_like(s))
-    lse = torch.where(covered, torch.log(s_safe) + m, torch.full_like(s, -math.inf))
-    weights = e.transpose(-1, -2).unsqueeze(-1)  # (k, ..., n, H, 1)
-    total = (weights * torch.stack([o.to(wt) for o in outs])).sum(dim=0)
-    out = total / s_safe.transpose(-1, -2).unsqueeze(-1)  # normalised once
-    return out.to(L.dtype), lse.to(L.dtype)
+def start_state(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> State:
+    """The state ``(acc, m, den)`` of one part, ``out`` (..., D) and ``lse`` (..., 1), in ``dtype``
+    (new tensors, differentiable): the part itself, with weight 1 (0 where ``lse`` is -inf)."""
+    m = lse.to(dtype, copy=True)
+    return out.to(dtype, copy=True), m, torch.where(torch.isneginf(m), 0.0, 1.0).to(dtype)
 
 
 def merge_state_(
@@ -92,15 +73,13 @@ def merge_state_(
     first: bool = False,
 ) -> None:
     """Add ``(out_b, lse_b)`` to a running merge, in place (possibly strided views): ``acc``
-    (..., D) the unnormalised sum ``sum_i exp(lse_i - m) out_i``, ``m`` (..., 1) the largest
-    ``lse_i`` so far and ``den`` (..., 1) the sum of the weights ``exp(lse_i - m)``, all three in
-    :func:`merge_dtype`; ``out_b`` (..., D), ``lse_b`` (..., 1). ``first``: the state holds nothing
-    yet here (it is set from the part). :func:`finish_state` gives ``(out, lse)``. Not
-    differentiable."""
+    (..., D), ``m`` and ``den`` (..., 1), as the module's docstring says; ``out_b`` (..., D),
+    ``lse_b`` (..., 1). ``first``: the state holds nothing yet here (it is set from the part, as
+    :func:`start_state`). A state of nothing (``acc`` 0, ``m`` -inf, ``den`` 0) may also be merged
+    into. Not differentiable."""
     if first:
-        acc.copy_(out_b)
-        m.copy_(lse_b)
-        den.copy_(torch.where(torch.isneginf(lse_b), 0.0, 1.0).to(den.dtype))
+        for t, s in zip((acc, m, den), start_state(out_b, lse_b, acc.dtype), strict=True):
+            t.copy_(s)
         return
     new, ca, cb = _state_weights(m, lse_b.to(m.dtype))
     acc.mul_(ca).add_(out_b.to(acc.dtype) * cb)
@@ -110,9 +89,10 @@ def merge_state_(
 
 def merged_state(
     acc: torch.Tensor, m: torch.Tensor, den: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> State:
     """What :func:`merge_state_` (not ``first``) leaves in the state, out of place: ``(acc, m,
-    den)``. Not differentiable."""
+    den)``. Differentiable: the running max is taken detached (the merged ``out`` and ``lse`` do not
+    depend on it), so gradients reach each part through its weight alone."""
     new, ca, cb = _state_weights(m, lse_b.to(m.dtype))
     return acc * ca + out_b.to(acc.dtype) * cb, new, den * ca + cb
 
@@ -128,8 +108,39 @@ def finish_state(acc: torch.Tensor, m: torch.Tensor, den: torch.Tensor) -> tuple
 
 
 def _state_weights(m: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The new running max and the weights ``exp(m - new)``, ``exp(lse_b - new)`` of the state and
-    of the part: 0 where both are -inf, NaN where either is NaN."""
-    new = torch.maximum(m, lse_b)  # NaN propagates
+    """The new running max (detached) and the weights ``exp(m - new)``, ``exp(lse_b - new)`` of the
+    state and of the part: 0 where both are -inf, NaN where either is NaN."""
+    new = torch.maximum(m.detach(), lse_b.detach())  # NaN propagates
     safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
     return new, torch.exp(m - safe), torch.exp(lse_b - safe)
+
+
+def merge(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable merge of several partial results in the op's layout, outs (..., n, H, D) and
+    lses (..., H, n): the running merge of the parts in :func:`merge_dtype` of the lses, returned
+    in the dtype of the lses (one part is returned as it is). Gradients are exact through the
+    mixing weights."""
+    if not outs or len(outs) != len(lses):
+        raise ValueError(
+            f"merge takes one lse per out and at least one part, got {len(outs)} outs and {len(lses)} lses"
+        )
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    dtype = lses[0].dtype
+    wt = merge_dtype(dtype, lses[0].device)
+    state = start_state(outs[0], beside(lses[0]), wt)
+    for out, lse in zip(outs[1:], lses[1:], strict=True):
+        state = merged_state(*state, out, beside(lse))
+    out, lse = finish_state(*state)
+    return out.to(dtype), across(lse).to(dtype).contiguous()
+
+
+def beside(lse: torch.Tensor) -> torch.Tensor:
+    """An lse in the op's layout (..., H, n) as the state reads it, (..., n, H, 1) beside its out
+    (..., n, H, D): a view."""
+    return lse.transpose(-1, -2).unsqueeze(-1)
+
+
+def across(lse: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`beside`: an lse (..., n, H, 1) in the op's layout (..., H, n), a view."""
+    return lse.squeeze(-1).transpose(-1, -2)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..merge import finish_state, merge_dtype, merge_state_, merged_state
+from ..merge import beside, finish_state, merge_dtype, merge_state_, merged_state, start_state
 from ..op.autograd import _message, forward_mode_message
 from .base import lse_dtype
 from .strided import Call, batches, last_dim_contiguous, view, write
@@ -200,7 +200,7 @@ class TracedMergedAttention(torch.autograd.Function):
                     og, lg, extra = backend.attn_forward(qv, kv, vv, is_causal=is_causal, scale=scale)
                     aux.append((lg.shape[-1], extra))
                     og, lg = nf.apply(call, og, lg[..., : call.m], sl)
-                    lg = lg.transpose(1, 2).unsqueeze(-1).to(wt)
+                    lg = beside(lg).to(wt)
                     if torch.compiler.is_compiling():  # out of place (views.write)
                         if b > 0:
                             og, mg, sg = merged_state(
@@ -211,7 +211,7 @@ class TracedMergedAttention(torch.autograd.Function):
                                 lg,
                             )
                         else:
-                            mg, sg = lg, torch.where(torch.isneginf(lg), 0.0, 1.0).to(wt)
+                            og, mg, sg = start_state(og, lg, wt)
                         out_acc = write(out_acc, sl, call, call.q, og)
                         m4 = write(m4, sl, call, call.q, mg)
                         l4 = write(l4, sl, call, call.q, sg)

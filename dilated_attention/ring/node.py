@@ -8,8 +8,9 @@ for this rank's keys. The exchange itself is in :mod:`.mode_all_gather` and :mod
 helpers that cut a rank's tensors into pieces and blocks and pack them into messages.
 
 When the local runs run on the fused op (``native``), they are computed in the same node
-(``SpanJob.local_runs``): the pieces are merged into the op's ``(out, lse)`` in place, and the
-backward hands the op's backward and every piece the *merged* ``out`` and ``lse`` of the rows, as
+(``SpanJob.local_runs``): the runs and the pieces are added to one running merge
+(:mod:`dilated_attention.merge`, in float64 for float32 inputs), normalised once, and the backward
+hands the op's backward and every piece the *merged* ``out`` and ``lse`` of the rows, as
 ring attention does (exact, docs/SPEC.md section 3). The merge then has no backward of its own,
 and the full-size copies of a differentiable merge (stacking the parts, weighting them, the
 zero-filled gradients of each part) are not made.
@@ -25,7 +26,7 @@ import torch
 
 from .. import op
 from .._validation import accumulation_dtype
-from ..merge import merge_into_
+from ..merge import State, across, beside, finish_state, merge_dtype, merge_state_, start_state
 from ..op.autograd import no_double_backward
 from .consistency import CallCheck
 from .geometry import Block, Piece, Plan, block_key
@@ -58,7 +59,8 @@ class SpanJob:
         self.scale, self.is_causal = scale, is_causal
         self.local_runs = list(local_runs)  # the local runs computed in this node, on the fused op
         self.aux: dict[tuple, Any] = {}  # per kernel call, what its backward needs
-        self.acc: dict[Piece, list[torch.Tensor]] = {}  # per piece: (out, lse) merged so far
+        self.acc: dict[Piece, State] = {}  # per piece: its running merge
+        self.state: State | None = None  # the rank's running merge (local_forward)
         self.piece_rows: dict[Piece, dict[str, torch.Tensor]] = {}  # per piece: its rows of q, dout, ...
         self.grads: dict[str, torch.Tensor] = {}  # the backward's accumulators
         self.upcast = False  # set by the node: parts in float32 for float16/bfloat16, forward and backward
@@ -133,7 +135,8 @@ class SpanJob:
     def attend(
         self, q: torch.Tensor, piece: Piece, blocks: tuple[Block, ...], kb: torch.Tensor, vb: torch.Tensor
     ) -> None:
-        """Attention of the piece's queries over the keys ``blocks``, merged into the piece's result."""
+        """Attention of the piece's queries over the keys ``blocks``, added to the piece's running
+        merge (:mod:`dilated_attention.merge`)."""
         hs = self.plan.head_sets(piece.r, piece.o, q.device)
         q_rows = self._rows(piece, "q", q)
         if self.upcast:  # the piece's out unrounded: merged and read by the backward in float32
@@ -141,54 +144,61 @@ class SpanJob:
             kb, vb = kb.to(q_rows.dtype), vb.to(q_rows.dtype)
         o, lse, aux = self.pieces.forward(q_rows, kb, vb, hs, self.offset(piece, blocks), self.scale)
         self.aux[(piece, blocks)] = aux
-        acc = self.acc.get(piece)
-        if acc is None:
-            self.acc[piece] = [o.to(lse.dtype), lse]
+        lse = beside(lse)
+        state = self.acc.get(piece)
+        if state is None:
+            self.acc[piece] = start_state(o, lse, merge_dtype(q.dtype, q.device))
         else:
-            acc[1] = merge_into_(acc[0], acc[1], o, lse)
+            merge_state_(*state, o, lse)
 
-    def finish_forward(
-        self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merge every piece into ``out`` (B, l, Hq, D) (in place) and ``lse`` (B, Hq, l), both in the
-        accumulation dtype; returns them."""
-        for piece, (o, lp) in self.acc.items():
+    def finish_forward(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rank's ``out`` (B, l, Hq, D) and ``lse`` (B, Hq, l), in the accumulation dtype: every
+        piece added to the running merge of the local runs (:meth:`local_forward`), normalised."""
+        assert self.state is not None  # set by local_forward wherever pieces or runs are merged
+        (acc, m, den), self.state = self.state, None
+        for piece, state in self.acc.items():
             heads = self.plan.head_sets(piece.r, piece.o, q.device).heads
-            sl = self.plan.query_slice(piece)
-            out_view, lse_view = out[:, sl], lse[:, :, sl]
-            acc_o, acc_l = out_view.index_select(2, heads), lse_view.index_select(1, heads)
-            new_lse = merge_into_(acc_o, acc_l, o, lp)
-            out_view.index_copy_(2, heads, acc_o)
-            lse_view.index_copy_(1, heads, new_lse)
+            rows = [t[:, self.plan.query_slice(piece)] for t in (acc, m, den)]
+            acc_p, m_p, den_p = (t.index_select(2, heads) for t in rows)
+            merge_state_(acc_p, m_p, den_p, *finish_state(*state))
+            for t, new in zip(rows, (acc_p, m_p, den_p), strict=True):
+                t.index_copy_(2, heads, new)
         self.acc, self.piece_rows = {}, {}
-        return out, lse
+        out, lse = finish_state(acc, m, den)
+        cdt = accumulation_dtype(q.dtype)
+        return out.to(cdt), across(lse).to(cdt).contiguous()
 
     # -- the local runs on the fused op ------------------------------------------------------------
     def local_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """out (B, n, Hq, D) and lse (B, Hq, n) of the local runs, merged, in the accumulation dtype;
-        a row that no run covers has out 0 and lse -inf. A run over all ``n`` rows is the op's result
-        itself, with no copy in float32 and float64."""
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """out (B, n, Hq, D) and lse (B, Hq, n) of the local runs in the accumulation dtype where
+        they are the rank's result: one run over all ``n`` rows and no piece (the op's result
+        itself, with no copy in float32 and float64). Otherwise None: the runs are added to the
+        rank's running merge (``state``, in :func:`~dilated_attention.merge.merge_dtype` of q), which
+        :meth:`finish_forward` completes with the pieces; a row that nothing covers has out 0 and
+        lse -inf."""
         B, n, Hq, D = q.shape
         cdt = accumulation_dtype(q.dtype)
+        wt = merge_dtype(q.dtype, q.device)
         wdt = self.local_dtype(q.dtype)
         if wdt != q.dtype:  # the runs' outs unrounded: merged and read by the backward in float32
             q, k, v = q.to(wdt), k.to(wdt), v.to(wdt)
-        out, lse = None, None
-        for lo, hi, segs, rates in self.local_runs:
-            o, lr = op.native_forward(
+        runs = self.local_runs
+        if len(self.plan.pieces) == 0 and len(runs) == 1 and runs[0][:2] == (0, n):
+            _, _, segs, rates = runs[0]
+            o, lse = op.native_forward(q, k, v, segs, rates, self.is_causal, self.scale)
+            return o.to(cdt), lse.to(cdt)
+        acc = q.new_zeros((B, n, Hq, D), dtype=wt)
+        m = q.new_full((B, n, Hq, 1), -math.inf, dtype=wt)
+        den = q.new_zeros((B, n, Hq, 1), dtype=wt)
+        for lo, hi, segs, rates in runs:
+            o, lse = op.native_forward(
                 q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], segs, rates, self.is_causal, self.scale
             )
-            if out is None and (lo, hi) == (0, n):
-                out, lse = o.to(cdt), lr.to(cdt)
-                continue
-            if out is None or lse is None:
-                out, lse = q.new_zeros((B, n, Hq, D), dtype=cdt), q.new_full((B, Hq, n), -math.inf, dtype=cdt)
-            lse[:, :, lo:hi] = merge_into_(out[:, lo:hi], lse[:, :, lo:hi], o, lr)
-        if out is None or lse is None:  # no local run: the pieces are all
-            out, lse = q.new_zeros((B, n, Hq, D), dtype=cdt), q.new_full((B, Hq, n), -math.inf, dtype=cdt)
-        return out, lse
+            merge_state_(acc[:, lo:hi], m[:, lo:hi], den[:, lo:hi], o, beside(lse))
+        self.state = (acc, m, den)
+        return None
 
     def local_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the local runs compute in, forward and backward, for inputs in ``dtype``.
@@ -358,12 +368,12 @@ class SpanAttention(torch.autograd.Function):
         # float16/bfloat16: the parts are computed, merged and kept for the backward in float32
         # (local_dtype, attend), rounded once by the caller.
         job.upcast = q.dtype in (torch.float16, torch.bfloat16)
-        out, lse = job.local_forward(q, k, v)
+        local = job.local_forward(q, k, v)
         # Every rank enters the exchange whenever any two ranks exchange (plan.steps is the same
         # list on every rank): comm="all_gather" is a collective that every rank must join, even
         # one with no spanning piece.
         saved = mode.forward(job, q, k, v) if job.plan.joins_exchange else []
-        out, lse = job.finish_forward(q, out, lse)
+        out, lse = local if local is not None else job.finish_forward(q)
         ctx.job, ctx.mode = job, mode
         ctx.set_materialize_grads(False)  # an unused lse needs no zero-filled gradient
         ctx.save_for_backward(q, k, v, out, lse, *saved)

@@ -29,7 +29,7 @@ from ..backends import get_backend
 from ..backends.base import Backend
 from ..backends.driver import StridedBackend, kernel_backward
 from ..backends.strided import last_dim_contiguous
-from ..merge import merge_into_
+from ..merge import merge
 from .geometry import HeadSets
 
 __all__ = ["PieceAttention"]
@@ -98,21 +98,16 @@ class PieceAttention:
         parts = self._parts(nq, nk, causal, offset)
         # the kernels read the head dim as contiguous
         q, ke, ve = last_dim_contiguous(q), last_dim_contiguous(ke), last_dim_contiguous(ve)
-        out_acc: torch.Tensor | None = None
-        lse_acc: torch.Tensor | None = None
-        aux = []
+        outs, lses, aux = [], [], []
         for lo, hi, part_causal in parts:
             o, lse, extra = self._kernel.attn_forward(
                 q, ke[:, lo:hi], ve[:, lo:hi], is_causal=part_causal, scale=scale
             )
             aux.append((lse.shape[-1], extra))
-            lse = lse[..., :nq]
-            if out_acc is None or lse_acc is None:
-                out_acc, lse_acc = o.to(lse.dtype), lse
-            else:
-                lse_acc = merge_into_(out_acc, lse_acc, o, lse)
-        assert out_acc is not None and lse_acc is not None  # there is at least one part
-        return out_acc.to(q.dtype), lse_acc, aux
+            outs.append(o)
+            lses.append(lse[..., :nq])
+        out, lse = merge(outs, lses)  # one or two parts
+        return out.to(q.dtype), lse, aux
 
     @staticmethod
     def _parts(nq: int, nk: int, causal: bool, offset: int | None) -> list[tuple[int, int, bool]]:
