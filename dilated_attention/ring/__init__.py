@@ -24,15 +24,18 @@ The package, by role (read in this order):
   :func:`shard_sequence`, :func:`gather_sequence`.
 
 Partial results are merged by log-sum-exp with :mod:`dilated_attention.merge`, as the
-gather-based backends merge their branches.
+gather-based backends merge their branches. ``RingDilatedAttentionV2Collective`` is a
+compatibility alias of :class:`RingDilatedAttention`, defined in :mod:`dilated_attention.compat`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from .consistency import call_key
 from .geometry import LAYOUTS
 from .groups import SequenceSplitWarning
-from .modules import COMM_MODES, RingDilatedAttention, RingDilatedAttentionV2Collective
+from .modules import COMM_MODES, RingDilatedAttention
 from .multihead import RingMultiheadDilatedAttention, StandardizedRingConfig
 from .sharding import gather_sequence, shard_sequence
 from .transport import comm_stats, reset_comm_stats
@@ -51,3 +54,13 @@ __all__ = [
     "reset_comm_stats",
     "shard_sequence",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The compatibility aliases live in dilated_attention.compat, which imports this package: it
+    # is imported here on first use of an alias, never while this package loads.
+    if name == "RingDilatedAttentionV2Collective":
+        from .. import compat
+
+        return getattr(compat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

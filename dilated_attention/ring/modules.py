@@ -32,7 +32,7 @@ from .node import SpanAttention, SpanJob
 from .pieces import PieceAttention
 from .transport import Comm
 
-__all__ = ["COMM_MODES", "RingDilatedAttention", "RingDilatedAttentionV2Collective"]
+__all__ = ["COMM_MODES", "RingDilatedAttention"]
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +370,3 @@ class RingDilatedAttention(NotScriptable, GroupCopies, nn.Module):
         out, lse = merge(outs, [x.to(acc) for x in lses])
         out = out.to(q.dtype)
         return (out, lse) if return_lse else out
-
-
-RingDilatedAttentionV2Collective = RingDilatedAttention

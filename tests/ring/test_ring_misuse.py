@@ -5,7 +5,11 @@ Multi-process parts run on ``ring_cluster.Cluster`` (gloo, short deadlines).
 
 from __future__ import annotations
 
+import copy
 import datetime
+import pickle
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -314,6 +318,35 @@ def test_nested_inputs_are_refused_naming_what_the_ring_takes():
     mha = RingMultiheadDilatedAttention(8, 2, [8], [1])
     with pytest.raises(TypeError, match=r"query must be a dense .* RingMultiheadDilatedAttention takes no"):
         mha(x, x, x)
+
+
+def test_compat_alias_is_the_ring_module():
+    """``RingDilatedAttentionV2Collective`` is RingDilatedAttention itself on every import path
+    (dilated_attention.compat holds it), so its modules pickle and copy as RingDilatedAttention."""
+    import dilated_attention
+    from dilated_attention import compat
+
+    assert compat.RingDilatedAttentionV2Collective is RingDilatedAttention
+    assert dilated_attention.RingDilatedAttentionV2Collective is RingDilatedAttention
+    assert RingDilatedAttentionV2Collective is RingDilatedAttention  # dilated_attention.ring's
+    module = RingDilatedAttentionV2Collective([8, 16], [1, 2], softmax_scale=0.5)
+    for twin in (pickle.loads(pickle.dumps(module)), copy.deepcopy(module), copy.copy(module)):
+        assert type(twin) is RingDilatedAttention
+        assert (twin.segment_lengths, twin.dilation_rates, twin.softmax_scale) == ([8, 16], [1, 2], 0.5)
+    with pytest.raises(AttributeError, match="has no attribute 'RingDilatedAttentionV3'"):
+        dilated_attention.ring.RingDilatedAttentionV3  # noqa: B018
+
+
+def test_compat_imports_without_a_circle():
+    """The ring package does not load compat until the alias is asked for, and compat imports on
+    its own first (a fresh interpreter each)."""
+    for code in (
+        "import sys, dilated_attention.ring as r; assert 'dilated_attention.compat' not in sys.modules; "
+        "assert r.RingDilatedAttentionV2Collective is r.RingDilatedAttention",
+        "import dilated_attention.compat as c, dilated_attention.ring as r; "
+        "assert c.RingDilatedAttentionV2Collective is r.RingDilatedAttention",
+    ):
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_spec_configurations_construct_and_run():
