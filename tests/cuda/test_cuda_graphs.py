@@ -73,7 +73,7 @@ def _inputs(seed: int):
 def _reference(q, k, v, dout, dtype):
     """(out, dq, dk, dv) of the reference attention computed in dtype."""
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-    out, _ = reference_attention(*leaves, SEGS, RATES, is_causal=True)
+    out, _ = reference_attention(*leaves, SEGS, RATES, is_causal=True, dtype=dtype)
     dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype))
     return out, dq, dk, dv
 
