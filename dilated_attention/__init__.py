@@ -42,11 +42,11 @@ __version__ = "0.1.0"
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-# The sequence-parallel modules load on first use (they pull in torch.distributed); the
-# compatibility aliases (compat) with them.
+# The sequence-parallel modules load on first use (they pull in torch.distributed), and with them
+# the compatibility aliases (ring.compat).
 _LAZY = {
     "RingDilatedAttention": "ring",
-    "RingDilatedAttentionV2Collective": "compat",  # an alias of RingDilatedAttention
+    "RingDilatedAttentionV2Collective": "ring",  # an alias of RingDilatedAttention
     "RingMultiheadDilatedAttention": "ring",
     "StandardizedRingConfig": "ring",
 }

@@ -25,13 +25,12 @@ The package, by role (read in this order):
 
 Partial results are merged by log-sum-exp with :mod:`dilated_attention.merge`, as the
 gather-based backends merge their branches. ``RingDilatedAttentionV2Collective`` is a
-compatibility alias of :class:`RingDilatedAttention`, defined in :mod:`dilated_attention.compat`.
+compatibility alias of :class:`RingDilatedAttention`, defined in :mod:`dilated_attention.ring.compat`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from .compat import RingDilatedAttentionV2Collective
 from .consistency import call_key
 from .geometry import LAYOUTS
 from .groups import SequenceSplitWarning
@@ -54,13 +53,3 @@ __all__ = [
     "reset_comm_stats",
     "shard_sequence",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # The compatibility aliases live in dilated_attention.compat, which imports this package: it
-    # is imported here on first use of an alias, never while this package loads.
-    if name == "RingDilatedAttentionV2Collective":
-        from .. import compat
-
-        return getattr(compat, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,6 @@
 """Compatibility aliases: the names that code written for earlier versions uses (SPEC section 6).
+Every alias of the package is here (today only the ring's, hence its place in this package, below
+everything that serves it: no import points upward).
 
 Each alias is the very object it names, not a subclass or a wrapper, so that ``isinstance``,
 pickling and copying behave as for the object itself:
@@ -6,13 +8,13 @@ pickling and copying behave as for the object itself:
 * ``RingDilatedAttentionV2Collective``: an alias of
   :class:`dilated_attention.ring.RingDilatedAttention`.
 
-They are served as ``dilated_attention.<name>`` and, for the ring's, as
-``dilated_attention.ring.<name>``; both import this module on first use.
+They are served as ``dilated_attention.<name>`` (imported on first use) and
+``dilated_attention.ring.<name>``.
 """
 
 from __future__ import annotations
 
-from .ring.modules import RingDilatedAttention
+from .modules import RingDilatedAttention
 
 __all__ = ["RingDilatedAttentionV2Collective"]
 
