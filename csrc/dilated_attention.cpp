@@ -47,7 +47,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <exception>
+#include <string>
 #include <vector>
 
 #include "views/plan.h"
@@ -111,26 +113,50 @@ static PyObject* int_tuple(const int64_t* vals, Py_ssize_t n) {
 // (start, rows, length, r, m, q.p0, q.dp, q.c0, q.dc, q.n, kv.p0, kv.dp, kv.c0, kv.dc, kv.n, g).
 // lengths: the sequences of a packed batch (one for a fixed-length batch). Bad arguments raise
 // ValueError naming them.
-static PyObject* plan(PyObject*, PyObject* args) {
+// The plan of the arguments (lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa) at the
+// start of args, or NULL with a Python error; *rest receives args' items after them.
+static std::shared_ptr<const dilated_attention::views::Plan> parse_plan(PyObject* args, const char* name,
+                                                                        long long* rest) {
   PyObject *lengths_obj, *segs_obj, *rates_obj;
   long long Hq, Hkv;
   int native_gqa;
-  if (!PyArg_ParseTuple(args, "OLLOOp:plan", &lengths_obj, &Hq, &Hkv, &segs_obj, &rates_obj, &native_gqa))
-    return NULL;
+  const std::string format = std::string(rest ? "OLLOOpL:" : "OLLOOp:") + name;
+  if (rest ? !PyArg_ParseTuple(args, format.c_str(), &lengths_obj, &Hq, &Hkv, &segs_obj, &rates_obj,
+                               &native_gqa, rest)
+           : !PyArg_ParseTuple(args, format.c_str(), &lengths_obj, &Hq, &Hkv, &segs_obj, &rates_obj,
+                               &native_gqa))
+    return nullptr;
   std::vector<int64_t> lengths, segs, rates;
   if (!int_list(lengths_obj, "lengths", &lengths) || !int_list(segs_obj, "segment_lengths", &segs) ||
       !int_list(rates_obj, "dilation_rates", &rates))
-    return NULL;
-  std::shared_ptr<const dilated_attention::views::Plan> p;
+    return nullptr;
   try {
-    p = dilated_attention::views::plan_branches(lengths, Hq, Hkv, segs, rates, native_gqa != 0);
+    return dilated_attention::views::plan_branches(lengths, Hq, Hkv, segs, rates, native_gqa != 0);
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
-    return NULL;
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
-    return NULL;
   }
+  return nullptr;
+}
+
+// A tuple of n tuples, the i-th of them row(i) (a new reference or NULL), or NULL.
+template <typename Row>
+static PyObject* tuple_of(size_t n, Row row) {
+  PyObject* out = PyTuple_New((Py_ssize_t)n);
+  for (size_t i = 0; out != NULL && i < n; ++i) {
+    PyObject* item = row(i);
+    if (item == NULL)
+      Py_CLEAR(out);
+    else
+      PyTuple_SET_ITEM(out, (Py_ssize_t)i, item);
+  }
+  return out;
+}
+
+static PyObject* plan(PyObject*, PyObject* args) {
+  const auto p = parse_plan(args, "plan", nullptr);
+  if (!p) return NULL;
   PyObject* out = PyTuple_New((Py_ssize_t)p->branches.size());
   for (size_t b = 0; out != NULL && b < p->branches.size(); ++b) {
     const auto& calls = p->branches[b];
@@ -152,6 +178,29 @@ static PyObject* plan(PyObject*, PyObject* args) {
       PyTuple_SET_ITEM(out, (Py_ssize_t)b, branch);
   }
   return out;
+}
+
+// _C.driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the kernel
+// calls the C++ driver makes for a batch of B sequences of the plan (views/plan.h driver_calls): a
+// tuple per branch of (index of the first plan call, batch entry or -1 for all, count of plan calls).
+static PyObject* driver_calls(PyObject*, PyObject* args) {
+  long long B = 0;
+  const auto p = parse_plan(args, "driver_calls", &B);
+  if (!p) return NULL;
+  if (B < 1) {
+    PyErr_Format(PyExc_ValueError, "dilated_attention driver_calls: B must be >= 1, got %lld", B);
+    return NULL;
+  }
+  int64_t N = 0;  // a fixed-length batch: one sequence
+  for (const auto& calls : p->branches)
+    for (const auto& c : calls) N = std::max(N, c.part.start + c.part.rows * c.part.length);
+  return tuple_of(p->branches.size(), [&](size_t br) {
+    const auto made = dilated_attention::views::driver_calls(p->branches[br], B, N);
+    return tuple_of(made.size(), [&](size_t i) {
+      const int64_t vals[3] = {made[i].index, made[i].b, made[i].count};
+      return int_tuple(vals, 3);
+    });
+  });
 }
 
 // _C.plan_cache_info() -> (hits, misses, entries, max_entries) of the plan cache (views/plan.h),
@@ -177,6 +226,9 @@ PyObject* PyInit__C(void) {
       {"plan", plan, METH_VARARGS,
        "plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa): the kernel calls of every "
        "branch, a tuple of 16 ints per call."},
+      {"driver_calls", driver_calls, METH_VARARGS,
+       "driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the C++ driver's "
+       "kernel calls per branch, (first plan call, batch entry or -1, count of plan calls) each."},
       {"plan_cache_info", plan_cache_info, METH_NOARGS,
        "The plan cache's (hits, misses, entries, max_entries)."},
       {"plan_cache_clear", plan_cache_clear, METH_NOARGS, "Empties the plan cache and zeroes its counts."},

@@ -193,6 +193,46 @@ std::shared_ptr<const Plan> plan_branches(at::IntArrayRef lengths, int64_t Hq, i
   return plan;
 }
 
+namespace {
+
+// Whether call d extends the driver call r as its next index: one batch entry and one segment, the
+// same shape of call, phases and heads that step as r's.
+bool extends(const DriverCall& r, const Call& d, int64_t B) {
+  const Call& c = r.c;
+  auto same = [](const Strided& x, const Strided& y) { return x.n == y.n && x.dp == y.dp && x.dc == y.dc; };
+  if (B != 1 || r.b >= 0 || c.part.rows != 1 || d.part.rows != 1 || d.part.start != c.part.start ||
+      d.part.length != c.part.length || d.r != c.r || d.m != c.m || d.g != c.g || !same(d.q, c.q) ||
+      !same(d.kv, c.kv))
+    return false;
+  const int64_t dp = d.q.p0 - c.q.p0, dq = d.q.c0 - c.q.c0, dkv = d.kv.c0 - c.kv.c0;
+  if (d.kv.p0 - c.kv.p0 != dp) return false;
+  if (r.count == 1) return dp != 0 || dq != 0;
+  return dp == r.count * r.step_p && dq == r.count * r.step_q && dkv == r.count * r.step_kv;
+}
+
+}  // namespace
+
+std::vector<DriverCall> driver_calls(const std::vector<Call>& calls, int64_t B, int64_t N) {
+  std::vector<DriverCall> out;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const Call& c = calls[i];
+    if (!folds(c, B, N)) {
+      for (int64_t b = 0; b < B; ++b) out.push_back({c, (int64_t)i, b});
+    } else if (!out.empty() && extends(out.back(), c, B)) {
+      DriverCall& r = out.back();
+      if (r.count == 1) {
+        r.step_p = c.q.p0 - r.c.q.p0;
+        r.step_q = c.q.c0 - r.c.q.c0;
+        r.step_kv = c.kv.c0 - r.c.kv.c0;
+      }
+      ++r.count;
+    } else {
+      out.push_back({c, (int64_t)i, -1});
+    }
+  }
+  return out;
+}
+
 PlanCacheInfo plan_cache_info() {
   Cache& c = cache();
   std::lock_guard<std::mutex> guard(c.lock);

@@ -86,5 +86,22 @@ inline bool folds(const Call& c, int64_t B, int64_t N) {
   return B == 1 || c.part.rows == 1 || (c.part.start == 0 && c.part.rows * c.part.length == N);
 }
 
+// One kernel call of a driver: call c of the plan at batch entry b (b < 0: every batch entry at
+// once, where folds() holds), or, with count > 1, the count calls c, c + step, ... of a branch whose
+// phases and heads step evenly (the phases of a branch: phase o + 1 reads the next position and the
+// next heads), in one kernel call whose batch dim is that index. The calls' index can ride as the
+// batch dim only where the batch and the segments take none of it (B = 1, one segment).
+struct DriverCall {
+  Call c;
+  int64_t index;  // of c among the branch's plan calls
+  int64_t b;
+  int64_t count = 1;
+  int64_t step_p = 0, step_q = 0, step_kv = 0;  // per index: the phase, the q and k/v heads
+};
+
+// The kernel calls of a branch's plan calls for a batch of B sequences of N positions: one per
+// call and batch entry where the call does not fold, the calls that extend one another in one.
+std::vector<DriverCall> driver_calls(const std::vector<Call>& calls, int64_t B, int64_t N);
+
 }  // namespace views
 }  // namespace dilated_attention

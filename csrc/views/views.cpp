@@ -61,17 +61,8 @@ namespace {
 // Score-chunk budget of the CPU backward, in elements (float32: 16 MiB per buffer).
 constexpr int64_t kChunkElements = 4 * 1024 * 1024;
 
-// One kernel call of the driver: call c of the plan at batch entry b (b < 0: every batch entry
-// at once, where folds() holds), or, with count > 1, the count calls of the plan c, c + step, ...
-// whose phases and heads step evenly (the phases of a branch: phase o + 1 reads the next position
-// and the next heads), in one kernel call whose batch dim is that index. The calls' index can ride
-// as the batch dim only where the batch and the segments take none of it (B = 1, one segment).
-struct Run {
-  Call c;
-  int64_t b;
-  int64_t count = 1;
-  int64_t step_p = 0, step_q = 0, step_kv = 0;  // per index: the phase, the q and k/v heads
-
+// A kernel call of the driver (plan.h DriverCall) and its views of the tensors.
+struct Run : DriverCall {
   // The strided view (Bb, m, n, E) of x (B, N, H, E) at the rows of the run and the heads s
   // (c.q or c.kv, or a view of the same heads; step_c: their head step per index): all batch
   // entries folded with the segments (b < 0), batch entry b's segments, or the run's calls (count
@@ -105,40 +96,10 @@ struct Run {
   at::Tensor kv3(const at::Tensor& x) const { return view(x.unsqueeze(-1), c.kv, step_kv).select(-1, 0); }
 };
 
-// Whether call d extends run r as its next index: one batch entry and one segment, the same
-// shape of call, phases and heads that step as the run's.
-bool extends(const Run& r, const Call& d, int64_t B) {
-  const Call& c = r.c;
-  auto same = [](const Strided& x, const Strided& y) { return x.n == y.n && x.dp == y.dp && x.dc == y.dc; };
-  if (B != 1 || r.b >= 0 || c.part.rows != 1 || d.part.rows != 1 || d.part.start != c.part.start ||
-      d.part.length != c.part.length || d.r != c.r || d.m != c.m || d.g != c.g || !same(d.q, c.q) ||
-      !same(d.kv, c.kv))
-    return false;
-  const int64_t dp = d.q.p0 - c.q.p0, dq = d.q.c0 - c.q.c0, dkv = d.kv.c0 - c.kv.c0;
-  if (d.kv.p0 - c.kv.p0 != dp) return false;
-  if (r.count == 1) return dp != 0 || dq != 0;
-  return dp == r.count * r.step_p && dq == r.count * r.step_q && dkv == r.count * r.step_kv;
-}
-
-// The kernel calls of a branch's plan calls: one per call and batch entry where the call does not
-// fold, the calls that extend one another (extends) in one.
+// The driver's kernel calls of a branch's plan calls (plan.h driver_calls), with their views.
 std::vector<Run> runs(const std::vector<Call>& calls, int64_t B, int64_t N) {
   std::vector<Run> out;
-  for (const Call& c : calls) {
-    if (!folds(c, B, N)) {
-      for (int64_t b = 0; b < B; ++b) out.push_back({c, b});
-    } else if (!out.empty() && extends(out.back(), c, B)) {
-      Run& r = out.back();
-      if (r.count == 1) {
-        r.step_p = c.q.p0 - r.c.q.p0;
-        r.step_q = c.q.c0 - r.c.q.c0;
-        r.step_kv = c.kv.c0 - r.c.kv.c0;
-      }
-      ++r.count;
-    } else {
-      out.push_back({c, -1});
-    }
-  }
+  for (const DriverCall& d : driver_calls(calls, B, N)) out.push_back(Run{d});
   return out;
 }
 

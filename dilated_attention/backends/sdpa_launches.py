@@ -2,10 +2,10 @@
 ``views_fwd`` and ``views_bwd``), counted from its plan.
 
 The driver runs every kernel call of the plan (:func:`.strided.plan_branches`, planned without
-native grouped-query attention on CUDA) once per batch run (:func:`.strided.batches`), except that
-with one batch entry and one segment the calls whose phases and heads step evenly (the phases of
-a branch) run as one kernel call, their index as its batch dim (views.cpp ``runs``, mirrored by
-:func:`runs`). What it launches per kernel call and once per direction is what the functions below
+native grouped-query attention on CUDA) once per batch run, except that with one batch entry and
+one segment the calls whose phases and heads step evenly (the phases of a branch) run as one
+kernel call, their index as its batch dim: :func:`driver_calls` asks the extension for the calls
+the driver makes (``views/plan.h`` ``driver_calls``). What it launches per kernel call and once per direction is what the functions below
 add up, branch by branch, from the same conditions as the driver's code (a call of one row and one
 key runs in closed form; a stride-0 key/value head is copied to every head; the three gradient
 adds share one launch where the heads match). An attention operator call (cuDNN or flash attention, forward or backward) counts
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .strided import Call, batches, plan_branches
+from ..op import library
+from .strided import Call, plan_branches
 
-__all__ = ["BranchLaunches", "Launches", "runs", "views_launches"]
+__all__ = ["BranchLaunches", "Launches", "driver_calls", "views_launches"]
 
 # Launches of the closed form of a call of one row and one key (views.cpp cuda_forward /
 # cuda_backward, half-precision inputs): the float32 casts and elementwise ops it runs.
@@ -71,47 +72,17 @@ class Launches:
         return max((max(b.forward, b.backward) for b in self.branches), default=0)
 
 
-def _extends(first: Call, count: int, step: tuple[int, int, int], d: Call, B: int) -> bool:
-    """Whether call d is the next index of a run of ``count`` calls from ``first`` (views.cpp
-    ``extends``): one batch entry and one segment, the same shape of call, phases and heads that
-    step evenly."""
-    c = first
-    if (
-        B != 1
-        or c.part.rows != 1
-        or d.part.rows != 1
-        or (d.part.start, d.part.length) != (c.part.start, c.part.length)
-    ):
-        return False
-    if (d.r, d.m, d.g) != (c.r, c.m, c.g):
-        return False
-    if any((x.n, x.dp, x.dc) != (y.n, y.dp, y.dc) for x, y in ((d.q, c.q), (d.kv, c.kv))):
-        return False
-    delta = (d.q.p0 - c.q.p0, d.q.c0 - c.q.c0, d.kv.c0 - c.kv.c0)
-    if d.kv.p0 - c.kv.p0 != delta[0]:
-        return False
-    if count == 1:
-        return delta[0] != 0 or delta[1] != 0
-    return delta == tuple(count * s for s in step)
-
-
-def runs(calls: tuple[Call, ...], B: int, N: int) -> list[tuple[Call, int]]:
-    """The kernel calls the driver makes for a branch's plan calls: ``(first call, count)``, one
-    per call and batch entry where the call does not fold, the calls that extend one another as
-    one (views.cpp ``runs``)."""
-    out: list[tuple[Call, int, tuple[int, int, int]]] = []
-    for c in calls:
-        folded = batches(c, B, N)
-        if len(folded) > 1:
-            out += [(c, 1, (0, 0, 0))] * len(folded)
-        elif out and _extends(*out[-1], c, B):
-            first, count, step = out[-1]
-            if count == 1:
-                step = (c.q.p0 - first.q.p0, c.q.c0 - first.q.c0, c.kv.c0 - first.kv.c0)
-            out[-1] = (first, count + 1, step)
-        else:
-            out.append((c, 1, (0, 0, 0)))
-    return [(c, count) for c, count, _ in out]
+def driver_calls(
+    B: int, N: int, Hq: int, Hkv: int, segment_lengths: list[int], dilation_rates: list[int]
+) -> list[list[tuple[Call, int]]]:
+    """Per branch, the kernel calls the C++ driver makes on CUDA for q (B, N, Hq, D) (planned
+    without native grouped-query attention): ``(first plan call, count of plan calls)``, one per
+    call and batch entry where the call does not fold. The driver's own grouping
+    (``views/plan.h`` ``driver_calls``, bound as ``_C.driver_calls``)."""
+    args = ((N,), Hq, Hkv, tuple(segment_lengths), tuple(dilation_rates), False)
+    plan = plan_branches(*args)
+    made = library._require_extension().driver_calls(*args, B)
+    return [[(calls[i], count) for i, _, count in runs] for calls, runs in zip(plan, made, strict=True)]
 
 
 def _repeats(c: Call) -> int:
@@ -156,10 +127,9 @@ def views_launches(
     ``"cudnn"`` (sm_90+) or ``"flash"``."""
     if kind not in _DLSE:
         raise ValueError(f"kind must be 'cudnn' or 'flash', got {kind!r}")
-    plan = plan_branches(N, Hq, Hkv, tuple(segment_lengths), tuple(dilation_rates), False)
     branches = []
-    for calls in plan:
-        made = [c for c, _ in runs(calls, B, N)]
+    for made_calls in driver_calls(B, N, Hq, Hkv, segment_lengths, dilation_rates):
+        made = [c for c, _ in made_calls]
         branches.append(
             BranchLaunches(
                 calls=len(made),

@@ -14,7 +14,7 @@ from common import make_inputs
 from reference import reference_attention
 
 from dilated_attention.backends import strided
-from dilated_attention.backends.sdpa_launches import runs, views_launches
+from dilated_attention.backends.sdpa_launches import driver_calls, views_launches
 from dilated_attention.op import views as _views_op
 
 pytestmark = pytest.mark.skipif(not _views_op.available("cpu"), reason="the extension lacks the views driver")
@@ -100,8 +100,10 @@ def test_phases_run_as_one_call_exactly(N, Hq, Hkv, segs, rates, is_causal):
     """One batch entry and one segment: the calls of a branch's phases run as one kernel call (their
     index the kernel's batch dim), fewer calls than the plan has, and out, lse and every gradient
     are the float64 reference's."""
-    plan = strided.plan_branches(N, Hq, Hkv, tuple(segs), tuple(rates), True)
-    assert sum(len(runs(c, 1, N)) for c in plan) < sum(len(c) for c in plan)
+    plan = strided.plan_branches(N, Hq, Hkv, tuple(segs), tuple(rates), False)
+    made = driver_calls(1, N, Hq, Hkv, segs, rates)
+    assert sum(map(len, made)) < sum(map(len, plan))
+    assert [sum(n for _, n in m) for m in made] == list(map(len, plan))  # every plan call once
     q, k, v = make_inputs(1, N, Hq, Hkv, 8, torch.float64)
     out, lse = torch.ops.dilated_attention.views_fwd(q, k, v, segs, rates, is_causal, 0.3)
     ref, ref_lse = reference_attention(q, k, v, segs, rates, is_causal, 0.3)
@@ -111,3 +113,8 @@ def test_phases_run_as_one_call_exactly(N, Hq, Hkv, segs, rates, is_causal):
     got = torch.ops.dilated_attention.views_bwd(dout, q, k, v, out, lse, None, segs, rates, is_causal, 0.3)
     for a, e in zip(got, torch.autograd.grad(ref, (q, k, v), dout), strict=True):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+def test_driver_calls_name_a_bad_batch():
+    with pytest.raises(ValueError, match="B must be >= 1, got 0"):
+        driver_calls(0, 64, 2, 2, [64], [1])
