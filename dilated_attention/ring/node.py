@@ -7,13 +7,10 @@ for this rank's keys. The exchange itself is in :mod:`.mode_all_gather` and :mod
 :class:`SpanJob` holds what both need: the plan, the transport, the piece attention, and the
 helpers that cut a rank's tensors into pieces and blocks and pack them into messages.
 
-When the local runs run on the fused op (``native``), they are computed in the same node
-(``SpanJob.local_runs``): the runs and the pieces are added to one running merge
-(:mod:`dilated_attention.merge`, in float64 for float32 inputs), normalised once, and the backward
-hands the op's backward and every piece the *merged* ``out`` and ``lse`` of the rows, as
-ring attention does (exact, docs/SPEC.md section 3). The merge then has no backward of its own,
-and the full-size copies of a differentiable merge (stacking the parts, weighting them, the
-zero-filled gradients of each part) are not made.
+Local runs on the fused op (``native``, ``SpanJob.local_runs``) are computed in the same node: runs
+and pieces go into one running merge (:mod:`dilated_attention.merge`, float64 for float32 inputs),
+normalised once; the backward hands the op's backward and every piece the *merged* ``out`` and
+``lse`` (exact, docs/SPEC.md section 3), so the merge needs no backward and no full-size copies.
 """
 
 from __future__ import annotations
@@ -351,8 +348,7 @@ class SpanJob:
                 self.add_key_grads(piece, blk, *grads[block_key(piece, blk)])
 
 
-# The way out a second backward through the spanning pieces is told of: they have a fused backward
-# whatever attention_backend says.
+# What a second backward through the spanning pieces (a fused backward on every backend) is told.
 SPAN_ADVICE = (
     "the pieces of a segment that spans ranks have a fused backward on every attention_backend; "
     "differentiate twice on one process with DilatedAttention(backend='manual')"
