@@ -12,7 +12,7 @@
 # OUT_DIR defaults to $OUT when set, else gpu_check_out/ (a folder named like a phase: ./tests).
 # The first lines printed (and summary.md) say what the machine has: Python, setuptools (>= 77 for
 # pyproject.toml's license field), ninja, nvcc, torch/CUDA/cuDNN, the GPU, the driver,
-# compute-sanitizer, pytest-xdist (scripts/gpu_env.py). When a build is needed and cannot run here,
+# compute-sanitizer, pytest-xdist (scripts/gpu.py env). When a build is needed and cannot run here,
 # the script stops there with one line per missing piece (exit status 3). Without a GPU it says
 # so and exits 0 (nothing to verify here).
 #
@@ -35,19 +35,19 @@
 #                   lists the failed, errored and crashed tests, the counts (counted from the
 #                   per-test lines, with the tests still running, when pytest was cut before its
 #                   own), the test frame of each "Fatal Python error" (faulthandler) and the
-#                   slowest tests (scripts/gpu_testlog.py reads the log)
+#                   slowest tests (scripts/gpu.py testlog reads the log)
 #   backtrace   60  only after crashes in tests.log ("not needed" otherwise): each crashed test
 #                   (at most 3: the node id that pytest-xdist names, else file::function from the
 #                   faulthandler dump) alone, pytest -x -p no:xdist under cuda-gdb, else gdb
 #                   (GPU_CHECK_DEBUGGER: another, or none), "-batch -ex run -ex bt -ex quit": the
 #                   native stack at the fatal signal; the first gets up to 40 s. Without a debugger
 #                   it says so ("unavailable")       -> appended to tests.log, frames #0-#30 in summary.md
-#   smoke       90  scripts/gpu_smoke.py: the refused calls raise their errors on the CPU and the
+#   smoke       90  scripts/gpu.py smoke: the refused calls raise their errors on the CPU and the
 #                   GPU, each in a process of its own (a worker that dies there says which call);
 #                   fwd/bwd against the CPU op in float64, B = 64, inputs of more than 2^31
 #                   elements, last the sm90 (wgmma) kernels (that they ran, on sm90)     -> smoke.log
 #   memcheck    90  compute-sanitizer --tool memcheck  \
-#   racecheck  120  compute-sanitizer --tool racecheck  } on scripts/gpu_smoke.py --cases sanitize
+#   racecheck  120  compute-sanitizer --tool racecheck  } on scripts/gpu.py smoke --cases sanitize
 #   synccheck   60  compute-sanitizer --tool synccheck /  (small fwd+bwd of both kernel families)
 #                                                                                      -> sanitize.log
 #   bench      150  benchmarks/bench_cuda.py (bf16, 256K and 1M tokens, H=16, D=64/128: native,
@@ -55,7 +55,7 @@
 #                   step's; GPU_CHECK_BENCH_ARGS adds arguments ("--tokens 262144") -> bench.md/.csv/.png
 #   profile     90  Nsight Compute (ncu --clock-control none: speed of light, occupancy, launch,
 #                   warp states, memory and compute workload) on the tensor-core forward, dq and
-#                   dk/dv kernels of scripts/gpu_profile.py, sm80 and sm90 (wgmma) families (bf16,
+#                   dk/dv kernels of scripts/gpu.py profile, sm80 and sm90 (wgmma) families (bf16,
 #                   N = 256K, H = 16, D = 128, LongNet branches), one launch each; ncu from PATH, $CUDA_HOME/bin,
 #                   /usr/local/cuda/bin or /opt/nvidia/nsight-compute/*/    -> summary.md (key lines)
 #
@@ -171,7 +171,7 @@ pybin=$(dirname "$(command -v "$PYTHON" 2>/dev/null || echo /nonexistent/python)
 if [ -x "$pybin/ninja" ] && [ "$(command -v ninja 2>/dev/null)" != "$pybin/ninja" ]; then PATH="$pybin:$PATH"; fi
 
 # What the machine has, first (also into summary.md).
-machine=$("$PYTHON" scripts/gpu_env.py 2>&1)
+machine=$("$PYTHON" scripts/gpu.py env 2>&1)
 echo "$machine"
 
 # The GPU, or why there is none. GPU_CHECK_ASSUME_GPU=1 skips the probe (for testing this script).
@@ -214,12 +214,12 @@ build_cmd=(env -u DILATED_ATTENTION_CPU_ONLY FORCE_CUDA=1 "TORCH_CUDA_ARCH_LIST=
 # limit still names every result so far; --tb=short keeps the tracebacks (printed at the end) short.
 tests_cmd=(env "DILATED_ATTENTION_SLOW=$slow" "$PYTHON" -m pytest -v --tb=short -rfEs --durations=25 -p no:cacheprovider
   tests/cuda/test_decode_cuda.py tests/backends/test_backends_views.py tests/cuda/test_cuda.py tests/ring/test_ring_pieces.py "${tests_sel[@]}")
-smoke_cmd=("$PYTHON" scripts/gpu_smoke.py --cases errors small large sm90)
-sanitize_cmd=("$PYTHON" scripts/gpu_smoke.py --cases sanitize)
+smoke_cmd=("$PYTHON" scripts/gpu.py smoke --cases errors small large sm90)
+sanitize_cmd=("$PYTHON" scripts/gpu.py smoke --cases sanitize)
 read -r -a bench_extra <<<"${GPU_CHECK_BENCH_ARGS:-}"  # e.g. "--tokens 262144": fewer configurations
 profile_cmd=("${ncu_bin:-ncu}" --clock-control none --kernel-name "regex:tc(90)?_(fwd|dq|dkv)_kernel" --launch-count 6
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
-  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis "$PYTHON" scripts/gpu_profile.py)
+  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis "$PYTHON" scripts/gpu.py profile)
 bench_cmd=("$PYTHON" benchmarks/bench_cuda.py "${bench_extra[@]}" --out "$out_dir/bench" --budget)  # + seconds, at run time
 # backtrace: each crashed test alone, in one process, under the debugger (+ the python executable
 # and the test, at run time); the debugger stops at the fatal signal and prints the native stack.
@@ -266,7 +266,7 @@ fi
 
 # A build that is needed and cannot run stops everything here, saying why.
 if [[ " ${steps[*]} " == *" build "* ]] && ! build_is_current; then
-  if ! why=$("$PYTHON" scripts/gpu_env.py --need-build 2>&1); then
+  if ! why=$("$PYTHON" scripts/gpu.py env --need-build 2>&1); then
     echo "$why" | grep "cannot build" >&2
     { echo "# GPU check: stopped, the extension cannot be built here"; echo; echo '```'; echo "$why"; echo '```'; } >"$summary"
     exit 3
@@ -304,7 +304,7 @@ for s in "${steps[@]}"; do
   if [ "$s" = backtrace ]; then  # only when tests.log names crashed tests
     crashed=()
     [ -f "$out_dir/tests.log" ] &&
-      mapfile -t crashed < <("$PYTHON" scripts/gpu_testlog.py crashed "$out_dir/tests.log" --max "$max_backtraces" 2>/dev/null)
+      mapfile -t crashed < <("$PYTHON" scripts/gpu.py testlog crashed "$out_dir/tests.log" --max "$max_backtraces" 2>/dev/null)
     if [ ${#crashed[@]} -eq 0 ]; then
       STATUS[$s]="not needed (no crashed test in tests.log)"
       SECS[$s]=0
@@ -462,9 +462,9 @@ fi
   fi
   if [ -f "$out_dir/tests.log" ]; then
     # The results (from the per-test lines when pytest was cut before its count), the failed,
-    # errored and crashed tests, the slowest tests, the backtraces (scripts/gpu_testlog.py).
+    # errored and crashed tests, the slowest tests, the backtraces (scripts/gpu.py testlog).
     echo
-    if ! tests_summary=$("$PYTHON" scripts/gpu_testlog.py summary "$out_dir/tests.log" 2>&1); then
+    if ! tests_summary=$("$PYTHON" scripts/gpu.py testlog summary "$out_dir/tests.log" 2>&1); then
       tests_summary=$(echo "## tests"; echo; echo '```'
         grep -E "^(FAILED|ERROR|SKIPPED)| (FAILED|ERROR) |passed|failed|Fatal Python error" "$out_dir/tests.log" | tail -60
         echo '```')

@@ -5,7 +5,7 @@
 #   1. build      scripts/gpu_check.sh tests --steps build (sm_90a for the visible GPU, ptxas -v)
 #   2. registers  scripts/sm90_registers.py on the build log: every tc90 kernel starts with the 168
 #                 registers its setmaxnreg split needs (fewer: its consumers would hang), no spills
-#   3. smoke      scripts/gpu_smoke.py --cases sm90 under a hard kill (SMOKE seconds): a hang costs
+#   3. smoke      scripts/gpu.py smoke --cases sm90 under a hard kill (SMOKE seconds): a hang costs
 #                 that, not the whole run; the log's last RUN line names the case that hung
 #   4. cp-async   on a failure or a hang, the same cases with DILATED_ATTENTION_CUDA_TMA=0 (every
 #                 chunk by cp.async): separates the tensor copy engine from the pipeline
@@ -47,10 +47,10 @@ session_step build "$BUILD" "$work/build.out" bash scripts/gpu_check.sh tests "$
 if [ "$dry" = 1 ] || [ -f "$out_dir/build.log" ]; then
   session_step registers 30 "$out_dir/registers.txt" "$PYTHON" scripts/sm90_registers.py "$out_dir/build.log"
 fi
-session_step smoke "$SMOKE" "$out_dir/smoke.log" "$PYTHON" scripts/gpu_smoke.py --cases sm90
+session_step smoke "$SMOKE" "$out_dir/smoke.log" "$PYTHON" scripts/gpu.py smoke --cases sm90
 tma=1
 if [ "${RC[smoke]}" != 0 ]; then
-  session_step cp-async "$SMOKE" "$out_dir/smoke-cp-async.log" env DILATED_ATTENTION_CUDA_TMA=0 "$PYTHON" scripts/gpu_smoke.py --cases sm90
+  session_step cp-async "$SMOKE" "$out_dir/smoke-cp-async.log" env DILATED_ATTENTION_CUDA_TMA=0 "$PYTHON" scripts/gpu.py smoke --cases sm90
   [ "${RC[cp-async]}" = 0 ] && tma=0
 fi
 if [ "${RC[smoke]}" = 0 ] || [ "$tma" = 0 ]; then

@@ -1,7 +1,7 @@
-"""scripts/gpu_check.sh and scripts/gpu_smoke.py, the one command that verifies the CUDA kernels on a
-GPU: what can be checked without one (arguments, the skip without a GPU, the commands of each
-step, how statuses, time limits and the summary come out, and the smoke run's comparisons on CPU
-tensors)."""
+"""scripts/gpu_check.sh and scripts/gpu.py, the one command that verifies the CUDA kernels on a
+GPU and its Python side: what can be checked without one (arguments, the skip without a GPU, the
+commands of each step, how statuses, time limits and the summary come out, that env and testlog run
+without torch, and the smoke run's comparisons on CPU tensors)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from common import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+GPU_PY = ROOT / "scripts" / "gpu.py"
 
 needs_bash = pytest.mark.skipif(
     shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash"
@@ -90,15 +91,15 @@ def test_skips_cleanly_without_a_gpu(tmp_path):
 # A stand-in for python3 (and compute-sanitizer): FAKE_<STEP> says what each step does.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 case "$*" in
-  *gpu_testlog.py*) exec "$REAL_PYTHON" "$@" ;;
-  *gpu_env.py*) echo "gpu_env: python           fake"
+  *"gpu.py testlog"*) exec "$REAL_PYTHON" "$@" ;;
+  *"gpu.py env"*) echo "gpu_env: python           fake"
                 if [ "${FAKE_ENV:-ok}" = missing ] && [[ "$*" == *--need-build* ]]; then
                   echo "gpu_env: cannot build: ninja is not on PATH (pip install ninja)"; exit 3; fi ;;
   -c*) [ "${FAKE_KERNELS:-yes}" = yes ] ;;
   *setup.py*) echo "ptxas info    : Compiling entry function 'tc_fwd' for 'sm_90'"
               echo "ptxas info    : Used 128 registers"; echo built >>"$FAKE_BUILDS"; [ "${FAKE_BUILD:-ok}" = ok ] ;;
-  *"gpu_smoke.py --cases sanitize"*) echo "PASS tiny" ;;
-  *gpu_smoke.py*) echo "PASS large-batch-bf16"; [ "${FAKE_SMOKE:-ok}" = ok ] ;;
+  *"gpu.py smoke --cases sanitize"*) echo "PASS tiny" ;;
+  *"gpu.py smoke"*) echo "PASS large-batch-bf16"; [ "${FAKE_SMOKE:-ok}" = ok ] ;;
   *bench_cuda.py*) [ "${FAKE_BENCH:-ok}" = sleep ] && exec sleep 60
                    echo "speedup table $*"; [ "${FAKE_BENCH:-ok}" = ok ] ;;
   "-m pytest"*) if [ "${FAKE_TESTS:-ok}" = crash ]; then cat "$FAKE_TESTS_LOG"; exec sleep 60; fi
@@ -241,13 +242,13 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
         "cuda-gdb -batch " in lines["backtrace"] and "-ex run -ex bt -ex quit --args " in lines["backtrace"]
     )
     assert "-m pytest -x -q -p no:cacheprovider -p no:xdist CRASHED_TEST" in lines["backtrace"]
-    assert "gpu_smoke.py --cases errors small large sm90" in lines["smoke"]
+    assert "scripts/gpu.py smoke --cases errors small large sm90" in lines["smoke"]
     assert "bench_cuda.py --out" in lines["bench"] and "--budget 120 " in lines["bench"]
     assert lines["profile"].startswith("profile (90 s): ") and "--clock-control none" in lines["profile"]
-    assert "gpu_profile.py" in lines["profile"] and "--launch-count 6" in lines["profile"]
+    assert "scripts/gpu.py profile" in lines["profile"] and "--launch-count 6" in lines["profile"]
     for tool, budget in (("memcheck", 90), ("racecheck", 120), ("synccheck", 60)):
         assert lines[tool].startswith(f"{tool} ({budget} s): ") and f"--tool {tool} " in lines[tool]
-        assert "gpu_smoke.py --cases sanitize" in lines[tool]
+        assert "scripts/gpu.py smoke --cases sanitize" in lines[tool]
     res = fake_tools(tmp_path, "--dry-run", "--steps", "smoke bench")
     assert list(_dry_lines(res))[1:] == ["smoke", "bench"]
     res = fake_tools(tmp_path, "--dry-run", "--steps", "backtrace", GPU_CHECK_DEBUGGER="none")
@@ -282,26 +283,18 @@ def test_dry_run_names_every_command(tmp_path, fake_tools):
 )
 def test_the_two_commands_each_fit_in_eight_minutes(tmp_path, fake_tools, phase, steps):
     """Each phase's steps end inside its deadline (470 s: a device command may run 10 minutes);
-    the sanitize phase rebuilds only when the in-place build is missing or out of date."""
+    the sanitize phase rebuilds only when the in-place build is missing or out of date. The profile
+    phase's budgets add up to less than its deadline, a full build included (the profile step never
+    ran to the end while it came after the sanitizers)."""
     res = fake_tools(phase, tmp_path, "--dry-run")
     assert res.returncode == 0, res.stderr
     lines = _dry_lines(res)
     assert list(lines)[1:] == steps
     if phase != "all":
         assert "deadline 470 s" in lines["gpu_check"]
-
-
-def test_each_phase_fits_its_deadline_with_a_full_build():
-    """The profile phase's step budgets add up to less than its deadline, a full build included (the
-    profile step never ran to the end while it came after the sanitizers)."""
-    text = SCRIPT.read_text()
-    budgets = dict(re.findall(r"\[(\w+)\]=(\d+)", re.search(r"declare -A BUDGET=\((.*)\)", text).group(1)))
-    phases = dict(
-        re.findall(r'\[(\w+)\]="([\w ]+)"', re.search(r"declare -A PHASE_STEPS=\((.*)\)", text).group(1))
-    )
-    assert set(phases) >= {"tests", "sanitize", "profile"}
-    assert "profile" not in phases["sanitize"].split()
-    assert sum(int(budgets[s]) for s in phases["profile"].split()) <= 470
+    if phase == "profile":
+        budgets = [int(re.match(r"\w+ \((\d+) s", lines[s]).group(1)) for s in steps]
+        assert sum(budgets) <= 470, lines
 
 
 @needs_bash
@@ -484,15 +477,40 @@ def test_backtrace_without_a_debugger_says_so(tmp_path, fake_tools):
     assert "CRASHED tests/cuda/test_cuda.py::test_empty_inputs_and_errors" in summary  # still named
 
 
-@pytest.fixture(scope="module")
-def testlog():
-    yield load_script(ROOT / "scripts" / "gpu_testlog.py")
-    del sys.modules["gpu_testlog"]
+# scripts/gpu.py env and testlog run before the extension is built, with whatever interpreter the
+# check uses: here with torch and the package hidden (importing either fails).
+_WITHOUT_TORCH = """
+import runpy, sys
+sys.modules["torch"] = sys.modules["dilated_attention"] = None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
-def test_testlog_one_process_crash_and_a_finished_run(testlog, capsys):
+def gpu_py_without_torch(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH, str(GPU_PY), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_env_runs_without_torch():
+    res = gpu_py_without_torch("env")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("gpu_env: python")
+    assert "gpu_env: torch            not importable" in res.stdout and "gpu_env: ninja" in res.stdout
+    res = gpu_py_without_torch("env", "--need-build")
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "gpu_env: cannot build: torch cannot be imported" in res.stdout
+
+
+def test_testlog_runs_without_torch_on_a_one_process_crash_and_a_finished_run(tmp_path):
     # Without xdist the crash ends pytest: the test on the open line is the one that crashed.
-    log = testlog.parse(
+    crash = tmp_path / "crash.log"
+    crash.write_text(
         "collecting ... collected 12 items / 3 deselected / 9 selected\n\n"
         "tests/cuda/test_cuda.py::test_a[0] PASSED                                    [ 11%]\n"
         "tests/cuda/test_cuda.py::test_b SKIPPED (needs a CUDA GPU)                   [ 22%]\n"
@@ -501,15 +519,18 @@ def test_testlog_one_process_crash_and_a_finished_run(testlog, capsys):
         '  File "/w/tests/cuda/test_cuda.py", line 40 in _helper\n'
         '  File "/w/tests/cuda/test_cuda.py", line 44 in test_c\n'
     )
-    assert log.crashed == [("tests/cuda/test_cuda.py::test_c[x-1]", "", "Fatal Python error: Aborted")]
-    assert testlog.rerun_targets(log) == ["tests/cuda/test_cuda.py::test_c[x-1]"]
-    text = testlog.summary(log)
+    res = gpu_py_without_torch("testlog", "crashed", crash)
+    assert res.returncode == 0 and res.stdout.splitlines() == ["tests/cuda/test_cuda.py::test_c[x-1]"], res
+    res = gpu_py_without_torch("testlog", "summary", crash)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
     assert "2 results so far for 9 tests: 1 passed, 1 skipped" in text
     assert "CRASHED tests/cuda/test_cuda.py::test_c[x-1] (Fatal Python error: Aborted)" in text
     assert "RUNNING" not in text
     assert "Fatal Python error: Aborted -- in tests/cuda/test_cuda.py line 44 in test_c; innermost" in text
     # A finished run: pytest's count, the failures with their messages, the skip reasons, the slowest tests.
-    log = testlog.parse(
+    done = tmp_path / "done.log"
+    done.write_text(
         "[gw0] [ 50%] FAILED tests/cuda/test_cuda.py::test_x[a]\n"
         "[gw1] [100%] PASSED tests/cuda/test_cuda.py::test_y\n"
         "============================= slowest 25 durations =============================\n"
@@ -519,7 +540,7 @@ def test_testlog_one_process_crash_and_a_finished_run(testlog, capsys):
         "SKIPPED [3] tests/cuda/test_cuda.py:10: needs a CUDA GPU\n"
         "=================== 1 failed, 1 passed in 200.12s (0:03:20) ====================\n"
     )
-    text = testlog.summary(log)
+    text = gpu_py_without_torch("testlog", "summary", done).stdout
     assert text.splitlines()[3:6] == [
         "pytest: 1 failed, 1 passed in 200.12s (0:03:20)",
         "FAILED tests/cuda/test_cuda.py::test_x[a] - AssertionError: out differs",
@@ -528,42 +549,84 @@ def test_testlog_one_process_crash_and_a_finished_run(testlog, capsys):
     assert (
         "## slowest tests (--durations)" in text and "12.50s call     tests/cuda/test_cuda.py::test_y" in text
     )
-    assert testlog.rerun_targets(log) == []
+    res = gpu_py_without_torch("testlog", "crashed", done)
+    assert res.returncode == 0 and res.stdout == ""
+    # A log that cannot be read, and a bad --max, are errors that name them.
+    res = gpu_py_without_torch("testlog", "summary", tmp_path / "nope.log")
+    assert res.returncode == 1 and "nope.log" in res.stderr
+    res = gpu_py_without_torch("testlog", "crashed", done, "--max", "0")
+    assert res.returncode == 2 and "--max: must be a whole number >= 1, got '0'" in res.stderr
+
+
+def test_gpu_py_usage_errors_and_the_profile_dry_run():
+    """A missing subcommand or a bad value is a usage error (exit status 2) naming it; the profile
+    subcommand's dry run runs every family, head dim and mask on tiny CPU inputs."""
+    for args, message in [
+        ((), "required: {env,testlog,smoke,profile}"),
+        (("smoke", "--cases", "huge"), "invalid choice: 'huge'"),
+        (("profile", "--seq-len", "0"), "--seq-len: must be a whole number >= 1, got '0'"),
+        (("profile", "--head-dims", "64", "x"), "--head-dims: must be a whole number >= 1, got 'x'"),
+    ]:
+        res = subprocess.run(
+            [sys.executable, str(GPU_PY), *args], capture_output=True, text=True, timeout=120
+        )
+        assert res.returncode == 2 and message in res.stderr, (args, res.stderr)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(GPU_PY),
+            "profile",
+            "--dry-run",
+            "--head-dims",
+            "32",
+            "64",
+            "--causal",
+            "0",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    ran = [line for line in res.stdout.splitlines() if line.endswith("forward and backward ran")]
+    assert len(ran) == 8 and ran[0].startswith("gpu_profile: sm80 N=256 H=16 D=32 causal=False"), ran
+    assert ran[-1].startswith("gpu_profile: sm90 N=256 H=16 D=64 causal=True torch.float32"), ran
 
 
 # ----------------------------------------------------------------------------------------------
-# scripts/gpu_smoke.py on CPU tensors
+# scripts/gpu.py smoke on CPU tensors
 # ----------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def smoke():
-    yield load_script(ROOT / "scripts" / "gpu_smoke.py")
-    del sys.modules["gpu_smoke"]
+    yield load_script(GPU_PY)
+    del sys.modules["gpu"]
 
 
 def test_smoke_cases_cover_what_the_check_promises(smoke):
     large = smoke.large_cases()
-    assert {c.dtype for c in large} == {torch.bfloat16, torch.float32, torch.float64}
+    assert {c.dtype for c in large} == {"bfloat16", "float32", "float64"}
     for c in large:
         assert c.elements > 2**31, c.name
         assert c.slices and all(n1 - n0 >= math.lcm(*c.segs) for _, _, n0, n1 in c.slices)
         # A slice reaches the far end, where 32-bit offsets would have overflowed.
         assert max(((b1 - 1) * c.N + n1) * c.Hq * c.D for _, b1, _, n1 in c.slices) == c.elements
     assert any(c.B == 64 for c in large) and any(
-        c.B == 64 and c.dtype == torch.float64 for c in smoke.small_cases()
+        c.B == 64 and c.dtype == "float64" for c in smoke.small_cases()
     )
-    tc = [c for c in smoke.sanitize_cases() if c.dtype in (torch.float16, torch.bfloat16) and not c.env]
-    simt = [c for c in smoke.sanitize_cases() if c.dtype in (torch.float32, torch.float64) or c.env]
+    tc = [c for c in smoke.sanitize_cases() if c.dtype in ("float16", "bfloat16") and not c.env]
+    simt = [c for c in smoke.sanitize_cases() if c.dtype in ("float32", "float64") or c.env]
     assert any(32 <= c.D <= 256 and c.D % 8 == 0 for c in tc) and any(c.D == 256 for c in tc)  # smem opt-in
-    assert {torch.float32, torch.float64} <= {c.dtype for c in simt}
+    assert {"float32", "float64"} <= {c.dtype for c in simt}
     assert any(c.env.get("DILATED_ATTENTION_CUDA_SIMT") == "1" for c in simt)
     assert all(c.backward for c in smoke.sanitize_cases())
     # The sm90 kernels: every padded head dim (both swizzles), both 16-bit dtypes, under the env.
     sm90 = smoke.sm90_cases()
     padded = {next(p for p in (32, 64, 96, 128, 192, 256) if c.D <= p) for c in sm90}
     assert padded == {32, 64, 96, 128, 192, 256} and any(c.D == 40 for c in sm90)  # 40: zero columns
-    assert {c.dtype for c in sm90} == {torch.float16, torch.bfloat16}
+    assert {c.dtype for c in sm90} == {"float16", "bfloat16"}
     assert all(c.env.get("DILATED_ATTENTION_CUDA_SM90") == "1" and c.backward for c in sm90)
     assert any(c.env.get("DILATED_ATTENTION_CUDA_TMA") == "0" for c in sm90)  # the cp.async path too
     assert any(c.env.get("DILATED_ATTENTION_CUDA_SM90") == "1" for c in smoke.sanitize_cases())
@@ -603,7 +666,7 @@ def test_smoke_catches_a_wrong_result(smoke):
 
     with pytest.raises(AssertionError, match=rf"out differs .* batch \[{big.B - 1}, {big.B}\) positions"):
         smoke.check_case(big, device="cpu", op=off_last)
-    misaligned = smoke.Case("bad", 1, 64, 1, 1, 8, [16], [1], False, torch.float64, [(0, 1, 8, 64)])
+    misaligned = smoke.Case("bad", 1, 64, 1, 1, 8, [16], [1], False, "float64", [(0, 1, 8, 64)])
     with pytest.raises(ValueError, match=r"slice \[8, 64\) is not aligned"):
         smoke.check_case(misaligned, device="cpu")
 
@@ -623,7 +686,7 @@ def test_smoke_error_cases_raise_and_report_a_dead_process(smoke, capsys, monkey
         stdout = "call 1.softmax_scale 1e39\ncall 1.head dim 257\n"
         stderr = (
             "Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
-            '  File "gpu_smoke.py", line 312 in <lambda>\n'
+            '  File "gpu.py", line 312 in <lambda>\n'
         )
 
     monkeypatch.setattr("subprocess.run", lambda *a, **k: Died())
@@ -847,5 +910,7 @@ def test_sm90_first_run_dry_run(tmp_path):
     steps = re.findall(r"^([\w-]+) \((\d+) s\): ", r.stdout, flags=re.M)
     assert [s for s, _ in steps] == ["build", "registers", "smoke", "bench", "profile"], r.stdout
     assert sum(int(t) for _, t in steps) <= 575
-    assert "gpu_smoke.py --cases sm90" in r.stdout and "--methods native native90 auto dense" in r.stdout
+    assert (
+        "scripts/gpu.py smoke --cases sm90" in r.stdout and "--methods native native90 auto dense" in r.stdout
+    )
     assert "**dry run**" in (tmp_path / "o" / "summary.md").read_text()
