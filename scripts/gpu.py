@@ -918,15 +918,11 @@ def smoke_main(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def profile_run(N: int, H: int, D: int, causal: bool, device: str, dtype) -> None:
+def profile_run(N: int, H: int, D: int, causal: bool, device: str, dtype, segs, rates) -> None:
     """One forward and one backward of ``backend="native"`` on random (1, N, H, D) inputs."""
     torch = import_op()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from benchlib import longnet_branches
-
     import dilated_attention
 
-    segs, rates = longnet_branches(N, min(2048, N))
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
         torch.randn(1, N, H, D, device=device, dtype=dtype, generator=g).requires_grad_() for _ in range(3)
@@ -946,6 +942,10 @@ def profile_main(args: argparse.Namespace) -> int:
         return 0
     else:
         device, dtype, N = "cuda", torch.bfloat16, args.seq_len
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchlib import longnet_branches
+
+    segs, rates = longnet_branches(N, min(2048, N))
     for family in args.families:
         if family == "sm90":
             os.environ.update(SM90)
@@ -953,7 +953,7 @@ def profile_main(args: argparse.Namespace) -> int:
             os.environ.pop("DILATED_ATTENTION_CUDA_SM90", None)
         for D in args.head_dims:
             for causal in args.causal:
-                profile_run(N, args.heads, D, bool(causal), device, dtype)
+                profile_run(N, args.heads, D, bool(causal), device, dtype, segs, rates)
                 print(
                     f"gpu_profile: {family} N={N} H={args.heads} D={D} causal={bool(causal)} {dtype}: "
                     "forward and backward ran"
@@ -961,9 +961,9 @@ def profile_main(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the command line
-# ----------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _positive(text: str) -> int:
