@@ -108,32 +108,37 @@ class SdpaBackend(StridedBackend):
             and sdpa_kernels.cpp_driver_runs(q, k, v, dropout_p)
         )
 
-    def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
+    def _route(self, q, k, v, dropout_p, cpp, python):
+        """``cpp(q, k, v)`` where the C++ driver runs the call (float32 on the CPU in float64,
+        rounded back once), else ``python(q, k, v)``: the one choice of forward and forward_varlen."""
         if self._widened(q, k, v, dropout_p):
-            out, lse = self.forward(
-                q.double(),
-                k.double(),
-                v.double(),
+            out, lse = cpp(q.double(), k.double(), v.double())
+            return out.float(), lse.float()
+        if self._cpp_runs(q, k, v, dropout_p):
+            return cpp(q, k, v)
+        return python(q, k, v)
+
+    def forward(self, q, k, v, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0):
+        # the C++ driver: one op that plans its calls for the N it is given (traceable, exportable
+        # with any N)
+        return self._route(
+            q,
+            k,
+            v,
+            dropout_p,
+            lambda q, k, v: views_op.views_attention(
+                q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
+            ),
+            lambda q, k, v: super(SdpaBackend, self).forward(
+                q,
+                k,
+                v,
                 segment_lengths,
                 dilation_rates,
                 is_causal=is_causal,
                 softmax_scale=softmax_scale,
-            )
-            return out.float(), lse.float()
-        if self._cpp_runs(q, k, v, dropout_p):
-            # one op that plans its calls for the N it is given: traceable, exportable with any N
-            return views_op.views_attention(
-                q, k, v, segment_lengths, dilation_rates, is_causal, softmax_scale
-            )
-        return super().forward(
-            q,
-            k,
-            v,
-            segment_lengths,
-            dilation_rates,
-            is_causal=is_causal,
-            softmax_scale=softmax_scale,
-            dropout_p=dropout_p,
+                dropout_p=dropout_p,
+            ),
         )
 
     def varlen_reads_lengths(self, q, k, v, dropout_p):
@@ -154,11 +159,18 @@ class SdpaBackend(StridedBackend):
         softmax_scale,
         dropout_p=0.0,
     ):
-        if self._widened(q, k, v, dropout_p):
-            out, lse = self.forward_varlen(
-                q.double(),
-                k.double(),
-                v.double(),
+        return self._route(
+            q,
+            k,
+            v,
+            dropout_p,
+            lambda q, k, v: views_op.views_varlen_attention(
+                q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
+            ),
+            lambda q, k, v: super(SdpaBackend, self).forward_varlen(
+                q,
+                k,
+                v,
                 cu_seqlens,
                 max_seqlen,
                 lengths,
@@ -166,24 +178,8 @@ class SdpaBackend(StridedBackend):
                 dilation_rates,
                 is_causal=is_causal,
                 softmax_scale=softmax_scale,
-            )
-            return out.float(), lse.float()
-        if self._cpp_runs(q, k, v, dropout_p):
-            return views_op.views_varlen_attention(
-                q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
-            )
-        return super().forward_varlen(
-            q,
-            k,
-            v,
-            cu_seqlens,
-            max_seqlen,
-            lengths,
-            segment_lengths,
-            dilation_rates,
-            is_causal=is_causal,
-            softmax_scale=softmax_scale,
-            dropout_p=dropout_p,
+                dropout_p=dropout_p,
+            ),
         )
 
     def reasons(self, request: BackendRequest) -> list[str]:
