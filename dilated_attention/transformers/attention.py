@@ -54,6 +54,14 @@ DEFAULT_CONFIG: dict[str, Any] = {
 _UNSUPPORTED = ("softcap", "sliding_window", "s_aux", "position_bias")
 
 
+def refuse_unsupported(kwargs: dict[str, Any]) -> None:
+    """ValueError naming the first of the model's attention arguments that dilated attention cannot
+    honour (:data:`_UNSUPPORTED`), given as not None."""
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"dilated attention cannot honour the model's {name}={describe(kwargs[name])}")
+
+
 def settings(config: Any) -> tuple[list[int], list[int], str]:
     """``(segment_lengths, dilation_rates, backend)`` from ``config.dilated_attention`` (a dict),
     each key defaulting to :data:`DEFAULT_CONFIG`'s."""
@@ -152,9 +160,7 @@ def dilated_attention_forward(
     """transformers' attention-function interface: query (B, Hq, q_len, D), key and value
     (B, Hkv, kv_len, D) (the whole cache when generating), ``attention_mask`` as made by
     :func:`dilated_attention_mask`. Returns ``(out, None)``, out (B, q_len, Hq, D)."""
-    for name in _UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"dilated attention cannot honour the model's {name}={describe(kwargs[name])}")
+    refuse_unsupported(kwargs)
     if kwargs.get("output_attentions"):
         logger.warning("dilated attention returns no attention weights (output_attentions=True)")
     config = getattr(module, "config", None)

@@ -36,7 +36,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..decode.bounded import BoundedDilatedKVCache
 from . import attention as _attn
-from .layers import describe
 
 __all__ = ["GENERATE_CACHE_KWARG", "BoundedDilatedCache", "BoundedDilatedLayer"]
 
@@ -223,9 +222,7 @@ def dilated_attention_forward(
             is_causal=is_causal,
             **kwargs,
         )
-    for name in _attn._UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise ValueError(f"dilated attention cannot honour the model's {name}={describe(kwargs[name])}")
+    _attn.refuse_unsupported(kwargs)
     if dropout > 0:
         raise ValueError(f"the bounded dilated cache runs without attention dropout, got dropout={dropout}")
     if is_causal is False or not getattr(module, "is_causal", True):
