@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import time
 from unittest import mock
 
 import pytest
@@ -76,13 +75,13 @@ def two_names(rank: int, P: int, other: str, alike: bool) -> list:
 
 @pytest.mark.parametrize("other", ["WORLD", "mesh"])
 def test_one_communicator_under_two_names_is_numbered_once(cluster2, other):
-    """Numbered per name, both modules were module 0 and their calls paired: errors 0.29 / 0.49."""
-    start = time.monotonic()
+    """Numbered per name, both modules were module 0 and their calls paired: errors 0.29 / 0.49.
+    Each rank raises the consistency check's error, not the group's timeout (no wall-clock limit
+    here: the message says which)."""
     for got in cluster2.run(two_names, other, False, deadline=60.0):
         for msg in got:
             assert isinstance(msg, str), f"returned normally (deviation {msg})"
             assert "out of step" in msg and "module: rank 0:" in msg, msg
-    assert time.monotonic() - start < TIMEOUT_S
     for got in cluster2.run(two_names, other, True, deadline=60.0):
         assert all(isinstance(x, float) and x < 1e-12 for x in got), got
 
