@@ -1,15 +1,15 @@
 """The registers ptxas gave each sm90 (wgmma) kernel, read from its ``-Xptxas -v`` report.
 
 The warp-specialised kernels (csrc/cuda/tc90_kernels.cuh) launch 384 threads and then split the
-block's registers with ``setmaxnreg``: the producer warpgroup gives some back (104) and the two
-consumer warpgroups take them (200), which adds up only when every thread started with 168, all a
-384-thread block can have. A kernel that ptxas compiled to fewer registers at launch would have its
-consumers wait in ``setmaxnreg.inc`` for registers that never come: a hang, not an error. So each
-``tc90_*`` kernel must report exactly ``--expect`` registers (168), no spill stores, and none of
-ptxas's notes that it inserted a wgmma fence or wait (C7519, C7517) or serialised the wgmmas
-(C7514, C7520).
+block's registers with ``setmaxnreg``: the producer warpgroup gives some back (kTc90ProducerRegs)
+and the two consumer warpgroups take them (kTc90ConsumerRegs), which adds up only when every thread
+started with kTc90LaunchRegs (168), all a 384-thread block can have; the numbers are read from that
+header. A kernel that ptxas compiled to fewer registers at launch would have its consumers wait in
+``setmaxnreg.inc`` for registers that never come: a hang, not an error. So each ``tc90_*`` kernel
+must report exactly ``--expect`` registers (kTc90LaunchRegs), no spill stores, and none of ptxas's
+notes that it inserted a wgmma fence or wait (C7519, C7517) or serialised the wgmmas (C7514, C7520).
 
-    python scripts/sm90_registers.py LOG [LOG ...] [--expect 168]
+    python scripts/sm90_registers.py LOG [LOG ...] [--expect N]
 
 Prints one line per tc90 kernel (name, registers, spill stores) and a verdict; exits 1 when a
 kernel breaks a rule or when the logs hold no tc90 kernel at all (the build has no sm_90a code),
@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+_HEADER = Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "tc90_kernels.cuh"
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _SPILLS = re.compile(r"(\d+) bytes spill stores")
 _USED = re.compile(r"Used (\d+) registers")
@@ -36,6 +37,18 @@ _NOTES = {
     "C7514": "ptxas serialises the wgmmas (a product under a condition)",
     "C7520": "ptxas serialises the wgmmas (an accumulator read in flight)",
 }
+
+
+def register_split(header: Path = _HEADER) -> dict[str, int]:
+    """kTc90LaunchRegs, kTc90ProducerRegs and kTc90ConsumerRegs as the kernels' header sets them."""
+    text = header.read_text()
+    split = {}
+    for name in ("kTc90LaunchRegs", "kTc90ProducerRegs", "kTc90ConsumerRegs"):
+        m = re.search(rf"\b{name} = (\d+)", text)
+        if m is None:
+            raise SystemExit(f"sm90_registers: {header} does not set {name}")
+        split[name] = int(m.group(1))
+    return split
 
 
 @dataclass
@@ -77,7 +90,7 @@ def parse(text: str) -> tuple[list[Kernel], list[str]]:
     return kernels, notes
 
 
-def check(kernels: list[Kernel], notes: list[str], expect: int) -> list[str]:
+def check(kernels: list[Kernel], notes: list[str], expect: int, split: str = "") -> list[str]:
     """What breaks the rules, one line each (empty: all well)."""
     tc90 = [k for k in kernels if "tc90_" in k.mangled and "probe" not in k.mangled]
     if not tc90:
@@ -86,8 +99,8 @@ def check(kernels: list[Kernel], notes: list[str], expect: int) -> list[str]:
     for k in tc90:
         if k.registers != expect:
             bad.append(
-                f"{k.name}: {k.registers} registers at launch where setmaxnreg's split needs {expect} "
-                "(its consumers would wait for registers forever)"
+                f"{k.name}: {k.registers} registers at launch where setmaxnreg's split needs "
+                f"{expect}{split} (its consumers would wait for registers forever)"
             )
         if k.spill_stores:
             bad.append(f"{k.name}: {k.spill_stores} bytes of spill stores")
@@ -98,8 +111,15 @@ def check(kernels: list[Kernel], notes: list[str], expect: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="+", type=Path)
-    p.add_argument("--expect", type=int, default=168, help="registers each tc90 kernel must start with")
+    regs = register_split()
+    p.add_argument(
+        "--expect",
+        type=int,
+        default=regs["kTc90LaunchRegs"],
+        help="registers each tc90 kernel must start with (default: kTc90LaunchRegs)",
+    )
     args = p.parse_args(argv)
+    split = f" (128 x {regs['kTc90ProducerRegs']} + 256 x {regs['kTc90ConsumerRegs']})"
     kernels: list[Kernel] = []
     notes: set[str] = set()
     for log in args.logs:
@@ -112,14 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         if "tc90_" in k.mangled:
             spill = f", {k.spill_stores} bytes of spill stores" if k.spill_stores else ""
             print(f"  {k.name:<60} {k.registers:4d} registers{spill}")
-    bad = check(kernels, sorted(notes), args.expect)
+    bad = check(kernels, sorted(notes), args.expect, split)
     for line in bad:
         print(f"sm90_registers: {line}", file=sys.stderr)
     if bad:
         return 1
     count = sum("tc90_" in k.mangled and "probe" not in k.mangled for k in kernels)
     print(
-        f"sm90_registers: every tc90 kernel ({count}) starts with {args.expect} registers and spills nothing"
+        f"sm90_registers: every tc90 kernel ({count}) starts with {args.expect} registers for setmaxnreg's "
+        f"split{split} and spills nothing"
     )
     return 0
 

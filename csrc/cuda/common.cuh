@@ -209,7 +209,9 @@ __device__ __forceinline__ SeqRows sequence_rows(const Params& p, int64_t z, int
  *
  * ROWS is the number of rows each thread follows (the rows whose results it holds); pos[] are
  * their positions (>= N for padding rows). After each step, jrow[i] is the dilated index of row i
- * in the current segment or -1, and the warp_* fields summarise the warp's rows.
+ * in the current segment or -1, and the warp_* fields summarise the warp's rows. I is the walk's
+ * integer type (tiling.h): int64_t, or int32_t where registers are scarce (the sm90 producer warp;
+ * its padding rows' positions must then be clamped to N).
  */
 // The OR of a value over the threads that walk together: the whole block, or one warp (a producer
 // warp that walks the rows of the block by itself).
@@ -220,16 +222,16 @@ struct WarpAny {
   __device__ static __forceinline__ bool any(bool v) { return __any_sync(DA_FULL_MASK, v); }
 };
 
-template <int ROWS>
+template <int ROWS, typename I = int64_t>
 struct Walk {
   // Fixed for the block.
-  int64_t N, base, last, h0;
+  I N, base, last, h0;
   int G, is_causal, rows_are, other_tile;
   da_piece pc;  // a piece, or nk = 0 (start)
-  int64_t off;  // the causal offset (da_causal_offset)
-  int64_t pos[ROWS];
+  I off;        // the causal offset (da_causal_offset)
+  I pos[ROWS];
   // Where the walk is (tiling.h).
-  da_walk st;
+  da_walk_of<I> st;
   int o_end, o0;  // dilated indices of the other side: < N < 2^30
   int jrow[ROWS];
   bool warp_any, warp_all;
@@ -245,7 +247,7 @@ struct Walk {
   // The walk before its first segment (a consumer then adopts the positions a producer publishes).
   __device__ __forceinline__ void begin(const Params& p) {
     pc = p.piece;
-    off = da_causal_offset(&pc);
+    off = (I)da_causal_offset(&pc);
     da_walk_begin(&st);  // (s = -1: before any segment, which adopt tells apart)
     done = false;
   }
@@ -260,10 +262,10 @@ struct Walk {
   }
 
   // Position of the other side's index j in the current segment.
-  __device__ __forceinline__ int64_t other_position(int j) const { return st.seg_first + (int64_t)j * st.r; }
+  __device__ __forceinline__ I other_position(int j) const { return st.seg_first + (I)j * st.r; }
 
   // Current query head (dk/dv walk) or the block's head (forward, dq).
-  __device__ __forceinline__ int64_t head() const { return h0 + st.gi; }
+  __device__ __forceinline__ I head() const { return h0 + st.gi; }
 
   // Attention dropout's keep flags (dropout.h) of n <= 32 pairs of the current chunk of head bh:
   // bit i for pair(i, &slot, &jj), the row pos[slot] and the other side's index o0 + jj, their rows
@@ -298,11 +300,11 @@ struct Walk {
 
   // Whether this warp skips the current chunk / must mask it (tiling.h).
   __device__ __forceinline__ bool skip_chunk() const {
-    return da_chunk_skip(rows_are, is_causal, o0, other_tile, warp_any, warp_jmin, warp_jmax, off);
+    return da_chunk_skip<I>(rows_are, is_causal, o0, other_tile, warp_any, warp_jmin, warp_jmax, off);
   }
   __device__ __forceinline__ bool chunk_needs_mask() const {
-    return da_chunk_needs_mask(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin, warp_jmax,
-                               off);
+    return da_chunk_needs_mask<I>(rows_are, is_causal, o0, other_tile, o_end, warp_all, warp_jmin, warp_jmax,
+                                  off);
   }
 
   // Whether row index jrow (-1: inactive) meets index j of the other side in the current segment
@@ -310,7 +312,7 @@ struct Walk {
   __device__ __forceinline__ bool pair_active(int jrow, int j) const {
     if (jrow < 0 || j >= o_end) return false;
     if (!is_causal) return true;
-    return rows_are == DA_ROWS_ARE_QUERIES ? (int64_t)j <= jrow + off : (int64_t)jrow <= j + off;
+    return rows_are == DA_ROWS_ARE_QUERIES ? (I)j <= jrow + off : (I)jrow <= j + off;
   }
 
   // The rows' dilated indices (jrow) in the walk's current segment; whether any of this thread's
@@ -360,10 +362,11 @@ struct Walk {
   }
 
   // Moves to a position that another walk over the same rows reached (a chunk that a producer
-  // warp published): its segment (rows rescanned where it changed) and chunk.
-  __device__ __forceinline__ void adopt(const da_walk& at, int chunk_o0) {
+  // warp published, in its integer type J): its segment (rows rescanned where it changed) and chunk.
+  template <typename J>
+  __device__ __forceinline__ void adopt(const da_walk_of<J>& at, int chunk_o0) {
     const bool same = at.gi == st.gi && at.bi == st.bi && at.s == st.s;
-    st = at;
+    st = da_walk_of<I>{at.gi, at.bi, at.s, at.s_end, at.w, at.r, at.o, at.seg_first, at.o_begin, at.o_end};
     o0 = chunk_o0;
     o_end = (int)at.o_end;
     if (!same) scan_rows(true);

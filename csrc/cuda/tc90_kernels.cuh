@@ -56,22 +56,28 @@ constexpr int kTc90Threads = 128 * (1 + kTc90Consumers);  // and the producer wa
 constexpr int kTc90Warps = 4 * kTc90Consumers;            // warps that own rows (the tiling's)
 constexpr int kTc90Rows = kTcRows * kTc90Consumers;       // rows per block
 constexpr int kTc90Stages = 4;
-// Registers per thread after setmaxnreg, within the launch's 384 x 168 = 64512: 128 x 104 + 256 x 200.
-// The producer's walk (64-bit index arithmetic over four rows a lane) spills below about 100; the
-// consumers of every pass and head dim fit in 200 (scripts/check_sm90a.sh).
-constexpr int kTc90ProducerRegs = 104, kTc90ConsumerRegs = 200;
+// Registers per thread after setmaxnreg, within the launch's 384 x 168 = 64512: 128 x 72 + 256 x 216.
+// The producer's walk is 32-bit (Tc90ProducerWalk), and so are its tensor copies' coordinates: the
+// forward's and dq's producers fit in 56, dk/dv's (which also loads lse and delta) spills a few
+// bytes there at head dims up to 96; the consumers of every pass and head dim fit in 216
+// (scripts/check_sm90a.sh).
+constexpr int kTc90ProducerRegs = 72, kTc90ConsumerRegs = 216;
+constexpr int kTc90LaunchRegs = 168;  // 65536 / 384 rounded down to a multiple of 8
+static_assert(128 * kTc90ProducerRegs + 128 * kTc90Consumers * kTc90ConsumerRegs <=
+                  kTc90Threads * kTc90LaunchRegs,
+              "setmaxnreg's split fits in the registers the block starts with");
 
 // One chunk that the producer publishes in a stage: the walk's position and the chunk's first
 // index of the other side; flags: the walk has ended (no chunk), the tiles came by tensor copies.
 enum { kTc90Done = 1, kTc90Tma = 2 };
 struct Tc90Chunk {
-  da_walk at;
+  da_walk_of<int32_t> at;  // the producer's walk (Tc90ProducerWalk)
   int o0, flags;
 };
 
 // The pipeline's barriers and slots (after the tiles in shared memory): full[s] completes when the
 // producer warp's 32 threads have arrived and the stage's copies have landed; empty[s] when the
-// consumers' 256 threads have released the stage.
+// consumers' 8 warps have released the stage (one arrival each, tc90_release).
 struct Tc90Pipe {
   uint64_t full[kTc90Stages], empty[kTc90Stages];
   Tc90Chunk slot[kTc90Stages];
@@ -177,23 +183,39 @@ __device__ __forceinline__ int tc90_map_index(const TmaMaps& maps, int64_t r) {
 
 static_assert(kTc90Rows == 32 * 4, "the producer warp walks the block's rows, four per lane");
 
+// The producer warp's walk: 32-bit (tiling.h; N < 2^30), so that the producer warpgroup needs few
+// registers and gives the consumers the rest.
+using Tc90ProducerWalk = Walk<4, int32_t>;
+
 // The producer warp's walk over the block's 128 rows, four per lane (rows 4 lane .. 4 lane + 3),
 // its decisions the warp's OR (WarpAny): it reaches the chunks that the consumers' walks reach.
-__device__ __forceinline__ Walk<4> tc90_producer_walk(const Params& p, const da_tiling& tl, int64_t N,
-                                                      int64_t base, int64_t h0, int G, int rows_are,
-                                                      int other_tile, int lane) {
-  Walk<4> w = tc_walk_init<4>(p, tl, N, base, h0, G, rows_are, other_tile);
+// Padding rows (at or past N) are held at N, which 32 bits hold.
+__device__ __forceinline__ Tc90ProducerWalk tc90_producer_walk(const Params& p, const da_tiling& tl,
+                                                               int64_t N, int64_t base, int64_t h0, int G,
+                                                               int rows_are, int other_tile, int lane) {
+  Tc90ProducerWalk w = tc_walk_init<4, int32_t>(p, tl, N, base, h0, G, rows_are, other_tile);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) w.pos[k] = da_row_position(&tl, base, (4 * lane + k) >> 4, (4 * lane + k) & 15);
+  for (int k = 0; k < 4; ++k) {
+    const int64_t x = da_row_position(&tl, base, (4 * lane + k) >> 4, (4 * lane + k) & 15);
+    w.pos[k] = (int32_t)da_min64(x, N);
+  }
   w.template find<WarpAny>(p.br);
   return w;
 }
 
+// The row of the tensor (B, rows, H, D) that holds the first position of the walk's current chunk:
+// below 2^30, as every row (a packed sequence's start counts).
+__device__ __forceinline__ int32_t tc90_chunk_row(const SeqRows& sq, const Tc90ProducerWalk& w) {
+  return (int32_t)sq.start + w.other_position(w.o0);
+}
+
 // The tensor map (index into maps) that loads the walk's current chunk of `rows` indices, or -1:
-// where maps has the chunk's rate and reaches its last used row.
-__device__ __forceinline__ int tc90_chunk_map(const TmaMaps& maps, const SeqRows& sq, const Walk<4>& w,
-                                              int rows) {
-  const int64_t r = w.st.r, g0 = sq.start + w.other_position(w.o0);
+// where maps has the chunk's rate and reaches its last used row. (The walk's rate is clamped to
+// the sequence's length, da_branch_at: a rate beyond it finds no map, or the map of the rate N,
+// which loads the one position of the segment as well.)
+__device__ __forceinline__ int tc90_chunk_map(const TmaMaps& maps, const SeqRows& sq,
+                                              const Tc90ProducerWalk& w, int rows) {
+  const int32_t r = w.st.r, g0 = tc90_chunk_row(sq, w);
   const int mi = tc90_map_index(maps, r);
   return mi >= 0 && g0 / r + min(rows, w.o_end - w.o0) <= maps.J[mi] ? mi : -1;
 }
@@ -206,14 +228,15 @@ __device__ __forceinline__ int tc90_chunk_map(const TmaMaps& maps, const SeqRows
 // once, after its own writes of the stage.
 template <typename T, typename L>
 __device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, const Tensor4& b, int64_t head,
-                                               const SeqRows& sq, const Walk<4>& w, int rows, int64_t D,
-                                               const TmaMaps& maps, int mi, uint64_t* bar, int lane) {
+                                               const SeqRows& sq, const Tc90ProducerWalk& w, int rows,
+                                               int64_t D, const TmaMaps& maps, int mi, uint64_t* bar,
+                                               int lane) {
   if (mi >= 0) {
     if (lane == 0) {
-      const int64_t r = w.st.r, g0 = sq.start + w.other_position(w.o0);
+      const int32_t r = w.st.r, g0 = tc90_chunk_row(sq, w);
       fence_proxy_async();  // the consumers' generic reads of the tiles' last use, before the copy engine's writes
       mbar_arrive_expect_tx(bar, (uint32_t)(2 * rows * L::DP * 2));
-      int32_t c[5] = {0, (int32_t)head, (int32_t)(g0 % r), (int32_t)(g0 / r), (int32_t)sq.b};
+      int32_t c[5] = {0, (int32_t)head, g0 % r, g0 / r, (int32_t)sq.b};
 #pragma unroll
       for (int pn = 0; pn < L::PANELS; ++pn) {
         c[0] = pn * L::PW;
@@ -244,7 +267,7 @@ __device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, c
 // mi = map_for(w), or -1: by cp.async) and
 // every lane's arrival on full; at the end a slot that says so, and a wait for this lane's copies.
 template <typename MapFor, typename Load>
-__device__ __forceinline__ void tc90_produce(const Params& p, Walk<4>& w, Tc90Pipe* pipe, int lane,
+__device__ __forceinline__ void tc90_produce(const Params& p, Tc90ProducerWalk& w, Tc90Pipe* pipe, int lane,
                                              MapFor map_for, Load load) {
   int stage = 0;
   uint32_t parity = (1u << kTc90Stages) - 1;  // a fresh barrier's previous phase counts as complete
@@ -299,9 +322,12 @@ struct Tc90Reader {
   __device__ __forceinline__ void advance() { stage = stage + 1 == kTc90Stages ? 0 : stage + 1; }
 };
 
-// This thread's release of a stage (the producer reuses it once all consumer threads have).
-__device__ __forceinline__ void tc90_release(Tc90Pipe* pipe, int stage) {
-  mbar_arrive(&pipe->empty[stage]);
+// This warp's release of a stage once every lane is done with it (its MMAs waited for, its reads
+// on CUDA cores made): one arrival, by lane 0 after the warp's barrier. The producer reuses the
+// stage once every consumer warp has released it.
+__device__ __forceinline__ void tc90_release(Tc90Pipe* pipe, int stage, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(&pipe->empty[stage]);
 }
 
 // The consumer's walk: the rows of warp cw (0 .. 7) of the tiling, before its first chunk.
@@ -423,7 +449,7 @@ __device__ __forceinline__ Tc90Role tc90_role(Tc90Pipe* pipe) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < kTc90Stages; ++s) {
       mbar_init(&pipe->full[s], 32);
-      mbar_init(&pipe->empty[s], 128 * kTc90Consumers);
+      mbar_init(&pipe->empty[s], kTc90Warps);  // one arrival per consumer warp
     }
     fence_barrier_init();
   }
@@ -445,10 +471,10 @@ __device__ __forceinline__ void tc90_produce_kv(const Params& p, const TmaMaps& 
   tc90_producer_regs();
   if (role.warp != 0) return;
   const int lane = role.lane;
-  Walk<4> w = tc90_producer_walk(p, tl, sq.N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
+  Tc90ProducerWalk w = tc90_producer_walk(p, tl, sq.N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
   tc90_produce(
-      p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_chunk_map(maps, sq, c, KT); },
-      [&](const Walk<4>& c, int stage, int mi) {
+      p, w, pipe, lane, [&](const Tc90ProducerWalk& c) { return tc90_chunk_map(maps, sq, c, KT); },
+      [&](const Tc90ProducerWalk& c, int stage, int mi) {
         tc90_load_pair<T, L>(sK + stage * KT * L::DP, sV + stage * KT * L::DP, p.k, p.v, h / p.G, sq, c, KT,
                              p.D, maps, mi, &pipe->full[stage], lane);
       });
@@ -531,13 +557,13 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     tc_fwd_probs<NT, DROPOUT>(S, m, l, cur, need_mask, sl2, tq, p, keep, corr);
     wgmma_wait<0>();  // the previous P V: O is complete, its stage read
     wgmma_fence_operands(O);
-    if (pv.pending) tc90_release(pipe, pv_stage);
+    if (pv.pending) tc90_release(pipe, pv_stage, lane);
     tc_rescale<DT>(O, corr);
     pv.take(O, S, sVs, 0, need_mask, lane, p.D, bar);
     if (pv.pending)
       pv_stage = stage;
     else
-      tc90_release(pipe, stage);
+      tc90_release(pipe, stage, lane);
     rd.advance();
   }
   pv.flush(O, sV + pv_stage * KT * DP, 0);
@@ -629,12 +655,12 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
     wgmma_wait<0>();  // the previous dS K: dQ is complete, the fragments free, its stage read
     wgmma_fence_operands(dQ);
-    if (pv.pending) tc90_release(pipe, pv_stage);
+    if (pv.pending) tc90_release(pipe, pv_stage, lane);
     pv.take(dQ, S, sKs, 0, need_mask, lane, p.D, bar);
     if (pv.pending)
       pv_stage = stage;
     else
-      tc90_release(pipe, stage);
+      tc90_release(pipe, stage, lane);
     rd.advance();
   }
   pv.flush(dQ, sK + pv_stage * KT * DP, 0);
@@ -680,10 +706,10 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     const int64_t lse_all = b * p.Hq * p.N + sq.start;
     const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N + sq.start;
     const double unit = da_score_unit(p.scale, sl2);
-    Walk<4> w = tc90_producer_walk(p, tl, N, base, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, QT, lane);
+    Tc90ProducerWalk w = tc90_producer_walk(p, tl, N, base, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, QT, lane);
     tc90_produce(
-        p, w, pipe, lane, [&](const Walk<4>& c) { return tc90_chunk_map(maps, sq, c, QT); },
-        [&](const Walk<4>& c, int stage, int mi) {
+        p, w, pipe, lane, [&](const Tc90ProducerWalk& c) { return tc90_chunk_map(maps, sq, c, QT); },
+        [&](const Tc90ProducerWalk& c, int stage, int mi) {
           tc_dkv_load_stats(p, c, QT, lse_all, delta_all, unit, sL + stage * QT, sDl + stage * QT, lane, 32);
           tc90_load_pair<T, L>(sQ + stage * QT * DP, sdO + stage * QT * DP, p.q, p.dout, c.head(), sq, c, QT,
                                p.D, maps, mi, &pipe->full[stage], lane);
@@ -747,13 +773,13 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     wgmma_wait<0>();  // the previous products: dV and dK complete, the fragments free, their stage read
     wgmma_fence_operands(dV);
     wgmma_fence_operands(dK);
-    if (pv_v.pending || pv_k.pending) tc90_release(pipe, pv_stage);
+    if (pv_v.pending || pv_k.pending) tc90_release(pipe, pv_stage, lane);
     pv_v.take(dV, St, sdOs, c0, need_mask, lane, p.D, bar);
     pv_k.take(dK, dPt, sQs, c0, need_mask, lane, p.D, bar);
     if (pv_v.pending || pv_k.pending)
       pv_stage = stage;
     else
-      tc90_release(pipe, stage);
+      tc90_release(pipe, stage, lane);
     rd.advance();
   }
   pv_v.flush(dV, sdO + pv_stage * QT * DP, c0);

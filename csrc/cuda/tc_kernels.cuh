@@ -101,11 +101,11 @@ __device__ __forceinline__ void tc_thread_rows(const da_tiling& tl, int64_t base
 // A walk over the rows of a thread block from `base` (tiling.h), its thread following the rows of
 // pos: over head h0 (G = 1) or the G query heads from h0 (dk/dv), `other_tile` indices of the other
 // side per step; before its first segment (start or adopt moves it).
-template <int ROWS>
-__device__ __forceinline__ Walk<ROWS> tc_walk_init(const Params& p, const da_tiling& tl, int64_t N,
-                                                   int64_t base, int64_t h0, int G, int rows_are,
-                                                   int other_tile) {
-  Walk<ROWS> w;
+template <int ROWS, typename I = int64_t>
+__device__ __forceinline__ Walk<ROWS, I> tc_walk_init(const Params& p, const da_tiling& tl, int64_t N,
+                                                      int64_t base, int64_t h0, int G, int rows_are,
+                                                      int other_tile) {
+  Walk<ROWS, I> w;
   w.N = N;
   w.base = base;
   w.last = da_tile_last(&tl, base, N);
@@ -547,8 +547,8 @@ __device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[N
 // The lse (base 2; +inf where the query is outside the segment, so that P = 0) and delta of the
 // queries o0 .. o0 + QT - 1 of the walk's current head and segment, into sL[QT] and sDl[QT], by
 // the `threads` threads numbered `tid` (the block, or a producer warp).
-template <int ROWS>
-__device__ __forceinline__ void tc_dkv_load_stats(const Params& p, const Walk<ROWS>& w, int QT,
+template <int ROWS, typename I>
+__device__ __forceinline__ void tc_dkv_load_stats(const Params& p, const Walk<ROWS, I>& w, int QT,
                                                   int64_t lse_all, const float* delta_all, double unit,
                                                   float* sL, float* sDl, int tid = threadIdx.x,
                                                   int threads = kTcThreads) {

@@ -1,6 +1,6 @@
 /*
  * How the CUDA kernels cut the work into thread blocks, and the index arithmetic they use to walk
- * the branches. Plain C with DA_HD functions: the kernels use it on the device, the host uses it to
+ * the branches. C++ with DA_HD functions: the kernels use it on the device, the host uses it to
  * choose a tiling, and a CPU test (tests/test_cuda.py) compiles it with a C++ compiler to check,
  * without a GPU, that the walk visits every (query, key) pair of every branch exactly once.
  *
@@ -89,9 +89,36 @@ DA_HD int64_t da_tile_last(const da_tiling* t, int64_t base, int64_t N) {
   return base + j * t->R;
 }
 
+/*
+ * The walk's functions below take its integer type I: int64_t (the sm80 kernels, the host) or
+ * int32_t (the sm90 producer warp, which keeps few registers). The walk sees every branch with its
+ * segment length and rate clamped to N (da_branch_at), so that every index it holds is below
+ * 2 N < 2^31 (N < 2^30 is checked at the op's entry for CUDA) and 32 bits hold them.
+ * da_same<I>::type: a parameter that does not take part in deducing I.
+ */
+template <typename I>
+struct da_same {
+  typedef I type;
+};
+
+/*
+ * Branch bi of br as the walk sees it for head h: its segment length *w and rate *r clamped to N,
+ * which changes nothing (a segment of w >= N is the whole sequence; a rate r >= N covers one
+ * position of a segment, as r = N does), and the head's phase *o = h mod r of the rate itself
+ * (o >= N: the branch covers no position of the head's).
+ */
+template <typename I>
+DA_HD void da_branch_at(const da_branches* br, I bi, I h, I N, I* w, I* r, I* o) {
+  const int64_t bw = br->w[bi], br_ = br->r[bi];
+  *w = bw < N ? (I)bw : N;
+  *r = br_ < N ? (I)br_ : N;
+  *o = br_ > h ? h : h % (I)br_;
+}
+
 /* End of segment s of a branch of segment length w (the last segment may be shorter). */
-DA_HD int64_t da_segment_end(int64_t s, int64_t w, int64_t N) {
-  const int64_t start = s * w; /* <= N: s never exceeds (N - 1) / w */
+template <typename I>
+DA_HD I da_segment_end(I s, I w, I N) {
+  const I start = s * w; /* <= N: s never exceeds (N - 1) / w */
   return w >= N - start ? N : start + w;
 }
 
@@ -103,23 +130,25 @@ DA_HD int64_t da_segment_end(int64_t s, int64_t w, int64_t N) {
  * starts at the first row's index (each shifted by the piece's offset). A piece's other side has
  * its own length (pc->nk keys or pc->nq queries).
  */
-DA_HD int da_segment_range(int64_t base, int64_t last, int64_t N, int64_t w, int64_t r, int64_t o, int64_t s,
-                           int is_causal, int rows_are, const da_piece* pc, int64_t* seg_first,
-                           int64_t* o_begin, int64_t* o_end) {
-  const int64_t seg_start = s * w, seg_end = da_segment_end(s, w, N);
-  const int64_t first = seg_start + o, off = da_causal_offset(pc);
+template <typename I>
+DA_HD int da_segment_range(I base, I last, I N, I w, I r, I o, I s, int is_causal, int rows_are,
+                           const da_piece* pc, I* seg_first, I* o_begin, I* o_end) {
+  const I seg_start = s * w, seg_end = da_segment_end(s, w, N);
+  const I first = seg_start + o, off = (I)da_causal_offset(pc);
   if (o >= w || first >= seg_end) return 0;
-  const int64_t count =
-      pc->nk > 0 ? (rows_are == DA_ROWS_ARE_QUERIES ? pc->nk : pc->nq) : da_ceil_div(seg_end - first, r);
-  int64_t lo = 0, hi = count;
+  const I count =
+      pc->nk > 0 ? (I)(rows_are == DA_ROWS_ARE_QUERIES ? pc->nk : pc->nq) : (seg_end - first + r - 1) / r;
+  I lo = 0, hi = count;
   if (is_causal && rows_are == DA_ROWS_ARE_QUERIES) {
-    const int64_t top = da_min64(last, seg_end - 1); /* no row of this tile lies beyond top */
+    const I top = last < seg_end - 1 ? last : seg_end - 1; /* no row of this tile lies beyond top */
     if (top < first) return 0;
-    hi = da_min64(count, (top - first) / r + 1 + off);
+    const I reach = (top - first) / r + 1 + off;
+    hi = count < reach ? count : reach;
     if (hi <= 0) return 0;
   } else if (is_causal) {
-    const int64_t bottom = da_max64(base, seg_start); /* no row of this tile lies below bottom */
-    lo = da_max64(0, (bottom > first ? (bottom - first) / r : 0) - off);
+    const I bottom = base > seg_start ? base : seg_start; /* no row of this tile lies below bottom */
+    const I from = (bottom > first ? (bottom - first) / r : 0) - off;
+    lo = from > 0 ? from : 0;
     if (lo >= count) return 0;
   }
   *seg_first = first;
@@ -130,16 +159,18 @@ DA_HD int da_segment_range(int64_t base, int64_t last, int64_t N, int64_t w, int
 
 /* Dilated index of position p in segment s of branch (w, r) at phase o, or -1 when the branch
  * does not cover p there (p outside [0, N), in another segment, or at another phase). */
-DA_HD int64_t da_row_index(int64_t p, int64_t N, int64_t s, int64_t w, int64_t r, int64_t o) {
+template <typename I>
+DA_HD I da_row_index(I p, I N, I s, I w, I r, I o) {
   if (p < 0 || p >= N || p / w != s) return -1;
-  const int64_t rel = p - s * w - o;
+  const I rel = p - s * w - o;
   if (rel < 0 || rel % r != 0) return -1;
   return rel / r;
 }
 
 /* Whether the row of dilated index jrow (-1: inactive) meets the other side's index j; off is the
  * causal offset (da_causal_offset). */
-DA_HD int da_pair_active(int64_t jrow, int64_t j, int64_t o_end, int is_causal, int rows_are, int64_t off) {
+template <typename I>
+DA_HD int da_pair_active(I jrow, I j, I o_end, int is_causal, int rows_are, I off) {
   if (jrow < 0 || j >= o_end) return 0;
   if (!is_causal) return 1;
   return rows_are == DA_ROWS_ARE_QUERIES ? j <= jrow + off : jrow <= j + off;
@@ -150,13 +181,16 @@ DA_HD int da_pair_active(int64_t jrow, int64_t j, int64_t o_end, int is_causal, 
  * has found a segment whose range is not empty, that segment's branch (w, r), phase o, first
  * covered position and range of the other side.
  */
-typedef struct {
-  int64_t gi, bi, s, s_end;
-  int64_t w, r, o;
-  int64_t seg_first, o_begin, o_end;
-} da_walk;
+template <typename I>
+struct da_walk_of {
+  I gi, bi, s, s_end;
+  I w, r, o; /* da_branch_at's */
+  I seg_first, o_begin, o_end;
+};
+typedef da_walk_of<int64_t> da_walk;
 
-DA_HD void da_walk_begin(da_walk* st) {
+template <typename I>
+DA_HD void da_walk_begin(da_walk_of<I>* st) {
   st->gi = 0;
   st->bi = 0;
   st->s = -1;
@@ -168,8 +202,11 @@ DA_HD void da_walk_begin(da_walk* st) {
  * fills its fields; returns 0 when nothing is left. The caller then checks whether any row of the
  * block is active there (da_row_index) and, if none is, increments s and calls again.
  */
-DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64_t h0, int64_t base,
-                            int64_t last, int64_t N, int is_causal, int rows_are, const da_piece* pc) {
+template <typename I>
+DA_HD int da_walk_candidate(da_walk_of<I>* st, const da_branches* br, typename da_same<I>::type G,
+                            typename da_same<I>::type h0, typename da_same<I>::type base,
+                            typename da_same<I>::type last, typename da_same<I>::type N, int is_causal,
+                            int rows_are, const da_piece* pc) {
   for (;;) {
     if (st->gi >= G) return 0;
     if (st->bi >= br->n) {
@@ -178,7 +215,8 @@ DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64
       st->s = -1;
       continue;
     }
-    const int64_t w = br->w[st->bi], r = br->r[st->bi], o = (h0 + st->gi) % r;
+    I w, r, o;
+    da_branch_at<I>(br, st->bi, h0 + st->gi, N, &w, &r, &o);
     if (st->s < 0) {
       st->s = base / w;
       st->s_end = last / w + 1;
@@ -188,8 +226,8 @@ DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64
       st->s = -1;
       continue;
     }
-    if (da_segment_range(base, last, N, w, r, o, st->s, is_causal, rows_are, pc, &st->seg_first, &st->o_begin,
-                         &st->o_end)) {
+    if (da_segment_range<I>(base, last, N, w, r, o, st->s, is_causal, rows_are, pc, &st->seg_first,
+                            &st->o_begin, &st->o_end)) {
       st->w = w;
       st->r = r;
       st->o = o;
@@ -205,15 +243,17 @@ DA_HD int da_walk_candidate(da_walk* st, const da_branches* br, int64_t G, int64
  * warp skips the chunk), and whether some pair may be inactive (the warp must mask). off is the
  * causal offset (da_causal_offset).
  */
-DA_HD int da_chunk_skip(int rows_are, int is_causal, int64_t o0, int64_t ot, int warp_any, int64_t warp_jmin,
-                        int64_t warp_jmax, int64_t off) {
+template <typename I>
+DA_HD int da_chunk_skip(int rows_are, int is_causal, I o0, I ot, int warp_any, I warp_jmin, I warp_jmax,
+                        I off) {
   if (!warp_any) return 1;
   if (!is_causal) return 0;
   return rows_are == DA_ROWS_ARE_QUERIES ? o0 > warp_jmax + off : o0 + ot - 1 < warp_jmin - off;
 }
 
-DA_HD int da_chunk_needs_mask(int rows_are, int is_causal, int64_t o0, int64_t ot, int64_t o_end,
-                              int warp_all, int64_t warp_jmin, int64_t warp_jmax, int64_t off) {
+template <typename I>
+DA_HD int da_chunk_needs_mask(int rows_are, int is_causal, I o0, I ot, I o_end, int warp_all, I warp_jmin,
+                              I warp_jmax, I off) {
   if (!warp_all || o0 + ot > o_end) return 1;
   if (!is_causal) return 0;
   return rows_are == DA_ROWS_ARE_QUERIES ? o0 + ot - 1 > warp_jmin + off : o0 < warp_jmax - off;

@@ -6,7 +6,7 @@
 // Every CUDA thread of a block is a fiber (ucontext) of one OS thread; the fibers of a block run
 // round-robin and switch only at synchronisation points:
 //   * __syncthreads / __syncthreads_or: a block barrier;
-//   * warp collectives (__shfl*_sync, __any_sync, __all_sync, ldmatrix, mma.sync): every lane posts
+//   * warp collectives (__shfl*_sync, __any_sync, __all_sync, __syncwarp, ldmatrix, mma.sync): every lane posts
 //     its operand and waits; the last lane to arrive computes every lane's result. All lanes must
 //     issue the same collective (checked: a divergent warp aborts with a message).
 // cp.async copies land only when a cp.async.wait_group lets them (or at once, on request), and
@@ -979,6 +979,10 @@ inline int __syncthreads_or(int pred) {
 }
 inline bool __any_sync(unsigned, bool pred) {
   return da_emu::vote(da_emu::kAny, pred);
+}
+// A warp collective like the votes: no lane goes on before every lane of the warp has come.
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  da_emu::vote(da_emu::kAll, true);
 }
 inline bool __all_sync(unsigned, bool pred) {
   return da_emu::vote(da_emu::kAll, pred);
