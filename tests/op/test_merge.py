@@ -149,7 +149,9 @@ def test_merge_gradients(path, scale):
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert not a.isnan().any(), i
         known = ~b.isnan()  # float64 logsumexp's gradient at rows no part covers is NaN
-        assert (a.double() - b)[known].abs().max().item() <= 8 * EPS32 * max(b[known].abs().max().item(), 1.0), i
+        assert (a.double() - b)[known].abs().max().item() <= 8 * EPS32 * max(
+            b[known].abs().max().item(), 1.0
+        ), i
     for a, lse in zip(got[PARTS:], lses, strict=True):
         assert (a[torch.isneginf(lse)] == 0).all()  # an uncovered part has no weight
 
