@@ -108,11 +108,6 @@ static PyObject* int_tuple(const int64_t* vals, Py_ssize_t n) {
   return t;
 }
 
-// _C.plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa): the kernel calls of every
-// branch (views/plan.h), through the plan cache: a tuple per branch of one tuple of 16 ints per call,
-// (start, rows, length, r, m, q.p0, q.dp, q.c0, q.dc, q.n, kv.p0, kv.dp, kv.c0, kv.dc, kv.n, g).
-// lengths: the sequences of a packed batch (one for a fixed-length batch). Bad arguments raise
-// ValueError naming them.
 // The plan of the arguments (lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa) at the
 // start of args, or NULL with a Python error; *rest receives args' items after them.
 static std::shared_ptr<const dilated_attention::views::Plan> parse_plan(PyObject* args, const char* name,
@@ -154,30 +149,24 @@ static PyObject* tuple_of(size_t n, Row row) {
   return out;
 }
 
+// _C.plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa): the kernel calls of every
+// branch (views/plan.h), through the plan cache: a tuple per branch of one tuple of 16 ints per call,
+// (start, rows, length, r, m, q.p0, q.dp, q.c0, q.dc, q.n, kv.p0, kv.dp, kv.c0, kv.dc, kv.n, g).
+// lengths: the sequences of a packed batch (one for a fixed-length batch). Bad arguments raise
+// ValueError naming them.
 static PyObject* plan(PyObject*, PyObject* args) {
   const auto p = parse_plan(args, "plan", nullptr);
   if (!p) return NULL;
-  PyObject* out = PyTuple_New((Py_ssize_t)p->branches.size());
-  for (size_t b = 0; out != NULL && b < p->branches.size(); ++b) {
-    const auto& calls = p->branches[b];
-    PyObject* branch = PyTuple_New((Py_ssize_t)calls.size());
-    for (size_t i = 0; branch != NULL && i < calls.size(); ++i) {
+  return tuple_of(p->branches.size(), [&](size_t br) {
+    const auto& calls = p->branches[br];
+    return tuple_of(calls.size(), [&](size_t i) {
       const auto& c = calls[i];
       const int64_t vals[16] = {c.part.start, c.part.rows, c.part.length, c.r,   c.m,     c.q.p0,
                                 c.q.dp,       c.q.c0,      c.q.dc,        c.q.n, c.kv.p0, c.kv.dp,
                                 c.kv.c0,      c.kv.dc,     c.kv.n,        c.g};
-      PyObject* call = int_tuple(vals, 16);
-      if (call == NULL)
-        Py_CLEAR(branch);
-      else
-        PyTuple_SET_ITEM(branch, (Py_ssize_t)i, call);
-    }
-    if (branch == NULL)
-      Py_CLEAR(out);
-    else
-      PyTuple_SET_ITEM(out, (Py_ssize_t)b, branch);
-  }
-  return out;
+      return int_tuple(vals, 16);
+    });
+  });
 }
 
 // _C.driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the kernel
