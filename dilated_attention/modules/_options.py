@@ -1,5 +1,5 @@
-"""Checks of the modules' constructor options: token ordering, the two spellings of a size, and
-parameter dtypes given by name."""
+"""Checks of the modules' constructor options: token ordering, the two spellings of a size,
+parameter dtypes given by name, and the ``nn.MultiheadAttention`` a module is converted from."""
 
 from __future__ import annotations
 
@@ -99,4 +99,17 @@ def check_embed_heads(E: int, H: int) -> None:
         raise ValueError(
             f"head dim embed_dim // num_heads = {E // H} exceeds {V.MAX_HEAD_DIM} "
             f"(embed_dim={E}, num_heads={H})"
+        )
+
+
+def check_torch_mha(mha: Any) -> None:
+    """What every ``from_torch`` refuses: anything but an ``nn.MultiheadAttention`` (TypeError), or
+    one with ``add_bias_kv``/``add_zero_attn`` (ValueError: an appended key has no place in a
+    dilated pattern)."""
+    if not isinstance(mha, torch.nn.MultiheadAttention):
+        raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+    if mha.bias_k is not None or mha.add_zero_attn:
+        raise ValueError(
+            "mha was built with add_bias_kv=True or add_zero_attn=True: these append a key to the "
+            "sequence, which has no place in a dilated pattern"
         )

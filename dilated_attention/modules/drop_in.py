@@ -15,7 +15,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .. import _validation as V
 from ._dense import dense_dilated_attention
-from ._options import check_embed_heads, pick, resolve_dtype
+from ._options import check_embed_heads, check_torch_mha, pick, resolve_dtype
 from ._script import NotScriptable
 from ._torch_masks import causal_from_attn_mask, real_tokens_from_torch_mask
 from .dilated import BranchesOfInner, DilatedAttention
@@ -309,13 +309,7 @@ class DropInMultiheadAttention(NotScriptable, BranchesOfInner, nn.Module):
         mode of ``mha``, attending with the given branches. With one branch ``segment_lengths=[w]``,
         ``w >= L``, ``dilation_rates=[1]``, it computes what ``mha`` computes. ``add_bias_kv`` or
         ``add_zero_attn`` in ``mha`` is a ValueError."""
-        if not isinstance(mha, nn.MultiheadAttention):
-            raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
-        if mha.bias_k is not None or mha.add_zero_attn:
-            raise ValueError(
-                "mha was built with add_bias_kv=True or add_zero_attn=True: these append a key to the "
-                "sequence, which has no place in a dilated pattern"
-            )
+        check_torch_mha(mha)
         ref = mha.out_proj.weight
         new = cls(
             mha.embed_dim,

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .. import _validation as V
 from .._warnings import LayoutWarning, warn_once
-from ._options import check_embed_heads, pick, resolve_dtype
+from ._options import check_embed_heads, check_torch_mha, pick, resolve_dtype
 from ._script import NotScriptable
 from ._torch_masks import causal_from_attn_mask, multihead_real_tokens, refuse_torch_layer_mask
 from .dilated import BranchesOfInner, DilatedAttention
@@ -318,18 +318,12 @@ class MultiheadDilatedAttention(NotScriptable, BranchesOfInner, nn.Module):
         Separate key/value widths (``kdim``/``vdim``), ``add_bias_kv`` and ``add_zero_attn`` have
         no counterpart and are a ``ValueError``.
         """
-        if not isinstance(mha, nn.MultiheadAttention):
-            raise TypeError(f"mha must be a torch.nn.MultiheadAttention, got {type(mha).__name__}")
+        check_torch_mha(mha)
         E, H = mha.embed_dim, mha.num_heads
         if not mha._qkv_same_embed_dim:
             raise ValueError(
                 f"mha has kdim={mha.kdim} and vdim={mha.vdim} besides embed_dim={E}; "
                 "MultiheadDilatedAttention projects keys and values of width embed_dim only"
-            )
-        if mha.bias_k is not None or mha.add_zero_attn:
-            raise ValueError(
-                "mha was built with add_bias_kv=True or add_zero_attn=True: these append a key to the "
-                "sequence, which has no place in a dilated pattern"
             )
         if not mha.batch_first:
             warn_once(
