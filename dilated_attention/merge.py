@@ -61,7 +61,12 @@ def start_state(out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> Sta
     """The state ``(acc, m, den)`` of one part, ``out`` (..., D) and ``lse`` (..., 1), in ``dtype``
     (new tensors, differentiable): the part itself, with weight 1 (0 where ``lse`` is -inf)."""
     m = lse.to(dtype, copy=True)
-    return out.to(dtype, copy=True), m, torch.where(torch.isneginf(m), 0.0, 1.0).to(dtype)
+    return out.to(dtype, copy=True), m, _unit_weight(m)
+
+
+def _unit_weight(lse: torch.Tensor) -> torch.Tensor:
+    """The weight of a part that starts a state: 1, or 0 where its ``lse`` is -inf (no key)."""
+    return torch.where(torch.isneginf(lse), 0.0, 1.0).to(lse.dtype)
 
 
 def merge_state_(
@@ -77,9 +82,10 @@ def merge_state_(
     ``lse_b`` (..., 1). ``first``: the state holds nothing yet here (it is set from the part, as
     :func:`start_state`). A state of nothing (``acc`` 0, ``m`` -inf, ``den`` 0) may also be merged
     into. Not differentiable."""
-    if first:
-        for t, s in zip((acc, m, den), start_state(out_b, lse_b, acc.dtype), strict=True):
-            t.copy_(s)
+    if first:  # copied into the (possibly strided) state, no intermediate tensors
+        acc.copy_(out_b)
+        m.copy_(lse_b)
+        den.copy_(_unit_weight(lse_b))
         return
     new, ca, cb = _state_weights(m, lse_b.to(m.dtype))
     acc.mul_(ca).add_(out_b.to(acc.dtype) * cb)
