@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import op
 from .._validation import accumulation_dtype as lse_dtype
 
 __all__ = [
@@ -178,8 +179,6 @@ class Backend:
         """:meth:`reasons`, and the rules that hold for every backend (dropout over several
         branches needs the merged weights, and every backend needs the compiled extension: native
         for its kernels, the others for the plan of their calls): what selection goes by."""
-        from .. import op
-
         why = list(self.reasons(request))
         if op.EXTENSION_ERROR is not None and op.EXTENSION_ERROR not in why:
             why.insert(0, op.EXTENSION_ERROR)
