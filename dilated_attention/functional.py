@@ -14,6 +14,7 @@ from ._padding import has_no_data
 from ._validation import accumulation_dtype
 from ._warnings import LayoutWarning, UncoveredPositionsWarning, warn_once
 from .backends import BackendSelector, check_backend_name, default_selector
+from .backends.base import Packed
 
 # More heads than this in dimension 2 of q, with fewer positions in dimension 1, looks like a
 # (B, H, N, D) tensor passed for (B, N, H, D).
@@ -319,9 +320,7 @@ def _attention_varlen(
         q,
         k,
         v,
-        cu_seqlens,
-        max_seqlen,
-        lengths,
+        Packed(cu_seqlens, max_seqlen, lengths),
         segs,
         rates,
         is_causal=is_causal,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -16,6 +17,7 @@ __all__ = [
     "Backend",
     "BackendRequest",
     "Capabilities",
+    "Packed",
     "cuda_reasons",
     "dtype_name",
     "import_optional",
@@ -156,6 +158,14 @@ CAPABILITIES: dict[str, Capabilities] = {
 }
 
 
+class Packed(NamedTuple):
+    """Where the sequences of a packed call start and end (SPEC section 7)."""
+
+    cu_seqlens: torch.Tensor  # int32 (S + 1,): sequence s is rows cu_seqlens[s]:cu_seqlens[s + 1]
+    max_seqlen: int  # the longest sequence
+    lengths: Sequence[int] | None  # the S lengths read on the host; None where the backend needs none
+
+
 class Backend:
     """Base class. Subclasses set ``name`` (a key of :data:`CAPABILITIES`) and implement ``reasons``
     and ``forward``."""
@@ -218,9 +228,7 @@ class Backend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-        lengths: Sequence[int] | None,
+        packed: Packed,
         segment_lengths: Sequence[int],
         dilation_rates: Sequence[int],
         *,
@@ -228,9 +236,9 @@ class Backend:
         softmax_scale: float,
         dropout_p: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed sequences (SPEC section 7): q (T, Hq, D), k and v (T, Hkv, D), cu_seqlens int32
-        (S + 1,), ``lengths`` the S sequence lengths read on the host (None where the backend
-        needs none). Returns ``out`` (T, Hq, D) and ``lse`` (Hq, T). Arguments are validated."""
+        """Packed sequences (SPEC section 7): q (T, Hq, D), k and v (T, Hkv, D), the sequences'
+        boundaries in ``packed``. Returns ``out`` (T, Hq, D) and ``lse`` (Hq, T). Arguments are
+        validated."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

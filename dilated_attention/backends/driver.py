@@ -282,26 +282,14 @@ class StridedBackend(Backend):
         )
 
     def forward_varlen(
-        self,
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        lengths,
-        segment_lengths,
-        dilation_rates,
-        *,
-        is_causal,
-        softmax_scale,
-        dropout_p=0.0,
+        self, q, k, v, packed, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0
     ):
         # The packed rows as one (1, T, H, D) batch whose index patterns restart at every sequence.
         out, lse = self._run(
             q.unsqueeze(0),
             k.unsqueeze(0),
             v.unsqueeze(0),
-            tuple(lengths),
+            tuple(packed.lengths),
             segment_lengths,
             dilation_rates,
             is_causal,

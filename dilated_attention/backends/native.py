@@ -51,26 +51,14 @@ class NativeBackend(Backend):
         return False  # the op reads cu_seqlens itself
 
     def forward_varlen(
-        self,
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        lengths,
-        segment_lengths,
-        dilation_rates,
-        *,
-        is_causal,
-        softmax_scale,
-        dropout_p=0.0,
+        self, q, k, v, packed, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0
     ):
         return op.native_varlen_forward(
             q,
             k,
             v,
-            cu_seqlens,
-            max_seqlen,
+            packed.cu_seqlens,
+            packed.max_seqlen,
             segment_lengths,
             dilation_rates,
             is_causal,

@@ -145,19 +145,7 @@ class SdpaBackend(StridedBackend):
         return not self._cpp_runs(q, k, v, dropout_p)  # the C++ driver reads cu_seqlens itself
 
     def forward_varlen(
-        self,
-        q,
-        k,
-        v,
-        cu_seqlens,
-        max_seqlen,
-        lengths,
-        segment_lengths,
-        dilation_rates,
-        *,
-        is_causal,
-        softmax_scale,
-        dropout_p=0.0,
+        self, q, k, v, packed, segment_lengths, dilation_rates, *, is_causal, softmax_scale, dropout_p=0.0
     ):
         return self._route(
             q,
@@ -165,15 +153,21 @@ class SdpaBackend(StridedBackend):
             v,
             dropout_p,
             lambda q, k, v: views_op.views_varlen_attention(
-                q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates, is_causal, softmax_scale
+                q,
+                k,
+                v,
+                packed.cu_seqlens,
+                packed.max_seqlen,
+                segment_lengths,
+                dilation_rates,
+                is_causal,
+                softmax_scale,
             ),
             lambda q, k, v: super(SdpaBackend, self).forward_varlen(
                 q,
                 k,
                 v,
-                cu_seqlens,
-                max_seqlen,
-                lengths,
+                packed,
                 segment_lengths,
                 dilation_rates,
                 is_causal=is_causal,

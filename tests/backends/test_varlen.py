@@ -21,6 +21,7 @@ from dilated_attention import (
     dilated_attention_varlen,
 )
 from dilated_attention.backends import get_backend
+from dilated_attention.backends.base import Packed
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -140,7 +141,7 @@ def test_adapters_with_doubles_match_reference(doubles, name, is_causal):
 
     def run(q, k, v, cu, max_seqlen):
         return impl.forward_varlen(
-            q, k, v, cu, max_seqlen, lengths, segs, rates, is_causal=is_causal, softmax_scale=D**-0.5
+            q, k, v, Packed(cu, max_seqlen, lengths), segs, rates, is_causal=is_causal, softmax_scale=D**-0.5
         )
 
     check_varlen(run, lengths, Hq, Hkv, D, segs, rates, is_causal, torch.float64)
