@@ -157,6 +157,19 @@ def build_emulation(runner: str, out_dir: Path, opt: str = "-O1") -> ctypes.CDLL
     return ctypes.CDLL(str(lib))
 
 
+ROW_DIMS = 5  # csrc/views/rows_kernel.cuh kRowDims
+
+
+def row_meta(dst: torch.Tensor, src: torch.Tensor) -> list[int]:
+    """One (dst, src) pair as tests/cuda_emulation/run_rows.cpp reads it: the element bytes of
+    both, then dst's sizes and strides and src's, padded in front to ROW_DIMS dims."""
+    meta = [dst.element_size(), src.element_size()]
+    for t in (dst, src):
+        pad = ROW_DIMS - t.dim()
+        meta += [1] * pad + list(t.shape) + [0] * pad + list(t.stride())
+    return meta
+
+
 def assert_grad_and_vjp_agree(f, ref, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """torch.func's ``grad`` (over q, k, v) and ``vjp`` of the scalar functions ``f`` and ``ref``
     agree (``ref``: the float64 reference)."""

@@ -14,8 +14,9 @@ namespace dilated_attention {
 namespace views {
 
 // The non-finite corrections of one call (merge_rule.h's NonFiniteRows) as tensors: int32 flags
-// any (1,), qbad (Bb, m, n), kbad and vbad (Bb, mk, nk) (vbad undefined without causal masking),
-// the values v (Bb, mk, nk, D) in out_c's dtype; query head t reads key/value head t / g.
+// any (1,), qbad (C, Bb, m, n), kbad and vbad (C, Bb, mk, nk) (vbad undefined without causal
+// masking), the values v (C, Bb, mk, nk, D) in out_c's dtype; query head t reads key/value head
+// t / g.
 struct CallNonFinite {
   at::Tensor any, qbad, kbad, vbad, v;
   int64_t g;
@@ -30,21 +31,23 @@ NonFiniteRows<scalar_t> nonfinite_rows(const CallNonFinite* fix) {
   r.any = fix->any.const_data_ptr<int>();
   r.qbad = fix->qbad.const_data_ptr<int>();
   r.kbad = fix->kbad.const_data_ptr<int>();
-  for (int i = 0; i < 3; ++i) r.sq[i] = fix->qbad.stride(i), r.sk[i] = fix->kbad.stride(i);
+  for (int i = 0; i < 4; ++i) r.sq[i] = fix->qbad.stride(i), r.sk[i] = fix->kbad.stride(i);
   if (fix->vbad.defined()) {
     r.vbad = fix->vbad.const_data_ptr<int>();
     r.v = fix->v.const_data_ptr<scalar_t>();
-    for (int i = 0; i < 3; ++i) r.sv[i] = fix->vbad.stride(i);
-    for (int i = 0; i < 4; ++i) r.svv[i] = fix->v.stride(i);
+    for (int i = 0; i < 4; ++i) r.sv[i] = fix->vbad.stride(i);
+    for (int i = 0; i < 5; ++i) r.svv[i] = fix->v.stride(i);
   }
-  r.mk = fix->kbad.size(1);
+  r.Bb = fix->kbad.size(1);
+  r.mk = fix->kbad.size(2);
   r.g = fix->g;
   r.causal = fix->causal;
   return r;
 }
 
-// Merges a call's out_c (Bb, n, m, D), any strides, and lse_c (Bb, n, m) into strided views of
-// the accumulators out_acc (Bb, m, n, D) and lse_acc (Bb, m, n), in place; both accumulators in
+// Merges a call's out_c (C, Bb, n, m, D), any strides, and lse_c (C, Bb, n, m) into strided views
+// of the accumulators out_acc (C, Bb, m, n, D) and lse_acc (C, Bb, m, n), in place (two batch
+// dims: a run's calls and their batch entries and segments, views.cpp Run); both accumulators in
 // float32 or float64 (lse_c is converted to their dtype). first: the accumulators hold nothing
 // yet at these rows, so the call's values are copied. fix: the call's non-finite corrections,
 // applied to its rows first (null: none). Runs on the device of the tensors.

@@ -13,10 +13,10 @@ namespace views {
 
 namespace {
 
-// Sizes and strides of the merge's four tensors (elements).
+// Sizes and strides of the merge's four tensors (elements); two batch dims (C, Bb).
 struct MergeShape {
-  int64_t Bb, m, n, D;
-  int64_t so[4], sl[3], sc[4], slc[3];
+  int64_t C, Bb, m, n, D;
+  int64_t so[5], sl[4], sc[5], slc[4];
 };
 
 // merge_call_'s rows: warp w of the grid merges row w; lane 0 stores the merged lse after every
@@ -27,18 +27,18 @@ __global__ void merge_kernel(acc_t* __restrict__ oa, acc_t* __restrict__ la, con
                              NonFiniteRows<scalar_t> nf) {
   const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= s.Bb * s.m * s.n) return;
+  if (row >= s.C * s.Bb * s.m * s.n) return;
   const int64_t bb = row / (s.m * s.n), j = (row / s.n) % s.m, t = row % s.n;
-  acc_t* o = oa + bb * s.so[0] + j * s.so[1] + t * s.so[2];
-  acc_t* l = la + bb * s.sl[0] + j * s.sl[1] + t * s.sl[2];
-  const scalar_t* c = oc + bb * s.sc[0] + t * s.sc[1] + j * s.sc[2];
+  acc_t* o = oa + batch_offset(bb, s.Bb, s.so) + j * s.so[2] + t * s.so[3];
+  acc_t* l = la + batch_offset(bb, s.Bb, s.sl) + j * s.sl[2] + t * s.sl[3];
+  const scalar_t* c = oc + batch_offset(bb, s.Bb, s.sc) + t * s.sc[2] + j * s.sc[3];
   const CorrectedRow<scalar_t, acc_t> corrected(nf, bb, j, t);
-  const acc_t b = corrected.lse(lc[bb * s.slc[0] + t * s.slc[1] + j * s.slc[2]]);
+  const acc_t b = corrected.lse(lc[batch_offset(bb, s.Bb, s.slc) + t * s.slc[2] + j * s.slc[3]]);
   acc_t lse = b, wa = 0, wb = 1;
   if (!first) merge_weights<acc_t>(*l, b, &lse, &wa, &wb);
   for (int64_t d = lane; d < s.D; d += 32) {
-    const acc_t v = corrected.out((acc_t)c[d * s.sc[3]], d) * wb;
-    o[d * s.so[3]] = first ? v : o[d * s.so[3]] * wa + v;
+    const acc_t v = corrected.out((acc_t)c[d * s.sc[4]], d) * wb;
+    o[d * s.so[4]] = first ? v : o[d * s.so[4]] * wa + v;
   }
   __syncwarp();
   if (lane == 0) *l = lse;
@@ -72,13 +72,14 @@ void merge_call_cuda_(const at::Tensor& out_acc, const at::Tensor& lse_acc, cons
                       const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
   const c10::cuda::CUDAGuard guard(out_acc.device());
   MergeShape s;
-  s.Bb = out_acc.size(0);
-  s.m = out_acc.size(1);
-  s.n = out_acc.size(2);
-  s.D = out_acc.size(3);
-  for (int i = 0; i < 4; ++i) s.so[i] = out_acc.stride(i), s.sc[i] = out_c.stride(i);
-  for (int i = 0; i < 3; ++i) s.sl[i] = lse_acc.stride(i), s.slc[i] = lse_c.stride(i);
-  const int64_t rows = s.Bb * s.m * s.n;
+  s.C = out_acc.size(0);
+  s.Bb = out_acc.size(1);
+  s.m = out_acc.size(2);
+  s.n = out_acc.size(3);
+  s.D = out_acc.size(4);
+  for (int i = 0; i < 5; ++i) s.so[i] = out_acc.stride(i), s.sc[i] = out_c.stride(i);
+  for (int i = 0; i < 4; ++i) s.sl[i] = lse_acc.stride(i), s.slc[i] = lse_c.stride(i);
+  const int64_t rows = s.C * s.Bb * s.m * s.n;
   if (rows == 0) return;
   const int threads = 256;
   const int64_t blocks = (rows * 32 + threads - 1) / threads;

@@ -13,6 +13,11 @@
 namespace dilated_attention {
 namespace views {
 
+// The offset of entry i of a view's two batch dims (C, Bb), the first two of its strides s.
+DA_MERGE_HD int64_t batch_offset(int64_t i, int64_t Bb, const int64_t* s) {
+  return (i / Bb) * s[0] + (i % Bb) * s[1];
+}
+
 // The merged lse of a (accumulator) and b (call) and the weights exp(a - lse), exp(b - lse) of
 // the two parts: weights 0 where both are -inf, NaN where either is NaN (as torch.logaddexp).
 template <typename acc_t>
@@ -42,7 +47,8 @@ DA_MERGE_HD void merge_weights(acc_t a, acc_t b, acc_t* lse, acc_t* wa, acc_t* w
 
 // The corrections for non-finite inputs of one kernel call (gathered.py's _NonFinite), read by the
 // merge of the call's rows; int flags per row (1: the row holds a non-finite entry), set on the
-// device, never read on the host. A row (bb, j, t) of the call reads its query row and the key rows
+// device, never read on the host. The call's batch dims are two, (C, Bb): entry bb of the pair is
+// (bb / Bb, bb % Bb). A row (bb, j, t) of the call reads its query row and the key rows
 // x of key/value head u = t / g, x <= j with causal masking, every x without:
 //
 // * any row it reads of q or k holds a non-finite entry: its out and lse are NaN;
@@ -51,15 +57,15 @@ DA_MERGE_HD void merge_weights(acc_t a, acc_t b, acc_t* lse, acc_t* wa, acc_t* w
 template <typename scalar_t>
 struct NonFiniteRows {
   const int* any;   // nonzero where some row holds a non-finite entry; nullptr: no corrections
-  const int* qbad;  // (Bb, m, n)
-  int64_t sq[3];
-  const int* kbad;  // (Bb, mk, nk)
-  int64_t sk[3];
-  const int* vbad;  // (Bb, mk, nk); nullptr without causal masking
-  int64_t sv[3];
-  const scalar_t* v;  // the values (Bb, mk, nk, D) as the inputs hold them
-  int64_t svv[4];
-  int64_t mk, g;
+  const int* qbad;  // (C, Bb, m, n)
+  int64_t sq[4];
+  const int* kbad;  // (C, Bb, mk, nk)
+  int64_t sk[4];
+  const int* vbad;  // (C, Bb, mk, nk); nullptr without causal masking
+  int64_t sv[4];
+  const scalar_t* v;  // the values (C, Bb, mk, nk, D) as the inputs hold them
+  int64_t svv[5];
+  int64_t Bb, mk, g;
   bool causal;
 
   // Whether the merge corrects its rows at all (one read of the flag).
@@ -70,10 +76,11 @@ struct NonFiniteRows {
 
   // Whether row (bb, j, t) reads a query or key row with a non-finite entry.
   DA_MERGE_HD bool reads_nonfinite(int64_t bb, int64_t j, int64_t t) const {
-    if (qbad[bb * sq[0] + j * sq[1] + t * sq[2]]) return true;
-    const int64_t u = t / g, end = last(j);
+    if (qbad[batch_offset(bb, Bb, sq) + j * sq[2] + t * sq[3]]) return true;
+    const int* k = kbad + batch_offset(bb, Bb, sk) + (t / g) * sk[3];
+    const int64_t end = last(j);
     for (int64_t x = 0; x <= end; ++x)
-      if (kbad[bb * sk[0] + x * sk[1] + u * sk[2]]) return true;
+      if (k[x * sk[2]]) return true;
     return false;
   }
 
@@ -84,9 +91,11 @@ struct NonFiniteRows {
     acc_t s = 0;
     if (vbad == nullptr) return s;
     const int64_t u = t / g, end = last(j);
+    const int* bad = vbad + batch_offset(bb, Bb, sv) + u * sv[3];
+    const scalar_t* vals = v + batch_offset(bb, Bb, svv) + u * svv[3] + d * svv[4];
     for (int64_t x = 0; x <= end; ++x) {
-      if (!vbad[bb * sv[0] + x * sv[1] + u * sv[2]]) continue;
-      const acc_t e = static_cast<acc_t>(v[bb * svv[0] + x * svv[1] + u * svv[2] + d * svv[3]]);
+      if (!bad[x * sv[2]]) continue;
+      const acc_t e = static_cast<acc_t>(vals[x * svv[2]]);
       if (!(e - e == 0)) s += e;  // inf - inf and NaN - NaN are NaN
     }
     return s;

@@ -74,24 +74,27 @@ void phase_calls(const Part& part, int64_t r, int64_t Hq, int64_t G, bool native
   }
 }
 
-// r >= Hq: head h reads phase h; heads i, i + G, ... in one call, split where their number of
-// rows changes.
+// Head h reads phase h mod r: heads i, i + G, ... (key/value heads 0, 1, ...: no grouped-query
+// attention in the kernel) in one call, split where the phase wraps or a head's number of rows
+// changes.
 void diagonal_calls(const Part& part, int64_t r, int64_t Hq, int64_t G, std::vector<Call>* calls) {
   for (int64_t i = 0; i < G; ++i) {
     std::vector<int64_t> heads, ms;
     for (int64_t h = i; h < Hq; h += G) {
-      if (h < part.length) {
+      const int64_t m = count_from(h % r, part.length, r);
+      if (m > 0) {
         heads.push_back(h);
-        ms.push_back(count_from(h, part.length, r));
+        ms.push_back(m);
       }
     }
     const int64_t nh = (int64_t)heads.size();
     int64_t a = 0;
     while (a < nh) {
       int64_t b = a + 1;
-      while (b < nh && ms[b] == ms[a]) ++b;
-      const int64_t n = b - a, h0 = heads[a];
-      calls->push_back({part, r, ms[a], {h0, G, h0, G, n}, {h0, G, h0 / G, 1, n}, 1});
+      while (b < nh && ms[b] == ms[a] && heads[b] == heads[b - 1] + G && heads[b] % r == heads[b - 1] % r + G)
+        ++b;
+      const int64_t n = b - a, h0 = heads[a], o = h0 % r;
+      calls->push_back({part, r, ms[a], {o, G, h0, G, n}, {o, G, h0 / G, 1, n}, 1});
       a = b;
     }
   }
@@ -123,10 +126,15 @@ std::shared_ptr<const Plan> make_plan(at::IntArrayRef lengths, int64_t Hq, int64
     const int64_t w = segment_lengths[b], r = dilation_rates[b];
     std::vector<Call> calls;
     for (const Part& part : parts_of(lengths, w)) {
-      if (r >= Hq && Hq > 1)
-        diagonal_calls(part, r, Hq, G, &calls);
-      else
-        phase_calls(part, r, Hq, G, native_gqa, &calls);
+      // r >= Hq: every head its own phase, the heads in G calls or so (a call per phase would
+      // take one head); r < Hq: a call per phase, or the heads along their phases where that
+      // takes fewer calls (r = 8 and 12 heads: 2 calls, not 8)
+      std::vector<Call> phases, diagonal;
+      if (Hq > 1) diagonal_calls(part, r, Hq, G, &diagonal);
+      if (Hq == 1 || r < Hq) phase_calls(part, r, Hq, G, native_gqa, &phases);
+      const bool diag = Hq > 1 && (r >= Hq || diagonal.size() < phases.size());
+      const std::vector<Call>& chosen = diag ? diagonal : phases;
+      calls.insert(calls.end(), chosen.begin(), chosen.end());
     }
     plan->branches.push_back(std::move(calls));
   }
@@ -195,12 +203,12 @@ std::shared_ptr<const Plan> plan_branches(at::IntArrayRef lengths, int64_t Hq, i
 
 namespace {
 
-// Whether call d extends the driver call r as its next index: one batch entry and one segment, the
-// same shape of call, phases and heads that step as r's.
-bool extends(const DriverCall& r, const Call& d, int64_t B) {
+// Whether call d, which folds, extends the driver call r as its next index: r folds too, over the
+// same segments, with the same shape of call, and phases and heads that step as r's.
+bool extends(const DriverCall& r, const Call& d) {
   const Call& c = r.c;
   auto same = [](const Strided& x, const Strided& y) { return x.n == y.n && x.dp == y.dp && x.dc == y.dc; };
-  if (B != 1 || r.b >= 0 || c.part.rows != 1 || d.part.rows != 1 || d.part.start != c.part.start ||
+  if (r.b >= 0 || d.part.rows != c.part.rows || d.part.start != c.part.start ||
       d.part.length != c.part.length || d.r != c.r || d.m != c.m || d.g != c.g || !same(d.q, c.q) ||
       !same(d.kv, c.kv))
     return false;
@@ -218,7 +226,7 @@ std::vector<DriverCall> driver_calls(const std::vector<Call>& calls, int64_t B, 
     const Call& c = calls[i];
     if (!folds(c, B, N)) {
       for (int64_t b = 0; b < B; ++b) out.push_back({c, (int64_t)i, b});
-    } else if (!out.empty() && extends(out.back(), c, B)) {
+    } else if (!out.empty() && extends(out.back(), c)) {
       DriverCall& r = out.back();
       if (r.count == 1) {
         r.step_p = c.q.p0 - r.c.q.p0;

@@ -11,9 +11,11 @@
 //     element [bb, j, t, e] = segment[bb][p0 + t * dp + j * r, c0 + t * dc, e]
 //
 // * r < Hq: the heads of one phase o (dp = 0, heads o::r) in one call, grouped-query attention
-//   kept where the kernel takes it (native_gqa) and the key/value heads step evenly;
-// * r >= Hq: head h reads its own phase h; the heads i, i + G, ... share one call (dp = dc = G
-//   for q), split where the number of rows m of a head changes;
+//   kept where the kernel takes it (native_gqa) and the key/value heads step evenly; or, where
+//   that takes fewer calls (r = 8 and Hq = 12: 2 calls instead of 8), the heads along their
+//   phases, as for r >= Hq;
+// * r >= Hq: head h reads its own phase h mod r; the heads i, i + G, ... share one call (dp = dc
+//   = G for q), split where the phase wraps at r or the number of rows m of a head changes;
 // * everything else splits into the longest runs of heads that step evenly (a key/value head
 //   read by several query heads of a call is a stride-0 head, "expanded").
 #pragma once
@@ -89,8 +91,9 @@ inline bool folds(const Call& c, int64_t B, int64_t N) {
 // One kernel call of a driver: call c of the plan at batch entry b (b < 0: every batch entry at
 // once, where folds() holds), or, with count > 1, the count calls c, c + step, ... of a branch whose
 // phases and heads step evenly (the phases of a branch: phase o + 1 reads the next position and the
-// next heads), in one kernel call whose batch dim is that index. The calls' index can ride as the
-// batch dim only where the batch and the segments take none of it (B = 1, one segment).
+// next heads), in one kernel call whose batch dim is that index. With several batch entries or
+// segments the index and those are two batch dims, which no one stride spans: the driver then
+// gathers the run's rows into one contiguous batch (views.cpp Run).
 struct DriverCall {
   Call c;
   int64_t index;  // of c among the branch's plan calls

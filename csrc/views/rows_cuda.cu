@@ -14,8 +14,9 @@ namespace views {
 namespace {
 
 RowTensor row_tensor(const at::Tensor& t) {
-  RowTensor r{t.data_ptr(), static_cast<int64_t>(t.element_size()), {1, 1, 1, 1}, {0, 0, 0, 0}};
-  const int64_t pad = 4 - t.dim();
+  RowTensor r{t.data_ptr(), static_cast<int64_t>(t.element_size()), {}, {}};
+  const int64_t pad = kRowDims - t.dim();
+  for (int64_t i = 0; i < pad; ++i) r.size[i] = 1;
   for (int64_t i = 0; i < t.dim(); ++i) {
     r.size[pad + i] = t.size(i);
     r.stride[pad + i] = t.stride(i);
@@ -51,7 +52,7 @@ void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::T
   bool fits = true;
   const std::optional<RowSource> source = row_source(src[0].scalar_type());
   for (size_t i = 0; i < dst.size(); ++i) {
-    TORCH_CHECK(dst[i].sizes() == src[i].sizes() && dst[i].dim() <= 4 && dst[i].is_cuda() &&
+    TORCH_CHECK(dst[i].sizes() == src[i].sizes() && dst[i].dim() <= kRowDims && dst[i].is_cuda() &&
                     src[i].device() == dst[i].device(),
                 "move_rows_cuda_: pair ", i, " has sizes ", dst[i].sizes(), " and ", src[i].sizes());
     if (add)
@@ -84,7 +85,7 @@ bool mark_nonfinite_rows_cuda_(const std::vector<at::Tensor>& xs, const std::vec
   bool fits = source.has_value() && xs.size() <= static_cast<size_t>(kRowPairs);
   for (size_t i = 0; fits && i < xs.size(); ++i) {
     const at::Tensor& x = xs[i];
-    fits = x.dim() <= 4 && x.is_cuda() && x.scalar_type() == xs[0].scalar_type() &&
+    fits = x.dim() <= kRowDims && x.is_cuda() && x.scalar_type() == xs[0].scalar_type() &&
            flags[i].scalar_type() == at::kInt && flags[i].dim() == x.dim() - 1;
     if (!fits) break;
     // the row's flag, read at every element of the row (stride 0)

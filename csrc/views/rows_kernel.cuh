@@ -10,7 +10,7 @@
 //   * the forward's check for non-finite entries in q, k and v: a flag per row (or one flag for
 //     every row, zero strides) and, where the job has one, a flag set by any of them.
 //
-// Each row (i0, i1, i2) of the pair blockIdx.y gets `lanes` threads of a warp over its elements (32
+// Each row (i0, i1, i2, i3) of the pair blockIdx.y gets `lanes` threads of a warp over its elements (32
 // for rows of 32 elements or more, fewer for short rows: a warp then moves several rows). Compiled
 // for the CPU emulation of the tests as well (tests/cuda_emulation/run_rows.cpp); the launch is in
 // rows_cuda.cu.
@@ -30,26 +30,33 @@ namespace dilated_attention {
 namespace views {
 
 constexpr int kRowPairs = 3;      // tensors moved by one launch at the most
+constexpr int kRowDims = 5;       // dims of a tensor at the most, the row included
 constexpr int kRowThreads = 128;  // threads a block: four rows
 
-// A tensor of at most four dims as the job takes it: its data, the bytes of one element, and its
-// sizes and strides (elements), padded in front with size-1 dims. The last dim is the row.
+// A tensor of at most kRowDims dims as the job takes it: its data, the bytes of one element, and
+// its sizes and strides (elements), padded in front with size-1 dims. The last dim is the row.
 struct RowTensor {
   void* data;
   int64_t elem_bytes;
-  int64_t size[4];
-  int64_t stride[4];
+  int64_t size[kRowDims];
+  int64_t stride[kRowDims];
 };
 
-// One (dst, src) pair: rows[0] x rows[1] x rows[2] rows of len elements each; strides in elements
-// of the type the kernel moves.
+// One (dst, src) pair: rows[0] x ... x rows[kRowDims - 2] rows of len elements each; strides in
+// elements of the type the kernel moves.
 struct RowPair {
   char* dst;
   const char* src;
-  int64_t rows[3];
+  int64_t rows[kRowDims - 1];
   int64_t len;
-  int64_t ds[4], ss[4];
+  int64_t ds[kRowDims], ss[kRowDims];
   int lanes;  // threads a row: a power of two, at most 32
+
+  __host__ __device__ int64_t row_count() const {
+    int64_t n = 1;
+    for (int i = 0; i < kRowDims - 1; ++i) n *= rows[i];
+    return n;
+  }
 };
 
 struct RowJob {
@@ -68,27 +75,28 @@ inline bool add_row_pair(RowJob& job, const RowTensor& dst, const RowTensor& src
   RowPair p;
   p.dst = static_cast<char*>(dst.data);
   p.src = static_cast<const char*>(src.data);
-  for (int i = 0; i < 4; ++i) {
+  constexpr int e = kRowDims - 1;  // the row's dim
+  for (int i = 0; i < kRowDims; ++i) {
     if (dst.size[i] != src.size[i]) return false;
     p.ds[i] = dst.stride[i];
     p.ss[i] = src.stride[i];
   }
-  for (int i = 0; i < 3; ++i) p.rows[i] = dst.size[i];
-  p.len = dst.size[3];
+  for (int i = 0; i < e; ++i) p.rows[i] = dst.size[i];
+  p.len = dst.size[e];
   if (words) {
     if (dst.elem_bytes != src.elem_bytes || dst.elem_bytes % 2 != 0) return false;
     const int64_t w = dst.elem_bytes / 2;  // words an element
-    if (p.len > 1 && (p.ds[3] != 1 || p.ss[3] != 1)) return false;
-    for (int i = 0; i < 3; ++i) {
+    if (p.len > 1 && (p.ds[e] != 1 || p.ss[e] != 1)) return false;
+    for (int i = 0; i < e; ++i) {
       p.ds[i] *= w;
       p.ss[i] *= w;
     }
     p.len *= w;
-    p.ds[3] = p.ss[3] = 1;
+    p.ds[e] = p.ss[e] = 1;
   }
   p.lanes = 1;
   while (p.lanes < 32 && p.lanes < p.len) p.lanes *= 2;
-  const int64_t rows = p.rows[0] * p.rows[1] * p.rows[2], per_warp = 32 / p.lanes;
+  const int64_t rows = p.row_count(), per_warp = 32 / p.lanes;
   const int64_t warps = (rows + per_warp - 1) / per_warp;
   job.pair[job.count++] = p;
   if (warps > job.max_warps) job.max_warps = warps;
@@ -106,23 +114,30 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowJob job) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int64_t row = warp * (32 / p.lanes) + lane / p.lanes;
-  if (row >= p.rows[0] * p.rows[1] * p.rows[2]) return;
-  const int64_t i2 = row % p.rows[2], i1 = row / p.rows[2] % p.rows[1], i0 = row / (p.rows[1] * p.rows[2]);
-  dst_t* d = reinterpret_cast<dst_t*>(p.dst) + i0 * p.ds[0] + i1 * p.ds[1] + i2 * p.ds[2];
-  const src_t* s = reinterpret_cast<const src_t*>(p.src) + i0 * p.ss[0] + i1 * p.ss[1] + i2 * p.ss[2];
+  if (row >= p.row_count()) return;
+  constexpr int last = kRowDims - 1;  // the row's dim
+  int64_t od = 0, os = 0;
+  for (int64_t i = last - 1, rest = row; i >= 0; --i) {
+    const int64_t k = rest % p.rows[i];
+    rest /= p.rows[i];
+    od += k * p.ds[i];
+    os += k * p.ss[i];
+  }
+  dst_t* d = reinterpret_cast<dst_t*>(p.dst) + od;
+  const src_t* s = reinterpret_cast<const src_t*>(p.src) + os;
   for (int64_t e = lane % p.lanes; e < p.len; e += p.lanes) {
     if constexpr (kOp == RowOp::kCheck) {
-      const float x = static_cast<float>(s[e * p.ss[3]]);
+      const float x = static_cast<float>(s[e * p.ss[last]]);
       if (!(x - x == 0.0f)) {  // inf - inf and NaN - NaN are NaN
         *d = 1;
         if (job.any != nullptr) *job.any = 1;
       }
     } else {
-      const dst_t v = static_cast<dst_t>(s[e * p.ss[3]]);
+      const dst_t v = static_cast<dst_t>(s[e * p.ss[last]]);
       if constexpr (kOp == RowOp::kAdd)
-        d[e * p.ds[3]] = d[e * p.ds[3]] + v;
+        d[e * p.ds[last]] = d[e * p.ds[last]] + v;
       else
-        d[e * p.ds[3]] = v;
+        d[e * p.ds[last]] = v;
     }
   }
 }

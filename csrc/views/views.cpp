@@ -63,19 +63,16 @@ constexpr int64_t kChunkElements = 4 * 1024 * 1024;
 
 // A kernel call of the driver (plan.h DriverCall) and its views of the tensors.
 struct Run : DriverCall {
-  // The strided view (Bb, m, n, E) of x (B, N, H, E) at the rows of the run and the heads s
-  // (c.q or c.kv, or a view of the same heads; step_c: their head step per index): all batch
-  // entries folded with the segments (b < 0), batch entry b's segments, or the run's calls (count
-  // > 1). x's batch and sequence dims must fold (x.stride(0) == N * x.stride(1) where B > 1 and the
-  // call's segments do not stand alone), which the driver's contiguous tensors satisfy.
+  // The strided view (count, Bb, m, n, E) of x (B, N, H, E) at the rows of the run and the heads s
+  // (c.q or c.kv, or a view of the same heads; step_c: their head step per index): the run's
+  // count calls, each over all batch entries folded with the segments (b < 0) or over batch entry
+  // b's segments. x's batch and sequence dims must fold (x.stride(0) == N * x.stride(1) where B > 1
+  // and the call's segments do not stand alone), which the driver's contiguous tensors satisfy.
   at::Tensor view(const at::Tensor& x, const Strided& s, int64_t step_c) const {
     const int64_t B = x.size(0), sB = x.stride(0), sN = x.stride(1), sH = x.stride(2), sE = x.stride(3);
     const Part& p = c.part;
     int64_t Bb, sBb, off = x.storage_offset() + (p.start + s.p0) * sN + s.c0 * sH;
-    if (count > 1) {
-      Bb = count;
-      sBb = step_p * sN + step_c * sH;
-    } else if (b >= 0) {
+    if (b >= 0) {
       Bb = p.rows;
       sBb = p.length * sN;
       off += b * sB;
@@ -86,15 +83,61 @@ struct Run : DriverCall {
       Bb = B * p.rows;
       sBb = p.length * sN;
     }
-    return x.as_strided({Bb, c.m, s.n, x.size(3)}, {sBb, c.r * sN, s.dp * sN + s.dc * sH, sE}, off);
+    return x.as_strided({count, Bb, c.m, s.n, x.size(3)},
+                        {step_p * sN + step_c * sH, sBb, c.r * sN, s.dp * sN + s.dc * sH, sE}, off);
   }
 
   at::Tensor q(const at::Tensor& x) const { return view(x, c.q, step_q); }
   at::Tensor kv(const at::Tensor& x) const { return view(x, c.kv, step_kv); }
-  // q and kv of a (B, N, H) tensor: (Bb, m, n).
+  // q and kv of a (B, N, H) tensor: (count, Bb, m, n).
   at::Tensor q3(const at::Tensor& x) const { return view(x.unsqueeze(-1), c.q, step_q).select(-1, 0); }
   at::Tensor kv3(const at::Tensor& x) const { return view(x.unsqueeze(-1), c.kv, step_kv).select(-1, 0); }
+
+  // A kernel's result (count Bb, ...) as the run's (count, Bb, ...).
+  at::Tensor split(const at::Tensor& y) const { return y.unflatten(0, {count, y.size(0) / count}); }
 };
+
+// Whether a run's views (count, Bb, ...) are strided views of one batch dim as they are: one of
+// the two is 1. Otherwise (the phases of several segments or batch entries) no one stride spans
+// them and the kernel reads a gathered copy.
+bool folds(const at::Tensor& view) {
+  return view.size(0) == 1 || view.size(1) == 1;
+}
+
+// The run's views xs (count, Bb, ...) as a kernel reads them, (count Bb, ...): the views
+// themselves where they fold, else their rows gathered into contiguous tensors (on CUDA up to
+// three tensors in one launch).
+std::vector<at::Tensor> operands(const std::vector<at::Tensor>& xs) {
+  std::vector<at::Tensor> out;
+  if (folds(xs[0])) {
+    for (const at::Tensor& x : xs) out.push_back(x.flatten(0, 1));  // a view: a dim of size 1
+    return out;
+  }
+  for (const at::Tensor& x : xs) out.push_back(at::empty(x.sizes(), x.options()));
+#ifdef DILATED_ATTENTION_WITH_CUDA
+  if (xs[0].is_cuda())
+    move_rows_cuda_(out, xs, false);
+  else
+#endif
+    for (size_t i = 0; i < xs.size(); ++i) out[i].copy_(xs[i]);
+  for (at::Tensor& x : out) x = x.flatten(0, 1);
+  return out;
+}
+
+// Runs f on the (count Bb, ...) tensors that a CPU kernel adds into for the run's views xs of
+// accumulators: the views themselves where they fold, else zeroed tensors added into xs after.
+template <typename F>
+void add_into(const std::vector<at::Tensor>& xs, F&& f) {
+  std::vector<at::Tensor> flat;
+  if (folds(xs[0])) {
+    for (const at::Tensor& x : xs) flat.push_back(x.flatten(0, 1));
+    f(flat);
+    return;
+  }
+  for (const at::Tensor& x : xs) flat.push_back(at::zeros(x.sizes(), x.options()).flatten(0, 1));
+  f(flat);
+  for (size_t i = 0; i < xs.size(); ++i) xs[i].add_(flat[i].view(xs[i].sizes()));
+}
 
 // The driver's kernel calls of a branch's plan calls (plan.h driver_calls), with their views.
 std::vector<Run> runs(const std::vector<Call>& calls, int64_t B, int64_t N) {
@@ -361,21 +404,25 @@ std::pair<at::Tensor, at::Tensor> cuda_forward(int kind, const at::Tensor& q, co
   return {std::get<0>(res), std::get<1>(res)};
 }
 
-// A call's (dq, dk, dv) ((Bb, m, n, D) each) on the CUDA operator kind, fed the merged out and
-// lse (Bb, m, n) of its rows; q, k, v (Bb, m, n, D) (k and v repeated); the dlse term (dlse
-// defined) from a second backward call with v = 0, out = e_0 and dout = -dlse e_0.
+// A run's (dq, dk, dv) ((Bb, m, n, D) each, Bb = count Bb') on the CUDA operator kind, fed the
+// merged out and lse of its rows as the run's views (dout and out (count, Bb', m, n, D), lse and
+// dlse (count, Bb', m, n)); q, k, v (Bb, m, n, D) as the kernel reads them (operands(), k and v
+// repeated); the dlse term (dlse defined) from a second backward call with v = 0, out = e_0 and
+// dout = -dlse e_0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at::Tensor& dout,
                                                              const at::Tensor& q, const at::Tensor& k,
                                                              const at::Tensor& v, const at::Tensor& out,
                                                              const at::Tensor& lse, const at::Tensor& dlse,
                                                              bool is_causal, double scale) {
   const int64_t m = q.size(1), mk = k.size(1);
+  const at::Tensor dl = dlse.defined() ? operands({dlse})[0] : at::Tensor();
   if (m == 1 && mk == 1) {  // closed form: P = exp(scale (q . k) - lse)
+    const std::vector<at::Tensor> x = operands({dout, out}), l = operands({lse});
     const at::Tensor qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat),
-                     dof = dout.to(at::kFloat);
-    const at::Tensor p = ((qf * kf).sum(-1, true).mul(scale) - lse.to(at::kFloat).unsqueeze(-1)).exp();
-    at::Tensor t = (dof * vf).sum(-1, true) - (dof * out.to(at::kFloat)).sum(-1, true);
-    if (dlse.defined()) t = t + dlse.to(at::kFloat).unsqueeze(-1);
+                     dof = x[0].to(at::kFloat);
+    const at::Tensor p = ((qf * kf).sum(-1, true).mul(scale) - l[0].to(at::kFloat).unsqueeze(-1)).exp();
+    at::Tensor t = (dof * vf).sum(-1, true) - (dof * x[1].to(at::kFloat)).sum(-1, true);
+    if (dl.defined()) t = t + dl.to(at::kFloat).unsqueeze(-1);
     const at::Tensor ds = p * t;
     return {ds * kf * scale, ds * qf * scale, p * dof};
   }
@@ -399,27 +446,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at:
     return kind == 2 ? x.transpose(1, 2).contiguous() : x.transpose(1, 2);
   };
   at::Tensor d_o, o, lt;
-  if (kind == 2) {  // dout, out and the statistics made contiguous in one launch
-    d_o = at::empty({q.size(0), q.size(2), m, q.size(3)}, dout.options());
+  if (kind == 2 || !folds(dout)) {  // dout, out and the statistics (Bb, n, m, ...) contiguous, one launch
+    const int64_t C = dout.size(0), Bb = dout.size(1), n = q.size(2), D = q.size(3);
+    d_o = at::empty({C, Bb, n, m, D}, dout.options());
     o = at::empty(d_o.sizes(), out.options());
-    lt = at::empty({q.size(0), q.size(2), m}, lse.options());
-    move_rows_cuda_({d_o.transpose(1, 2), o.transpose(1, 2), lt.transpose(1, 2).unsqueeze(-1)},
+    lt = at::empty({C, Bb, n, m}, lse.options());
+    move_rows_cuda_({d_o.transpose(2, 3), o.transpose(2, 3), lt.transpose(2, 3).unsqueeze(-1)},
                     {dout, out, lse.unsqueeze(-1)}, false);
+    d_o = d_o.flatten(0, 1);
+    o = o.flatten(0, 1);
+    lt = lt.flatten(0, 1);
   } else {
-    d_o = dout.transpose(1, 2);
-    o = out.transpose(1, 2);
-    lt = lse.transpose(1, 2).contiguous();
+    d_o = dout.flatten(0, 1).transpose(1, 2);
+    o = out.flatten(0, 1).transpose(1, 2);
+    lt = lse.flatten(0, 1).transpose(1, 2).contiguous();
   }
   auto g = run(d_o, v, o, lt);
   // in the inputs' dtype, added into the float32 accumulators as they are (one rounding less
   // than a cast first); the dlse term summed with them in float32
   at::Tensor dq = std::get<0>(g).transpose(1, 2), dk = std::get<1>(g).transpose(1, 2);
   const at::Tensor dv = std::get<2>(g).transpose(1, 2);
-  if (dlse.defined()) {
+  if (dl.defined()) {
     at::Tensor unit = at::zeros_like(q, at::MemoryFormat::Contiguous);
     unit.select(-1, 0).fill_(1);
     at::Tensor d_unit = at::zeros_like(q, at::MemoryFormat::Contiguous);
-    d_unit.select(-1, 0).copy_(dlse.neg());
+    d_unit.select(-1, 0).copy_(dl.neg());
     auto e = run(for_kernel(d_unit), at::zeros_like(v, at::MemoryFormat::Contiguous), for_kernel(unit), lt);
     dq = dq.to(at::kFloat).add_(std::get<0>(e).transpose(1, 2));
     dk = dk.to(at::kFloat).add_(std::get<1>(e).transpose(1, 2));
@@ -485,7 +536,8 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
   for (size_t br = 0; br < plan->branches.size(); ++br) {
     for (const Run& run : runs(plan->branches[br], P.B, P.N)) {
-      const at::Tensor qv = run.q(q), kv = run.kv(k), vv = run.kv(v_kernel);
+      const std::vector<at::Tensor> x = operands({run.q(q), run.kv(k), run.kv(v_kernel)});
+      const at::Tensor &qv = x[0], &kv = x[1], &vv = x[2];
       at::Tensor og, lg;
       if (!cuda) {
         std::tie(og, lg) = at::_scaled_dot_product_flash_attention_for_cpu(
@@ -497,8 +549,8 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
 #endif
       }
       const std::optional<CallNonFinite> fix = nf ? std::make_optional(nf->call(run)) : std::nullopt;
-      merge_call_(run.q(out_acc), run.q3(lse_acc), og, lg.narrow(2, 0, run.c.m), br == 0,
-                  fix ? &*fix : nullptr);
+      merge_call_(run.q(out_acc), run.q3(lse_acc), run.split(og), run.split(lg.narrow(2, 0, run.c.m)),
+                  br == 0, fix ? &*fix : nullptr);
     }
   }
   return {out_acc.to(q.scalar_type()), lse_acc.permute({0, 2, 1}).contiguous()};
@@ -538,16 +590,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
     const at::Tensor dots = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
     const at::Tensor total = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
     for (const auto& calls : plan->branches)
-      for (const Run& r : runs(calls, P.B, P.N))
-        cpu_row_dots(r.q(dout), r.q(q), r.kv(k), r.kv(v), r.q3(lse_bnh), is_causal, scale, r.q3(dots),
-                     r.q3(total));
+      for (const Run& r : runs(calls, P.B, P.N)) {
+        const std::vector<at::Tensor> x = operands({r.q(dout), r.q(q)}), y = operands({r.kv(k), r.kv(v)});
+        const at::Tensor l = operands({r.q3(lse_bnh)})[0];
+        add_into({r.q3(dots), r.q3(total)}, [&](const std::vector<at::Tensor>& o) {
+          cpu_row_dots(x[0], x[1], y[0], y[1], l, is_causal, scale, o[0], o[1]);
+        });
+      }
     const at::Tensor norm = at::where(total > 0, total.reciprocal(), at::ones_like(total));
     at::Tensor delta = dots.mul_(norm);
     if (has_dlse) delta.sub_(dlse_bnh);
     for (const auto& calls : plan->branches)
-      for (const Run& r : runs(calls, P.B, P.N))
-        cpu_exact_backward(r.q(dout), r.q(q), r.kv(k), r.kv(v), r.q3(lse_bnh), r.q3(delta), r.q3(norm),
-                           is_causal, scale, r.q(dq), r.kv(dk), r.kv(dv));
+      for (const Run& r : runs(calls, P.B, P.N)) {
+        const std::vector<at::Tensor> x = operands({r.q(dout), r.q(q)}), y = operands({r.kv(k), r.kv(v)}),
+                                      z = operands({r.q3(lse_bnh), r.q3(delta), r.q3(norm)});
+        add_into({r.q(dq), r.kv(dk), r.kv(dv)}, [&](const std::vector<at::Tensor>& o) {
+          cpu_exact_backward(x[0], x[1], y[0], y[1], z[0], z[1], z[2], is_causal, scale, o[0], o[1], o[2]);
+        });
+      }
   } else {
 #ifdef DILATED_ATTENTION_WITH_CUDA
     const at::Tensor out = out_in.contiguous();
@@ -555,11 +615,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
       for (const Run& r : runs(calls, P.B, P.N)) {
         const Call& c = r.c;
         const int64_t n = c.q.n;
-        const at::Tensor kv = r.kv(k), vv = r.kv(v);
+        const std::vector<at::Tensor> x = operands({r.q(q), r.kv(k), r.kv(v)});
         auto [gq, gk, gv] =
-            cuda_backward(kind, r.q(dout), r.q(q), repeat_heads(kv, n), repeat_heads(vv, n), r.q(out),
+            cuda_backward(kind, r.q(dout), x[0], repeat_heads(x[1], n), repeat_heads(x[2], n), r.q(out),
                           r.q3(lse_bnh), has_dlse ? r.q3(dlse_bnh) : at::Tensor(), is_causal, scale);
-        const int64_t hk = kv.size(2);
+        gq = r.split(gq);
+        gk = r.split(gk);
+        gv = r.split(gv);
+        const int64_t hk = x[1].size(2);
         if (!c.kv.expanded() && hk == n && gk.scalar_type() == gq.scalar_type() &&
             gv.scalar_type() == gq.scalar_type()) {  // the three adds in one launch
           move_rows_cuda_({r.q(dq), r.kv(dk), r.kv(dv)}, {gq, gk, gv}, true);
@@ -569,11 +632,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
         Strided skv = c.kv;
         if (c.kv.expanded()) {  // one head read by every head of the call: the sum, in float32
           skv = Strided{c.kv.p0, c.kv.dp, c.kv.c0, 1, 1};
-          gk = at::sum(gk, {2}, true, at::kFloat);
-          gv = at::sum(gv, {2}, true, at::kFloat);
+          gk = at::sum(gk, {3}, true, at::kFloat);
+          gv = at::sum(gv, {3}, true, at::kFloat);
         } else if (hk != n) {
-          gk = at::sum(gk.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
-          gv = at::sum(gv.unflatten(2, {hk, n / hk}), {3}, false, at::kFloat);
+          gk = at::sum(gk.unflatten(3, {hk, n / hk}), {4}, false, at::kFloat);
+          gv = at::sum(gv.unflatten(3, {hk, n / hk}), {4}, false, at::kFloat);
         }
         r.view(dk, skv, r.step_kv).add_(gk);
         r.view(dv, skv, r.step_kv).add_(gv);

@@ -2,19 +2,20 @@
 ``views_fwd`` and ``views_bwd``), counted from its plan.
 
 The driver runs every kernel call of the plan (:func:`.strided.plan_branches`, planned without
-native grouped-query attention on CUDA) once per batch run, except that with one batch entry and
-one segment the calls whose phases and heads step evenly (the phases of a branch) run as one
-kernel call, their index as its batch dim: :func:`driver_calls` asks the extension for the calls
-the driver makes (``views/plan.h`` ``driver_calls``). What it launches per kernel call and once per direction is what the functions below
-add up, branch by branch, from the same conditions as the driver's code (a call of one row and one
-key runs in closed form; a stride-0 key/value head is copied to every head; the three gradient
-adds share one launch where the heads match). An attention operator call (cuDNN or flash attention, forward or backward) counts
-as one launch: the kernels inside it (cuDNN's backward runs several) are the operator's.
+native grouped-query attention on CUDA) once per batch run, except that the calls whose phases and
+heads step evenly (the phases of a branch) run as one kernel call, their index as its batch dim:
+:func:`driver_calls` asks the extension for the calls the driver makes (``views/plan.h``
+``driver_calls``). Where the batch entries or segments are several too, the run's rows are first
+gathered into one contiguous batch (one launch for q, k and v). What it launches per kernel call
+and once per direction is what the functions below add up, branch by branch, from the same
+conditions as the driver's code (a call of one row and one key runs in closed form; a stride-0
+key/value head is copied to every head; the three gradient adds share one launch where the heads
+match). An attention operator call (cuDNN or flash attention, forward or backward) counts as one
+launch: the kernels inside it (cuDNN's backward runs several) are the operator's.
 
 :func:`views_launches` says how far a geometry is from a launch count that does not grow with the
-dilation rates ("at most 4 per branch plus a constant" a direction): today a branch with
-``r < Hq`` over several segments runs one call per phase, ``r`` calls
-(``tests/backends/test_views_launches.py`` prints the counts of the example GPT's geometry).
+dilation rates ("at most 4 per branch plus a constant" a direction;
+``tests/backends/test_views_launches.py`` prints the counts of the example GPT's geometry).
 """
 
 from __future__ import annotations
@@ -74,28 +75,38 @@ class Launches:
 
 def driver_calls(
     B: int, N: int, Hq: int, Hkv: int, segment_lengths: list[int], dilation_rates: list[int]
-) -> list[list[tuple[Call, int]]]:
+) -> list[list[tuple[Call, int, bool]]]:
     """Per branch, the kernel calls the C++ driver makes on CUDA for q (B, N, Hq, D) (planned
-    without native grouped-query attention): ``(first plan call, count of plan calls)``, one per
-    call and batch entry where the call does not fold. The driver's own grouping
-    (``views/plan.h`` ``driver_calls``, bound as ``_C.driver_calls``)."""
+    without native grouped-query attention): ``(first plan call, count of plan calls, gathered)``,
+    one per call and batch entry where the call does not fold; gathered where the run's calls
+    and its batch entries or segments are both several (views.cpp ``operands``). The driver's own
+    grouping (``views/plan.h`` ``driver_calls``, bound as ``_C.driver_calls``)."""
     args = ((N,), Hq, Hkv, tuple(segment_lengths), tuple(dilation_rates), False)
     plan = plan_branches(*args)
     made = library._require_extension().driver_calls(*args, B)
-    return [[(calls[i], count) for i, _, count in runs] for calls, runs in zip(plan, made, strict=True)]
+    return [
+        [
+            (calls[i], count, count > 1 and (B if b < 0 else 1) * calls[i].part.rows > 1)
+            for i, b, count in runs
+        ]
+        for calls, runs in zip(plan, made, strict=True)
+    ]
 
 
-def _repeats(c: Call) -> int:
-    """Copies of k and v whose heads the kernel cannot read as they are (views.cpp repeat_heads)."""
-    return 2 if c.kv.expanded or c.kv.n != c.q.n else 0
+def _repeats(c: Call, gathered: bool) -> int:
+    """Copies of k and v whose heads the kernel cannot read as they are (views.cpp repeat_heads;
+    a gathered stride-0 head is copied to every head by the gather)."""
+    if c.kv.n != c.q.n or (c.kv.expanded and not gathered):
+        return 2
+    return 0
 
 
-def _forward(c: Call) -> int:
+def _forward(c: Call, gathered: bool) -> int:
     attention = _CLOSED_FORWARD if c.m == 1 else 1
-    return _repeats(c) + attention + 1  # + the merge
+    return int(gathered) + _repeats(c, gathered) + attention + 1  # + the merge
 
 
-def _backward(c: Call, has_dlse: bool, kind: str) -> int:
+def _backward(c: Call, gathered: bool, has_dlse: bool, kind: str) -> int:
     if c.m == 1:
         kernel, same_dtypes = _CLOSED_BACKWARD + int(has_dlse), True  # all three in float32
     else:
@@ -107,7 +118,7 @@ def _backward(c: Call, has_dlse: bool, kind: str) -> int:
         adds = 1 + 4  # dq; dk and dv summed over the heads that read them, then added
     else:
         adds = 3
-    return _repeats(c) + kernel + adds
+    return int(gathered) + _repeats(c, gathered) + kernel + adds
 
 
 def views_launches(
@@ -129,12 +140,11 @@ def views_launches(
         raise ValueError(f"kind must be 'cudnn' or 'flash', got {kind!r}")
     branches = []
     for made_calls in driver_calls(B, N, Hq, Hkv, segment_lengths, dilation_rates):
-        made = [c for c, _ in made_calls]
         branches.append(
             BranchLaunches(
-                calls=len(made),
-                forward=sum(_forward(c) for c in made),
-                backward=sum(_backward(c, has_dlse, kind) for c in made),
+                calls=len(made_calls),
+                forward=sum(_forward(c, gathered) for c, _, gathered in made_calls),
+                backward=sum(_backward(c, gathered, has_dlse, kind) for c, _, gathered in made_calls),
             )
         )
     # forward: the accumulators (zeros, a fill), the flags (zeros, the check), v with its

@@ -87,24 +87,34 @@ def test_kind_is_checked_by_name():
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
-    "N,Hq,Hkv,segs,rates",
+    "B,N,Hq,Hkv,segs,rates",
     [
-        (64, 12, 12, [64], [8]),  # 8 phases of 2 or 1 heads: two calls
-        (64, 12, 6, [16, 32, 64], [2, 4, 8]),  # grouped-query heads
-        (64, 6, 2, [64], [8]),  # r >= Hq: the heads of every key/value head in one call
-        (60, 6, 2, [60], [4]),  # phases of 15 rows each
-        (61, 6, 3, [61], [4]),  # phases of different lengths
+        (1, 64, 12, 12, [64], [8]),  # 8 phases of 2 or 1 heads: the heads along their phases, two calls
+        (1, 64, 12, 6, [16, 32, 64], [2, 4, 8]),  # grouped-query heads over several segments: gathered
+        (1, 64, 6, 2, [64], [8]),  # r >= Hq: the heads of every key/value head in one call
+        (1, 60, 6, 2, [60], [4]),  # phases of 15 rows each
+        (1, 61, 6, 3, [61], [4]),  # phases of different lengths
+        (1, 96, 12, 12, [16, 32, 96], [2, 4, 8]),  # several segments: the phases gathered
+        (3, 48, 8, 4, [16, 24], [2, 4]),  # several batch entries too
+        (2, 40, 4, 4, [16], [2]),  # a short last segment: its own runs per batch entry
     ],
 )
-def test_phases_run_as_one_call_exactly(N, Hq, Hkv, segs, rates, is_causal):
-    """One batch entry and one segment: the calls of a branch's phases run as one kernel call (their
-    index the kernel's batch dim), fewer calls than the plan has, and out, lse and every gradient
-    are the float64 reference's."""
+def test_phases_run_as_one_call_exactly(B, N, Hq, Hkv, segs, rates, is_causal):
+    """The calls of a branch's phases run as one kernel call (their index the kernel's batch dim,
+    with the segments and batch entries gathered into it where those are several too), no more
+    calls than the plan has, and out, lse and every gradient are the float64 reference's."""
     plan = strided.plan_branches(N, Hq, Hkv, tuple(segs), tuple(rates), False)
-    made = driver_calls(1, N, Hq, Hkv, segs, rates)
-    assert sum(map(len, made)) < sum(map(len, plan))
-    assert [sum(n for _, n in m) for m in made] == list(map(len, plan))  # every plan call once
-    q, k, v = make_inputs(1, N, Hq, Hkv, 8, torch.float64)
+    made = driver_calls(B, N, Hq, Hkv, segs, rates)
+
+    def batch_runs(c):  # plan.h folds(): every batch entry at once, else one run each
+        return (
+            1 if B == 1 or c.part.rows == 1 or (c.part.start == 0 and c.part.rows * c.part.length == N) else B
+        )
+
+    runs = [sum(map(batch_runs, calls)) for calls in plan]
+    assert [sum(n for _, n, _ in m) for m in made] == runs  # every plan call once per batch run
+    assert sum(map(len, made)) <= sum(runs)
+    q, k, v = make_inputs(B, N, Hq, Hkv, 8, torch.float64)
     out, lse = torch.ops.dilated_attention.views_fwd(q, k, v, segs, rates, is_causal, 0.3)
     ref, ref_lse = reference_attention(q, k, v, segs, rates, is_causal, 0.3)
     torch.testing.assert_close(out, ref.detach(), rtol=1e-10, atol=1e-10)

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from common import build_emulation, make_inputs
+from common import build_emulation, make_inputs, row_meta
 
 from dilated_attention import dilated_attention as dattn
 from dilated_attention.backends.sdpa import SdpaBackend
@@ -37,10 +37,7 @@ def mark_rows(so, xs: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tens
     each row's int flag read at every element of the row (stride 0), one flag for all pairs."""
     flags = [torch.zeros(x.shape[:-1], dtype=torch.int32) for x in xs]
     any_flag = torch.zeros(1, dtype=torch.int32)
-    meta = []
-    for f, x in zip(flags, xs, strict=True):
-        d = f.unsqueeze(-1).expand(x.shape)
-        meta += [4, x.element_size(), *d.shape, *d.stride(), *x.shape, *x.stride()]
+    meta = [v for f, x in zip(flags, xs, strict=True) for v in row_meta(f.unsqueeze(-1).expand(x.shape), x)]
     meta_t = torch.tensor(meta, dtype=torch.int64)
     ptrs = (ctypes.c_void_p * (2 * len(xs)))(
         *[p for f, x in zip(flags, xs, strict=True) for p in (f.data_ptr(), x.data_ptr())]

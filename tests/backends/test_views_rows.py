@@ -12,7 +12,7 @@ import ctypes
 
 import pytest
 import torch
-from common import build_emulation
+from common import build_emulation, row_meta
 
 SOURCES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -24,16 +24,9 @@ def emu(tmp_path_factory):
     return so
 
 
-def _four(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.numel() == 0 else t[(None,) * (4 - t.dim())]
-
-
 def move(so, dst: list[torch.Tensor], src: list[torch.Tensor], add: bool, op: int | None = None) -> int:
     """Runs the kernel on (dst, src) pairs: op 0 copy, 1 add (``add`` picks one of the two), 2 check."""
-    meta = []
-    for d, s in zip(dst, src, strict=True):
-        d4, s4 = _four(d), _four(s)
-        meta += [d.element_size(), s.element_size(), *d4.shape, *d4.stride(), *s4.shape, *s4.stride()]
+    meta = [x for d, s in zip(dst, src, strict=True) for x in row_meta(d, s)]
     meta_t = torch.tensor(meta, dtype=torch.int64)
     ptrs = (ctypes.c_void_p * (2 * len(dst)))(
         *[p for d, s in zip(dst, src, strict=True) for p in (d.data_ptr(), s.data_ptr())]
@@ -99,6 +92,32 @@ def test_gradients_are_added_into_the_accumulators_in_one_launch(emu, src_dtype,
     assert move(emu, dst, grads, True) == 0
     for a, w in zip(acc, want, strict=True):
         torch.testing.assert_close(a, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_phases_of_several_segments_gathered_and_added_back(emu, dtype):
+    """The gather of a run whose phases and segments both ride in the kernel's batch dim (views.cpp
+    Run::operands): q, k, v as five-dim (phase, segment, m, n, D) views into contiguous tensors in
+    one launch, and gradients added back into the same views of float32 accumulators."""
+    torch.manual_seed(0)
+    B, N, H, D, w, r = 1, 48, 4, 8, 16, 2
+    xs = [torch.randn(B, N, H, D).to(dtype) for _ in range(3)]
+
+    def phases(x):  # element [o, s, j, t, e] = x[0, s w + o + j r, o + r t, e]
+        sN, sH = x.stride(1), x.stride(2)
+        return x.as_strided((r, N // w, w // r, H // r, D), (sN + sH, w * sN, r * sN, r * sH, 1))
+
+    dst = [torch.full((r, N // w, w // r, H // r, D), float("nan"), dtype=dtype) for _ in xs]
+    assert move(emu, dst, [phases(x) for x in xs], False) == 0
+    for d, x in zip(dst, xs, strict=True):
+        assert torch.equal(d, phases(x).contiguous())
+    accs = [torch.randn(B, N, H, D) for _ in xs]
+    want = [a.clone() for a in accs]
+    for a, d in zip(want, dst, strict=True):
+        phases(a).add_(d.float())
+    assert move(emu, [phases(a) for a in accs], dst, True) == 0
+    for a, b in zip(accs, want, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_pairs_of_different_row_counts_and_a_full_job(emu):

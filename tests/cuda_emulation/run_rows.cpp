@@ -18,8 +18,9 @@ using dilated_attention::views::RowSource;
 using dilated_attention::views::RowTensor;
 using dilated_attention::views::with_rows_kernel;
 
-// Moves `count` pairs: meta holds, per pair, the element bytes of dst and of src, then dst's four
-// sizes and four strides and src's (18 values); ptrs holds dst0, src0, dst1, src1, ...
+// Moves `count` pairs: meta holds, per pair, the element bytes of dst and of src, then dst's
+// kRowDims sizes and kRowDims strides and src's (2 + 4 kRowDims values); ptrs holds dst0, src0,
+// dst1, src1, ...
 // op: 0 copy, 1 add, 2 check (dst: an int flag per row, or one flag); source: 0 float32,
 // 1 bfloat16, 2 float16 (adds and checks); any: a check's flag for every pair (or null). Returns
 // 0, or 1 where a pair does not fit the kernel (nothing moved).
@@ -27,9 +28,15 @@ extern "C" int da_emu_rows_any(int op, int source, int count, const int64_t* met
   RowJob job;
   job.any = any;
   for (int i = 0; i < count; ++i) {
-    const int64_t* m = meta + 18 * i;
-    RowTensor dst{ptrs[2 * i], m[0], {m[2], m[3], m[4], m[5]}, {m[6], m[7], m[8], m[9]}};
-    RowTensor src{ptrs[2 * i + 1], m[1], {m[10], m[11], m[12], m[13]}, {m[14], m[15], m[16], m[17]}};
+    constexpr int k = dilated_attention::views::kRowDims;
+    const int64_t* m = meta + (2 + 4 * k) * i;
+    RowTensor dst{ptrs[2 * i], m[0], {}, {}}, src{ptrs[2 * i + 1], m[1], {}, {}};
+    for (int d = 0; d < k; ++d) {
+      dst.size[d] = m[2 + d];
+      dst.stride[d] = m[2 + k + d];
+      src.size[d] = m[2 + 2 * k + d];
+      src.stride[d] = m[2 + 3 * k + d];
+    }
     if (!add_row_pair(job, dst, src, op == 0)) return 1;
   }
   const dim3 grid((unsigned)((job.max_warps * 32 + kRowThreads - 1) / kRowThreads), (unsigned)job.count);
