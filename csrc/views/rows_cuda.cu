@@ -45,34 +45,37 @@ void launch(const RowJob& job, RowOp op, RowSource source, const at::Device& dev
 }  // namespace
 
 void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add) {
-  TORCH_CHECK(!dst.empty() && dst.size() == src.size() && dst.size() <= static_cast<size_t>(kRowPairs),
-              "move_rows_cuda_: 1 to ", kRowPairs, " (dst, src) pairs, got ", dst.size(), " and ",
+  TORCH_CHECK(dst.size() == src.size(), "move_rows_cuda_: as many dsts as srcs, got ", dst.size(), " and ",
               src.size());
   RowJob job;
-  bool fits = true;
-  const std::optional<RowSource> source = row_source(src[0].scalar_type());
+  std::optional<RowSource> source;  // of the job's adds
+  auto flush = [&] {
+    if (job.max_warps > 0)
+      launch(job, add ? RowOp::kAdd : RowOp::kCopy, source.value_or(RowSource::kFloat), dst[0].device());
+    job = RowJob();
+    source.reset();
+  };
   for (size_t i = 0; i < dst.size(); ++i) {
     TORCH_CHECK(dst[i].sizes() == src[i].sizes() && dst[i].dim() <= kRowDims && dst[i].is_cuda() &&
                     src[i].device() == dst[i].device(),
                 "move_rows_cuda_: pair ", i, " has sizes ", dst[i].sizes(), " and ", src[i].sizes());
-    if (add)
-      fits = fits && dst[i].scalar_type() == at::kFloat && src[i].scalar_type() == src[0].scalar_type() &&
-             source.has_value();
-    else
-      fits = fits && dst[i].scalar_type() == src[i].scalar_type();
+    const std::optional<RowSource> s = row_source(src[i].scalar_type());
+    // a copy moves words of any dtype; the adds of a job read sources of one dtype into float32
+    bool fits = add ? dst[i].scalar_type() == at::kFloat && s.has_value()
+                    : dst[i].scalar_type() == src[i].scalar_type();
+    if (fits && add && source.has_value() && *source != *s) flush();
+    if (fits && job.count == kRowPairs) flush();
     fits = fits && add_row_pair(job, row_tensor(dst[i]), row_tensor(src[i]), !add);
-  }
-  if (!fits) {
-    for (size_t i = 0; i < dst.size(); ++i) {
+    if (!fits) {  // moved by ATen
       if (add)
         dst[i].add_(src[i]);
       else
         dst[i].copy_(src[i]);
+      continue;
     }
-    return;
+    if (add) source = s;
   }
-  if (job.max_warps == 0) return;
-  launch(job, add ? RowOp::kAdd : RowOp::kCopy, source.value_or(RowSource::kFloat), dst[0].device());
+  flush();
 }
 
 bool mark_nonfinite_rows_cuda_(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& flags,

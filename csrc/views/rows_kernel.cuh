@@ -1,10 +1,11 @@
-// Whole-row moves between strided tensors for the views driver's CUDA backward (views.cpp), up to
-// three tensors in one launch where a copy or add per tensor took a launch each:
+// Whole-row moves between strided tensors for the views driver (views.cpp), up to kRowPairs
+// tensors in one launch where a copy or add per tensor took a launch each:
 //
-//   * the copies that give cuDNN's backward its dout, out and statistics contiguous, (Bb, n, m, D)
-//     and (Bb, n, m), from a call's strided (Bb, m, n, ...) views: moved as 16-bit words, so that
-//     tensors of different dtypes (bfloat16 dout/out, float32 statistics) share the launch and the
-//     bytes arrive unchanged;
+//   * the gathers of a branch's runs whose calls and segments are both several, from strided
+//     (count, Bb, m, n, D) views into contiguous tensors, and the copies that give cuDNN's backward
+//     its dout, out and statistics contiguous, (Bb, n, m, D) and (Bb, n, m): moved as 16-bit
+//     words, so that tensors of different dtypes (bfloat16 dout/out, float32 statistics) share the
+//     launch and the bytes arrive unchanged;
 //   * the adds of a call's dq, dk, dv into strided views of the float32 accumulators, in float32
 //     (the source converted exactly first), as at::add_ computes them;
 //   * the forward's check for non-finite entries in q, k and v: a flag per row (or one flag for
@@ -29,7 +30,7 @@
 namespace dilated_attention {
 namespace views {
 
-constexpr int kRowPairs = 3;      // tensors moved by one launch at the most
+constexpr int kRowPairs = 6;      // tensors moved by one launch at the most
 constexpr int kRowDims = 5;       // dims of a tensor at the most, the row included
 constexpr int kRowThreads = 128;  // threads a block: four rows
 

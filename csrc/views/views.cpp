@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -104,23 +105,66 @@ bool folds(const at::Tensor& view) {
   return view.size(0) == 1 || view.size(1) == 1;
 }
 
-// The run's views xs (count, Bb, ...) as a kernel reads them, (count Bb, ...): the views
-// themselves where they fold, else their rows gathered into contiguous tensors (on CUDA up to
-// three tensors in one launch).
-std::vector<at::Tensor> operands(const std::vector<at::Tensor>& xs) {
-  std::vector<at::Tensor> out;
-  if (folds(xs[0])) {
-    for (const at::Tensor& x : xs) out.push_back(x.flatten(0, 1));  // a view: a dim of size 1
-    return out;
+// Row moves collected over a branch's runs and made together (run()): on CUDA by the rows kernel,
+// up to kRowPairs tensors a launch (rows.h), on the CPU by copy_ / add_.
+class Moves {
+ public:
+  // dst <- src (add: dst += src), both of the same sizes, when run() is called.
+  void push(const at::Tensor& dst, const at::Tensor& src) {
+    const bool rows = dst.stride(-1) == 1 && src.stride(-1) == 1;  // else rows of one element
+    dst_.push_back(rows ? dst : dst.unsqueeze(-1));
+    src_.push_back(rows ? src : src.unsqueeze(-1));
   }
-  for (const at::Tensor& x : xs) out.push_back(at::empty(x.sizes(), x.options()));
+
+  // A run's view (count, Bb, ...) as a kernel reads it, (count Bb, ...): the view itself where it
+  // folds, else a contiguous tensor that run() gathers its rows into.
+  at::Tensor operand(const at::Tensor& view) {
+    if (folds(view)) return view.flatten(0, 1);  // a view: a dim of size 1
+    const at::Tensor x = at::empty(view.sizes(), view.options());
+    push(x, view);
+    return x.flatten(0, 1);
+  }
+
+  // A run's view (count, Bb, m, n, ...) as (count Bb, n, m, ...), contiguous, filled by run(): the
+  // layout cuDNN's backward takes dout, out and the statistics in.
+  at::Tensor heads_first(const at::Tensor& view) {
+    std::vector<int64_t> sizes = view.sizes().vec();
+    std::swap(sizes[2], sizes[3]);
+    const at::Tensor x = at::empty(sizes, view.options());
+    push(x.transpose(2, 3), view);
+    return x.flatten(0, 1);
+  }
+
+  void run(bool add) {
+    if (dst_.empty()) return;
 #ifdef DILATED_ATTENTION_WITH_CUDA
-  if (xs[0].is_cuda())
-    move_rows_cuda_(out, xs, false);
-  else
+    if (dst_[0].is_cuda()) {
+      move_rows_cuda_(dst_, src_, add);
+      dst_.clear();
+      src_.clear();
+      return;
+    }
 #endif
-    for (size_t i = 0; i < xs.size(); ++i) out[i].copy_(xs[i]);
-  for (at::Tensor& x : out) x = x.flatten(0, 1);
+    for (size_t i = 0; i < dst_.size(); ++i) {
+      if (add)
+        dst_[i].add_(src_[i]);
+      else
+        dst_[i].copy_(src_[i]);
+    }
+    dst_.clear();
+    src_.clear();
+  }
+
+ private:
+  std::vector<at::Tensor> dst_, src_;
+};
+
+// The run's views xs (count, Bb, ...) as a kernel reads them (Moves::operand), gathered at once.
+std::vector<at::Tensor> operands(const std::vector<at::Tensor>& xs) {
+  Moves moves;
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& x : xs) out.push_back(moves.operand(x));
+  moves.run(false);
   return out;
 }
 
@@ -404,63 +448,45 @@ std::pair<at::Tensor, at::Tensor> cuda_forward(int kind, const at::Tensor& q, co
   return {std::get<0>(res), std::get<1>(res)};
 }
 
-// A run's (dq, dk, dv) ((Bb, m, n, D) each, Bb = count Bb') on the CUDA operator kind, fed the
-// merged out and lse of its rows as the run's views (dout and out (count, Bb', m, n, D), lse and
-// dlse (count, Bb', m, n)); q, k, v (Bb, m, n, D) as the kernel reads them (operands(), k and v
-// repeated); the dlse term (dlse defined) from a second backward call with v = 0, out = e_0 and
-// dout = -dlse e_0.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at::Tensor& dout,
+// A call's (dq, dk, dv) ((Bb, m, n, D) each) on the CUDA operator kind, fed the merged out and
+// lse of its rows: d_o and o (Bb, n, m, D) (contiguous for cuDNN), lt (Bb, n, m) contiguous, dl
+// (Bb, m, n) (undefined: no dlse term); q, k, v (Bb, m, n, D) (k and v repeated); the dlse term
+// from a second backward call with v = 0, out = e_0 and dout = -dlse e_0.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at::Tensor& d_o,
                                                              const at::Tensor& q, const at::Tensor& k,
-                                                             const at::Tensor& v, const at::Tensor& out,
-                                                             const at::Tensor& lse, const at::Tensor& dlse,
+                                                             const at::Tensor& v, const at::Tensor& o,
+                                                             const at::Tensor& lt, const at::Tensor& dl,
                                                              bool is_causal, double scale) {
   const int64_t m = q.size(1), mk = k.size(1);
-  const at::Tensor dl = dlse.defined() ? operands({dlse})[0] : at::Tensor();
   if (m == 1 && mk == 1) {  // closed form: P = exp(scale (q . k) - lse)
-    const std::vector<at::Tensor> x = operands({dout, out}), l = operands({lse});
     const at::Tensor qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat),
-                     dof = x[0].to(at::kFloat);
-    const at::Tensor p = ((qf * kf).sum(-1, true).mul(scale) - l[0].to(at::kFloat).unsqueeze(-1)).exp();
-    at::Tensor t = (dof * vf).sum(-1, true) - (dof * x[1].to(at::kFloat)).sum(-1, true);
+                     dof = d_o.transpose(1, 2).to(at::kFloat);
+    const at::Tensor p =
+        ((qf * kf).sum(-1, true).mul(scale) - lt.transpose(1, 2).to(at::kFloat).unsqueeze(-1)).exp();
+    at::Tensor t = (dof * vf).sum(-1, true) - (dof * o.transpose(1, 2).to(at::kFloat)).sum(-1, true);
     if (dl.defined()) t = t + dl.to(at::kFloat).unsqueeze(-1);
     const at::Tensor ds = p * t;
     return {ds * kf * scale, ds * qf * scale, p * dof};
   }
-  // d_o and o (Bb, n, m, D), lt (Bb, n, m): for cuDNN contiguous, for flash any strides
-  auto run = [&](const at::Tensor& d_o, const at::Tensor& vv, const at::Tensor& o, const at::Tensor& lt) {
+  // dy and y (Bb, n, m, D), stats (Bb, n, m): for cuDNN contiguous, for flash any strides
+  auto run = [&](const at::Tensor& dy, const at::Tensor& vv, const at::Tensor& y, const at::Tensor& stats) {
     const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = vv.transpose(1, 2);
     if (kind == 2) {
       const at::Tensor seed = at::empty({}, q.options().dtype(at::kLong));
       const at::Tensor offset = at::empty({}, q.options().dtype(at::kLong));
-      return at::_scaled_dot_product_cudnn_attention_backward(d_o, qt, kt, vt, o, lt.unsqueeze(-1), seed,
+      return at::_scaled_dot_product_cudnn_attention_backward(dy, qt, kt, vt, y, stats.unsqueeze(-1), seed,
                                                               offset, at::Tensor(), at::Tensor(),
                                                               at::Tensor(), m, mk, 0.0, is_causal, scale);
     }
     const at::Tensor seed = at::empty({}, at::TensorOptions().dtype(at::kLong));
     const at::Tensor offset = at::empty({}, at::TensorOptions().dtype(at::kLong));
     return at::_scaled_dot_product_flash_attention_backward(
-        d_o, qt, kt, vt, o, lt, at::Tensor(), at::Tensor(), m, mk, 0.0, is_causal, seed, offset, scale);
+        dy, qt, kt, vt, y, stats, at::Tensor(), at::Tensor(), m, mk, 0.0, is_causal, seed, offset, scale);
   };
   // (Bb, m, n, D) -> (Bb, n, m, D) as the kernel reads it
   auto for_kernel = [&](const at::Tensor& x) {
     return kind == 2 ? x.transpose(1, 2).contiguous() : x.transpose(1, 2);
   };
-  at::Tensor d_o, o, lt;
-  if (kind == 2 || !folds(dout)) {  // dout, out and the statistics (Bb, n, m, ...) contiguous, one launch
-    const int64_t C = dout.size(0), Bb = dout.size(1), n = q.size(2), D = q.size(3);
-    d_o = at::empty({C, Bb, n, m, D}, dout.options());
-    o = at::empty(d_o.sizes(), out.options());
-    lt = at::empty({C, Bb, n, m}, lse.options());
-    move_rows_cuda_({d_o.transpose(2, 3), o.transpose(2, 3), lt.transpose(2, 3).unsqueeze(-1)},
-                    {dout, out, lse.unsqueeze(-1)}, false);
-    d_o = d_o.flatten(0, 1);
-    o = o.flatten(0, 1);
-    lt = lt.flatten(0, 1);
-  } else {
-    d_o = dout.flatten(0, 1).transpose(1, 2);
-    o = out.flatten(0, 1).transpose(1, 2);
-    lt = lse.flatten(0, 1).transpose(1, 2).contiguous();
-  }
   auto g = run(d_o, v, o, lt);
   // in the inputs' dtype, added into the float32 accumulators as they are (one rounding less
   // than a cast first); the dlse term summed with them in float32
@@ -535,9 +561,15 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   const at::Tensor& v_kernel = nf ? nf->v_kernel : v;
   const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
   for (size_t br = 0; br < plan->branches.size(); ++br) {
-    for (const Run& run : runs(plan->branches[br], P.B, P.N)) {
-      const std::vector<at::Tensor> x = operands({run.q(q), run.kv(k), run.kv(v_kernel)});
-      const at::Tensor &qv = x[0], &kv = x[1], &vv = x[2];
+    const std::vector<Run> rs = runs(plan->branches[br], P.B, P.N);
+    Moves gather;  // the branch's gathers in one launch (on CUDA, up to two runs)
+    std::vector<std::array<at::Tensor, 3>> x;
+    for (const Run& run : rs)
+      x.push_back({gather.operand(run.q(q)), gather.operand(run.kv(k)), gather.operand(run.kv(v_kernel))});
+    gather.run(false);
+    for (size_t i = 0; i < rs.size(); ++i) {
+      const Run& run = rs[i];
+      const at::Tensor &qv = x[i][0], &kv = x[i][1], &vv = x[i][2];
       at::Tensor og, lg;
       if (!cuda) {
         std::tie(og, lg) = at::_scaled_dot_product_flash_attention_for_cpu(
@@ -612,20 +644,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
 #ifdef DILATED_ATTENTION_WITH_CUDA
     const at::Tensor out = out_in.contiguous();
     for (const auto& calls : plan->branches) {
-      for (const Run& r : runs(calls, P.B, P.N)) {
+      // The branch's moves in as few launches as the rows kernel takes: the inputs of every run
+      // (gathers, and cuDNN's contiguous dout, out and statistics), then its gradients' adds.
+      const std::vector<Run> rs = runs(calls, P.B, P.N);
+      Moves in, adds;
+      std::vector<std::array<at::Tensor, 7>> x;  // q, k, v, d_o, o, lt, dl as the kernel reads them
+      for (const Run& r : rs) {
+        std::array<at::Tensor, 7> a = {in.operand(r.q(q)), in.operand(r.kv(k)), in.operand(r.kv(v))};
+        const at::Tensor dy = r.q(dout), y = r.q(out);
+        if (kind == 2 || !folds(dy)) {  // cuDNN's backward graph bakes in their strides
+          a[3] = in.heads_first(dy);
+          a[4] = in.heads_first(y);
+        } else {
+          a[3] = dy.flatten(0, 1).transpose(1, 2);
+          a[4] = y.flatten(0, 1).transpose(1, 2);
+        }
+        a[5] = in.heads_first(r.q3(lse_bnh));
+        if (has_dlse) a[6] = in.operand(r.q3(dlse_bnh));
+        x.push_back(a);
+      }
+      in.run(false);
+      for (size_t i = 0; i < rs.size(); ++i) {
+        const Run& r = rs[i];
         const Call& c = r.c;
-        const int64_t n = c.q.n;
-        const std::vector<at::Tensor> x = operands({r.q(q), r.kv(k), r.kv(v)});
+        const int64_t n = c.q.n, hk = x[i][1].size(2);
         auto [gq, gk, gv] =
-            cuda_backward(kind, r.q(dout), x[0], repeat_heads(x[1], n), repeat_heads(x[2], n), r.q(out),
-                          r.q3(lse_bnh), has_dlse ? r.q3(dlse_bnh) : at::Tensor(), is_causal, scale);
+            cuda_backward(kind, x[i][3], x[i][0], repeat_heads(x[i][1], n), repeat_heads(x[i][2], n), x[i][4],
+                          x[i][5], x[i][6], is_causal, scale);
         gq = r.split(gq);
         gk = r.split(gk);
         gv = r.split(gv);
-        const int64_t hk = x[1].size(2);
         if (!c.kv.expanded() && hk == n && gk.scalar_type() == gq.scalar_type() &&
-            gv.scalar_type() == gq.scalar_type()) {  // the three adds in one launch
-          move_rows_cuda_({r.q(dq), r.kv(dk), r.kv(dv)}, {gq, gk, gv}, true);
+            gv.scalar_type() == gq.scalar_type()) {  // the three adds with the branch's others
+          adds.push(r.q(dq), gq);
+          adds.push(r.kv(dk), gk);
+          adds.push(r.kv(dv), gv);
+          // the runs of a branch add into disjoint rows of dq, and of dk and dv where every key/value
+          // head has one query head; grouped-query runs may share key/value rows: a launch each
+          if (P.Hq != P.Hkv) adds.run(true);
           continue;
         }
         r.q(dq).add_(gq);
@@ -641,6 +697,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
         r.view(dk, skv, r.step_kv).add_(gk);
         r.view(dv, skv, r.step_kv).add_(gv);
       }
+      adds.run(true);
     }
 #endif
   }

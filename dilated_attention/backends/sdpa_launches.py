@@ -34,6 +34,7 @@ _CLOSED_BACKWARD = 21  # q, k, v, dout, out to float32 and the 16 products, sums
 # The dlse term of a backward call: a second operator call on a unit out and -dlse dout (zeros,
 # fills, a negation and copy, the float32 sums of dq and dk); cuDNN takes dout and out contiguous.
 _DLSE = {"cudnn": 13, "flash": 11}
+_ROW_PAIRS = 6  # tensors one launch of the row moves takes (csrc/views/rows_kernel.cuh kRowPairs)
 
 
 @dataclass(frozen=True)
@@ -101,24 +102,44 @@ def _repeats(c: Call, gathered: bool) -> int:
     return 0
 
 
-def _forward(c: Call, gathered: bool) -> int:
-    attention = _CLOSED_FORWARD if c.m == 1 else 1
-    return int(gathered) + _repeats(c, gathered) + attention + 1  # + the merge
+def _moves(pairs: int) -> int:
+    """Launches of a branch's row moves (views.cpp Moves): the rows kernel takes six tensors."""
+    return -(-pairs // _ROW_PAIRS)
 
 
-def _backward(c: Call, gathered: bool, has_dlse: bool, kind: str) -> int:
-    if c.m == 1:
-        kernel, same_dtypes = _CLOSED_BACKWARD + int(has_dlse), True  # all three in float32
-    else:
-        kernel = 2 + (_DLSE[kind] if has_dlse else 0)  # the contiguous copies (cuDNN) or lse (flash)
-        same_dtypes = not has_dlse  # the dlse term makes dq and dk float32
-    if not c.kv.expanded and c.kv.n == c.q.n and same_dtypes:
-        adds = 1  # dq, dk, dv in one launch
-    elif c.kv.expanded or c.kv.n != c.q.n:
-        adds = 1 + 4  # dq; dk and dv summed over the heads that read them, then added
-    else:
-        adds = 3
-    return int(gathered) + _repeats(c, gathered) + kernel + adds
+def _forward(runs: list[tuple[Call, int, bool]]) -> int:
+    """A branch's forward: its gathers (q, k, v of every gathered run), then per run the repeated
+    key/value heads, the operator call and the merge."""
+    gathers = _moves(sum(3 for _, _, gathered in runs if gathered))
+    return gathers + sum(
+        _repeats(c, gathered) + (_CLOSED_FORWARD if c.m == 1 else 1) + 1 for c, _, gathered in runs
+    )
+
+
+def _backward(runs: list[tuple[Call, int, bool]], grouped_query: bool, has_dlse: bool, kind: str) -> int:
+    """A branch's backward: the moves of every run's inputs (the gathers, cuDNN's contiguous dout,
+    out and statistics; flash's statistics), then per run the repeated key/value heads, the
+    operator call and the adds of its gradients, those of every run together where no two runs
+    share key/value rows (no grouped-query heads)."""
+    inputs = 0
+    launches = 0
+    together = 0  # gradients added with the branch's others
+    for c, _, gathered in runs:
+        inputs += 3 * gathered + (2 if kind == "cudnn" or gathered else 0) + 1 + int(has_dlse and gathered)
+        if c.m == 1:
+            kernel, same_dtypes = _CLOSED_BACKWARD + int(has_dlse), True  # all three in float32
+        else:
+            kernel = 1 + (_DLSE[kind] if has_dlse else 0)
+            same_dtypes = not has_dlse  # the dlse term makes dq and dk float32
+        if not c.kv.expanded and c.kv.n == c.q.n and same_dtypes:
+            adds = 1 if grouped_query else 0  # dq, dk, dv in one launch
+            together += 0 if grouped_query else 3
+        elif c.kv.expanded or c.kv.n != c.q.n:
+            adds = 1 + 4  # dq; dk and dv summed over the heads that read them, then added
+        else:
+            adds = 3
+        launches += _repeats(c, gathered) + kernel + adds
+    return _moves(inputs) + launches + _moves(together)
 
 
 def views_launches(
@@ -143,8 +164,8 @@ def views_launches(
         branches.append(
             BranchLaunches(
                 calls=len(made_calls),
-                forward=sum(_forward(c, gathered) for c, _, gathered in made_calls),
-                backward=sum(_backward(c, gathered, has_dlse, kind) for c, _, gathered in made_calls),
+                forward=_forward(made_calls),
+                backward=_backward(made_calls, Hq != Hkv, has_dlse, kind),
             )
         )
     # forward: the accumulators (zeros, a fill), the flags (zeros, the check), v with its

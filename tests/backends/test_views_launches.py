@@ -2,9 +2,8 @@
 (dilated_attention/backends/sdpa_launches.py), at the example GPT's geometry: B = 1, 12 heads,
 causal, LongNet branches w = 2048 * 2^i, r = 2^i up to the block length, for blocks of 16K, 64K and
 128K. The counts are printed against the target "at most 4 launches per branch and direction plus a
-constant"; the target is asserted where the driver meets it (a branch of one kernel call), and the
-number of kernel calls the count is built on is checked against the operator calls of the driver's
-own CPU run."""
+constant", which every branch meets, and the number of kernel calls the count is built on is
+checked against the operator calls of the driver's own CPU run."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ def test_gpt_geometry_launch_count(N, capsys):
     assert counted.forward == counted.forward_constant + sum(b.forward for b in counted.branches)
     for b in counted.branches:
         assert b.calls >= 1 and b.forward >= b.calls and b.backward >= b.calls  # an operator each
-        if b.calls == 1:  # what the driver meets today: a branch of one kernel call
-            assert b.forward <= TARGET and b.backward <= TARGET
+    assert counted.most_per_branch() <= TARGET
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])

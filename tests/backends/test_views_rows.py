@@ -121,14 +121,15 @@ def test_phases_of_several_segments_gathered_and_added_back(emu, dtype):
 
 
 def test_pairs_of_different_row_counts_and_a_full_job(emu):
-    """Pairs of different shapes share a launch (the grid covers the longest); a fourth pair or
+    """Pairs of different shapes share a launch (the grid covers the longest); a seventh pair or
     sizes that differ within a pair are refused (the caller moves those itself)."""
     a, b = torch.randn(3, 5, 7), torch.randn(1, 2, 9)
     da, db = torch.zeros_like(a), torch.zeros_like(b)
     assert move(emu, [da, db], [a, b], False) == 0
     assert torch.equal(da, a) and torch.equal(db, b)
     x = torch.randn(2, 3)
-    assert move(emu, [torch.zeros(2, 3)] * 4, [x] * 4, False) == 1
+    assert move(emu, [torch.zeros(2, 3) for _ in range(6)], [x] * 6, False) == 0
+    assert move(emu, [torch.zeros(2, 3) for _ in range(7)], [x] * 7, False) == 1
     assert move(emu, [torch.zeros(2, 4)], [x], False) == 1
     # a copy as words needs rows contiguous in both tensors
     assert move(emu, [torch.zeros(3, 2).t()], [x], False) == 1
