@@ -45,7 +45,7 @@ DA_MERGE_HD void merge_weights(acc_t a, acc_t b, acc_t* lse, acc_t* wa, acc_t* w
   *wb = exp(b - *lse);
 }
 
-// The corrections for non-finite inputs of one kernel call (gathered.py's _NonFinite), read by the
+// The corrections for non-finite inputs of one kernel call (backends/driver.py's _NonFinite), read by the
 // merge of the call's rows; int flags per row (1: the row holds a non-finite entry), set on the
 // device, never read on the host. The call's batch dims are two, (C, Bb): entry bb of the pair is
 // (bb / Bb, bb % Bb). A row (bb, j, t) of the call reads its query row and the key rows

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "views/rows.h"
@@ -47,6 +48,12 @@ void launch(const RowJob& job, RowOp op, RowSource source, const at::Device& dev
 void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add) {
   TORCH_CHECK(dst.size() == src.size(), "move_rows_cuda_: as many dsts as srcs, got ", dst.size(), " and ",
               src.size());
+  // the adds grouped by source dtype (a launch reads one), the dsts being disjoint
+  std::vector<size_t> order(dst.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  if (add)
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return src[a].scalar_type() < src[b].scalar_type(); });
   RowJob job;
   std::optional<RowSource> source;  // of the job's adds
   auto flush = [&] {
@@ -55,7 +62,7 @@ void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::T
     job = RowJob();
     source.reset();
   };
-  for (size_t i = 0; i < dst.size(); ++i) {
+  for (const size_t i : order) {
     TORCH_CHECK(dst[i].sizes() == src[i].sizes() && dst[i].dim() <= kRowDims && dst[i].is_cuda() &&
                     src[i].device() == dst[i].device(),
                 "move_rows_cuda_: pair ", i, " has sizes ", dst[i].sizes(), " and ", src[i].sizes());

@@ -1,25 +1,26 @@
 // dilated_attention::views_fwd and views_bwd: the sdpa backend's driver in one op each way.
 //
-// Every branch is a handful of dense attention calls on strided views of q, k and v (plan.h; with
-// one batch entry and one segment, the calls of a branch's phases run as one, their index as the
-// kernel's batch dim: Run); a call's (out, lse) is merged by log-sum-exp into one accumulator
-// (merge.h). The backward feeds
-// each call the *merged* out and lse of its rows (as ring attention does) and adds its gradients
-// into strided views of float32 (float64) dq, dk and dv. Only the per-call kernel differs:
+// Every branch is a handful of dense attention calls on strided views of q, k and v (plan.h; the
+// calls of a branch's phases run as one, their index as the kernel's batch dim, gathered into one
+// contiguous batch where the segments or batch entries are several too: Run, Moves); a call's
+// (out, lse) is merged by log-sum-exp into one accumulator (merge.h). The backward feeds each
+// call the *merged* out and lse of its rows (as ring attention does) and adds its gradients into
+// strided views of float32 (float64) dq, dk and dv. Only the per-call kernel differs:
 //
 // * CPU: aten::_scaled_dot_product_flash_attention_for_cpu forward (grouped-query attention in
 //   the kernel); the backward is the exact matmul formula in float32 (float64), in chunks, with
 //   delta and the row normalisation summed over every call first (the row dots of
-//   dilated_attention/backends/merged.py), which keeps float32 and bfloat16 within SPEC section 4.
+//   dilated_attention/backends/accumulated.py), which keeps float32 and bfloat16 within SPEC section 4.
 // * CUDA: aten::_scaled_dot_product_cudnn_attention (sm_90+, float16/bfloat16, head dim a
 //   multiple of 8 and <= 128) or aten::_scaled_dot_product_flash_attention (sm_80+, head dim a
-//   multiple of 8 and <= 256) and their backward operators, key/value heads repeated. cuDNN's
+//   multiple of 8 and <= 256) and their backward operators, key/value heads repeated to q's in the
+//   move that gives the kernel its operands (Moves::operand). cuDNN's
 //   backward always gets out and dout contiguous (B, H, M, D) and the statistics contiguous
 //   (B, H, M, 1): PyTorch caches a cuDNN backward graph per shapes and strides of q, k and v while
 //   the graph bakes in the strides of out, dout and the statistics. A call of one row and one key
 //   runs in closed form (cuDNN refuses s_q = s_kv = 1): out = v, lse = scale (q . k).
 //
-// Non-finite inputs take the corrections of gathered.py's _NonFinite, without a read back to the
+// Non-finite inputs take the corrections of backends/driver.py's _NonFinite, without a read back to the
 // host: one pass flags the rows of q, k and v that hold a NaN or an infinity, and the merge of
 // every call corrects its rows from the flags (only where some flag is set): causal masking's
 // 0 * inf is kept out of the kernel, and a row that reads a non-finite query or key gets NaN (the
@@ -117,12 +118,25 @@ class Moves {
   }
 
   // A run's view (count, Bb, ...) as a kernel reads it, (count Bb, ...): the view itself where it
-  // folds, else a contiguous tensor that run() gathers its rows into.
-  at::Tensor operand(const at::Tensor& view) {
-    if (folds(view)) return view.flatten(0, 1);  // a view: a dim of size 1
-    const at::Tensor x = at::empty(view.sizes(), view.options());
-    push(x, view);
-    return x.flatten(0, 1);
+  // folds, else a contiguous tensor that run() gathers its rows into. heads > 0: the key/value
+  // heads of a view (count, Bb, mk, hk, D) repeated to q's heads for a kernel that takes as many
+  // as q has, and a stride-0 head dim materialised (the kernels' backward writes one gradient per
+  // head), in the same move.
+  at::Tensor operand(const at::Tensor& view, int64_t heads = 0) {
+    const int64_t hk = view.size(3);
+    const bool repeat = heads > 0 && (hk != heads || (heads > 1 && view.stride(3) == 0));
+    if (!repeat && folds(view)) return view.flatten(0, 1);  // a view: a dim of size 1
+    at::Tensor src = view;
+    if (repeat && hk != heads) {
+      std::vector<int64_t> sizes = view.sizes().vec();
+      sizes.insert(sizes.begin() + 4, heads / hk);
+      src = view.unsqueeze(4).expand(sizes);
+    }
+    const at::Tensor x = at::empty(src.sizes(), src.options());
+    push(x, src);
+    std::vector<int64_t> sizes = view.sizes().vec();
+    sizes[3] = repeat ? heads : hk;
+    return x.view(sizes).flatten(0, 1);
   }
 
   // A run's view (count, Bb, m, n, ...) as (count Bb, n, m, ...), contiguous, filled by run(): the
@@ -214,17 +228,6 @@ at::Tensor driver_layout(const at::Tensor& x) {
   return in_place ? x : x.contiguous();
 }
 
-// Key/value heads x (Bb, m, hk, D) repeated to q's h heads for a kernel that takes as many as q
-// has; a stride-0 head dim is materialised (the kernels' backward writes one gradient per head).
-at::Tensor repeat_heads(const at::Tensor& x, int64_t h) {
-  const int64_t hk = x.size(2);
-  if (hk != h) {  // expand and copy (repeat_interleave may read a size back from the device)
-    const int64_t Bb = x.size(0), m = x.size(1), D = x.size(3);
-    return x.unsqueeze(3).expand({Bb, m, hk, h / hk, D}).reshape({Bb, m, h, D});
-  }
-  return h > 1 && x.stride(2) == 0 ? x.contiguous() : x;
-}
-
 // Whether the current CUDA stream of q is being captured into a graph.
 bool capturing(const at::Tensor& q) {
 #ifdef DILATED_ATTENTION_WITH_CUDA
@@ -294,7 +297,7 @@ std::vector<at::Tensor> mark_nonfinite(const std::vector<at::Tensor>& xs) {
   return out;
 }
 
-// Non-finite inputs (gathered.py's _NonFinite), marked on the device (mark_nonfinite) and corrected
+// Non-finite inputs (backends/driver.py's _NonFinite), marked on the device (mark_nonfinite) and corrected
 // by the merge of every call (merge_rule.h NonFiniteRows): no value is read back to the host on
 // CUDA. v_kernel: with causal masking, the values the kernels read, v with its non-finite entries
 // taken as 0 (masking's 0 * inf kept out of the kernel); on the CPU v itself where every row is
@@ -559,13 +562,18 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   const std::optional<NonFinite> nf =
       finite.value_or(false) ? std::nullopt : std::make_optional<NonFinite>(q, k, v, is_causal);
   const at::Tensor& v_kernel = nf ? nf->v_kernel : v;
-  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
+  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, true);
   for (size_t br = 0; br < plan->branches.size(); ++br) {
     const std::vector<Run> rs = runs(plan->branches[br], P.B, P.N);
     Moves gather;  // the branch's gathers in one launch (on CUDA, up to two runs)
     std::vector<std::array<at::Tensor, 3>> x;
-    for (const Run& run : rs)
-      x.push_back({gather.operand(run.q(q)), gather.operand(run.kv(k)), gather.operand(run.kv(v_kernel))});
+    for (const Run& run : rs) {
+      // grouped-query calls as planned: the CPU kernel takes them, on CUDA the key/value heads are
+      // repeated to q's in the move that gives the kernel its operands
+      const int64_t heads = cuda ? run.c.q.n : 0;
+      x.push_back({gather.operand(run.q(q)), gather.operand(run.kv(k), heads),
+                   gather.operand(run.kv(v_kernel), heads)});
+    }
     gather.run(false);
     for (size_t i = 0; i < rs.size(); ++i) {
       const Run& run = rs[i];
@@ -576,8 +584,7 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
             qv.transpose(1, 2), kv.transpose(1, 2), vv.transpose(1, 2), 0.0, is_causal, std::nullopt, scale);
       } else {
 #ifdef DILATED_ATTENTION_WITH_CUDA
-        std::tie(og, lg) = cuda_forward(kind, qv, repeat_heads(kv, run.c.q.n), repeat_heads(vv, run.c.q.n),
-                                        is_causal, scale);
+        std::tie(og, lg) = cuda_forward(kind, qv, kv, vv, is_causal, scale);
 #endif
       }
       const std::optional<CallNonFinite> fix = nf ? std::make_optional(nf->call(run)) : std::nullopt;
@@ -600,7 +607,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
   const int kind = cuda ? cuda_kind(q_in) : 0;
   (void)kind;  // read by the CUDA kernels only
   const at::Tensor k = driver_layout(k_in), dout = driver_layout(dout_in);
-  // The values the kernels read (merged.py's kernel_values): with causal masking, a non-finite
+  // The values the kernels read (accumulated.py's kernel_values): with causal masking, a non-finite
   // v[x] taken as 0, as the forward's kernels took it, so that 0 * inf does not carry it into the
   // dout . v of the rows before x, nor through delta into the gradients of their other branches'
   // keys (dv reads no v). A copy only where v has such entries; on CUDA always, since looking
@@ -616,7 +623,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
   const at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(acc));
   const at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
   const at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
-  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, !cuda);
+  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, true);
   if (!cuda) {
     // delta and norm of every row over the keys of every call, then the gradients
     const at::Tensor dots = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
@@ -650,7 +657,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
       Moves in, adds;
       std::vector<std::array<at::Tensor, 7>> x;  // q, k, v, d_o, o, lt, dl as the kernel reads them
       for (const Run& r : rs) {
-        std::array<at::Tensor, 7> a = {in.operand(r.q(q)), in.operand(r.kv(k)), in.operand(r.kv(v))};
+        const int64_t n = r.c.q.n;
+        std::array<at::Tensor, 7> a = {in.operand(r.q(q)), in.operand(r.kv(k), n), in.operand(r.kv(v), n)};
         const at::Tensor dy = r.q(dout), y = r.q(out);
         if (kind == 2 || !folds(dy)) {  // cuDNN's backward graph bakes in their strides
           a[3] = in.heads_first(dy);
@@ -667,24 +675,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
       for (size_t i = 0; i < rs.size(); ++i) {
         const Run& r = rs[i];
         const Call& c = r.c;
-        const int64_t n = c.q.n, hk = x[i][1].size(2);
-        auto [gq, gk, gv] =
-            cuda_backward(kind, x[i][3], x[i][0], repeat_heads(x[i][1], n), repeat_heads(x[i][2], n), x[i][4],
-                          x[i][5], x[i][6], is_causal, scale);
+        const int64_t n = c.q.n, hk = c.kv.n;
+        auto [gq, gk, gv] = cuda_backward(kind, x[i][3], x[i][0], x[i][1], x[i][2], x[i][4], x[i][5], x[i][6],
+                                          is_causal, scale);
         gq = r.split(gq);
         gk = r.split(gk);
         gv = r.split(gv);
-        if (!c.kv.expanded() && hk == n && gk.scalar_type() == gq.scalar_type() &&
-            gv.scalar_type() == gq.scalar_type()) {  // the three adds with the branch's others
-          adds.push(r.q(dq), gq);
-          adds.push(r.kv(dk), gk);
-          adds.push(r.kv(dv), gv);
-          // the runs of a branch add into disjoint rows of dq, and of dk and dv where every key/value
-          // head has one query head; grouped-query runs may share key/value rows: a launch each
-          if (P.Hq != P.Hkv) adds.run(true);
-          continue;
-        }
-        r.q(dq).add_(gq);
         Strided skv = c.kv;
         if (c.kv.expanded()) {  // one head read by every head of the call: the sum, in float32
           skv = Strided{c.kv.p0, c.kv.dp, c.kv.c0, 1, 1};
@@ -694,8 +690,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
           gk = at::sum(gk.unflatten(3, {hk, n / hk}), {4}, false, at::kFloat);
           gv = at::sum(gv.unflatten(3, {hk, n / hk}), {4}, false, at::kFloat);
         }
-        r.view(dk, skv, r.step_kv).add_(gk);
-        r.view(dv, skv, r.step_kv).add_(gv);
+        adds.push(r.q(dq), gq);
+        adds.push(r.view(dk, skv, r.step_kv), gk);
+        adds.push(r.view(dv, skv, r.step_kv), gv);
+        // the runs of a branch add into disjoint rows of dq, and of dk and dv where every key/value
+        // head has one query head; grouped-query runs may share key/value rows: a launch each
+        if (P.Hq != P.Hkv) adds.run(true);
       }
       adds.run(true);
     }

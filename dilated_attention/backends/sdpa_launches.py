@@ -1,8 +1,8 @@
 """The kernel launches of the sdpa backend's C++ driver on CUDA (``csrc/views/views.cpp``:
 ``views_fwd`` and ``views_bwd``), counted from its plan.
 
-The driver runs every kernel call of the plan (:func:`.strided.plan_branches`, planned without
-native grouped-query attention on CUDA) once per batch run, except that the calls whose phases and
+The driver runs every kernel call of the plan (:func:`.strided.plan_branches`, grouped-query
+heads kept, their key/value heads repeated on CUDA) once per batch run, except that the calls whose phases and
 heads step evenly (the phases of a branch) run as one kernel call, their index as its batch dim:
 :func:`driver_calls` asks the extension for the calls the driver makes (``views/plan.h``
 ``driver_calls``). Where the batch entries or segments are several too, the run's rows are first
@@ -77,12 +77,12 @@ class Launches:
 def driver_calls(
     B: int, N: int, Hq: int, Hkv: int, segment_lengths: list[int], dilation_rates: list[int]
 ) -> list[list[tuple[Call, int, bool]]]:
-    """Per branch, the kernel calls the C++ driver makes on CUDA for q (B, N, Hq, D) (planned
-    without native grouped-query attention): ``(first plan call, count of plan calls, gathered)``,
+    """Per branch, the kernel calls the C++ driver makes on CUDA for q (B, N, Hq, D):
+    ``(first plan call, count of plan calls, gathered)``,
     one per call and batch entry where the call does not fold; gathered where the run's calls
     and its batch entries or segments are both several (views.cpp ``operands``). The driver's own
     grouping (``views/plan.h`` ``driver_calls``, bound as ``_C.driver_calls``)."""
-    args = ((N,), Hq, Hkv, tuple(segment_lengths), tuple(dilation_rates), False)
+    args = ((N,), Hq, Hkv, tuple(segment_lengths), tuple(dilation_rates), True)
     plan = plan_branches(*args)
     made = library._require_extension().driver_calls(*args, B)
     return [
@@ -94,52 +94,59 @@ def driver_calls(
     ]
 
 
-def _repeats(c: Call, gathered: bool) -> int:
-    """Copies of k and v whose heads the kernel cannot read as they are (views.cpp repeat_heads;
-    a gathered stride-0 head is copied to every head by the gather)."""
-    if c.kv.n != c.q.n or (c.kv.expanded and not gathered):
-        return 2
-    return 0
-
-
 def _moves(pairs: int) -> int:
-    """Launches of a branch's row moves (views.cpp Moves): the rows kernel takes six tensors."""
+    """Launches of row moves of one kind (views.cpp Moves): the rows kernel takes six tensors."""
     return -(-pairs // _ROW_PAIRS)
 
 
+def _operands(c: Call, gathered: bool) -> int:
+    """Tensors moved to give the kernel q, k and v: those of a gathered run, and k and v where
+    their heads are repeated to q's (grouped-query heads, a stride-0 head)."""
+    repeated = c.kv.n != c.q.n or c.kv.expanded
+    return int(gathered) + 2 * int(gathered or repeated)
+
+
 def _forward(runs: list[tuple[Call, int, bool]]) -> int:
-    """A branch's forward: its gathers (q, k, v of every gathered run), then per run the repeated
-    key/value heads, the operator call and the merge."""
-    gathers = _moves(sum(3 for _, _, gathered in runs if gathered))
-    return gathers + sum(
-        _repeats(c, gathered) + (_CLOSED_FORWARD if c.m == 1 else 1) + 1 for c, _, gathered in runs
-    )
+    """A branch's forward: its moves (gathers, repeated heads), then per run the operator call and
+    the merge."""
+    moves = _moves(sum(_operands(c, gathered) for c, _, gathered in runs))
+    return moves + sum((_CLOSED_FORWARD if c.m == 1 else 1) + 1 for c, _, _ in runs)
 
 
 def _backward(runs: list[tuple[Call, int, bool]], grouped_query: bool, has_dlse: bool, kind: str) -> int:
-    """A branch's backward: the moves of every run's inputs (the gathers, cuDNN's contiguous dout,
-    out and statistics; flash's statistics), then per run the repeated key/value heads, the
-    operator call and the adds of its gradients, those of every run together where no two runs
-    share key/value rows (no grouped-query heads)."""
-    inputs = 0
-    launches = 0
-    together = 0  # gradients added with the branch's others
+    """A branch's backward: the moves of every run's inputs (q, k, v as the forward moves them;
+    cuDNN's contiguous dout and out; the statistics), then per run the operator call and the sums
+    of dk and dv over the heads that read one key/value head, and the adds of the gradients, by
+    source dtype, those of every run together where no two runs share key/value rows (no
+    grouped-query heads)."""
+    inputs = launches = 0
+    adds: dict[str, int] = {}  # pairs by source dtype, until the next launch
+
+    def add_launches() -> int:
+        n = sum(_moves(k) for k in adds.values())
+        adds.clear()
+        return n
+
     for c, _, gathered in runs:
-        inputs += 3 * gathered + (2 if kind == "cudnn" or gathered else 0) + 1 + int(has_dlse and gathered)
-        if c.m == 1:
-            kernel, same_dtypes = _CLOSED_BACKWARD + int(has_dlse), True  # all three in float32
+        inputs += (
+            _operands(c, gathered) + 2 * int(kind == "cudnn" or gathered) + 1 + int(has_dlse and gathered)
+        )
+        summed = c.kv.expanded or c.kv.n != c.q.n
+        if c.m == 1:  # the closed form: all three in float32
+            launches += _CLOSED_BACKWARD + int(has_dlse)
+            dtypes = ["float32"] * 3
         else:
-            kernel = 1 + (_DLSE[kind] if has_dlse else 0)
-            same_dtypes = not has_dlse  # the dlse term makes dq and dk float32
-        if not c.kv.expanded and c.kv.n == c.q.n and same_dtypes:
-            adds = 1 if grouped_query else 0  # dq, dk, dv in one launch
-            together += 0 if grouped_query else 3
-        elif c.kv.expanded or c.kv.n != c.q.n:
-            adds = 1 + 4  # dq; dk and dv summed over the heads that read them, then added
-        else:
-            adds = 3
-        launches += _repeats(c, gathered) + kernel + adds
-    return _moves(inputs) + launches + _moves(together)
+            launches += 1 + (_DLSE[kind] if has_dlse else 0)
+            half = "float32" if has_dlse else "half"  # the dlse term makes dq and dk float32
+            dtypes = [half, half, "half"]
+        if summed:  # dk and dv summed in float32
+            launches += 2
+            dtypes[1:] = ["float32", "float32"]
+        for d in dtypes:
+            adds[d] = adds.get(d, 0) + 1
+        if grouped_query:
+            launches += add_launches()
+    return _moves(inputs) + launches + add_launches()
 
 
 def views_launches(
