@@ -157,7 +157,7 @@ def build_emulation(runner: str, out_dir: Path, opt: str = "-O1") -> ctypes.CDLL
     return ctypes.CDLL(str(lib))
 
 
-ROW_DIMS = 5  # csrc/views/rows_kernel.cuh kRowDims
+ROW_DIMS = 6  # csrc/views/rows_kernel.cuh kRowDims
 
 
 def row_meta(dst: torch.Tensor, src: torch.Tensor) -> list[int]:

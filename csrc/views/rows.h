@@ -10,7 +10,7 @@ namespace dilated_attention {
 namespace views {
 
 #ifdef DILATED_ATTENTION_WITH_CUDA
-// dst[i] = src[i] (add: dst[i] += src[i]) for every pair, on CUDA tensors of at most five dims
+// dst[i] = src[i] (add: dst[i] += src[i]) for every pair, on CUDA tensors of at most kRowDims (six) dims
 // whose last dim is the row and whose sizes agree pair by pair, dsts not overlapping. One launch
 // for up to kRowPairs pairs that fit the kernel (a copy of dtypes of 2, 4 or 8 bytes with
 // contiguous rows; an add of float32, bfloat16 or float16 sources into float32, the adds grouped
@@ -19,7 +19,7 @@ namespace views {
 void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add);
 
 // Sets flags[i][...row] = 1 for every row of xs[i] (1 to 3 CUDA tensors of one dtype, float32,
-// bfloat16 or float16, at most five dims, the last the row) that holds a NaN or an infinity, and
+// bfloat16 or float16, at most kRowDims dims, the last the row) that holds a NaN or an infinity, and
 // any[0] = 1 where some row does: one launch, nothing read back to the host. flags[i] (int32, xs[i]'s
 // sizes without the last) and any (int32, one element) hold 0 before. False where xs do not fit
 // the kernel (nothing launched).

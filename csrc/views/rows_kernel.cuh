@@ -11,7 +11,7 @@
 //   * the forward's check for non-finite entries in q, k and v: a flag per row (or one flag for
 //     every row, zero strides) and, where the job has one, a flag set by any of them.
 //
-// Each row (i0, i1, i2, i3) of the pair blockIdx.y gets `lanes` threads of a warp over its elements (32
+// Each row (every index but the last) of the pair blockIdx.y gets `lanes` threads of a warp over its elements (32
 // for rows of 32 elements or more, fewer for short rows: a warp then moves several rows). Compiled
 // for the CPU emulation of the tests as well (tests/cuda_emulation/run_rows.cpp); the launch is in
 // rows_cuda.cu.
@@ -31,7 +31,7 @@ namespace dilated_attention {
 namespace views {
 
 constexpr int kRowPairs = 6;      // tensors moved by one launch at the most
-constexpr int kRowDims = 5;       // dims of a tensor at the most, the row included
+constexpr int kRowDims = 6;       // dims of a tensor at the most, the row included
 constexpr int kRowThreads = 128;  // threads a block: four rows
 
 // A tensor of at most kRowDims dims as the job takes it: its data, the bytes of one element, and

@@ -120,6 +120,28 @@ def test_phases_of_several_segments_gathered_and_added_back(emu, dtype):
         assert torch.equal(a, b)
 
 
+def test_grouped_query_heads_repeated_in_the_gather(emu):
+    """The key/value operand of a grouped-query run on CUDA (views.cpp Moves::operand): the
+    run's (phase, segment, m, hk, D) view with every head repeated g times, a six-dim source of
+    stride 0, moved into q's heads (head u g + j reads key/value head u) in the same launch as q."""
+    torch.manual_seed(1)
+    N, Hq, Hkv, D, w, r = 32, 6, 2, 8, 8, 2
+    g = Hq // Hkv
+    q, k = torch.randn(1, N, Hq, D).to(torch.bfloat16), torch.randn(1, N, Hkv, D).to(torch.bfloat16)
+
+    def phases(x, heads):  # element [o, s, j, t, e] = x[0, s w + o + j r, t, e]
+        sN, sH = x.stride(1), x.stride(2)
+        return x.as_strided((r, N // w, w // r, heads, D), (sN, w * sN, r * sN, sH, 1))
+
+    kv = phases(k, Hkv).unsqueeze(4).expand(r, N // w, w // r, Hkv, g, D)
+    dq = torch.empty(r, N // w, w // r, Hq, D, dtype=torch.bfloat16)
+    dk = torch.empty(r, N // w, w // r, Hkv, g, D, dtype=torch.bfloat16)
+    assert move(emu, [dq, dk], [phases(q, Hq), kv], False) == 0
+    assert torch.equal(dq, phases(q, Hq))
+    want = phases(k, Hkv).repeat_interleave(g, dim=3)
+    assert torch.equal(dk.reshape(want.shape), want)
+
+
 def test_pairs_of_different_row_counts_and_a_full_job(emu):
     """Pairs of different shapes share a launch (the grid covers the longest); a seventh pair or
     sizes that differ within a pair are refused (the caller moves those itself)."""
