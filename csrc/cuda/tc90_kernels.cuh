@@ -3,10 +3,10 @@
 //
 // A thread block is three warpgroups (384 threads) owning 128 rows of one head (a tiling of 8 warps
 // of 16 rows, tiling.h). Warpgroup 0 is the producer: it gives back registers (setmaxnreg) and one
-// warp of it walks the block's rows (common.cuh's Walk over every branch, segment and chunk of the
-// other side, the causal skip), and for each chunk that some row of the block works on waits for a
-// free stage of shared memory, publishes the chunk (its position in the walk) there and loads its
-// tiles: by the tensor copy engine (tma.h: one strided box per panel, completing on the stage's
+// warp of it walks the block's rows (tiling.h's walk over every branch and segment, its position
+// and the block's constants kept in shared memory, Tc90Walker), and for each chunk of the other
+// side that some row of the block works on (the causal skip) waits for a free stage of shared
+// memory, publishes the chunk (its position in the walk) there and loads its tiles: by the tensor copy engine (tma.h: one strided box per panel, completing on the stage's
 // mbarrier) or, where no tensor map reaches them, by cp.async completing on the same mbarrier. The
 // two consumer warpgroups take more registers, each owning 64 of the rows; each waits for a stage,
 // adopts the published position (rescanning its rows where the segment changed), computes the
@@ -56,12 +56,13 @@ constexpr int kTc90Threads = 128 * (1 + kTc90Consumers);  // and the producer wa
 constexpr int kTc90Warps = 4 * kTc90Consumers;            // warps that own rows (the tiling's)
 constexpr int kTc90Rows = kTcRows * kTc90Consumers;       // rows per block
 constexpr int kTc90Stages = 4;
-// Registers per thread after setmaxnreg, within the launch's 384 x 168 = 64512: 128 x 72 + 256 x 216.
-// The producer's walk is 32-bit (Tc90ProducerWalk), and so are its tensor copies' coordinates: the
-// forward's and dq's producers fit in 56, dk/dv's (which also loads lse and delta) spills a few
-// bytes there at head dims up to 96; the consumers of every pass and head dim fit in 216
-// (scripts/check_sm90a.sh).
-constexpr int kTc90ProducerRegs = 72, kTc90ConsumerRegs = 216;
+// Registers per thread after setmaxnreg, within the launch's 384 x 168 = 64512: 128 x 40 + 256 x 232
+// = 64512. The producer holds little in registers: its walk is 32-bit and keeps its position and
+// the block's constants in shared memory (Tc90Walker), and it steps through a segment's chunks
+// without per-chunk decisions (tc90_next_segment); at 32 the forward's fits, dk/dv's (which also
+// loads lse and delta) spills a few bytes. The consumers of every pass and head dim fit in 232
+// (scripts/check_sm90a.sh). (FlashAttention-3: 24 and 240.)
+constexpr int kTc90ProducerRegs = 40, kTc90ConsumerRegs = 232;
 constexpr int kTc90LaunchRegs = 168;  // 65536 / 384 rounded down to a multiple of 8
 static_assert(128 * kTc90ProducerRegs + 128 * kTc90Consumers * kTc90ConsumerRegs <=
                   kTc90Threads * kTc90LaunchRegs,
@@ -71,16 +72,31 @@ static_assert(128 * kTc90ProducerRegs + 128 * kTc90Consumers * kTc90ConsumerRegs
 // index of the other side; flags: the walk has ended (no chunk), the tiles came by tensor copies.
 enum { kTc90Done = 1, kTc90Tma = 2 };
 struct Tc90Chunk {
-  da_walk_of<int32_t> at;  // the producer's walk (Tc90ProducerWalk)
+  da_walk_of<int32_t> at;  // the producer's walk (Tc90Walker)
   int o0, flags;
+};
+
+// What the producer warp's walk reads, in shared memory (Tc90Pipe) rather than in registers, so
+// that the producer warpgroup needs few: the block's rows and heads, its sequence, and the walk's
+// current segment, in 32-bit arithmetic (tiling.h: every index is below 2 N < 2^31, and N < 2^30
+// is checked at the op's entry; a packed sequence's start row is below 2^30 as well). The walk
+// itself is the sm80 kernels' (tiling.h's da_walk_candidate and da_row_index), its decisions the
+// warp's: lane l follows the rows 4 l .. 4 l + 3.
+struct Tc90Walker {
+  int32_t N, base, last, h0, G;  // the block's rows [base, last] of N (tiling.h), heads h0 .. h0 + G - 1
+  int32_t b, start;              // the sequence (SeqRows)
+  int32_t pos[kTc90Rows];        // the rows' positions, padding rows (at or past N) held at N
+  da_walk_of<int32_t> at;        // the current segment (a fresh walker: before the first)
 };
 
 // The pipeline's barriers and slots (after the tiles in shared memory): full[s] completes when the
 // producer warp's 32 threads have arrived and the stage's copies have landed; empty[s] when the
-// consumers' 8 warps have released the stage (one arrival each, tc90_release).
+// consumers' 8 warps have released the stage (one arrival each, tc90_release). walker: the
+// producer's walk.
 struct Tc90Pipe {
   uint64_t full[kTc90Stages], empty[kTc90Stages];
   Tc90Chunk slot[kTc90Stages];
+  Tc90Walker walker;
 };
 
 template <int DP>
@@ -183,60 +199,105 @@ __device__ __forceinline__ int tc90_map_index(const TmaMaps& maps, int64_t r) {
 
 static_assert(kTc90Rows == 32 * 4, "the producer warp walks the block's rows, four per lane");
 
-// The producer warp's walk: 32-bit (tiling.h; N < 2^30), so that the producer warpgroup needs few
-// registers and gives the consumers the rest.
-using Tc90ProducerWalk = Walk<4, int32_t>;
-
-// The producer warp's walk over the block's 128 rows, four per lane (rows 4 lane .. 4 lane + 3),
-// its decisions the warp's OR (WarpAny): it reaches the chunks that the consumers' walks reach.
-// Padding rows (at or past N) are held at N, which 32 bits hold.
-__device__ __forceinline__ Tc90ProducerWalk tc90_producer_walk(const Params& p, const da_tiling& tl,
-                                                               int64_t N, int64_t base, int64_t h0, int G,
-                                                               int rows_are, int other_tile, int lane) {
-  Tc90ProducerWalk w = tc_walk_init<4, int32_t>(p, tl, N, base, h0, G, rows_are, other_tile);
+// The producer warp's walker over the block's rows from `base` (tiling tl, sequence sq), heads
+// h0 .. h0 + G - 1: set up by the warp, before its first segment.
+__device__ __forceinline__ void tc90_walker_init(Tc90Walker& wk, const SeqRows& sq, const da_tiling& tl,
+                                                 int64_t base, int64_t h0, int G, int lane) {
+  if (lane == 0) {
+    wk.N = (int32_t)sq.N;
+    wk.base = (int32_t)base;
+    wk.last = (int32_t)da_tile_last(&tl, base, sq.N);
+    wk.h0 = (int32_t)h0;
+    wk.G = G;
+    wk.b = (int32_t)sq.b;
+    wk.start = (int32_t)sq.start;
+    da_walk_begin(&wk.at);
+  }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const int64_t x = da_row_position(&tl, base, (4 * lane + k) >> 4, (4 * lane + k) & 15);
-    w.pos[k] = (int32_t)da_min64(x, N);
+    const int j = 4 * lane + k;
+    wk.pos[j] = (int32_t)da_min64(da_row_position(&tl, base, j >> 4, j & 15), sq.N);
   }
-  w.template find<WarpAny>(p.br);
-  return w;
+  __syncwarp();
 }
 
-// The row of the tensor (B, rows, H, D) that holds the first position of the walk's current chunk:
-// below 2^30, as every row (a packed sequence's start counts).
-__device__ __forceinline__ int32_t tc90_chunk_row(const SeqRows& sq, const Tc90ProducerWalk& w) {
-  return (int32_t)sq.start + w.other_position(w.o0);
+// Moves the walker to its next segment in which some row of the block is active and returns the
+// range [*lo, *hi) of the segment's chunks (`OT` indices of the other side each, from at.o_begin)
+// that some row works on: a causal segment's chunks beyond the rows' reach are left out (those
+// that the consumers' walks skip, da_chunk_skip). False where the walk has ended.
+template <int OT, int ROWS_ARE>
+__device__ __forceinline__ bool tc90_next_segment(const Params& p, Tc90Walker& wk, int lane, int32_t* lo,
+                                                  int32_t* hi) {
+  da_walk_of<int32_t> st = wk.at;
+  if (st.s >= 0) ++st.s;  // (a fresh walker's s = -1: da_walk_candidate starts at base's segment)
+  const int32_t N = wk.N;
+  for (;;) {
+    if (!da_walk_candidate<int32_t>(&st, &p.br, wk.G, wk.h0, wk.base, wk.last, N, p.is_causal, ROWS_ARE,
+                                    &p.piece))
+      return false;
+    int jmin = INT_MAX, jmax = -1;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int32_t j = da_row_index<int32_t>(wk.pos[4 * lane + k], N, st.s, st.w, st.r, st.o);
+      if (j >= 0) {
+        jmin = min(jmin, j);
+        jmax = max(jmax, j);
+      }
+    }
+    jmax = warp_max_int(jmax);
+    if (jmax >= 0) {
+      jmin = warp_min_int(jmin);
+      const int32_t off = (int32_t)da_causal_offset(&p.piece);
+      *lo = st.o_begin;
+      *hi = st.o_end;
+      if (p.is_causal && ROWS_ARE == DA_ROWS_ARE_QUERIES) {
+        *hi = min(*hi, jmax + off + 1);  // no row reaches a chunk from jmax + off + 1 on
+      } else if (p.is_causal) {
+        const int32_t x = jmin - off - st.o_begin;  // no row reaches the chunks that end below jmin - off
+        if (x > 0) *lo += x / OT * OT;
+      }
+      __syncwarp();
+      if (lane == 0) wk.at = st;
+      __syncwarp();
+      return true;
+    }
+    ++st.s;
+  }
 }
 
-// The tensor map (index into maps) that loads the walk's current chunk of `rows` indices, or -1:
-// where maps has the chunk's rate and reaches its last used row. (The walk's rate is clamped to
-// the sequence's length, da_branch_at: a rate beyond it finds no map, or the map of the rate N,
-// which loads the one position of the segment as well.)
-__device__ __forceinline__ int tc90_chunk_map(const TmaMaps& maps, const SeqRows& sq,
-                                              const Tc90ProducerWalk& w, int rows) {
-  const int32_t r = w.st.r, g0 = tc90_chunk_row(sq, w);
+// The row of the tensor (B, rows, H, D) that holds the other side's index j of the walker's
+// segment: below 2^30, as every row.
+__device__ __forceinline__ int32_t tc90_other_row(const Tc90Walker& wk, int32_t j) {
+  return wk.start + wk.at.seg_first + j * wk.at.r;
+}
+
+// The tensor map (index into maps) that loads the walker's chunk of `rows` indices from o0, or
+// -1: where maps has the segment's rate and reaches the chunk's last used row. (The walk's rate
+// is clamped to the sequence's length, da_branch_at: a rate beyond it finds no map, or the map of
+// the rate N, which loads the one position of the segment as well.)
+__device__ __forceinline__ int tc90_chunk_map(const TmaMaps& maps, const Tc90Walker& wk, int32_t o0,
+                                              int rows) {
+  const int32_t r = wk.at.r, g0 = tc90_other_row(wk, o0);
   const int mi = tc90_map_index(maps, r);
-  return mi >= 0 && g0 / r + min(rows, w.o_end - w.o0) <= maps.J[mi] ? mi : -1;
+  return mi >= 0 && g0 / r + min(rows, wk.at.o_end - o0) <= maps.J[mi] ? mi : -1;
 }
 
-// Loads the walk's current chunk (`rows` indices of the other side from o0; rows past o_end are
-// not used) of tensors a and b (head `head`) into the Sw90 tiles ta and tb, completing on bar: with
-// the tensor copy engine and map mi (tc90_chunk_map; lane 0 issues one box per panel and tensor;
-// rows past o_end that a box loads hold other positions' values, which the kernels mask), or with
-// cp.async from the warp's lanes where mi is -1 (zero rows past o_end). Every lane arrives on bar
-// once, after its own writes of the stage.
+// Loads the walker's chunk (`rows` indices of the other side from o0; those at or past at.o_end
+// are not used) of tensors a and b (head `head`) into the Sw90 tiles ta and tb, completing on bar:
+// with the tensor copy engine and map mi (tc90_chunk_map; lane 0 issues one box per panel and
+// tensor; rows past o_end that a box loads hold other positions' values, which the kernels mask),
+// or with cp.async from the warp's lanes where mi is -1 (zero rows past o_end). Every lane
+// arrives on bar once, after its own writes of the stage.
 template <typename T, typename L>
-__device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, const Tensor4& b, int64_t head,
-                                               const SeqRows& sq, const Tc90ProducerWalk& w, int rows,
-                                               int64_t D, const TmaMaps& maps, int mi, uint64_t* bar,
-                                               int lane) {
+__device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, const Tensor4& b, int32_t head,
+                                               const Tc90Walker& wk, int32_t o0, int rows, int64_t D,
+                                               const TmaMaps& maps, int mi, uint64_t* bar, int lane) {
   if (mi >= 0) {
     if (lane == 0) {
-      const int32_t r = w.st.r, g0 = tc90_chunk_row(sq, w);
+      const int32_t r = wk.at.r, g0 = tc90_other_row(wk, o0);
       fence_proxy_async();  // the consumers' generic reads of the tiles' last use, before the copy engine's writes
       mbar_arrive_expect_tx(bar, (uint32_t)(2 * rows * L::DP * 2));
-      int32_t c[5] = {0, (int32_t)head, g0 % r, g0 / r, (int32_t)sq.b};
+      int32_t c[5] = {0, head, g0 % r, g0 / r, wk.b};
 #pragma unroll
       for (int pn = 0; pn < L::PANELS; ++pn) {
         c[0] = pn * L::PW;
@@ -248,52 +309,68 @@ __device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, c
     }
     return;
   }
-  const T* pa = static_cast<const T*>(a.data) + sq.b * a.sb + sq.start * a.sn + head * a.sh;
-  const T* pb = static_cast<const T*>(b.data) + sq.b * b.sb + sq.start * b.sn + head * b.sh;
-  auto chunk_row = [&](int64_t sn) {
-    return [&w, sn](int jj) -> int64_t {
-      const int j = w.o0 + jj;
-      return j < w.o_end ? w.other_position(j) * sn : -1;
+  auto chunk_row = [&wk, o0](int64_t sn) {
+    return [&wk, o0, sn](int jj) -> int64_t {
+      const int32_t j = o0 + jj;
+      return j < wk.at.o_end ? (int64_t)tc90_other_row(wk, j) * sn : -1;
     };
   };
-  tc90_load_rows<T, L>(ta, pa, rows, D, chunk_row(a.sn), lane, 32);
-  tc90_load_rows<T, L>(tb, pb, rows, D, chunk_row(b.sn), lane, 32);
+  tc90_load_rows<T, L>(ta, static_cast<const T*>(a.data) + wk.b * a.sb + head * a.sh, rows, D,
+                       chunk_row(a.sn), lane, 32);
+  tc90_load_rows<T, L>(tb, static_cast<const T*>(b.data) + wk.b * b.sb + head * b.sh, rows, D,
+                       chunk_row(b.sn), lane, 32);
   cp_async_mbar_arrive(bar);
   mbar_arrive(bar);
 }
 
-// The producer warp's loop: for each chunk of the walk w that some row of the block works on, a
-// free stage (empty), the chunk published in its slot, load(w, stage, mi) issuing its copies (map
-// mi = map_for(w), or -1: by cp.async) and
+// The dk/dv producer's lse (base 2, da_lse_base2) and delta of the walker's chunk's QT queries
+// from o0 (+inf and 0 at or past at.o_end) into sL and sDl, by the warp's lanes.
+template <int QT>
+__device__ __forceinline__ void tc90_load_stats(const Params& p, const Tc90Walker& wk, int32_t o0, float sl2,
+                                                float* sL, float* sDl, int lane) {
+  for (int jj = lane; jj < QT; jj += 32) {
+    const int32_t j = o0 + jj;
+    float L = INFINITY, dlt = 0.f, lo;
+    if (j < wk.at.o_end) {
+      const int64_t i = ((int64_t)wk.b * p.Hq + wk.h0 + wk.at.gi) * p.N + tc90_other_row(wk, j);
+      L = da_lse_base2<float>(da_get_lse<float>(p, i), da_score_unit(p.scale, sl2), &lo);
+      dlt = static_cast<const float*>(p.delta)[i];
+    }
+    sL[jj] = L;
+    sDl[jj] = dlt;
+  }
+}
+
+// The producer warp's loop: for each chunk of the walker's segments that some row of the block
+// works on (OT indices of the other side each), a free stage (empty), the chunk published in its
+// slot, load(stage, o0, mi) issuing its copies (map mi = map_for(o0), or -1: by cp.async) and
 // every lane's arrival on full; at the end a slot that says so, and a wait for this lane's copies.
-template <typename MapFor, typename Load>
-__device__ __forceinline__ void tc90_produce(const Params& p, Tc90ProducerWalk& w, Tc90Pipe* pipe, int lane,
-                                             MapFor map_for, Load load) {
+template <int OT, int ROWS_ARE, typename MapFor, typename Load>
+__device__ __forceinline__ void tc90_produce(const Params& p, Tc90Pipe* pipe, int lane, MapFor map_for,
+                                             Load load) {
+  Tc90Walker& wk = pipe->walker;
   int stage = 0;
   uint32_t parity = (1u << kTc90Stages) - 1;  // a fresh barrier's previous phase counts as complete
-  for (;;) {
-    if (!w.done && w.skip_chunk()) {  // no row of the block works on this chunk
-      w.template next<WarpAny>(p.br);
-      continue;
+  int32_t lo, hi;
+  while (tc90_next_segment<OT, ROWS_ARE>(p, wk, lane, &lo, &hi)) {
+    for (int32_t o0 = lo; o0 < hi; o0 += OT) {
+      mbar_wait(&pipe->empty[stage], (parity >> stage) & 1);
+      parity ^= 1u << stage;
+      const int mi = map_for(o0);
+      if (lane == 0) {
+        Tc90Chunk& c = pipe->slot[stage];
+        c.at = wk.at;
+        c.o0 = o0;
+        c.flags = mi >= 0 ? kTc90Tma : 0;
+      }
+      load(stage, o0, mi);
+      stage = stage + 1 == kTc90Stages ? 0 : stage + 1;
     }
-    mbar_wait(&pipe->empty[stage], (parity >> stage) & 1);
-    parity ^= 1u << stage;
-    const int mi = w.done ? -1 : map_for(w);
-    if (lane == 0) {
-      Tc90Chunk& c = pipe->slot[stage];
-      c.at = w.st;
-      c.o0 = w.o0;
-      c.flags = w.done ? kTc90Done : (mi >= 0 ? kTc90Tma : 0);
-    }
-    if (w.done) {
-      mbar_arrive(&pipe->full[stage]);
-      cp_async_wait_all();  // the copies of the last chunks, before this warp returns
-      return;
-    }
-    load(w, stage, mi);
-    stage = stage + 1 == kTc90Stages ? 0 : stage + 1;
-    w.template next<WarpAny>(p.br);
   }
+  mbar_wait(&pipe->empty[stage], (parity >> stage) & 1);
+  if (lane == 0) pipe->slot[stage].flags = kTc90Done;
+  mbar_arrive(&pipe->full[stage]);
+  cp_async_wait_all();  // the copies of the last chunks, before this warp returns
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -471,12 +548,14 @@ __device__ __forceinline__ void tc90_produce_kv(const Params& p, const TmaMaps& 
   tc90_producer_regs();
   if (role.warp != 0) return;
   const int lane = role.lane;
-  Tc90ProducerWalk w = tc90_producer_walk(p, tl, sq.N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, lane);
-  tc90_produce(
-      p, w, pipe, lane, [&](const Tc90ProducerWalk& c) { return tc90_chunk_map(maps, sq, c, KT); },
-      [&](const Tc90ProducerWalk& c, int stage, int mi) {
-        tc90_load_pair<T, L>(sK + stage * KT * L::DP, sV + stage * KT * L::DP, p.k, p.v, h / p.G, sq, c, KT,
-                             p.D, maps, mi, &pipe->full[stage], lane);
+  const int32_t hk = (int32_t)(h / p.G);
+  Tc90Walker& wk = pipe->walker;
+  tc90_walker_init(wk, sq, tl, base, h, 1, lane);
+  tc90_produce<KT, DA_ROWS_ARE_QUERIES>(
+      p, pipe, lane, [&](int32_t o0) { return tc90_chunk_map(maps, wk, o0, KT); },
+      [&](int stage, int32_t o0, int mi) {
+        tc90_load_pair<T, L>(sK + stage * KT * L::DP, sV + stage * KT * L::DP, p.k, p.v, hk, wk, o0, KT, p.D,
+                             maps, mi, &pipe->full[stage], lane);
       });
 }
 
@@ -703,16 +782,14 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   if (role.g < 0) {  // the producer: q and dout of each chunk, the queries' lse and delta
     tc90_producer_regs();
     if (role.warp != 0) return;
-    const int64_t lse_all = b * p.Hq * p.N + sq.start;
-    const float* delta_all = static_cast<const float*>(p.delta) + b * p.Hq * p.N + sq.start;
-    const double unit = da_score_unit(p.scale, sl2);
-    Tc90ProducerWalk w = tc90_producer_walk(p, tl, N, base, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, QT, lane);
-    tc90_produce(
-        p, w, pipe, lane, [&](const Tc90ProducerWalk& c) { return tc90_chunk_map(maps, sq, c, QT); },
-        [&](const Tc90ProducerWalk& c, int stage, int mi) {
-          tc_dkv_load_stats(p, c, QT, lse_all, delta_all, unit, sL + stage * QT, sDl + stage * QT, lane, 32);
-          tc90_load_pair<T, L>(sQ + stage * QT * DP, sdO + stage * QT * DP, p.q, p.dout, c.head(), sq, c, QT,
-                               p.D, maps, mi, &pipe->full[stage], lane);
+    Tc90Walker& wk = pipe->walker;
+    tc90_walker_init(wk, sq, tl, base, hk * p.G, (int)p.G, lane);
+    tc90_produce<QT, DA_ROWS_ARE_KEYS>(
+        p, pipe, lane, [&](int32_t o0) { return tc90_chunk_map(maps, wk, o0, QT); },
+        [&](int stage, int32_t o0, int mi) {
+          tc90_load_stats<QT>(p, wk, o0, sl2, sL + stage * QT, sDl + stage * QT, lane);
+          tc90_load_pair<T, L>(sQ + stage * QT * DP, sdO + stage * QT * DP, p.q, p.dout, wk.h0 + wk.at.gi, wk,
+                               o0, QT, p.D, maps, mi, &pipe->full[stage], lane);
         });
     return;
   }
