@@ -34,11 +34,10 @@ struct Part {
   int64_t start, rows, length;
 };
 
-// Head t < n of a call reads phase p0 + t * dp of head c0 + t * dc.
+// Head t < n of a call reads phase p0 + t * dp of head c0 + t * dc (dc = dp = 0 with n > 1: a
+// stride-0 view, several heads of the call reading the same head and phase).
 struct Strided {
   int64_t p0, dp, c0, dc, n;
-  // Whether several heads of the call read the same head and phase (a stride-0 view).
-  bool expanded() const { return n > 1 && dc == 0 && dp == 0; }
 };
 
 // One kernel call: m rows of every segment of part, query heads q, key/value heads kv

@@ -119,23 +119,22 @@ class Moves {
 
   // A run's view (count, Bb, ...) as a kernel reads it, (count Bb, ...): the view itself where it
   // folds, else a contiguous tensor that run() gathers its rows into. heads > 0: the key/value
-  // heads of a view (count, Bb, mk, hk, D) repeated to q's heads for a kernel that takes as many
-  // as q has, and a stride-0 head dim materialised (the kernels' backward writes one gradient per
-  // head), in the same move.
+  // heads of a view (count, Bb, mk, hk, D) repeated to q's heads (query head t reads key/value
+  // head t / (heads / hk)) in the same move, for a kernel that takes as many as q has.
   at::Tensor operand(const at::Tensor& view, int64_t heads = 0) {
     const int64_t hk = view.size(3);
-    const bool repeat = heads > 0 && (hk != heads || (heads > 1 && view.stride(3) == 0));
+    const bool repeat = heads > 0 && hk != heads;
     if (!repeat && folds(view)) return view.flatten(0, 1);  // a view: a dim of size 1
+    std::vector<int64_t> sizes = view.sizes().vec();
     at::Tensor src = view;
-    if (repeat && hk != heads) {
-      std::vector<int64_t> sizes = view.sizes().vec();
+    if (repeat) {
       sizes.insert(sizes.begin() + 4, heads / hk);
       src = view.unsqueeze(4).expand(sizes);
+      sizes.erase(sizes.begin() + 4);
+      sizes[3] = heads;
     }
     const at::Tensor x = at::empty(src.sizes(), src.options());
     push(x, src);
-    std::vector<int64_t> sizes = view.sizes().vec();
-    sizes[3] = repeat ? heads : hk;
     return x.view(sizes).flatten(0, 1);
   }
 
@@ -681,18 +680,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
         gq = r.split(gq);
         gk = r.split(gk);
         gv = r.split(gv);
-        Strided skv = c.kv;
-        if (c.kv.expanded()) {  // one head read by every head of the call: the sum, in float32
-          skv = Strided{c.kv.p0, c.kv.dp, c.kv.c0, 1, 1};
-          gk = at::sum(gk, {3}, true, at::kFloat);
-          gv = at::sum(gv, {3}, true, at::kFloat);
-        } else if (hk != n) {
+        if (hk != n) {  // grouped-query heads: summed over the query heads of a key/value head, in float32
           gk = at::sum(gk.unflatten(3, {hk, n / hk}), {4}, false, at::kFloat);
           gv = at::sum(gv.unflatten(3, {hk, n / hk}), {4}, false, at::kFloat);
         }
         adds.push(r.q(dq), gq);
-        adds.push(r.view(dk, skv, r.step_kv), gk);
-        adds.push(r.view(dv, skv, r.step_kv), gv);
+        adds.push(r.kv(dk), gk);
+        adds.push(r.kv(dv), gv);
         // the runs of a branch add into disjoint rows of dq, and of dk and dv where every key/value
         // head has one query head; grouped-query runs may share key/value rows: a launch each
         if (P.Hq != P.Hkv) adds.run(true);

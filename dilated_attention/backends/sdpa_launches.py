@@ -101,9 +101,8 @@ def _moves(pairs: int) -> int:
 
 def _operands(c: Call, gathered: bool) -> int:
     """Tensors moved to give the kernel q, k and v: those of a gathered run, and k and v where
-    their heads are repeated to q's (grouped-query heads, a stride-0 head)."""
-    repeated = c.kv.n != c.q.n or c.kv.expanded
-    return int(gathered) + 2 * int(gathered or repeated)
+    their heads are repeated to q's (grouped-query heads)."""
+    return int(gathered) + 2 * int(gathered or c.kv.n != c.q.n)
 
 
 def _forward(runs: list[tuple[Call, int, bool]]) -> int:
@@ -131,7 +130,7 @@ def _backward(runs: list[tuple[Call, int, bool]], grouped_query: bool, has_dlse:
         inputs += (
             _operands(c, gathered) + 2 * int(kind == "cudnn" or gathered) + 1 + int(has_dlse and gathered)
         )
-        summed = c.kv.expanded or c.kv.n != c.q.n
+        summed = c.kv.n != c.q.n
         if c.m == 1:  # the closed form: all three in float32
             launches += _CLOSED_BACKWARD + int(has_dlse)
             dtypes = ["float32"] * 3
