@@ -2,7 +2,9 @@
 copies of the module (``copy.deepcopy``, ``torch.save`` / ``torch.load``).
 
 Multi-process parts run on ``ring_cluster.Cluster`` (gloo). Every scenario that could hang runs on
-a new group with a short timeout, so that a missed check fails the test within seconds.
+a new group with a short timeout, so that a missed check fails the test within seconds; a check
+that caught the misuse is told by its ValueError's message (a missed one times out with a
+RuntimeError of the group, or returns), never by the time it took.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import datetime
 import io
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -61,7 +62,6 @@ def layer_drop(rank: int, P: int, comm: str, skip_alike: bool) -> dict:
     layers = [RingDilatedAttention([16], [1], comm=comm, process_group=group) for _ in range(3)]
     skip = 1 if skip_alike or rank == 0 else 2
     got: dict = {}
-    start = time.monotonic()
     for i, layer in enumerate(layers):
         if i == skip:
             continue
@@ -73,7 +73,6 @@ def layer_drop(rank: int, P: int, comm: str, skip_alike: bool) -> dict:
             continue
         ref, _ = reference_attention(q, k, v, [16], [1])
         got[i] = (out - shard_sequence(ref, group)).abs().max().item()
-    got["seconds"] = time.monotonic() - start
     return got
 
 
@@ -89,7 +88,6 @@ def test_layers_skipped_differently_raise_on_every_rank(cluster2, comm):
         # the modules are numbered in the order each process built them (for this group's ranks)
         numbers = re.search(r"module: rank 0: (\d+), rank 1: (\d+)", second)
         assert numbers and int(numbers[1]) == int(numbers[2]) + 1, second
-        assert got["seconds"] < TIMEOUT_S, got  # told at once, not after the group's timeout
 
 
 def test_layers_skipped_alike_run(cluster2):
@@ -111,7 +109,6 @@ def backward_order(rank: int, P: int, comm: str, alike: bool) -> dict:
     if rank == 1 and not alike:
         graphs.reverse()
     got: dict = {}
-    start = time.monotonic()
     for name, loss, mine, whole in graphs:
         try:
             loss.backward()
@@ -125,7 +122,6 @@ def backward_order(rank: int, P: int, comm: str, alike: bool) -> dict:
             (m.grad - shard_sequence(w.grad, group)).abs().max().item()
             for m, w in zip(mine, leaves, strict=True)
         )
-    got["seconds"] = time.monotonic() - start
     return got
 
 
@@ -137,7 +133,6 @@ def test_backwards_in_different_orders_raise_on_every_rank(cluster2, comm):
         assert isinstance(first, str), f"rank {rank}: the backward returned (deviation {first})"
         assert "out of step" in first and "backward" in first, first
         assert "call of the module: rank 0: 0, rank 1: 1" in first, first
-        assert got["seconds"] < TIMEOUT_S, got
 
 
 def test_backwards_in_the_same_order_run(cluster2):
@@ -199,9 +194,9 @@ def test_activation_checkpointing_stays_in_step(cluster2):
 # ---------------------------------------------------------------------------------------------
 
 
-def modes(rank: int, P: int, mine: bool | str, theirs: bool | str, switch: bool) -> tuple[str, float]:
+def modes(rank: int, P: int, mine: bool | str, theirs: bool | str, switch: bool) -> str:
     """Rank 0 checks with ``mine``, rank 1 with ``theirs``: from the start, or (``switch``) after a
-    first call in which both used ``mine``. Returns the message and how long it took."""
+    first call in which both used ``mine``. Returns the message of the ValueError raised."""
     group = _group()
     module = RingDilatedAttention([16], [1], process_group=group, check_consistency=mine)
     x = _layer_inputs(0)
@@ -210,11 +205,10 @@ def modes(rank: int, P: int, mine: bool | str, theirs: bool | str, switch: bool)
         module(*chunks)
     if rank == 1:
         module.check_consistency = theirs
-    start = time.monotonic()
     try:
         module(*chunks)
     except ValueError as err:
-        return str(err), time.monotonic() - start
+        return str(err)
     raise AssertionError(f"rank {rank}: no ValueError")
 
 
@@ -232,9 +226,8 @@ def test_different_check_modes_are_named_at_once(cluster2, mine, theirs, switch)
     """From the first call; or when some ranks change the setting while the others check every
     call (from "once" or False on every rank, a change on some ranks only is not seen: the ranks
     that did not change send nothing to compare)."""
-    for msg, seconds in cluster2.run(modes, mine, theirs, switch, deadline=60.0):
+    for msg in cluster2.run(modes, mine, theirs, switch, deadline=60.0):
         assert f"check_consistency: rank 0: {mine!r}, rank 1: {theirs!r}" in msg, msg
-        assert seconds < TIMEOUT_S
 
 
 def test_check_consistency_is_validated_when_set():
