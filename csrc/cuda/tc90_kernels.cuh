@@ -11,8 +11,9 @@
 // two consumer warpgroups take more registers, each owning 64 of the rows; each waits for a stage,
 // adopts the published position (rescanning its rows where the segment changed), computes the
 // chunk, and releases the stage (an mbarrier of the consumers' arrivals) once its MMAs have read it.
-// Four stages: a consumer holds two (the chunk it computes and the previous one, whose product with
-// probabilities still runs), the producer fills the others ahead.
+// Five stages: a consumer holds two (the chunk it computes and the previous one, whose product with
+// probabilities still runs), the producer fills the other three ahead (as many as shared memory
+// holds at every head dim: dq and dk/dv at 256 take 218 of its 227 KB).
 //
 // What a consumer computes is the warpgroup kernel's chunk: S = Q K^T is one wgmma.mma_async
 // m64n{KT}k16 per 16 columns of the head dim, both operands read from shared memory by descriptors
@@ -55,7 +56,7 @@ constexpr int kTc90Consumers = 2;                         // consumer warpgroups
 constexpr int kTc90Threads = 128 * (1 + kTc90Consumers);  // and the producer warpgroup
 constexpr int kTc90Warps = 4 * kTc90Consumers;            // warps that own rows (the tiling's)
 constexpr int kTc90Rows = kTcRows * kTc90Consumers;       // rows per block
-constexpr int kTc90Stages = 4;
+constexpr int kTc90Stages = 5;
 // Registers per thread after setmaxnreg, within the launch's 384 x 168 = 64512: 128 x 40 + 256 x 232
 // = 64512. The producer holds little in registers: its walk is 32-bit and keeps its position and
 // the block's constants in shared memory (Tc90Walker), and it steps through a segment's chunks
