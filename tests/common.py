@@ -160,14 +160,17 @@ def build_emulation(runner: str, out_dir: Path, opt: str = "-O1") -> ctypes.CDLL
 ROW_DIMS = 6  # csrc/views/rows_kernel.cuh kRowDims
 
 
-def row_meta(dst: torch.Tensor, src: torch.Tensor) -> list[int]:
+def row_meta(dst: torch.Tensor, src: torch.Tensor, group: int = 1, group_stride: int = 0) -> list[int]:
     """One (dst, src) pair as tests/cuda_emulation/run_rows.cpp reads it: the element bytes of
-    both, then dst's sizes and strides and src's, padded in front to ROW_DIMS dims."""
+    both, dst's sizes and strides and src's, padded in front to ROW_DIMS dims, src's elements
+    (0 float32, 1 bfloat16, 2 float16), and an add's group of source rows (src the first) and
+    their stride."""
     meta = [dst.element_size(), src.element_size()]
     for t in (dst, src):
         pad = ROW_DIMS - t.dim()
         meta += [1] * pad + list(t.shape) + [0] * pad + list(t.stride())
-    return meta
+    source = {torch.bfloat16: 1, torch.float16: 2}.get(src.dtype, 0)
+    return [*meta, source, group, group_stride]
 
 
 def assert_grad_and_vjp_agree(f, ref, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -13,9 +13,9 @@ namespace views {
 // dst[i] = src[i] (add: dst[i] += src[i]) for every pair, on CUDA tensors of at most kRowDims (six) dims
 // whose last dim is the row and whose sizes agree pair by pair, dsts not overlapping. One launch
 // for up to kRowPairs pairs that fit the kernel (a copy of dtypes of 2, 4 or 8 bytes with
-// contiguous rows; an add of float32, bfloat16 or float16 sources into float32, the adds grouped
-// by source dtype, one a launch); a pair that does not fit is moved by at::Tensor::copy_ / add_
-// (rows_cuda.cu).
+// contiguous rows; an add of float32, bfloat16 or float16 sources into float32, where a source of
+// one more dim than its dst, (..., group, len), adds the sum over its group dim, in float32); a
+// pair that does not fit is moved by at::Tensor::copy_ / add_ (rows_cuda.cu).
 void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add);
 
 // Sets flags[i][...row] = 1 for every row of xs[i] (1 to 3 CUDA tensors of one dtype, float32,

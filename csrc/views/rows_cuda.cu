@@ -3,7 +3,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <algorithm>
 #include <optional>
 
 #include "views/rows.h"
@@ -34,12 +33,12 @@ std::optional<RowSource> row_source(at::ScalarType t) {
   }
 }
 
-void launch(const RowJob& job, RowOp op, RowSource source, const at::Device& device) {
+void launch(const RowJob& job, RowOp op, const at::Device& device) {
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const dim3 grid(static_cast<unsigned>((job.max_warps * 32 + kRowThreads - 1) / kRowThreads),
                   static_cast<unsigned>(job.count));
-  with_rows_kernel(op, source, [&](auto kernel) { kernel<<<grid, kRowThreads, 0, stream>>>(job); });
+  with_rows_kernel(op, [&](auto kernel) { kernel<<<grid, kRowThreads, 0, stream>>>(job); });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -48,39 +47,33 @@ void launch(const RowJob& job, RowOp op, RowSource source, const at::Device& dev
 void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src, bool add) {
   TORCH_CHECK(dst.size() == src.size(), "move_rows_cuda_: as many dsts as srcs, got ", dst.size(), " and ",
               src.size());
-  // the adds grouped by source dtype (a launch reads one), the dsts being disjoint
-  std::vector<size_t> order(dst.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  if (add)
-    std::stable_sort(order.begin(), order.end(),
-                     [&](size_t a, size_t b) { return src[a].scalar_type() < src[b].scalar_type(); });
   RowJob job;
-  std::optional<RowSource> source;  // of the job's adds
   auto flush = [&] {
-    if (job.max_warps > 0)
-      launch(job, add ? RowOp::kAdd : RowOp::kCopy, source.value_or(RowSource::kFloat), dst[0].device());
+    if (job.max_warps > 0) launch(job, add ? RowOp::kAdd : RowOp::kCopy, dst[0].device());
     job = RowJob();
-    source.reset();
   };
-  for (const size_t i : order) {
-    TORCH_CHECK(dst[i].sizes() == src[i].sizes() && dst[i].dim() <= kRowDims && dst[i].is_cuda() &&
+  for (size_t i = 0; i < dst.size(); ++i) {
+    // an add's source may hold a group dim before the row, summed: (..., group, len)
+    const bool grouped = add && src[i].dim() == dst[i].dim() + 1;
+    const at::Tensor first = grouped ? src[i].select(-2, 0) : src[i];
+    TORCH_CHECK(dst[i].sizes() == first.sizes() && dst[i].dim() <= kRowDims && dst[i].is_cuda() &&
                     src[i].device() == dst[i].device(),
                 "move_rows_cuda_: pair ", i, " has sizes ", dst[i].sizes(), " and ", src[i].sizes());
-    const std::optional<RowSource> s = row_source(src[i].scalar_type());
-    // a copy moves words of any dtype; the adds of a job read sources of one dtype into float32
-    bool fits = add ? dst[i].scalar_type() == at::kFloat && s.has_value()
+    const std::optional<RowSource> source = row_source(src[i].scalar_type());
+    // a copy moves words of any dtype; an add reads float32, bfloat16 or float16 into float32
+    bool fits = add ? dst[i].scalar_type() == at::kFloat && source.has_value()
                     : dst[i].scalar_type() == src[i].scalar_type();
-    if (fits && add && source.has_value() && *source != *s) flush();
     if (fits && job.count == kRowPairs) flush();
-    fits = fits && add_row_pair(job, row_tensor(dst[i]), row_tensor(src[i]), !add);
-    if (!fits) {  // moved by ATen
-      if (add)
-        dst[i].add_(src[i]);
-      else
-        dst[i].copy_(src[i]);
-      continue;
-    }
-    if (add) source = s;
+    fits = fits && add_row_pair(job, row_tensor(dst[i]), row_tensor(first), !add,
+                                source.value_or(RowSource::kFloat), grouped ? src[i].size(-2) : 1,
+                                grouped ? src[i].stride(-2) : 0);
+    if (fits) continue;
+    if (!add)  // moved by ATen
+      dst[i].copy_(src[i]);
+    else if (grouped)
+      dst[i].add_(at::sum(src[i], {-2}, false, at::kFloat));
+    else
+      dst[i].add_(src[i]);
   }
   flush();
 }
@@ -100,10 +93,10 @@ bool mark_nonfinite_rows_cuda_(const std::vector<at::Tensor>& xs, const std::vec
     if (!fits) break;
     // the row's flag, read at every element of the row (stride 0)
     RowTensor dst = row_tensor(flags[i].unsqueeze(-1).expand(x.sizes()));
-    fits = add_row_pair(job, dst, row_tensor(x), false);
+    fits = add_row_pair(job, dst, row_tensor(x), false, *source);
   }
   if (!fits) return false;
-  if (job.max_warps > 0) launch(job, RowOp::kCheck, *source, xs[0].device());
+  if (job.max_warps > 0) launch(job, RowOp::kCheck, xs[0].device());
   return true;
 }
 

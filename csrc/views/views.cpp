@@ -110,11 +110,18 @@ bool folds(const at::Tensor& view) {
 // up to kRowPairs tensors a launch (rows.h), on the CPU by copy_ / add_.
 class Moves {
  public:
-  // dst <- src (add: dst += src), both of the same sizes, when run() is called.
+  // dst <- src (add: dst += src) when run() is called, both of the same sizes, or for an add src
+  // (..., group, len) of one more dim than dst (..., len), whose sum over the group is added.
   void push(const at::Tensor& dst, const at::Tensor& src) {
-    const bool rows = dst.stride(-1) == 1 && src.stride(-1) == 1;  // else rows of one element
-    dst_.push_back(rows ? dst : dst.unsqueeze(-1));
-    src_.push_back(rows ? src : src.unsqueeze(-1));
+    if (dst.stride(-1) == 1 && src.stride(-1) == 1) {
+      dst_.push_back(dst);
+      src_.push_back(src);
+      return;
+    }
+    // rows of one element; a group dim stays the one before the row
+    const at::Tensor s = src.unsqueeze(-1);
+    dst_.push_back(dst.unsqueeze(-1));
+    src_.push_back(src.dim() > dst.dim() ? s.movedim(-3, -2) : s);
   }
 
   // A run's view (count, Bb, ...) as a kernel reads it, (count Bb, ...): the view itself where it
@@ -159,10 +166,12 @@ class Moves {
     }
 #endif
     for (size_t i = 0; i < dst_.size(); ++i) {
-      if (add)
-        dst_[i].add_(src_[i]);
-      else
+      if (!add)
         dst_[i].copy_(src_[i]);
+      else if (src_[i].dim() > dst_[i].dim())
+        dst_[i].add_(at::sum(src_[i], {-2}, false, dst_[i].scalar_type()));
+      else
+        dst_[i].add_(src_[i]);
     }
     dst_.clear();
     src_.clear();
@@ -680,9 +689,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
         gq = r.split(gq);
         gk = r.split(gk);
         gv = r.split(gv);
-        if (hk != n) {  // grouped-query heads: summed over the query heads of a key/value head, in float32
-          gk = at::sum(gk.unflatten(3, {hk, n / hk}), {4}, false, at::kFloat);
-          gv = at::sum(gv.unflatten(3, {hk, n / hk}), {4}, false, at::kFloat);
+        if (hk != n) {  // grouped-query heads: summed over the query heads of a key/value head by the add
+          gk = gk.unflatten(3, {hk, n / hk});
+          gv = gv.unflatten(3, {hk, n / hk});
         }
         adds.push(r.q(dq), gq);
         adds.push(r.kv(dk), gk);

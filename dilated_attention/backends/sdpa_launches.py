@@ -114,38 +114,23 @@ def _forward(runs: list[tuple[Call, int, bool]]) -> int:
 
 def _backward(runs: list[tuple[Call, int, bool]], grouped_query: bool, has_dlse: bool, kind: str) -> int:
     """A branch's backward: the moves of every run's inputs (q, k, v as the forward moves them;
-    cuDNN's contiguous dout and out; the statistics), then per run the operator call and the sums
-    of dk and dv over the heads that read one key/value head, and the adds of the gradients, by
-    source dtype, those of every run together where no two runs share key/value rows (no
-    grouped-query heads)."""
-    inputs = launches = 0
-    adds: dict[str, int] = {}  # pairs by source dtype, until the next launch
-
-    def add_launches() -> int:
-        n = sum(_moves(k) for k in adds.values())
-        adds.clear()
-        return n
-
+    cuDNN's contiguous dout and out; the statistics), then per run the operator call, and the adds
+    of the gradients (dk and dv of grouped-query heads summed by the add), those of every run
+    together where no two runs share key/value rows (no grouped-query heads)."""
+    inputs = launches = adds = 0
     for c, _, gathered in runs:
         inputs += (
             _operands(c, gathered) + 2 * int(kind == "cudnn" or gathered) + 1 + int(has_dlse and gathered)
         )
-        summed = c.kv.n != c.q.n
-        if c.m == 1:  # the closed form: all three in float32
+        if c.m == 1:  # the closed form, in float32
             launches += _CLOSED_BACKWARD + int(has_dlse)
-            dtypes = ["float32"] * 3
         else:
             launches += 1 + (_DLSE[kind] if has_dlse else 0)
-            half = "float32" if has_dlse else "half"  # the dlse term makes dq and dk float32
-            dtypes = [half, half, "half"]
-        if summed:  # dk and dv summed in float32
-            launches += 2
-            dtypes[1:] = ["float32", "float32"]
-        for d in dtypes:
-            adds[d] = adds.get(d, 0) + 1
+        adds += 3
         if grouped_query:
-            launches += add_launches()
-    return _moves(inputs) + launches + add_launches()
+            launches += _moves(adds)
+            adds = 0
+    return _moves(inputs) + launches + _moves(adds)
 
 
 def views_launches(

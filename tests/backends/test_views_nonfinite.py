@@ -20,15 +20,11 @@ from dilated_attention import dilated_attention as dattn
 from dilated_attention.backends.sdpa import SdpaBackend
 from dilated_attention.op import views as _views_op
 
-SOURCES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     so = build_emulation("run_rows", tmp_path_factory.mktemp("emu"))
-    so.da_emu_rows_any.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p] + [
-        ctypes.c_void_p
-    ] * 2
+    so.da_emu_rows_any.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_void_p] * 2
     return so
 
 
@@ -42,7 +38,7 @@ def mark_rows(so, xs: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tens
     ptrs = (ctypes.c_void_p * (2 * len(xs)))(
         *[p for f, x in zip(flags, xs, strict=True) for p in (f.data_ptr(), x.data_ptr())]
     )
-    rc = so.da_emu_rows_any(2, SOURCES[xs[0].dtype], len(xs), meta_t.data_ptr(), ptrs, any_flag.data_ptr())
+    rc = so.da_emu_rows_any(2, len(xs), meta_t.data_ptr(), ptrs, any_flag.data_ptr())
     assert rc == 0
     return any_flag, flags
 

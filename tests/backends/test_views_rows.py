@@ -14,25 +14,26 @@ import pytest
 import torch
 from common import build_emulation, row_meta
 
-SOURCES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     so = build_emulation("run_rows", tmp_path_factory.mktemp("emu"))
-    so.da_emu_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    so.da_emu_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     return so
 
 
 def move(so, dst: list[torch.Tensor], src: list[torch.Tensor], add: bool, op: int | None = None) -> int:
-    """Runs the kernel on (dst, src) pairs: op 0 copy, 1 add (``add`` picks one of the two), 2 check."""
-    meta = [x for d, s in zip(dst, src, strict=True) for x in row_meta(d, s)]
+    """Runs the kernel on (dst, src) pairs: op 0 copy, 1 add (``add`` picks one of the two), 2 check.
+    An add's source of one more dim than its dst adds the sum over its dim -2 (as rows_cuda.cu)."""
+    meta = []
+    for d, s in zip(dst, src, strict=True):
+        grouped = add and op is None and s.dim() == d.dim() + 1
+        meta += row_meta(d, s.select(-2, 0), s.shape[-2], s.stride(-2)) if grouped else row_meta(d, s)
     meta_t = torch.tensor(meta, dtype=torch.int64)
     ptrs = (ctypes.c_void_p * (2 * len(dst)))(
         *[p for d, s in zip(dst, src, strict=True) for p in (d.data_ptr(), s.data_ptr())]
     )
-    source = SOURCES.get(src[0].dtype, 0)
-    return so.da_emu_rows(int(add) if op is None else op, source, len(dst), meta_t.data_ptr(), ptrs)
+    return so.da_emu_rows(int(add) if op is None else op, len(dst), meta_t.data_ptr(), ptrs)
 
 
 def call_view(x: torch.Tensor, r: int, phase: int, heads: slice) -> torch.Tensor:
@@ -140,6 +141,30 @@ def test_grouped_query_heads_repeated_in_the_gather(emu):
     assert torch.equal(dq, phases(q, Hq))
     want = phases(k, Hkv).repeat_interleave(g, dim=3)
     assert torch.equal(dk.reshape(want.shape), want)
+
+
+def test_grouped_query_gradients_summed_and_added_with_mixed_sources(emu):
+    """The adds of a grouped-query run (views.cpp views_bwd): dq in bfloat16 and the float32 dk,
+    dv of q's heads, summed over the query heads of each key/value head (the source's dim -2), in
+    one launch, against PyTorch's float32 sum and add."""
+    torch.manual_seed(2)
+    C, Bb, m, Hkv, g, D = 2, 3, 5, 2, 3, 8
+    gq = torch.randn(C, Bb, m, Hkv * g, D).to(torch.bfloat16)
+    gk, gv = torch.randn(C, Bb, m, Hkv * g, D), torch.randn(C, Bb, m, Hkv * g, D).to(torch.bfloat16)
+    dq, dk, dv = (
+        torch.randn(C, Bb, m, Hkv * g, D),
+        torch.randn(C, Bb, m, Hkv, D),
+        torch.randn(C, Bb, m, Hkv, D),
+    )
+    want = (
+        dq + gq.float(),
+        dk + gk.unflatten(3, (Hkv, g)).sum(4),
+        dv + gv.float().unflatten(3, (Hkv, g)).sum(4),
+    )
+    srcs = [gq, gk.unflatten(3, (Hkv, g)), gv.unflatten(3, (Hkv, g))]
+    assert move(emu, [dq, dk, dv], srcs, True) == 0
+    for got, ref in zip((dq, dk, dv), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 
 def test_pairs_of_different_row_counts_and_a_full_job(emu):

@@ -19,17 +19,17 @@ using dilated_attention::views::RowTensor;
 using dilated_attention::views::with_rows_kernel;
 
 // Moves `count` pairs: meta holds, per pair, the element bytes of dst and of src, then dst's
-// kRowDims sizes and kRowDims strides and src's (2 + 4 kRowDims values); ptrs holds dst0, src0,
-// dst1, src1, ...
-// op: 0 copy, 1 add, 2 check (dst: an int flag per row, or one flag); source: 0 float32,
-// 1 bfloat16, 2 float16 (adds and checks); any: a check's flag for every pair (or null). Returns
-// 0, or 1 where a pair does not fit the kernel (nothing moved).
-extern "C" int da_emu_rows_any(int op, int source, int count, const int64_t* meta, void** ptrs, int* any) {
+// kRowDims sizes and kRowDims strides and src's, then the source elements of an add or a check
+// (0 float32, 1 bfloat16, 2 float16), and an add's group of source rows and their stride
+// (5 + 4 kRowDims values); ptrs holds dst0, src0, dst1, src1, ...
+// op: 0 copy, 1 add, 2 check (dst: an int flag per row, or one flag); any: a check's flag for
+// every pair (or null). Returns 0, or 1 where a pair does not fit the kernel (nothing moved).
+extern "C" int da_emu_rows_any(int op, int count, const int64_t* meta, void** ptrs, int* any) {
+  constexpr int k = dilated_attention::views::kRowDims;
   RowJob job;
   job.any = any;
   for (int i = 0; i < count; ++i) {
-    constexpr int k = dilated_attention::views::kRowDims;
-    const int64_t* m = meta + (2 + 4 * k) * i;
+    const int64_t* m = meta + (5 + 4 * k) * i;
     RowTensor dst{ptrs[2 * i], m[0], {}, {}}, src{ptrs[2 * i + 1], m[1], {}, {}};
     for (int d = 0; d < k; ++d) {
       dst.size[d] = m[2 + d];
@@ -37,14 +37,15 @@ extern "C" int da_emu_rows_any(int op, int source, int count, const int64_t* met
       src.size[d] = m[2 + 2 * k + d];
       src.stride[d] = m[2 + 3 * k + d];
     }
-    if (!add_row_pair(job, dst, src, op == 0)) return 1;
+    const int64_t* extra = m + 2 + 4 * k;
+    const RowSource source = extra[0] == 1   ? RowSource::kBFloat16
+                             : extra[0] == 2 ? RowSource::kHalf
+                                             : RowSource::kFloat;
+    if (!add_row_pair(job, dst, src, op == 0, source, extra[1], extra[2])) return 1;
   }
   const dim3 grid((unsigned)((job.max_warps * 32 + kRowThreads - 1) / kRowThreads), (unsigned)job.count);
-  const RowSource src = source == 1   ? RowSource::kBFloat16
-                        : source == 2 ? RowSource::kHalf
-                                      : RowSource::kFloat;
   const RowOp kind = op == 0 ? RowOp::kCopy : op == 1 ? RowOp::kAdd : RowOp::kCheck;
-  with_rows_kernel(kind, src, [&](auto kernel) {
+  with_rows_kernel(kind, [&](auto kernel) {
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x)
         da_emu::run_block(grid, dim3(x, y, 1), kRowThreads, [&] { kernel(job); });
@@ -53,6 +54,6 @@ extern "C" int da_emu_rows_any(int op, int source, int count, const int64_t* met
 }
 
 // da_emu_rows_any without the flag for every pair.
-extern "C" int da_emu_rows(int op, int source, int count, const int64_t* meta, void** ptrs) {
-  return da_emu_rows_any(op, source, count, meta, ptrs, nullptr);
+extern "C" int da_emu_rows(int op, int count, const int64_t* meta, void** ptrs) {
+  return da_emu_rows_any(op, count, meta, ptrs, nullptr);
 }
