@@ -214,7 +214,10 @@ bool extends(const DriverCall& r, const Call& d) {
     return false;
   const int64_t dp = d.q.p0 - c.q.p0, dq = d.q.c0 - c.q.c0, dkv = d.kv.c0 - c.kv.c0;
   if (d.kv.p0 - c.kv.p0 != dp) return false;
-  if (r.count == 1) return dp != 0 || dq != 0;
+  // the index's stride dp sN + dq sH must be positive for q and for k, v (a later phase, or the
+  // same phase and later heads): no negative stride, and no two calls writing one gradient row
+  if (!(dp > 0 || (dp == 0 && dq > 0 && dkv > 0))) return false;
+  if (r.count == 1) return true;
   return dp == r.count * r.step_p && dq == r.count * r.step_q && dkv == r.count * r.step_kv;
 }
 
