@@ -1,16 +1,14 @@
 """The spanning pieces of one forward call, and the local runs on the fused op, as one autograd node.
 
-:class:`SpanAttention` returns ``(out, lse)`` of all spanning pieces of this rank, merged by
-log-sum-exp (B, l, Hq, D) and (B, Hq, l) in the accumulation dtype; its backward returns the
-gradients of this rank's q, k and v, including the key/value gradients that other ranks computed
-for this rank's keys. The exchange itself is in :mod:`.mode_all_gather` and :mod:`.mode_ring`;
-:class:`SpanJob` holds what both need: the plan, the transport, the piece attention, and the
-helpers that cut a rank's tensors into pieces and blocks and pack them into messages.
-
-Local runs on the fused op (``native``, ``SpanJob.local_runs``) are computed in the same node: runs
-and pieces go into one running merge (:mod:`dilated_attention.merge`, float64 for float32 inputs),
-normalised once; the backward hands the op's backward and every piece the *merged* ``out`` and
-``lse`` (exact, docs/SPEC.md section 3), so the merge needs no backward and no full-size copies.
+:class:`SpanAttention` returns ``(out, lse)`` (B, l, Hq, D), (B, Hq, l) of this rank's pieces,
+merged by log-sum-exp in the accumulation dtype; its backward returns the gradients of this rank's
+q, k and v, with the key/value gradients other ranks computed for its keys. The exchange is in
+:mod:`.mode_all_gather` and :mod:`.mode_ring`; :class:`SpanJob` holds what both need (plan,
+transport, piece attention, the cutting of tensors into pieces, blocks and messages). The local runs
+on the fused op (``native``, ``SpanJob.local_runs``) join the pieces in one running merge
+(:mod:`dilated_attention.merge`, float64 for float32 inputs), normalised once; the backward hands the
+op and every piece the *merged* ``out`` and ``lse`` (exact, docs/SPEC.md section 3), so the merge
+needs no backward and no full-size copies.
 """
 
 from __future__ import annotations
@@ -37,8 +35,8 @@ Run = tuple[int, int, list[int], list[int]]  # (lo, hi, segment lengths, rates):
 
 
 class SpanJob:
-    """One forward call's spanning pieces: plan, transport, piece attention, scale, mode, and the
-    call's fingerprint that the backward compares across the ranks before it exchanges."""
+    """One forward call's pieces: plan, transport, piece attention, scale, mode, and the call's
+    fingerprint, which the backward compares across the ranks before it exchanges."""
 
     def __init__(
         self,
@@ -115,8 +113,7 @@ class SpanJob:
 
     # -- the forward's accumulation ---------------------------------------------------------------
     def _rows(self, piece: Piece, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The piece's rows of ``t`` (q, dout, out: (B, nq, nh, D); lse, dlse: (B, nh, nq)), gathered
-        once per piece."""
+        """The piece's rows of ``t`` (q, dout, out; lse, dlse), gathered once per piece."""
         rows = self.piece_rows.setdefault(piece, {})
         if name not in rows:
             rows[name] = self.lse_rows(t, piece) if t.dim() == 3 else self.rows(t, piece)
