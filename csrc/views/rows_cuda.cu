@@ -64,9 +64,9 @@ void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::T
     bool fits = add ? dst[i].scalar_type() == at::kFloat && source.has_value()
                     : dst[i].scalar_type() == src[i].scalar_type();
     if (fits && job.count == kRowPairs) flush();
-    fits = fits && add_row_pair(job, row_tensor(dst[i]), row_tensor(first), !add,
-                                source.value_or(RowSource::kFloat), grouped ? src[i].size(-2) : 1,
-                                grouped ? src[i].stride(-2) : 0);
+    fits = fits &&
+           add_row_pair(job, row_tensor(dst[i]), row_tensor(first), !add, source.value_or(RowSource::kFloat),
+                        grouped ? src[i].size(-2) : 1, grouped ? src[i].stride(-2) : 0);
     if (fits) continue;
     if (!add)  // moved by ATen
       dst[i].copy_(src[i]);
