@@ -23,10 +23,13 @@
 // together with the next chunk's products of two tiles and computes that chunk's softmax (or dS)
 // while they run (FlashAttention-3's overlap within a warpgroup).
 //
-// Every warp of a warpgroup takes part in each MMA, and a warpgroup computes every chunk that the
-// producer publishes (the sm80 kernel skips per warp): the rows of a warp with no active pair in it
-// are masked (their probabilities are 0), and every step issues both groups of MMAs (ptxas
-// serialises MMAs under conditions), a zero product where none is pending. A chunk whose masked
+// Every warp of a warpgroup takes part in each MMA, so a warpgroup skips a chunk only where none of
+// its 64 rows meets it (the producer flags those chunks per warpgroup in the slot; the sm80 kernel
+// skips per warp): a skipping warpgroup runs its pending product with probabilities (which holds
+// the previous stage, so that the producer can go on) and releases the stage, with no MMA, softmax
+// or scan of the chunk. In a chunk it computes, the rows of a warp with no active pair in it are
+// masked (their probabilities are 0), and every step issues both groups of MMAs (ptxas serialises
+// MMAs under conditions), a zero product where none is pending. A chunk whose masked
 // pairs meet a non-finite value of V is summed on CUDA cores, skipping the zero probabilities, in
 // every warp of the warpgroup (tc_gemm_pb_skip_zero), so that the value reaches only the rows that
 // read it. That warpgroup-wide decision uses a named barrier per warpgroup; nothing after the roles
@@ -70,8 +73,10 @@ static_assert(128 * kTc90ProducerRegs + 128 * kTc90Consumers * kTc90ConsumerRegs
               "setmaxnreg's split fits in the registers the block starts with");
 
 // One chunk that the producer publishes in a stage: the walk's position and the chunk's first
-// index of the other side; flags: the walk has ended (no chunk), the tiles came by tensor copies.
-enum { kTc90Done = 1, kTc90Tma = 2 };
+// index of the other side; flags: the walk has ended (no chunk), the tiles came by tensor copies,
+// and per consumer warpgroup g (bit kTc90Skip << g) that none of its 64 rows meets the chunk (it
+// skips the chunk's work, tc90_next_segment).
+enum { kTc90Done = 1, kTc90Tma = 2, kTc90Skip = 4 };
 struct Tc90Chunk {
   da_walk_of<int32_t> at;  // the producer's walk (Tc90Walker)
   int o0, flags;
@@ -88,6 +93,9 @@ struct Tc90Walker {
   int32_t b, start;              // the sequence (SeqRows)
   int32_t pos[kTc90Rows];        // the rows' positions, padding rows (at or past N) held at N
   da_walk_of<int32_t> at;        // the current segment (a fresh walker: before the first)
+  // Per consumer warpgroup, the current segment's chunks [glo, ghi) that some row of its 64 meets
+  // (empty where none of them is active in the segment: [o_end, o_begin)).
+  int32_t glo[kTc90Consumers], ghi[kTc90Consumers];
 };
 
 // The pipeline's barriers and slots (after the tiles in shared memory): full[s] completes when the
@@ -222,13 +230,33 @@ __device__ __forceinline__ void tc90_walker_init(Tc90Walker& wk, const SeqRows& 
   __syncwarp();
 }
 
+// The chunks [*lo, *hi) of the walker's segment st (`OT` indices of the other side each, from
+// st.o_begin) that rows whose least and largest dilated indices are jmin and jmax (jmax >= 0) work
+// on: a causal segment's chunks beyond the rows' reach are left out (those that the consumers'
+// walks skip, da_chunk_skip).
+template <int OT, int ROWS_ARE>
+__device__ __forceinline__ void tc90_chunk_range(const Params& p, const da_walk_of<int32_t>& st, int32_t jmin,
+                                                 int32_t jmax, int32_t* lo, int32_t* hi) {
+  const int32_t off = (int32_t)da_causal_offset(&p.piece);
+  *lo = st.o_begin;
+  *hi = st.o_end;
+  if (p.is_causal && ROWS_ARE == DA_ROWS_ARE_QUERIES) {
+    *hi = min(*hi, jmax + off + 1);  // no row reaches a chunk from jmax + off + 1 on
+  } else if (p.is_causal) {
+    const int32_t x = jmin - off - st.o_begin;  // no row reaches the chunks that end below jmin - off
+    if (x > 0) *lo += x / OT * OT;
+  }
+}
+
 // Moves the walker to its next segment in which some row of the block is active and returns the
-// range [*lo, *hi) of the segment's chunks (`OT` indices of the other side each, from at.o_begin)
-// that some row works on: a causal segment's chunks beyond the rows' reach are left out (those
-// that the consumers' walks skip, da_chunk_skip). False where the walk has ended.
+// range [*lo, *hi) of the segment's chunks that some row of the block works on: the union of
+// each consumer warpgroup's range (tc90_chunk_range of its rows), which goes to wk.glo, wk.ghi
+// (lane l follows rows of warpgroup l / 16; lanes 0 and 16 write; a warpgroup with no active row
+// has the empty range [o_end, o_begin)). False where the walk has ended.
 template <int OT, int ROWS_ARE>
 __device__ __forceinline__ bool tc90_next_segment(const Params& p, Tc90Walker& wk, int lane, int32_t* lo,
                                                   int32_t* hi) {
+  static_assert(kTc90Consumers == 2, "a half warp per consumer warpgroup");
   da_walk_of<int32_t> st = wk.at;
   if (st.s >= 0) ++st.s;  // (a fresh walker's s = -1: da_walk_candidate starts at base's segment)
   const int32_t N = wk.N;
@@ -245,21 +273,23 @@ __device__ __forceinline__ bool tc90_next_segment(const Params& p, Tc90Walker& w
         jmax = max(jmax, j);
       }
     }
-    jmax = warp_max_int(jmax);
-    if (jmax >= 0) {
-      jmin = warp_min_int(jmin);
-      const int32_t off = (int32_t)da_causal_offset(&p.piece);
-      *lo = st.o_begin;
-      *hi = st.o_end;
-      if (p.is_causal && ROWS_ARE == DA_ROWS_ARE_QUERIES) {
-        *hi = min(*hi, jmax + off + 1);  // no row reaches a chunk from jmax + off + 1 on
-      } else if (p.is_causal) {
-        const int32_t x = jmin - off - st.o_begin;  // no row reaches the chunks that end below jmin - off
-        if (x > 0) *lo += x / OT * OT;
+    if (__any_sync(DA_FULL_MASK, jmax >= 0)) {
+#pragma unroll
+      for (int d = 1; d < 16; d <<= 1) {  // over the half warp: the warpgroup's rows
+        jmin = min(jmin, __shfl_xor_sync(DA_FULL_MASK, jmin, d));
+        jmax = max(jmax, __shfl_xor_sync(DA_FULL_MASK, jmax, d));
       }
       __syncwarp();
+      if ((lane & 15) == 0) {
+        int32_t glo = st.o_end, ghi = st.o_begin;  // no row of the warpgroup active: no chunk
+        if (jmax >= 0) tc90_chunk_range<OT, ROWS_ARE>(p, st, jmin, jmax, &glo, &ghi);
+        wk.glo[lane >> 4] = glo;
+        wk.ghi[lane >> 4] = ghi;
+      }
       if (lane == 0) wk.at = st;
       __syncwarp();
+      *lo = min(wk.glo[0], wk.glo[1]);
+      *hi = max(wk.ghi[0], wk.ghi[1]);
       return true;
     }
     ++st.s;
@@ -362,7 +392,11 @@ __device__ __forceinline__ void tc90_produce(const Params& p, Tc90Pipe* pipe, in
         Tc90Chunk& c = pipe->slot[stage];
         c.at = wk.at;
         c.o0 = o0;
-        c.flags = mi >= 0 ? kTc90Tma : 0;
+        int flags = mi >= 0 ? kTc90Tma : 0;
+#pragma unroll
+        for (int g = 0; g < kTc90Consumers; ++g)
+          if (o0 < wk.glo[g] || o0 >= wk.ghi[g]) flags |= kTc90Skip << g;
+        c.flags = flags;
       }
       load(stage, o0, mi);
       stage = stage + 1 == kTc90Stages ? 0 : stage + 1;
@@ -384,17 +418,20 @@ struct Tc90Reader {
   int stage = 0;
   uint32_t parity = 0;
 
-  // The next published chunk (waits for its stage); the walk adopts it unless it is the end.
-  // Tiles loaded by cp.async are fenced to the MMAs here. Returns false at the end.
+  // The next published chunk (waits for its stage). Returns false at the end; else *skip says
+  // whether no row of consumer warpgroup g meets the chunk (the producer's flag, the same in the
+  // whole warpgroup), and the walk adopts the chunk where it does. Tiles loaded by cp.async are
+  // fenced to the MMAs here.
   template <int ROWS>
-  __device__ __forceinline__ bool next(Tc90Pipe* pipe, Walk<ROWS>& cur) {
+  __device__ __forceinline__ bool next(Tc90Pipe* pipe, Walk<ROWS>& cur, int g, bool* skip) {
     mbar_wait(&pipe->full[stage], (parity >> stage) & 1);
     parity ^= 1u << stage;
     const Tc90Chunk& c = pipe->slot[stage];
     const int flags = __shfl_sync(DA_FULL_MASK, c.flags, 0);  // (known uniform: the loop holds MMAs)
     if (flags & kTc90Done) return false;
-    cur.adopt(c.at, c.o0);
     if (!(flags & kTc90Tma)) fence_proxy_async();
+    *skip = (flags & (kTc90Skip << g)) != 0;
+    if (!*skip) cur.adopt(c.at, c.o0);  // (a skipped chunk's segment is adopted with the next one used)
     return true;
   }
   __device__ __forceinline__ void advance() { stage = stage + 1 == kTc90Stages ? 0 : stage + 1; }
@@ -506,6 +543,24 @@ __device__ __forceinline__ void tc90_zero_tile(void* tile, int bytes) {
   fence_proxy_async();
 }
 
+#if defined(DA_CUDA_EMULATION)
+// The chunks that consumer warpgroups skipped (one count per warpgroup) and computed, per pass
+// (kFwd, kDq, kDkv): the emulated tests check that a chunk none of a warpgroup's rows meets is
+// skipped.
+inline long long (&tc90_emu_chunks())[3][2] {
+  static long long n[3][2] = {};
+  return n;
+}
+#define DA_TC90_COUNT(pass, skipped, wtid)                         \
+  do {                                                             \
+    if ((wtid) == 0) ++tc90_emu_chunks()[pass][(skipped) ? 0 : 1]; \
+  } while (0)
+#else
+#define DA_TC90_COUNT(pass, skipped, wtid) \
+  do {                                     \
+  } while (0)
+#endif
+
 // The roles of a block's threads, after its barriers are set up: warpgroup 0 produces (only its
 // warp 0 works), 1 and 2 consume. Each role's code starts with its setmaxnreg (tc90_producer_regs,
 // tc90_consumer_regs), which must dominate it: ptxas gives the code after it that many registers.
@@ -615,10 +670,21 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   Tc90Deferred<T, L, NT, DT> pv;
   pv.clear();
   Tc90Reader rd;
-  while (rd.next(pipe, cur)) {
+  bool skip;
+  while (rd.next(pipe, cur, g, &skip)) {
     const int stage = rd.stage;
+    DA_TC90_COUNT(kFwd, skip, role.wtid);
+    if (skip) {  // no row of the warpgroup meets the chunk: the pending P V runs now, the stages go back
+      if (pv.pending) {
+        pv.flush(O, sV + pv_stage * KT * DP, 0);
+        tc90_release(pipe, pv_stage, lane);
+      }
+      tc90_release(pipe, stage, lane);
+      rd.advance();
+      continue;
+    }
     // A warp with no active pair in the chunk masks all of it (its probabilities are 0: the
-    // chunk changes nothing in its rows); the warpgroup computes every chunk the block has.
+    // chunk changes nothing in its rows).
     const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();
     const T* sKs = sK + stage * KT * DP;
     const T* sVs = sV + stage * KT * DP;
@@ -713,8 +779,19 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   Tc90Deferred<T, L, NT, DT> pv;
   pv.clear();
   Tc90Reader rd;
-  while (rd.next(pipe, cur)) {
+  bool skip;
+  while (rd.next(pipe, cur, g, &skip)) {
     const int stage = rd.stage;
+    DA_TC90_COUNT(kDq, skip, role.wtid);
+    if (skip) {  // (as the forward)
+      if (pv.pending) {
+        pv.flush(dQ, sK + pv_stage * KT * DP, 0);
+        tc90_release(pipe, pv_stage, lane);
+      }
+      tc90_release(pipe, stage, lane);
+      rd.advance();
+      continue;
+    }
     const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();  // (as the forward)
     const T* sKs = sK + stage * KT * DP;
     const T* sVs = sV + stage * KT * DP;
@@ -825,8 +902,20 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   pv_v.clear();
   pv_k.clear();
   Tc90Reader rd;
-  while (rd.next(pipe, cur)) {
+  bool skip;
+  while (rd.next(pipe, cur, g, &skip)) {
     const int stage = rd.stage;
+    DA_TC90_COUNT(kDkv, skip, role.wtid);
+    if (skip) {  // no key of the warpgroup is seen by the chunk's queries (as the forward)
+      if (pv_v.pending || pv_k.pending) {
+        pv_v.flush(dV, sdO + pv_stage * QT * DP, c0);
+        pv_k.flush(dK, sQ + pv_stage * QT * DP, c0);
+        tc90_release(pipe, pv_stage, lane);
+      }
+      tc90_release(pipe, stage, lane);
+      rd.advance();
+      continue;
+    }
     const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();  // (as the forward)
     const T* sQs = sQ + stage * QT * DP;
     const T* sdOs = sdO + stage * QT * DP;

@@ -765,6 +765,81 @@ def test_emulated_sm90_kernels_without_tensor_maps(emu, is_causal):
         emu.da_emu_tma(1)
 
 
+def tc90_chunks(emu):
+    """The chunks that the sm90 kernels' consumer warpgroups skipped and computed since the last
+    call, once per warpgroup: ((skipped, computed) of the forward, dq, dk/dv)."""
+    out = (ctypes.c_longlong * 6)()
+    emu.da_emu_tc90_chunks(out)
+    return tuple((out[2 * i], out[2 * i + 1]) for i in range(3))
+
+
+# (B, N or packed lengths, Hq, Hkv, D, segment_lengths, dilation_rates, (R, interleaved)): causal,
+# blocks of 128 consecutive rows (R = 1) whose two warpgroups of 64 lie on both sides of the
+# frontier of many chunks, several segments, rates above 1, GQA (dk/dv over two query heads).
+EMU_SM90_SKIP_CONFIGS = [
+    pytest.param(2, 200, 4, 2, 64, [50, 100, 200], [1, 2, 4], (1, 0), id="three-branches-gqa"),
+    pytest.param(1, 300, 2, 1, 32, [300], [3], (1, 0), id="one-segment-r3"),
+    pytest.param(1, 260, 2, 2, 128, [128, 260], [1, 2], (2, 0), id="R2-D128"),
+    pytest.param(1, [150, 3, 0, 97], 2, 1, 64, [32, 64, 128], [1, 2, 4], (1, 0), id="packed"),
+]
+
+
+@pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates,tiling", EMU_SM90_SKIP_CONFIGS)
+def test_emulated_sm90_warpgroups_skip_only_chunks_they_do_not_meet(
+    emu, B, N, Hq, Hkv, D, segs, rates, tiling
+):
+    """A consumer warpgroup of the sm90 kernels skips a chunk that none of its 64 rows meets (the
+    causal frontier, rows outside a segment) and computes every other: the results stay those of
+    the float64 reference where the block's warpgroups work on different chunks, and each pass
+    skips some."""
+    tc90_chunks(emu)
+    R, il = tiling
+    if isinstance(N, list):
+        check_emulated_varlen(emu, N, Hq, Hkv, D, segs, rates, True, torch.bfloat16, 2, (R, il, 16, 64))
+    else:
+        check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, True, torch.bfloat16, 2, (R, il, 16, 64))
+    for name, (skipped, computed) in zip(("forward", "dq", "dk/dv"), tc90_chunks(emu), strict=True):
+        assert skipped > 0 and computed > 0, (name, skipped, computed)
+
+
+@pytest.mark.parametrize(
+    "order,eager", [(1, 0), (2, 0), (2, 1)], ids=["reversed", "shuffled", "shuffled-eager"]
+)
+def test_emulated_sm90_warpgroup_skips_under_other_schedules(emu, order, eager):
+    """Skipped and computed chunks with reordered threads and early copies: a warpgroup releases a
+    stage by one arrival (its thread 0), which must come after every warp of it is done with the
+    stage, its slot read on skipped chunks too."""
+    emu.da_emu_options(order, 777, eager)
+    try:
+        check_emulated(
+            emu, 2, 200, 4, 2, 64, [50, 100, 200], [1, 2, 4], True, torch.bfloat16, 2, (1, 0, 16, 64)
+        )
+        check_emulated_varlen(
+            emu, [150, 3, 0, 97], 2, 1, 64, [32, 64, 128], [1, 2, 4], True, torch.bfloat16, 2, (1, 0, 16, 64)
+        )
+    finally:
+        emu.da_emu_options(0, 1, 0)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_emulated_sm90_warpgroup_skip_counts(emu, is_causal):
+    """The chunks each consumer warpgroup skips, counted: one segment of 256 positions at rate 1,
+    head dim 32, blocks of 128 consecutive rows (R = 1), so that warpgroup g of block t owns rows
+    128 t + 64 g .. + 63. Forward and dq, 64 keys a chunk: block 0 has keys 0-127 (two chunks), of
+    which its first warpgroup needs one; block 1 has four, its first warpgroup needs three: two
+    skips, ten chunks computed. dk/dv, 32 queries a chunk (rows are keys): block 0 has all eight,
+    its second warpgroup (keys 64-127) skips the two before query 64; block 1 has the four from
+    query 128, its second warpgroup skips two: four skips, twenty computed. The forward runs twice
+    (the backward's own, for delta). Without the causal mask every row meets every chunk."""
+    tc90_chunks(emu)
+    check_emulated(emu, 1, 256, 1, 1, 32, [256], [1], is_causal, torch.bfloat16, 2, (1, 0, 16, 64))
+    fwd, dq, dkv = tc90_chunks(emu)
+    if is_causal:
+        assert (fwd, dq, dkv) == ((4, 20), (2, 10), (4, 20))
+    else:
+        assert (fwd, dq, dkv) == ((0, 32), (0, 16), (0, 32))
+
+
 @pytest.fixture(scope="module")
 def emu_pipeline(tmp_path_factory):
     """The warp-specialised pattern of the sm90 kernels in small blocks

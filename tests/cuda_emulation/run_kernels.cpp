@@ -359,12 +359,25 @@ extern "C" void da_emu_dropout(double p, int64_t seed, int64_t offset) {
   dropout() = da_dropout_make(p, (uint64_t)seed, (uint64_t)offset);
 }
 
-// lse in float64 (on != 0) or in the accumulation dtype for the calls that follow; dlse and delta
-// stay in the accumulation dtype.
+// Tensor maps for the sm90 kernels of the calls that follow (on != 0, the default) or none (every
+// chunk by cp.async).
 extern "C" void da_emu_tma(int on) {
   tma_on() = on != 0;
 }
 
+// The chunks that the sm90 kernels' consumer warpgroups skipped and computed since the last call,
+// counted once per warpgroup: out[2 pass + 0] skipped, out[2 pass + 1] computed, pass kFwd, kDq,
+// kDkv; the counts restart from zero.
+extern "C" void da_emu_tc90_chunks(long long* out) {
+  for (int pass = 0; pass < 3; ++pass)
+    for (int k = 0; k < 2; ++k) {
+      out[2 * pass + k] = tc90_emu_chunks()[pass][k];
+      tc90_emu_chunks()[pass][k] = 0;
+    }
+}
+
+// lse in float64 (on != 0) or in the accumulation dtype for the calls that follow; dlse and delta
+// stay in the accumulation dtype.
 extern "C" void da_emu_lse64(int on) {
   lse64() = on != 0;
 }
