@@ -10,7 +10,8 @@
 // mbarrier) or, where no tensor map reaches them, by cp.async completing on the same mbarrier. The
 // two consumer warpgroups take more registers, each owning 64 of the rows; each waits for a stage,
 // adopts the published position (rescanning its rows where the segment changed), computes the
-// chunk, and releases the stage (an mbarrier of the consumers' arrivals) once its MMAs have read it.
+// chunk, and releases the stage (an mbarrier of one arrival per consumer warpgroup) once its MMAs
+// have read it.
 // Five stages: a consumer holds two (the chunk it computes and the previous one, whose product with
 // probabilities still runs), the producer fills the other three ahead (as many as shared memory
 // holds at every head dim: dq and dk/dv at 256 take 218 of its 227 KB).
@@ -100,7 +101,7 @@ struct Tc90Walker {
 
 // The pipeline's barriers and slots (after the tiles in shared memory): full[s] completes when the
 // producer warp's 32 threads have arrived and the stage's copies have landed; empty[s] when the
-// consumers' 8 warps have released the stage (one arrival each, tc90_release). walker: the
+// two consumer warpgroups have released the stage (one arrival each, tc90_release). walker: the
 // producer's walk.
 struct Tc90Pipe {
   uint64_t full[kTc90Stages], empty[kTc90Stages];
@@ -437,12 +438,16 @@ struct Tc90Reader {
   __device__ __forceinline__ void advance() { stage = stage + 1 == kTc90Stages ? 0 : stage + 1; }
 };
 
-// This warp's release of a stage once every lane is done with it (its MMAs waited for, its reads
-// on CUDA cores made): one arrival, by lane 0 after the warp's barrier. The producer reuses the
-// stage once every consumer warp has released it.
-__device__ __forceinline__ void tc90_release(Tc90Pipe* pipe, int stage, int lane) {
-  __syncwarp();
-  if (lane == 0) mbar_arrive(&pipe->empty[stage]);
+// This warpgroup's release of a stage: one arrival, by its thread 0 (wtid), once every thread of
+// the warpgroup is done with the stage, which the callers ensure without a barrier of their own:
+// the stage's MMAs waited for (a warpgroup's MMA is one operation of its four warps, complete for
+// all of them when one waits for it, as CUTLASS's consumer_release takes it), and its reads on
+// CUDA cores (the slot, lse and delta, the non-finite scan) made before a named barrier of the
+// warpgroup that thread 0 has passed: that of Tc90Deferred::take in the chunk's step, the one
+// after a product on CUDA cores, or the skip's. The producer reuses the stage once both consumer
+// warpgroups have released it.
+__device__ __forceinline__ void tc90_release(Tc90Pipe* pipe, int stage, int wtid) {
+  if (wtid == 0) mbar_arrive(&pipe->empty[stage]);
 }
 
 // The consumer's walk: the rows of warp cw (0 .. 7) of the tiling, before its first chunk.
@@ -514,6 +519,7 @@ struct Tc90Deferred {
                                        bool need_mask, int lane, int64_t D, int bar) {
     if (named_barrier_or(bar, 128, need_mask && tc_tile_nonfinite<T, L::DP, L::DP>(tile, 8 * NT, lane))) {
       tc90_gemm_pb_cuda_cores<T, L, NT, CT>(acc, P, tile, c0, lane, D);
+      named_barrier_or(bar, 128, false);  // every warp's reads of the tile made (tc90_release)
       clear();
     } else {
 #pragma unroll
@@ -582,7 +588,7 @@ __device__ __forceinline__ Tc90Role tc90_role(Tc90Pipe* pipe) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < kTc90Stages; ++s) {
       mbar_init(&pipe->full[s], 32);
-      mbar_init(&pipe->empty[s], kTc90Warps);  // one arrival per consumer warp
+      mbar_init(&pipe->empty[s], kTc90Consumers);  // one arrival per consumer warpgroup
     }
     fence_barrier_init();
   }
@@ -677,9 +683,10 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     if (skip) {  // no row of the warpgroup meets the chunk: the pending P V runs now, the stages go back
       if (pv.pending) {
         pv.flush(O, sV + pv_stage * KT * DP, 0);
-        tc90_release(pipe, pv_stage, lane);
+        tc90_release(pipe, pv_stage, role.wtid);
       }
-      tc90_release(pipe, stage, lane);
+      named_barrier_or(bar, 128, false);  // every warp has read the slot (tc90_release)
+      tc90_release(pipe, stage, role.wtid);
       rd.advance();
       continue;
     }
@@ -703,13 +710,13 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     tc_fwd_probs<NT, DROPOUT>(S, m, l, cur, need_mask, sl2, tq, p, keep, corr);
     wgmma_wait<0>();  // the previous P V: O is complete, its stage read
     wgmma_fence_operands(O);
-    if (pv.pending) tc90_release(pipe, pv_stage, lane);
+    if (pv.pending) tc90_release(pipe, pv_stage, role.wtid);
     tc_rescale<DT>(O, corr);
     pv.take(O, S, sVs, 0, need_mask, lane, p.D, bar);
     if (pv.pending)
       pv_stage = stage;
     else
-      tc90_release(pipe, stage, lane);
+      tc90_release(pipe, stage, role.wtid);
     rd.advance();
   }
   pv.flush(O, sV + pv_stage * KT * DP, 0);
@@ -786,9 +793,10 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     if (skip) {  // (as the forward)
       if (pv.pending) {
         pv.flush(dQ, sK + pv_stage * KT * DP, 0);
-        tc90_release(pipe, pv_stage, lane);
+        tc90_release(pipe, pv_stage, role.wtid);
       }
-      tc90_release(pipe, stage, lane);
+      named_barrier_or(bar, 128, false);  // every warp has read the slot (tc90_release)
+      tc90_release(pipe, stage, role.wtid);
       rd.advance();
       continue;
     }
@@ -812,12 +820,12 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
     wgmma_wait<0>();  // the previous dS K: dQ is complete, the fragments free, its stage read
     wgmma_fence_operands(dQ);
-    if (pv.pending) tc90_release(pipe, pv_stage, lane);
+    if (pv.pending) tc90_release(pipe, pv_stage, role.wtid);
     pv.take(dQ, S, sKs, 0, need_mask, lane, p.D, bar);
     if (pv.pending)
       pv_stage = stage;
     else
-      tc90_release(pipe, stage, lane);
+      tc90_release(pipe, stage, role.wtid);
     rd.advance();
   }
   pv.flush(dQ, sK + pv_stage * KT * DP, 0);
@@ -910,9 +918,10 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
       if (pv_v.pending || pv_k.pending) {
         pv_v.flush(dV, sdO + pv_stage * QT * DP, c0);
         pv_k.flush(dK, sQ + pv_stage * QT * DP, c0);
-        tc90_release(pipe, pv_stage, lane);
+        tc90_release(pipe, pv_stage, role.wtid);
       }
-      tc90_release(pipe, stage, lane);
+      named_barrier_or(bar, 128, false);  // every warp has read the slot (tc90_release)
+      tc90_release(pipe, stage, role.wtid);
       rd.advance();
       continue;
     }
@@ -940,13 +949,13 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     wgmma_wait<0>();  // the previous products: dV and dK complete, the fragments free, their stage read
     wgmma_fence_operands(dV);
     wgmma_fence_operands(dK);
-    if (pv_v.pending || pv_k.pending) tc90_release(pipe, pv_stage, lane);
+    if (pv_v.pending || pv_k.pending) tc90_release(pipe, pv_stage, role.wtid);
     pv_v.take(dV, St, sdOs, c0, need_mask, lane, p.D, bar);
     pv_k.take(dK, dPt, sQs, c0, need_mask, lane, p.D, bar);
     if (pv_v.pending || pv_k.pending)
       pv_stage = stage;
     else
-      tc90_release(pipe, stage, lane);
+      tc90_release(pipe, stage, role.wtid);
     rd.advance();
   }
   pv_v.flush(dV, sdO + pv_stage * QT * DP, c0);
