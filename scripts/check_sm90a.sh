@@ -5,7 +5,7 @@
 # sm_80, where this code compiles to nothing). Prints the registers of each kernel and fails, by
 # scripts/sm90_registers.py, where a kernel does not start with the 168 registers of a 384-thread
 # block (setmaxnreg then gives the producer warpgroup kTc90ProducerRegs and the consumers
-# kTc90ConsumerRegs, tc90_kernels.cuh: with fewer the consumers would wait forever), spills
+# kTc90ConsumerRegs, tc90_pipe.cuh: with fewer the consumers would wait forever), spills
 # registers to local memory (none does: docs/cuda.md), or
 # draws ptxas's C7519/C7517 notes (it inserted a wgmma fence or wait that the code should have) or
 # its C7514/C7520 notes (it serialises the wgmmas); and on a compiler error.

@@ -3,8 +3,8 @@
 The warp-specialised kernels (csrc/cuda/tc90_kernels.cuh) launch 384 threads and then split the
 block's registers with ``setmaxnreg``: the producer warpgroup gives some back (kTc90ProducerRegs)
 and the two consumer warpgroups take them (kTc90ConsumerRegs), which adds up only when every thread
-started with kTc90LaunchRegs (168), all a 384-thread block can have; the numbers are read from that
-header. A kernel that ptxas compiled to fewer registers at launch would have its consumers wait in
+started with kTc90LaunchRegs (168), all a 384-thread block can have; the numbers are read from
+csrc/cuda/tc90_pipe.cuh. A kernel that ptxas compiled to fewer registers at launch would have its consumers wait in
 ``setmaxnreg.inc`` for registers that never come: a hang, not an error. So each ``tc90_*`` kernel
 must report exactly ``--expect`` registers (kTc90LaunchRegs), no spill stores, and none of ptxas's
 notes that it inserted a wgmma fence or wait (C7519, C7517) or serialised the wgmmas (C7514, C7520).
@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-_HEADER = Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "tc90_kernels.cuh"
+_HEADER = Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "tc90_pipe.cuh"
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _SPILLS = re.compile(r"(\d+) bytes spill stores")
 _USED = re.compile(r"Used (\d+) registers")
