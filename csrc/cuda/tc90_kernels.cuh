@@ -95,6 +95,14 @@ __device__ __forceinline__ void tc90_release(Tc90Pipe* pipe, int stage, int wtid
   if (wtid == 0) mbar_arrive(&pipe->empty[stage]);
 }
 
+// The end of a chunk that no row of the warpgroup meets (its pending products already ran): once
+// every warp has read the slot, the chunk's stage goes back and the reader moves on.
+__device__ __forceinline__ void tc90_skip_stage(Tc90Pipe* pipe, Tc90Reader& rd, int bar, int wtid) {
+  named_barrier_or(bar, 128, false);  // every warp has read the slot (tc90_release)
+  tc90_release(pipe, rd.stage, wtid);
+  rd.advance();
+}
+
 // The consumer's walk: the rows of warp cw (0 .. 7) of the tiling, before its first chunk.
 __device__ __forceinline__ Walk<2> tc90_consumer_walk(const Params& p, const da_tiling& tl, int64_t N,
                                                       int64_t base, int64_t h0, int G, int rows_are,
@@ -330,9 +338,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
         pv.flush(O, sV + pv_stage * KT * DP, 0);
         tc90_release(pipe, pv_stage, role.wtid);
       }
-      named_barrier_or(bar, 128, false);  // every warp has read the slot (tc90_release)
-      tc90_release(pipe, stage, role.wtid);
-      rd.advance();
+      tc90_skip_stage(pipe, rd, bar, role.wtid);
       continue;
     }
     // A warp with no active pair in the chunk masks all of it (its probabilities are 0: the
@@ -440,9 +446,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
         pv.flush(dQ, sK + pv_stage * KT * DP, 0);
         tc90_release(pipe, pv_stage, role.wtid);
       }
-      named_barrier_or(bar, 128, false);  // every warp has read the slot (tc90_release)
-      tc90_release(pipe, stage, role.wtid);
-      rd.advance();
+      tc90_skip_stage(pipe, rd, bar, role.wtid);
       continue;
     }
     const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();  // (as the forward)
@@ -565,9 +569,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
         pv_k.flush(dK, sQ + pv_stage * QT * DP, c0);
         tc90_release(pipe, pv_stage, role.wtid);
       }
-      named_barrier_or(bar, 128, false);  // every warp has read the slot (tc90_release)
-      tc90_release(pipe, stage, role.wtid);
-      rd.advance();
+      tc90_skip_stage(pipe, rd, bar, role.wtid);
       continue;
     }
     const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();  // (as the forward)
