@@ -171,7 +171,8 @@ static PyObject* plan(PyObject*, PyObject* args) {
 
 // _C.driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the kernel
 // calls the C++ driver makes for a batch of B sequences of the plan (views/plan.h driver_calls): a
-// tuple per branch of (index of the first plan call, batch entry or -1 for all, count of plan calls).
+// tuple per branch of (index of the first plan call, batch entry or -1 for all, count of plan calls,
+// 1 where the driver gathers the run's rows into one batch, else 0).
 static PyObject* driver_calls(PyObject*, PyObject* args) {
   long long B = 0;
   const auto p = parse_plan(args, "driver_calls", &B);
@@ -186,8 +187,8 @@ static PyObject* driver_calls(PyObject*, PyObject* args) {
   return tuple_of(p->branches.size(), [&](size_t br) {
     const auto made = dilated_attention::views::driver_calls(p->branches[br], B, N);
     return tuple_of(made.size(), [&](size_t i) {
-      const int64_t vals[3] = {made[i].index, made[i].b, made[i].count};
-      return int_tuple(vals, 3);
+      const int64_t vals[4] = {made[i].index, made[i].b, made[i].count, made[i].gathers(B)};
+      return int_tuple(vals, 4);
     });
   });
 }
@@ -217,7 +218,7 @@ PyObject* PyInit__C(void) {
        "branch, a tuple of 16 ints per call."},
       {"driver_calls", driver_calls, METH_VARARGS,
        "driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the C++ driver's "
-       "kernel calls per branch, (first plan call, batch entry or -1, count of plan calls) each."},
+       "kernel calls per branch, (first plan call, batch entry or -1, count of plan calls, gathered) each."},
       {"plan_cache_info", plan_cache_info, METH_NOARGS,
        "The plan cache's (hits, misses, entries, max_entries)."},
       {"plan_cache_clear", plan_cache_clear, METH_NOARGS, "Empties the plan cache and zeroes its counts."},

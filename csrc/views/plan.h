@@ -99,6 +99,13 @@ struct DriverCall {
   int64_t b;
   int64_t count = 1;
   int64_t step_p = 0, step_q = 0, step_kv = 0;  // per index: the phase, the q and k/v heads
+
+  // The entries of the batch dim each of the count calls runs over, for B sequences: batch entry
+  // b's segments, or every batch entry folded with the segments (b < 0).
+  int64_t batch(int64_t B) const { return b >= 0 ? c.part.rows : B * c.part.rows; }
+  // Whether the count calls and their batch entries are both several: no one stride spans them,
+  // and the driver gathers the rows into one contiguous batch.
+  bool gathers(int64_t B) const { return count > 1 && batch(B) > 1; }
 };
 
 // The kernel calls of a branch's plan calls for a batch of B sequences of N positions: one per

@@ -73,18 +73,8 @@ struct Run : DriverCall {
   at::Tensor view(const at::Tensor& x, const Strided& s, int64_t step_c) const {
     const int64_t B = x.size(0), sB = x.stride(0), sN = x.stride(1), sH = x.stride(2), sE = x.stride(3);
     const Part& p = c.part;
-    int64_t Bb, sBb, off = x.storage_offset() + (p.start + s.p0) * sN + s.c0 * sH;
-    if (b >= 0) {
-      Bb = p.rows;
-      sBb = p.length * sN;
-      off += b * sB;
-    } else if (p.rows == 1) {
-      Bb = B;
-      sBb = sB;
-    } else {
-      Bb = B * p.rows;
-      sBb = p.length * sN;
-    }
+    const int64_t Bb = batch(B), sBb = b < 0 && p.rows == 1 ? sB : p.length * sN;
+    const int64_t off = x.storage_offset() + (p.start + s.p0) * sN + s.c0 * sH + (b >= 0 ? b * sB : 0);
     return x.as_strided({count, Bb, c.m, s.n, x.size(3)},
                         {step_p * sN + step_c * sH, sBb, c.r * sN, s.dp * sN + s.dc * sH, sE}, off);
   }
@@ -100,8 +90,8 @@ struct Run : DriverCall {
 };
 
 // Whether a run's views (count, Bb, ...) are strided views of one batch dim as they are: one of
-// the two is 1. Otherwise (the phases of several segments or batch entries) no one stride spans
-// them and the kernel reads a gathered copy.
+// the two is 1 (not DriverCall::gathers). Otherwise no one stride spans them and the kernel reads a
+// gathered copy.
 bool folds(const at::Tensor& view) {
   return view.size(0) == 1 || view.size(1) == 1;
 }
@@ -200,9 +190,14 @@ void add_into(const std::vector<at::Tensor>& xs, F&& f) {
     f(flat);
     return;
   }
-  for (const at::Tensor& x : xs) flat.push_back(at::zeros(x.sizes(), x.options()).flatten(0, 1));
+  Moves adds;
+  for (const at::Tensor& x : xs) {
+    const at::Tensor sum = at::zeros(x.sizes(), x.options());
+    adds.push(x, sum);
+    flat.push_back(sum.flatten(0, 1));
+  }
   f(flat);
-  for (size_t i = 0; i < xs.size(); ++i) xs[i].add_(flat[i].view(xs[i].sizes()));
+  adds.run(true);
 }
 
 // The driver's kernel calls of a branch's plan calls (plan.h driver_calls), with their views.

@@ -86,10 +86,7 @@ def driver_calls(
     plan = plan_branches(*args)
     made = library._require_extension().driver_calls(*args, B)
     return [
-        [
-            (calls[i], count, count > 1 and (B if b < 0 else 1) * calls[i].part.rows > 1)
-            for i, b, count in runs
-        ]
+        [(calls[i], count, bool(gathered)) for i, _, count, gathered in runs]
         for calls, runs in zip(plan, made, strict=True)
     ]
 
