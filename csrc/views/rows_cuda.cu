@@ -64,9 +64,9 @@ void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::T
     bool fits = add ? dst[i].scalar_type() == at::kFloat && source.has_value()
                     : dst[i].scalar_type() == src[i].scalar_type();
     if (fits && job.count == kRowPairs) flush();
-    fits = fits &&
-           add_row_pair(job, row_tensor(dst[i]), row_tensor(first), !add, source.value_or(RowSource::kFloat),
-                        grouped ? src[i].size(-2) : 1, grouped ? src[i].stride(-2) : 0);
+    fits = fits && add_row_pair(job, row_tensor(dst[i]), row_tensor(first), add ? RowOp::kAdd : RowOp::kCopy,
+                                source.value_or(RowSource::kFloat), grouped ? src[i].size(-2) : 1,
+                                grouped ? src[i].stride(-2) : 0);
     if (fits) continue;
     if (!add)  // moved by ATen
       dst[i].copy_(src[i]);
@@ -93,7 +93,7 @@ bool mark_nonfinite_rows_cuda_(const std::vector<at::Tensor>& xs, const std::vec
     if (!fits) break;
     // the row's flag, read at every element of the row (stride 0)
     RowTensor dst = row_tensor(flags[i].unsqueeze(-1).expand(x.sizes()));
-    fits = add_row_pair(job, dst, row_tensor(x), false, *source);
+    fits = add_row_pair(job, dst, row_tensor(x), RowOp::kCheck, *source);
   }
   if (!fits) return false;
   if (job.max_warps > 0) launch(job, RowOp::kCheck, xs[0].device());

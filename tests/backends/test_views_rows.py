@@ -200,3 +200,86 @@ def test_nonfinite_check_of_q_k_v_in_one_launch(emu, dtype, bad, where):
     assert move(emu, dst, [q, k, v], False, op=2) == 0
     want = not all(bool(torch.isfinite(t).all()) for t in (q, k, v))
     assert bool(flag.item()) == want
+
+
+def shape_of(so, dst: list[torch.Tensor], src: list[torch.Tensor], op: int) -> tuple[list[int], list[int]]:
+    """The elements a lane moves at once and the row dims left after merging, per pair, of the job
+    the kernel would run."""
+    meta = torch.tensor([x for d, s in zip(dst, src, strict=True) for x in row_meta(d, s)], dtype=torch.int64)
+    ptrs = (ctypes.c_void_p * (2 * len(dst)))(
+        *[p for d, s in zip(dst, src, strict=True) for p in (d.data_ptr(), s.data_ptr())]
+    )
+    vec, dims = (ctypes.c_int * len(dst))(), (ctypes.c_int * len(dst))()
+    assert so.da_emu_rows_shape(op, len(dst), meta.data_ptr(), ptrs, vec, dims) == 0
+    return list(vec), list(dims)
+
+
+def test_gpt_rows_move_sixteen_bytes_a_lane(emu):
+    """At the example GPT's shape (head dim 64, bfloat16, 16-byte aligned) a lane moves 16 bytes at
+    once: the gather of a run's phases (five dims whose segments and rows merge into one), the add of its float32 gradients from bfloat16 (4 elements) and the non-finite check."""
+    emu.da_emu_rows_shape.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [
+        ctypes.c_void_p
+    ] * 2
+    N, H, D, w, r = 64, 12, 64, 32, 4
+    x = torch.randn(1, N, H, D).to(torch.bfloat16)
+    sN, sH = x.stride(1), x.stride(2)
+    view = x.as_strided((r, N // w, w // r, H // r, D), (sN + sH, w * sN, r * sN, r * sH, 1))
+    dst = torch.empty(view.shape, dtype=torch.bfloat16)
+    # the segments tile the sequence: segment and row merge into one dim of m * segments rows
+    assert shape_of(emu, [dst], [view], 0) == ([8], [3])
+    assert shape_of(emu, [x.view(N, H, D)], [x.view(N, H, D).clone()], 0) == ([8], [1])
+    acc = torch.zeros(1, N, H, D)
+    a = acc.as_strided(view.shape, view.stride())
+    assert shape_of(emu, [a], [dst], 1) == ([4], [3])
+    flag = torch.zeros(1, dtype=torch.int32)
+    assert shape_of(emu, [flag.expand(x.shape)], [x], 2)[0] == [8]
+
+
+def strided(
+    sizes: list[int], dt: torch.dtype, rint, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A view of `sizes` with a contiguous row into a larger buffer (random padding between rows, a
+    random start), and its buffer."""
+    pad = [rint(0, 2) * [1, 4][rint(0, 1)] for _ in sizes[:-1]]
+    strides, step = [1], sizes[-1]
+    for s, p in zip(reversed(sizes[:-1]), reversed(pad), strict=True):
+        step += p
+        strides.insert(0, step)
+        step *= s
+    off = rint(0, 7)
+    buf = torch.randn(off + step + 8, generator=gen).to(dt)
+    return buf.as_strided(sizes, strides, off), buf
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_views_at_every_alignment(emu, seed):
+    """Random strided views (up to six dims, rows of any length, storage offsets of any element,
+    so that every vector width from 1 to 16 bytes occurs) copied, added and checked as PyTorch's
+    copy_, add_ and isfinite do, and nothing outside the views changes."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    for case in range(12):
+        dims = rint(1, 6)
+        sizes = [rint(1, 3) for _ in range(dims - 1)] + [rint(1, 3) * [1, 2, 4, 8][rint(0, 3)]]
+        dtype = [torch.bfloat16, torch.float16, torch.float32][rint(0, 2)]
+
+        src, _ = strided(sizes, dtype, rint, gen)
+        dst, dbuf = strided(sizes, dtype, rint, gen)
+        before = dbuf.clone()
+        assert move(emu, [dst], [src], False) == 0, (case, sizes)
+        want = before.clone()
+        want.as_strided(dst.shape, dst.stride(), dst.storage_offset()).copy_(src)
+        assert torch.equal(dbuf, want), (case, sizes, dtype)
+        acc, abuf = strided(sizes, torch.float32, rint, gen)
+        want = abuf.clone()
+        want.as_strided(acc.shape, acc.stride(), acc.storage_offset()).add_(src.float())
+        assert move(emu, [acc], [src], True) == 0
+        assert torch.equal(abuf, want), (case, sizes, dtype)
+        if dtype != torch.float32 or case % 2:
+            src[tuple(rint(0, n - 1) for n in sizes)] = float("nan") if case % 3 else float("inf")
+        flag = torch.zeros(1, dtype=torch.int32)
+        assert move(emu, [flag.expand(src.shape)], [src], False, op=2) == 0
+        assert bool(flag.item()) == (not bool(torch.isfinite(src).all())), (case, sizes)

@@ -18,16 +18,18 @@ using dilated_attention::views::RowSource;
 using dilated_attention::views::RowTensor;
 using dilated_attention::views::with_rows_kernel;
 
-// Moves `count` pairs: meta holds, per pair, the element bytes of dst and of src, then dst's
+namespace {
+
+RowOp row_op(int op) {
+  return op == 0 ? RowOp::kCopy : op == 1 ? RowOp::kAdd : RowOp::kCheck;
+}
+
+// The job of `count` pairs: meta holds, per pair, the element bytes of dst and of src, then dst's
 // kRowDims sizes and kRowDims strides and src's, then the source elements of an add or a check
 // (0 float32, 1 bfloat16, 2 float16), and an add's group of source rows and their stride
-// (5 + 4 kRowDims values); ptrs holds dst0, src0, dst1, src1, ...
-// op: 0 copy, 1 add, 2 check (dst: an int flag per row, or one flag); any: a check's flag for
-// every pair (or null). Returns 0, or 1 where a pair does not fit the kernel (nothing moved).
-extern "C" int da_emu_rows_any(int op, int count, const int64_t* meta, void** ptrs, int* any) {
+// (5 + 4 kRowDims values); ptrs holds dst0, src0, dst1, src1, ... False where a pair does not fit.
+bool build_job(RowJob& job, int op, int count, const int64_t* meta, void** ptrs) {
   constexpr int k = dilated_attention::views::kRowDims;
-  RowJob job;
-  job.any = any;
   for (int i = 0; i < count; ++i) {
     const int64_t* m = meta + (5 + 4 * k) * i;
     RowTensor dst{ptrs[2 * i], m[0], {}, {}}, src{ptrs[2 * i + 1], m[1], {}, {}};
@@ -41,11 +43,22 @@ extern "C" int da_emu_rows_any(int op, int count, const int64_t* meta, void** pt
     const RowSource source = extra[0] == 1   ? RowSource::kBFloat16
                              : extra[0] == 2 ? RowSource::kHalf
                                              : RowSource::kFloat;
-    if (!add_row_pair(job, dst, src, op == 0, source, extra[1], extra[2])) return 1;
+    if (!add_row_pair(job, dst, src, row_op(op), source, extra[1], extra[2])) return false;
   }
+  return true;
+}
+
+}  // namespace
+
+// Moves `count` pairs (meta and ptrs as build_job reads them). op: 0 copy, 1 add, 2 check (dst: an
+// int flag per row, or one flag); any: a check's flag for every pair (or null). Returns 0, or 1
+// where a pair does not fit the kernel (nothing moved).
+extern "C" int da_emu_rows_any(int op, int count, const int64_t* meta, void** ptrs, int* any) {
+  RowJob job;
+  job.any = any;
+  if (!build_job(job, op, count, meta, ptrs)) return 1;
   const dim3 grid((unsigned)((job.max_warps * 32 + kRowThreads - 1) / kRowThreads), (unsigned)job.count);
-  const RowOp kind = op == 0 ? RowOp::kCopy : op == 1 ? RowOp::kAdd : RowOp::kCheck;
-  with_rows_kernel(kind, [&](auto kernel) {
+  with_rows_kernel(row_op(op), [&](auto kernel) {
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x)
         da_emu::run_block(grid, dim3(x, y, 1), kRowThreads, [&] { kernel(job); });
@@ -56,4 +69,16 @@ extern "C" int da_emu_rows_any(int op, int count, const int64_t* meta, void** pt
 // da_emu_rows_any without the flag for every pair.
 extern "C" int da_emu_rows(int op, int count, const int64_t* meta, void** ptrs) {
   return da_emu_rows_any(op, count, meta, ptrs, nullptr);
+}
+
+// The job da_emu_rows would run, not run: per pair, the elements a lane moves at once and the row
+// dims left after merging (vec[i], dims[i]). Returns 0, or 1 where a pair does not fit.
+extern "C" int da_emu_rows_shape(int op, int count, const int64_t* meta, void** ptrs, int* vec, int* dims) {
+  RowJob job;
+  if (!build_job(job, op, count, meta, ptrs)) return 1;
+  for (int i = 0; i < count; ++i) {
+    vec[i] = job.pair[i].vec;
+    dims[i] = job.pair[i].nd;
+  }
+  return 0;
 }
