@@ -109,9 +109,11 @@ static PyObject* int_tuple(const int64_t* vals, Py_ssize_t n) {
 }
 
 // The plan of the arguments (lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa) at the
-// start of args, or NULL with a Python error; *rest receives args' items after them.
+// start of args, or NULL with a Python error; *rest receives args' items after them. repeat_kv: as
+// the views driver plans (views/plan.h).
 static std::shared_ptr<const dilated_attention::views::Plan> parse_plan(PyObject* args, const char* name,
-                                                                        long long* rest) {
+                                                                        long long* rest,
+                                                                        bool repeat_kv = false) {
   PyObject *lengths_obj, *segs_obj, *rates_obj;
   long long Hq, Hkv;
   int native_gqa;
@@ -126,7 +128,7 @@ static std::shared_ptr<const dilated_attention::views::Plan> parse_plan(PyObject
       !int_list(rates_obj, "dilation_rates", &rates))
     return nullptr;
   try {
-    return dilated_attention::views::plan_branches(lengths, Hq, Hkv, segs, rates, native_gqa != 0);
+    return dilated_attention::views::plan_branches(lengths, Hq, Hkv, segs, rates, native_gqa != 0, repeat_kv);
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -172,10 +174,11 @@ static PyObject* plan(PyObject*, PyObject* args) {
 // _C.driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the kernel
 // calls the C++ driver makes for a batch of B sequences of the plan (views/plan.h driver_calls): a
 // tuple per branch of (index of the first plan call, batch entry or -1 for all, count of plan calls,
-// 1 where the driver gathers the run's rows into one batch, else 0).
+// 1 where the driver gathers the run's rows into one batch, else 0, 1 where the branch reads k and v
+// repeated to Hq heads, its calls those of the plan of Hkv = Hq, else 0).
 static PyObject* driver_calls(PyObject*, PyObject* args) {
   long long B = 0;
-  const auto p = parse_plan(args, "driver_calls", &B);
+  const auto p = parse_plan(args, "driver_calls", &B, true);
   if (!p) return NULL;
   if (B < 1) {
     PyErr_Format(PyExc_ValueError, "dilated_attention driver_calls: B must be >= 1, got %lld", B);
@@ -187,8 +190,8 @@ static PyObject* driver_calls(PyObject*, PyObject* args) {
   return tuple_of(p->branches.size(), [&](size_t br) {
     const auto made = dilated_attention::views::driver_calls(p->branches[br], B, N);
     return tuple_of(made.size(), [&](size_t i) {
-      const int64_t vals[4] = {made[i].index, made[i].b, made[i].count, made[i].gathers(B)};
-      return int_tuple(vals, 4);
+      const int64_t vals[5] = {made[i].index, made[i].b, made[i].count, made[i].gathers(B), p->repeated[br]};
+      return int_tuple(vals, 5);
     });
   });
 }
@@ -218,7 +221,8 @@ PyObject* PyInit__C(void) {
        "branch, a tuple of 16 ints per call."},
       {"driver_calls", driver_calls, METH_VARARGS,
        "driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the C++ driver's "
-       "kernel calls per branch, (first plan call, batch entry or -1, count of plan calls, gathered) each."},
+       "kernel calls per branch, (first plan call, batch entry or -1, count of plan calls, gathered, "
+       "k and v repeated) each."},
       {"plan_cache_info", plan_cache_info, METH_NOARGS,
        "The plan cache's (hits, misses, entries, max_entries)."},
       {"plan_cache_clear", plan_cache_clear, METH_NOARGS, "Empties the plan cache and zeroes its counts."},

@@ -116,27 +116,54 @@ std::vector<Part> parts_of(at::IntArrayRef lengths, int64_t w) {
   return parts;
 }
 
-// The plan, computed (plan_branches caches it).
+// The calls of branch (w, r) for Hq query and Hkv key/value heads.
+std::vector<Call> branch_calls(at::IntArrayRef lengths, int64_t w, int64_t r, int64_t Hq, int64_t Hkv,
+                               bool native_gqa) {
+  const int64_t G = Hq / Hkv;
+  std::vector<Call> calls;
+  for (const Part& part : parts_of(lengths, w)) {
+    // r >= Hq: every head its own phase, the heads in G calls or so (a call per phase would
+    // take one head); r < Hq: a call per phase, or the heads along their phases where that
+    // takes fewer calls (r = 8 and 12 heads: 2 calls, not 8)
+    std::vector<Call> phases, diagonal;
+    if (Hq > 1) diagonal_calls(part, r, Hq, G, &diagonal);
+    if (Hq == 1 || r < Hq) phase_calls(part, r, Hq, G, native_gqa, &phases);
+    const bool diag = Hq > 1 && (r >= Hq || diagonal.size() < phases.size());
+    const std::vector<Call>& chosen = diag ? diagonal : phases;
+    calls.insert(calls.end(), chosen.begin(), chosen.end());
+  }
+  return calls;
+}
+
+// What a branch's calls cost a driver: its driver calls for one batch entry, and how many of them
+// gather their rows (a copy each of q, k and v, and a launch).
+std::pair<size_t, int64_t> driver_cost(const std::vector<Call>& calls, int64_t N) {
+  const std::vector<DriverCall> made = driver_calls(calls, 1, N);
+  int64_t gathered = 0;
+  for (const DriverCall& d : made) gathered += d.gathers(1);
+  return {made.size(), gathered};
+}
+
+// The plan, computed (plan_branches caches it). With repeat_kv a branch of grouped-query heads is
+// planned for k and v repeated to Hq heads (Hkv = Hq) where that makes fewer driver calls, or as
+// many and fewer of them gathered.
 std::shared_ptr<const Plan> make_plan(at::IntArrayRef lengths, int64_t Hq, int64_t Hkv,
                                       at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                                      bool native_gqa) {
+                                      bool native_gqa, bool repeat_kv) {
   auto plan = std::make_shared<Plan>();
-  const int64_t G = Hq / Hkv;
+  int64_t N = 0;
+  for (const int64_t n : lengths) N += n;
   for (size_t b = 0; b < segment_lengths.size(); ++b) {
     const int64_t w = segment_lengths[b], r = dilation_rates[b];
-    std::vector<Call> calls;
-    for (const Part& part : parts_of(lengths, w)) {
-      // r >= Hq: every head its own phase, the heads in G calls or so (a call per phase would
-      // take one head); r < Hq: a call per phase, or the heads along their phases where that
-      // takes fewer calls (r = 8 and 12 heads: 2 calls, not 8)
-      std::vector<Call> phases, diagonal;
-      if (Hq > 1) diagonal_calls(part, r, Hq, G, &diagonal);
-      if (Hq == 1 || r < Hq) phase_calls(part, r, Hq, G, native_gqa, &phases);
-      const bool diag = Hq > 1 && (r >= Hq || diagonal.size() < phases.size());
-      const std::vector<Call>& chosen = diag ? diagonal : phases;
-      calls.insert(calls.end(), chosen.begin(), chosen.end());
+    std::vector<Call> calls = branch_calls(lengths, w, r, Hq, Hkv, native_gqa);
+    bool repeated = false;
+    if (repeat_kv && Hkv < Hq) {
+      std::vector<Call> each = branch_calls(lengths, w, r, Hq, Hq, native_gqa);
+      repeated = driver_cost(each, N) < driver_cost(calls, N);
+      if (repeated) calls = std::move(each);
     }
     plan->branches.push_back(std::move(calls));
+    plan->repeated.push_back(repeated);
   }
   return plan;
 }
@@ -177,9 +204,14 @@ Cache& cache() {
 
 std::shared_ptr<const Plan> plan_branches(at::IntArrayRef lengths, int64_t Hq, int64_t Hkv,
                                           at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                                          bool native_gqa) {
+                                          bool native_gqa, bool repeat_kv) {
   check_plan_arguments(lengths, Hq, Hkv, segment_lengths, dilation_rates);
-  std::vector<int64_t> key = {Hq, Hkv, (int64_t)native_gqa, (int64_t)segment_lengths.size(),
+  repeat_kv = repeat_kv && Hkv < Hq;  // nothing to repeat: the plan every driver shares
+  std::vector<int64_t> key = {Hq,
+                              Hkv,
+                              (int64_t)native_gqa,
+                              (int64_t)repeat_kv,
+                              (int64_t)segment_lengths.size(),
                               (int64_t)lengths.size()};
   key.insert(key.end(), segment_lengths.begin(), segment_lengths.end());
   key.insert(key.end(), dilation_rates.begin(), dilation_rates.end());
@@ -193,7 +225,7 @@ std::shared_ptr<const Plan> plan_branches(at::IntArrayRef lengths, int64_t Hq, i
       return it->second;
     }
   }
-  auto plan = make_plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa);
+  auto plan = make_plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, repeat_kv);
   std::lock_guard<std::mutex> guard(c.lock);
   ++c.misses;
   if ((int64_t)c.plans.size() >= kMaxPlans) c.plans.clear();

@@ -18,6 +18,17 @@
 //   = G for q), split where the phase wraps at r or the number of rows m of a head changes;
 // * everything else splits into the longest runs of heads that step evenly (a key/value head
 //   read by several query heads of a call is a stride-0 head, "expanded").
+//
+// Grouped-query heads whose key/value heads do not step evenly along a phase or from one phase to
+// the next (Hq = 12, Hkv = 4, r = 2: phase o reads key/value heads 0, 0, 1, 2, 2, 3) split a branch
+// into more calls than the same branch with every query head its own key/value head. A driver
+// that can run a branch on k and v with their heads repeated to Hq (repeat_kv: views.cpp repeats
+// them once per direction and sums dk and dv per key/value head once) gets that branch planned for
+// Hkv = Hq where that makes fewer driver calls (driver_calls below, one batch entry), or as many
+// and fewer of them gathered, and
+// Plan::repeated says so. Repeating costs one copy of k and v (g = Hq / Hkv times their size) for
+// every branch together, where gathering a call's key/value heads by a list of indices would need a
+// plan that is no longer strided views and an indexed add of the gradients back.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -52,23 +63,35 @@ struct Call {
 // The calls of every branch, in branch order.
 struct Plan {
   std::vector<std::vector<Call>> branches;
+  // Per branch: whether its calls read k and v with their heads repeated to Hq (head h of those is
+  // key/value head h / (Hq / Hkv)): the plan of Hkv = Hq, only with repeat_kv.
+  std::vector<char> repeated;
+
+  bool any_repeated() const {
+    for (const char r : repeated)
+      if (r) return true;
+    return false;
+  }
 };
 
 // The plan of the sequences of lengths (a packed batch: they follow each other, the first at
 // position 0), Hq query and Hkv key/value heads and the branches (segment_lengths,
 // dilation_rates), cached per key (thread-safe). native_gqa: the kernel takes fewer key/value
 // heads than query heads. A bad argument (a negative length, Hq not a multiple of Hkv >= 1, w or
-// r < 1, lists of two lengths) throws c10::ValueError naming it.
+// r < 1, lists of two lengths) throws c10::ValueError naming it. repeat_kv: the driver can run a
+// branch on k and v repeated to Hq heads, and does where that makes fewer calls (Plan::repeated).
 std::shared_ptr<const Plan> plan_branches(at::IntArrayRef lengths, int64_t Hq, int64_t Hkv,
                                           at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                                          bool native_gqa);
+                                          bool native_gqa, bool repeat_kv = false);
 
 // The plan of one sequence of N positions (a batch of such sequences runs each call per batch entry
 // or folded, folds() below).
 inline std::shared_ptr<const Plan> plan_branches(int64_t N, int64_t Hq, int64_t Hkv,
                                                  at::IntArrayRef segment_lengths,
-                                                 at::IntArrayRef dilation_rates, bool native_gqa) {
-  return plan_branches(at::IntArrayRef(&N, 1), Hq, Hkv, segment_lengths, dilation_rates, native_gqa);
+                                                 at::IntArrayRef dilation_rates, bool native_gqa,
+                                                 bool repeat_kv = false) {
+  return plan_branches(at::IntArrayRef(&N, 1), Hq, Hkv, segment_lengths, dilation_rates, native_gqa,
+                       repeat_kv);
 }
 
 // What the plan cache holds and has done since it was last cleared: every plan_branches call

@@ -5,7 +5,12 @@
 // contiguous batch where the segments or batch entries are several too: Run, Moves); a call's
 // (out, lse) is merged by log-sum-exp into one accumulator (merge.h). The backward feeds each
 // call the *merged* out and lse of its rows (as ring attention does) and adds its gradients into
-// strided views of float32 (float64) dq, dk and dv. Only the per-call kernel differs:
+// strided views of float32 (float64) dq, dk and dv. A branch the plan puts on k and v repeated to
+// q's heads (plan.h Plan::repeated: grouped-query heads that would split it into more calls) reads
+// them from one copy made per direction for every such branch (g = Hq / Hkv times k's and v's size;
+// the forward also repeats the non-finite flags and, with causal masking, v as the inputs hold it),
+// and the backward adds its gradients into float32 (float64) dk and dv of q's heads, summed per
+// key/value head once at the end. Only the per-call kernel differs:
 //
 // * CPU: aten::_scaled_dot_product_flash_attention_for_cpu forward (grouped-query attention in
 //   the kernel); the backward is the exact matmul formula in float32 (float64), in chunks, with
@@ -180,6 +185,19 @@ std::vector<at::Tensor> operands(const std::vector<at::Tensor>& xs) {
   return out;
 }
 
+// x (B, N, H, E) or (B, N, H), batch and sequence dims that fold, with every head repeated G times
+// (head h of the result, contiguous, is head h / G of x), filled by moves.run(): the key/value
+// heads of the branches planned on them (plan.h Plan::repeated), one 6-D expand as
+// Moves::operand's.
+at::Tensor repeat_heads(Moves& moves, const at::Tensor& x, int64_t G) {
+  const at::Tensor y = x.dim() == 3 ? x.unsqueeze(-1) : x;
+  const int64_t B = y.size(0), N = y.size(1), H = y.size(2), E = y.size(3);
+  const at::Tensor rows =
+      y.as_strided({1, B * N, 1, H, E}, {0, y.stride(1), 0, y.stride(2), y.stride(3)}, y.storage_offset());
+  const at::Tensor out = moves.operand(rows, H * G).view({B, N, H * G, E});
+  return x.dim() == 3 ? out.squeeze(-1) : out;
+}
+
 // Runs f on the (count Bb, ...) tensors that a CPU kernel adds into for the run's views xs of
 // accumulators: the views themselves where they fold, else zeroed tensors added into xs after.
 template <typename F>
@@ -328,6 +346,20 @@ struct NonFinite {
       f.v = r.kv(v);
     }
     return f;
+  }
+
+  // The corrections of the branches planned on k and v repeated G times (repeat_heads): the flags
+  // of k and v and, with causal masking, the values repeated as those, filled by moves.run();
+  // v_kernel: the kernel's values repeated.
+  NonFinite repeated(Moves& moves, int64_t G, const at::Tensor& v_kernel_rep) const {
+    NonFinite r = *this;
+    r.kbad = repeat_heads(moves, kbad, G);
+    if (causal) {
+      r.vbad = repeat_heads(moves, vbad, G);
+      r.v = v_kernel.is_same(v) ? v_kernel_rep : repeat_heads(moves, v, G);
+    }
+    r.v_kernel = v_kernel_rep;
+    return r;
   }
 };
 
@@ -565,8 +597,22 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
   const std::optional<NonFinite> nf =
       finite.value_or(false) ? std::nullopt : std::make_optional<NonFinite>(q, k, v, is_causal);
   const at::Tensor& v_kernel = nf ? nf->v_kernel : v;
-  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, true);
+  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, true, true);
+  // k and v (and their non-finite flags) with their heads repeated to q's, once for every branch
+  // planned on them (plan.h Plan::repeated), in one move
+  at::Tensor k_rep, v_rep;
+  std::optional<NonFinite> nf_rep;
+  if (plan->any_repeated()) {
+    Moves moves;
+    k_rep = repeat_heads(moves, k, P.Hq / P.Hkv);
+    v_rep = repeat_heads(moves, v_kernel, P.Hq / P.Hkv);
+    if (nf) nf_rep = nf->repeated(moves, P.Hq / P.Hkv, v_rep);
+    moves.run(false);
+  }
   for (size_t br = 0; br < plan->branches.size(); ++br) {
+    const bool rep = plan->repeated[br];
+    const at::Tensor &kb = rep ? k_rep : k, &vb = rep ? v_rep : v_kernel;
+    const NonFinite* nfb = nf ? (rep ? &*nf_rep : &*nf) : nullptr;
     const std::vector<Run> rs = runs(plan->branches[br], P.B, P.N);
     Moves gather;  // the branch's gathers in one launch (on CUDA, up to two runs)
     std::vector<std::array<at::Tensor, 3>> x;
@@ -574,8 +620,8 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
       // grouped-query calls as planned: the CPU kernel takes them, on CUDA the key/value heads are
       // repeated to q's in the move that gives the kernel its operands
       const int64_t heads = cuda ? run.c.q.n : 0;
-      x.push_back({gather.operand(run.q(q)), gather.operand(run.kv(k), heads),
-                   gather.operand(run.kv(v_kernel), heads)});
+      x.push_back(
+          {gather.operand(run.q(q)), gather.operand(run.kv(kb), heads), gather.operand(run.kv(vb), heads)});
     }
     gather.run(false);
     for (size_t i = 0; i < rs.size(); ++i) {
@@ -590,7 +636,7 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
         std::tie(og, lg) = cuda_forward(kind, qv, kv, vv, is_causal, scale);
 #endif
       }
-      const std::optional<CallNonFinite> fix = nf ? std::make_optional(nf->call(run)) : std::nullopt;
+      const std::optional<CallNonFinite> fix = nfb ? std::make_optional(nfb->call(run)) : std::nullopt;
       merge_call_(run.q(out_acc), run.q3(lse_acc), run.split(og), run.split(lg.narrow(2, 0, run.c.m)),
                   br == 0, fix ? &*fix : nullptr);
     }
@@ -626,14 +672,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
   const at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(acc));
   const at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
   const at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
-  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, true);
+  const auto plan = plan_branches(P.N, P.Hq, P.Hkv, segment_lengths, dilation_rates, true, true);
+  // k and v with their heads repeated to q's for the branches planned on them (plan.h
+  // Plan::repeated), and their gradients, summed per key/value head into dk and dv at the end
+  at::Tensor k_rep, v_rep, dk_rep, dv_rep;
+  if (plan->any_repeated()) {
+    Moves moves;
+    k_rep = repeat_heads(moves, k, P.Hq / P.Hkv);
+    v_rep = repeat_heads(moves, v, P.Hq / P.Hkv);
+    moves.run(false);
+    // one buffer zeroed once; each half its own tensor to autograd, which sees the adds of a
+    // caller's tensors that require grad (two views of one base would share its history)
+    const at::Tensor g = at::zeros({2, P.B, P.N, P.Hq, P.D}, dk.options());
+    dk_rep = g[0].detach();
+    dv_rep = g[1].detach();
+  }
+  // branch br's k, v, dk and dv
+  auto kv_of = [&](size_t br) {
+    const bool rep = plan->repeated[br];
+    return std::array<at::Tensor, 4>{rep ? k_rep : k, rep ? v_rep : v, rep ? dk_rep : dk, rep ? dv_rep : dv};
+  };
   if (!cuda) {
     // delta and norm of every row over the keys of every call, then the gradients
     const at::Tensor dots = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
     const at::Tensor total = at::zeros({P.B, P.N, P.Hq}, q.options().dtype(acc));
-    for (const auto& calls : plan->branches)
-      for (const Run& r : runs(calls, P.B, P.N)) {
-        const std::vector<at::Tensor> x = operands({r.q(dout), r.q(q)}), y = operands({r.kv(k), r.kv(v)});
+    for (size_t br = 0; br < plan->branches.size(); ++br)
+      for (const Run& r : runs(plan->branches[br], P.B, P.N)) {
+        const auto [kb, vb, dkb, dvb] = kv_of(br);
+        const std::vector<at::Tensor> x = operands({r.q(dout), r.q(q)}), y = operands({r.kv(kb), r.kv(vb)});
         const at::Tensor l = operands({r.q3(lse_bnh)})[0];
         add_into({r.q3(dots), r.q3(total)}, [&](const std::vector<at::Tensor>& o) {
           cpu_row_dots(x[0], x[1], y[0], y[1], l, is_causal, scale, o[0], o[1]);
@@ -642,26 +708,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
     const at::Tensor norm = at::where(total > 0, total.reciprocal(), at::ones_like(total));
     at::Tensor delta = dots.mul_(norm);
     if (has_dlse) delta.sub_(dlse_bnh);
-    for (const auto& calls : plan->branches)
-      for (const Run& r : runs(calls, P.B, P.N)) {
-        const std::vector<at::Tensor> x = operands({r.q(dout), r.q(q)}), y = operands({r.kv(k), r.kv(v)}),
+    for (size_t br = 0; br < plan->branches.size(); ++br)
+      for (const Run& r : runs(plan->branches[br], P.B, P.N)) {
+        const auto [kb, vb, dkb, dvb] = kv_of(br);
+        const std::vector<at::Tensor> x = operands({r.q(dout), r.q(q)}), y = operands({r.kv(kb), r.kv(vb)}),
                                       z = operands({r.q3(lse_bnh), r.q3(delta), r.q3(norm)});
-        add_into({r.q(dq), r.kv(dk), r.kv(dv)}, [&](const std::vector<at::Tensor>& o) {
+        add_into({r.q(dq), r.kv(dkb), r.kv(dvb)}, [&](const std::vector<at::Tensor>& o) {
           cpu_exact_backward(x[0], x[1], y[0], y[1], z[0], z[1], z[2], is_causal, scale, o[0], o[1], o[2]);
         });
       }
   } else {
 #ifdef DILATED_ATTENTION_WITH_CUDA
     const at::Tensor out = out_in.contiguous();
-    for (const auto& calls : plan->branches) {
+    for (size_t br = 0; br < plan->branches.size(); ++br) {
       // The branch's moves in as few launches as the rows kernel takes: the inputs of every run
       // (gathers, and cuDNN's contiguous dout, out and statistics), then its gradients' adds.
-      const std::vector<Run> rs = runs(calls, P.B, P.N);
+      const std::vector<Run> rs = runs(plan->branches[br], P.B, P.N);
+      const auto [kb, vb, dkb, dvb] = kv_of(br);
+      // grouped-query runs may share key/value rows: their adds a launch each
+      const bool grouped = P.Hq != P.Hkv && !plan->repeated[br];
       Moves in, adds;
       std::vector<std::array<at::Tensor, 7>> x;  // q, k, v, d_o, o, lt, dl as the kernel reads them
       for (const Run& r : rs) {
         const int64_t n = r.c.q.n;
-        std::array<at::Tensor, 7> a = {in.operand(r.q(q)), in.operand(r.kv(k), n), in.operand(r.kv(v), n)};
+        std::array<at::Tensor, 7> a = {in.operand(r.q(q)), in.operand(r.kv(kb), n), in.operand(r.kv(vb), n)};
         const at::Tensor dy = r.q(dout), y = r.q(out);
         if (kind == 2 || !folds(dy)) {  // cuDNN's backward graph bakes in their strides
           a[3] = in.heads_first(dy);
@@ -689,15 +759,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
           gv = gv.unflatten(3, {hk, n / hk});
         }
         adds.push(r.q(dq), gq);
-        adds.push(r.kv(dk), gk);
-        adds.push(r.kv(dv), gv);
+        adds.push(r.kv(dkb), gk);
+        adds.push(r.kv(dvb), gv);
         // the runs of a branch add into disjoint rows of dq, and of dk and dv where every key/value
-        // head has one query head; grouped-query runs may share key/value rows: a launch each
-        if (P.Hq != P.Hkv) adds.run(true);
+        // head has one query head (k and v repeated included)
+        if (grouped) adds.run(true);
       }
       adds.run(true);
     }
 #endif
+  }
+  if (dk_rep.defined()) {  // the gradients of the repeated heads summed per key/value head
+    Moves sums;
+    const int64_t G = P.Hq / P.Hkv;
+    sums.push(dk, dk_rep.view({P.B, P.N, P.Hkv, G, P.D}));
+    sums.push(dv, dv_rep.view({P.B, P.N, P.Hkv, G, P.D}));
+    sums.run(true);
   }
   if (sign != 1.0) dq.mul_(sign);
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};

@@ -6,7 +6,10 @@ heads kept, their key/value heads repeated on CUDA) once per batch run, except t
 heads step evenly (the phases of a branch) run as one kernel call, their index as its batch dim:
 :func:`driver_calls` asks the extension for the calls the driver makes (``views/plan.h``
 ``driver_calls``). Where the batch entries or segments are several too, the run's rows are first
-gathered into one contiguous batch (one launch for q, k and v). What it launches per kernel call
+gathered into one contiguous batch (one launch for q, k and v). A branch whose grouped-query heads
+take fewer calls with every query head its own key/value head runs on k and v repeated to Hq heads
+(the plan of ``Hkv = Hq``), repeated once a direction for every such branch and their gradients
+summed per key/value head once (``views/plan.h`` ``Plan::repeated``). What it launches per kernel call
 and once per direction is what the functions below add up, branch by branch, from the same
 conditions as the driver's code (a call of one row and one key runs in closed form; a stride-0
 key/value head is copied to every head; the three gradient adds share one launch where the heads
@@ -76,18 +79,21 @@ class Launches:
 
 def driver_calls(
     B: int, N: int, Hq: int, Hkv: int, segment_lengths: list[int], dilation_rates: list[int]
-) -> list[list[tuple[Call, int, bool]]]:
+) -> list[list[tuple[Call, int, bool, bool]]]:
     """Per branch, the kernel calls the C++ driver makes on CUDA for q (B, N, Hq, D):
-    ``(first plan call, count of plan calls, gathered)``,
+    ``(first plan call, count of plan calls, gathered, repeated)``,
     one per call and batch entry where the call does not fold; gathered where the run's calls
-    and its batch entries or segments are both several (views.cpp ``operands``). The driver's own
-    grouping (``views/plan.h`` ``driver_calls``, bound as ``_C.driver_calls``)."""
+    and its batch entries or segments are both several (views.cpp ``operands``); repeated where
+    the branch reads k and v repeated to Hq heads (its calls those of the plan of ``Hkv = Hq``).
+    The driver's own grouping (``views/plan.h`` ``driver_calls``, bound as ``_C.driver_calls``)."""
     args = ((N,), Hq, Hkv, tuple(segment_lengths), tuple(dilation_rates), True)
-    plan = plan_branches(*args)
     made = library._require_extension().driver_calls(*args, B)
+    plans = {False: plan_branches(*args)}
+    if any(run[4] for runs in made for run in runs):
+        plans[True] = plan_branches((N,), Hq, Hq, *args[3:])
     return [
-        [(calls[i], count, bool(gathered)) for i, _, count, gathered in runs]
-        for calls, runs in zip(plan, made, strict=True)
+        [(plans[bool(rep)][br][i], count, bool(gathered), bool(rep)) for i, _, count, gathered, rep in runs]
+        for br, runs in enumerate(made)
     ]
 
 
@@ -102,20 +108,22 @@ def _operands(c: Call, gathered: bool) -> int:
     return int(gathered) + 2 * int(gathered or c.kv.n != c.q.n)
 
 
-def _forward(runs: list[tuple[Call, int, bool]]) -> int:
+def _forward(runs: list[tuple[Call, int, bool, bool]]) -> int:
     """A branch's forward: its moves (gathers, repeated heads), then per run the operator call and
     the merge."""
-    moves = _moves(sum(_operands(c, gathered) for c, _, gathered in runs))
-    return moves + sum((_CLOSED_FORWARD if c.m == 1 else 1) + 1 for c, _, _ in runs)
+    moves = _moves(sum(_operands(c, gathered) for c, _, gathered, _ in runs))
+    return moves + sum((_CLOSED_FORWARD if c.m == 1 else 1) + 1 for c, _, _, _ in runs)
 
 
-def _backward(runs: list[tuple[Call, int, bool]], grouped_query: bool, has_dlse: bool, kind: str) -> int:
+def _backward(
+    runs: list[tuple[Call, int, bool, bool]], grouped_query: bool, has_dlse: bool, kind: str
+) -> int:
     """A branch's backward: the moves of every run's inputs (q, k, v as the forward moves them;
     cuDNN's contiguous dout and out; the statistics), then per run the operator call, and the adds
     of the gradients (dk and dv of grouped-query heads summed by the add), those of every run
     together where no two runs share key/value rows (no grouped-query heads)."""
     inputs = launches = adds = 0
-    for c, _, gathered in runs:
+    for c, _, gathered, _ in runs:
         inputs += (
             _operands(c, gathered) + 2 * int(kind == "cudnn" or gathered) + 1 + int(has_dlse and gathered)
         )
@@ -147,13 +155,15 @@ def views_launches(
     ``"cudnn"`` (sm_90+) or ``"flash"``."""
     if kind not in _DLSE:
         raise ValueError(f"kind must be 'cudnn' or 'flash', got {kind!r}")
-    branches = []
+    branches, repeated = [], False
     for made_calls in driver_calls(B, N, Hq, Hkv, segment_lengths, dilation_rates):
+        rep = any(r for _, _, _, r in made_calls)
+        repeated = repeated or rep
         branches.append(
             BranchLaunches(
                 calls=len(made_calls),
                 forward=_forward(made_calls),
-                backward=_backward(made_calls, Hq != Hkv, has_dlse, kind),
+                backward=_backward(made_calls, Hq != Hkv and not rep, has_dlse, kind),
             )
         )
     # forward: the accumulators (zeros, a fill), the flags (zeros, the check), v with its
@@ -162,4 +172,7 @@ def views_launches(
     # backward: v with non-finite entries as 0 (causal), lse (and dlse) made (B, N, Hq), the three
     # float32 gradients zeroed and cast back
     backward_constant = 7 + int(is_causal) + int(has_dlse)
+    if repeated:  # k and v repeated (with the non-finite flags, one move); dk, dv zeroed and summed
+        forward_constant += 1
+        backward_constant += 3
     return Launches(tuple(branches), forward_constant, backward_constant)

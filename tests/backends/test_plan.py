@@ -95,6 +95,32 @@ def test_calls_cover_what_each_branch_covers_once_with_its_keys(seed):
                 assert all(c.g == 1 for c in calls), (geometry, w, r)
 
 
+def _cost(runs):
+    """A branch's driver calls for one batch entry and how many of them gather their rows."""
+    return (len(runs), sum(gathered for _, _, _, gathered, _ in runs))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_branch_runs_on_repeated_kv_heads_where_that_takes_fewer_calls(seed):
+    """The C++ driver's plan (repeat_kv, views/plan.h Plan::repeated): a branch of grouped-query
+    heads runs on k and v repeated to Hq heads only with fewer key/value heads than query heads,
+    then as the same branch of Hq key/value heads does, and never takes more driver calls (nor, as
+    many, more gathered) than that branch."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        lengths, Hq, Hkv, segs, rates, _ = geometry = _random_geometry(rng)
+        N = max(1, lengths[0])
+        args = (tuple(segs), tuple(rates), True, 1)
+        gqa = _C.driver_calls((N,), Hq, Hkv, *args)
+        mha = _C.driver_calls((N,), Hq, Hq, *args)
+        for g, m in zip(gqa, mha, strict=True):
+            assert not any(run[4] for run in m), geometry  # Hkv == Hq: nothing to repeat
+            if g and g[0][4]:
+                assert Hkv < Hq and all(run[4] for run in g), geometry
+                assert [run[:4] for run in g] == [run[:4] for run in m], geometry
+            assert _cost(g) <= _cost(m), geometry
+
+
 @pytest.mark.parametrize(
     "args,names",
     [

@@ -404,6 +404,8 @@ PACKINGS = [
     pytest.param([17, 0, 23], 3, 1, 8, [8, 16], [1, 5], id="mqa-r-above-heads"),
     # runs of equal lengths (one batched call each), an empty sequence inside a run
     pytest.param([9, 9, 0, 9, 4, 4, 11], 2, 1, 8, [4, 8], [1, 2], id="equal-length-runs"),
+    # key/value heads 0, 0, 1, 2, 2, 3 along a phase: branches on k and v repeated to Hq heads
+    pytest.param([24, 0, 40, 40, 7], 12, 4, 8, [8, 16, 40], [1, 2, 4], id="irregular-gqa"),
 ]
 
 

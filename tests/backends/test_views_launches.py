@@ -54,28 +54,61 @@ def test_gpt_geometry_launch_count(N, capsys):
     assert counted.most_per_branch() <= TARGET
 
 
+@pytest.mark.parametrize("N", [16 * 1024, 64 * 1024, 128 * 1024], ids=lambda n: f"{n // 1024}K")
+@pytest.mark.parametrize("Hq,Hkv", [(12, 4), (6, 2)], ids=["12-4", "6-2"])
+def test_irregular_grouped_query_heads_launch_as_mha(N, Hq, Hkv, capsys):
+    """Grouped-query heads whose key/value heads do not step evenly along a phase (12 / 4 with r =
+    2: key/value heads 0, 0, 1, 2, 2, 3) run their branch on k and v repeated to Hq heads (the
+    plan's Plan::repeated): no branch takes more kernel calls than with as many key/value heads as
+    query heads, and the launches meet the target as those do."""
+    segs, rates = _gpt_branches(N)
+    gqa = views_launches(1, N, Hq, Hkv, segs, rates, True)
+    mha = views_launches(1, N, Hq, Hq, segs, rates, True)
+    made = driver_calls(1, N, Hq, Hkv, segs, rates)
+    repeated = [any(rep for *_, rep in runs) for runs in made]
+    with capsys.disabled():
+        print(
+            f"\nHq={Hq} Hkv={Hkv} N={N // 1024}K: calls {[b.calls for b in gqa.branches]} "
+            f"(Hkv={Hq}: {[b.calls for b in mha.branches]}), forward "
+            f"{[b.forward for b in gqa.branches]}, backward {[b.backward for b in gqa.branches]}, "
+            f"repeated {repeated}"
+        )
+    assert any(repeated)  # some branch splits with the key/value heads as they are
+    for g, m, rep in zip(gqa.branches, mha.branches, repeated, strict=True):
+        assert g.calls <= m.calls
+        if rep:  # the branch runs as the same branch of as many key/value heads as query heads
+            assert (g.calls, g.forward, g.backward) == (m.calls, m.forward, m.backward)
+    assert gqa.most_per_branch() <= max(TARGET, mha.most_per_branch())
+    # the repeat costs a constant: one move forward; one move, the zeroed gradients and their sums back
+    assert (gqa.forward_constant, gqa.backward_constant) == (
+        mha.forward_constant + 1,
+        mha.backward_constant + 3,
+    )
+
+
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
-    "B,N,Hq,segs,rates",
+    "B,N,Hq,Hkv,segs,rates",
     [
-        (1, 256, 12, [32, 64, 128, 256], [1, 2, 4, 8]),  # the GPT geometry, scaled down
-        (1, 512, 12, [32, 64, 128, 256, 512], [1, 2, 4, 8, 16]),  # r >= Hq: a head per phase
-        (2, 200, 4, [64, 128], [1, 2]),  # a short last part: one run per batch entry
-        (1, 96, 12, [32, 96], [4, 8]),  # phases of one segment as one call's batch
-        (1, 100, 6, [100], [4]),  # phases of different lengths: runs of equal ones
+        (1, 256, 12, 12, [32, 64, 128, 256], [1, 2, 4, 8]),  # the GPT geometry, scaled down
+        (1, 512, 12, 12, [32, 64, 128, 256, 512], [1, 2, 4, 8, 16]),  # r >= Hq: a head per phase
+        (2, 200, 4, 4, [64, 128], [1, 2]),  # a short last part: one run per batch entry
+        (1, 96, 12, 12, [32, 96], [4, 8]),  # phases of one segment as one call's batch
+        (1, 100, 6, 6, [100], [4]),  # phases of different lengths: runs of equal ones
+        (1, 256, 12, 4, [32, 64, 128, 256], [1, 2, 4, 8]),  # irregular grouped-query heads
+        (2, 200, 6, 2, [64, 128, 200], [1, 2, 4]),  # the same, batch entries and short parts
     ],
 )
-def test_calls_are_the_driver_operator_calls(B, N, Hq, segs, rates, is_causal):
+def test_calls_are_the_driver_operator_calls(B, N, Hq, Hkv, segs, rates, is_causal):
     """The kernel calls the count is built on (the plan's calls, once per batch run) are the
-    attention operator calls the driver makes (its CPU run, where the plan is the same for
-    Hq == Hkv)."""
-    q, k, v = make_inputs(B, N, Hq, Hq, 8, torch.bfloat16, requires_grad=False)
+    attention operator calls the driver makes (its CPU run, the same plan and grouping)."""
+    q, k, v = make_inputs(B, N, Hq, Hkv, 8, torch.bfloat16, requires_grad=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.ops.dilated_attention.views_fwd(q, k, v, segs, rates, is_causal, 8**-0.5)
     ran = sum(
         e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu"
     )
-    assert ran == views_launches(B, N, Hq, Hq, segs, rates, is_causal).calls
+    assert ran == views_launches(B, N, Hq, Hkv, segs, rates, is_causal).calls
 
 
 def test_kind_is_checked_by_name():
@@ -95,13 +128,21 @@ def test_kind_is_checked_by_name():
         (1, 96, 12, 12, [16, 32, 96], [2, 4, 8]),  # several segments: the phases gathered
         (3, 48, 8, 4, [16, 24], [2, 4]),  # several batch entries too
         (2, 40, 4, 4, [16], [2]),  # a short last segment: its own runs per batch entry
+        (1, 64, 12, 4, [16, 32, 64], [1, 2, 4]),  # irregular grouped-query heads: k, v repeated
+        (2, 48, 6, 2, [16, 48], [2, 4]),  # the same with batch entries, and a branch as it is
+        (3, 40, 12, 4, [8, 16], [2, 4]),  # repeated, batch entries and a short last segment
+        (1, 64, 32, 8, [64], [16]),  # the phases' key/value heads not stepping evenly
     ],
 )
 def test_phases_run_as_one_call_exactly(B, N, Hq, Hkv, segs, rates, is_causal):
     """The calls of a branch's phases run as one kernel call (their index the kernel's batch dim,
     with the segments and batch entries gathered into it where those are several too), no more
-    calls than the plan has, and out, lse and every gradient are the float64 reference's."""
-    plan = strided.plan_branches(N, Hq, Hkv, tuple(segs), tuple(rates), False)
+    calls than the plan has (that of as many key/value heads as query heads where the branch runs
+    on k and v repeated), and out, lse and every gradient are the float64 reference's."""
+    plans = {
+        rep: strided.plan_branches(N, Hq, Hq if rep else Hkv, tuple(segs), tuple(rates), True)
+        for rep in (0, 1)
+    }
     made = driver_calls(B, N, Hq, Hkv, segs, rates)
 
     def batch_runs(c):  # plan.h folds(): every batch entry at once, else one run each
@@ -109,8 +150,9 @@ def test_phases_run_as_one_call_exactly(B, N, Hq, Hkv, segs, rates, is_causal):
             1 if B == 1 or c.part.rows == 1 or (c.part.start == 0 and c.part.rows * c.part.length == N) else B
         )
 
-    runs = [sum(map(batch_runs, calls)) for calls in plan]
-    assert [sum(n for _, n, _ in m) for m in made] == runs  # every plan call once per batch run
+    repeated = [any(rep for *_, rep in m) for m in made]
+    runs = [sum(map(batch_runs, plans[rep][br])) for br, rep in enumerate(repeated)]
+    assert [sum(n for _, n, _, _ in m) for m in made] == runs  # every plan call once per batch run
     assert sum(map(len, made)) <= sum(runs)
     q, k, v = make_inputs(B, N, Hq, Hkv, 8, torch.float64)
     out, lse = torch.ops.dilated_attention.views_fwd(q, k, v, segs, rates, is_causal, 0.3)

@@ -76,7 +76,8 @@ def _both_drivers(q, k, v, segs, rates, is_causal):
 
 
 # B, N, Hq, Hkv, D, segment lengths, dilation rates: one phase per call (r < Hq), grouped-query
-# heads, a head per phase (r >= Hq), a short last part, batch entries that do not fold
+# heads, a head per phase (r >= Hq), a short last part, batch entries that do not fold, branches
+# on k and v repeated to Hq heads (their flags and values repeated too)
 GEOMETRIES = [
     (1, 24, 4, 2, 8, [8, 16], [1, 2]),
     (2, 20, 4, 4, 8, [8, 16], [1, 2]),
@@ -84,6 +85,8 @@ GEOMETRIES = [
     (1, 32, 2, 2, 8, [8, 32], [2, 4]),
     (3, 13, 6, 3, 4, [4, 13], [1, 3]),
     (1, 24, 6, 3, 8, [12, 24], [2, 3]),  # the phases of one segment in one call
+    (2, 24, 6, 2, 8, [8, 24], [2, 4]),  # irregular grouped-query heads: k and v repeated
+    (1, 32, 12, 4, 4, [16, 32], [2, 4]),  # every branch on k and v repeated
 ]
 
 
