@@ -76,9 +76,12 @@ struct Tc90FwdCfg {
 
 template <int DP>
 struct Tc90DqCfg {
-  // Keys per step: 64 (DP <= 64), 32 (96, 128), 16 (above): S, dP, dQ and the previous dS stay in
-  // registers.
-  static constexpr int KT = DP <= 64 ? 64 : (DP <= 128 ? 32 : 16);
+  // Keys per step: 64 (DP <= 96), 32 (128), 16 (above). A consumer thread holds S and dP (KT / 2
+  // floats each), dQ (DP / 2) and the previous chunk's dS as A fragments (KT / 4) in registers,
+  // with the walk: at 232 registers (ptxas, sm_90a, CUDA 13.0) KT = 64 fits at DP = 96 with no
+  // spill, with or without dropout; at DP = 128 it spills 4 bytes with dropout, and its stages
+  // would not fit in shared memory (5 x 2 x 16 KB of K and V next to 64 KB of Q and dO).
+  static constexpr int KT = DP <= 96 ? 64 : (DP <= 128 ? 32 : 16);
   static constexpr int ROW_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;
   static constexpr int SMEM =
       kTc90Consumers * 2 * ROW_BYTES + (2 * kTc90Stages + 1) * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
@@ -86,9 +89,12 @@ struct Tc90DqCfg {
 
 template <int DP>
 struct Tc90DkvCfg {
-  // Queries per step: 32 (DP <= 32), 16 (above): the accumulators of dK and dV, of S^T and dP^T
-  // and the A fragments of two products stay in registers.
-  static constexpr int QT = DP <= 32 ? 32 : 16;
+  // Queries per step: 64 (DP <= 64), 32 (96), 16 (above). A consumer thread holds dK and dV (DC / 2
+  // floats each), S^T and dP^T (QT / 2 each) and the A fragments of the two deferred products
+  // (QT / 4 each) in registers, with the walk: at 232 registers (ptxas, sm_90a, CUDA 13.0) QT = 64
+  // fits at DP = 64 and QT = 32 at DP = 96 with no spill; QT = 32 at DP = 128 spills 132 bytes
+  // (60 with dropout), so DP = 128 keeps 16, and so do 192 and 256 (DC = 96 and 128).
+  static constexpr int QT = DP <= 64 ? 64 : (DP <= 96 ? 32 : 16);
   static constexpr int DC = TcDkvCfg<DP>::DC, CHUNKS = TcDkvCfg<DP>::CHUNKS;  // accumulator columns
   // Panels of 64 columns where both DP and the column chunks allow, else 32 (DP = 192: DC = 96).
   static constexpr int PW = DP % 64 == 0 && DC % 64 == 0 ? 64 : 32;

@@ -821,23 +821,76 @@ def test_emulated_sm90_warpgroup_skips_under_other_schedules(emu, order, eager):
         emu.da_emu_options(0, 1, 0)
 
 
+def tc90_tiles(emu_pipeline, dp):
+    """The sm90 kernels' chunks at padded head dim dp (tc90_pipe.cuh): (forward keys, dq keys, dk/dv
+    queries)."""
+    out = (ctypes.c_int * 3)()
+    assert emu_pipeline.da_emu_tc90_tiles(dp, out) == 0
+    return tuple(out)
+
+
+def expected_tc90_chunks(n, tile, rows_are_queries, is_causal):
+    """(skipped, computed) chunks of one pass over one segment of n positions at rate 1 (n a
+    multiple of 128), blocks of 128 consecutive rows whose warpgroup g of block t owns rows
+    128 t + 64 g .. + 63, chunks of `tile` indices of the other side, counted once per warpgroup.
+    The producer walks the chunks that some row of the block meets (causal: queries see the keys up
+    to their own, so a block of queries ends at its last row's chunk and a block of keys starts at
+    the chunk of its first row); a warpgroup skips those of them that none of its rows meets."""
+    skipped = computed = 0
+    for t in range(n // 128):
+        first, last = 128 * t, 128 * t + 127
+        if not is_causal:
+            chunks = range(0, n, tile)
+        elif rows_are_queries:
+            chunks = range(0, last + 1, tile)
+        else:
+            chunks = range(first // tile * tile, n, tile)
+        for g in range(2):
+            lo, hi = first + 64 * g, first + 64 * g + 63  # the warpgroup's rows
+            for o0 in chunks:
+                if not is_causal:
+                    meets = True
+                elif rows_are_queries:
+                    meets = o0 <= hi  # some key of the chunk is at or before a query
+                else:
+                    meets = o0 + tile - 1 >= lo  # some query of the chunk is at or after a key
+                computed += meets
+                skipped += not meets
+    return skipped, computed
+
+
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_emulated_sm90_warpgroup_skip_counts(emu, is_causal):
+def test_emulated_sm90_warpgroup_skip_counts(emu, emu_pipeline, is_causal):
     """The chunks each consumer warpgroup skips, counted: one segment of 256 positions at rate 1,
-    head dim 32, blocks of 128 consecutive rows (R = 1), so that warpgroup g of block t owns rows
-    128 t + 64 g .. + 63. Forward and dq, 64 keys a chunk: block 0 has keys 0-127 (two chunks), of
-    which its first warpgroup needs one; block 1 has four, its first warpgroup needs three: two
-    skips, ten chunks computed. dk/dv, 32 queries a chunk (rows are keys): block 0 has all eight,
-    its second warpgroup (keys 64-127) skips the two before query 64; block 1 has the four from
-    query 128, its second warpgroup skips two: four skips, twenty computed. The forward runs twice
-    (the backward's own, for delta). Without the causal mask every row meets every chunk."""
+    head dim 32, blocks of 128 consecutive rows (R = 1), against the count derived from the
+    kernels' tile sizes (expected_tc90_chunks). The forward runs twice (the backward's own, for
+    delta). Causal, each pass skips some chunks (a block's second warpgroup of keys starts past a
+    chunk of queries that its first one meets); without the causal mask every row meets every
+    chunk."""
+    kt_fwd, kt_dq, qt_dkv = tc90_tiles(emu_pipeline, 32)
     tc90_chunks(emu)
     check_emulated(emu, 1, 256, 1, 1, 32, [256], [1], is_causal, torch.bfloat16, 2, (1, 0, 16, 64))
     fwd, dq, dkv = tc90_chunks(emu)
+    want_fwd = expected_tc90_chunks(256, kt_fwd, True, is_causal)
+    assert fwd == (2 * want_fwd[0], 2 * want_fwd[1])
+    assert dq == expected_tc90_chunks(256, kt_dq, True, is_causal)
+    assert dkv == expected_tc90_chunks(256, qt_dkv, False, is_causal)
     if is_causal:
-        assert (fwd, dq, dkv) == ((4, 20), (2, 10), (4, 20))
-    else:
-        assert (fwd, dq, dkv) == ((0, 32), (0, 16), (0, 32))
+        assert min(fwd[0], dq[0], dkv[0]) > 0
+
+
+def test_expected_tc90_chunks_counts_by_hand():
+    """The derivation of the skip counts against counts made by hand for chunks of 64 and 32: forward
+    and dq (rows are queries), block 0 has keys 0-127 (two chunks of 64), its first warpgroup needs
+    one; block 1 has four, its first warpgroup needs three: two skips, ten computed. dk/dv with 32
+    queries a chunk: block 0 has all eight, its second warpgroup (keys 64-127) skips the two before
+    query 64; block 1 the four from query 128, its second warpgroup skips two: four skips, twenty
+    computed."""
+    assert expected_tc90_chunks(256, 64, True, True) == (2, 10)
+    assert expected_tc90_chunks(256, 32, False, True) == (4, 20)
+    assert expected_tc90_chunks(256, 64, False, True) == (2, 10)
+    assert expected_tc90_chunks(256, 64, True, False) == (0, 16)
+    assert expected_tc90_chunks(256, 32, False, False) == (0, 32)
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,18 @@
 // tile with wgmma; named barriers; setmaxnreg) run on the CPU through cuda_emulation.h, so that
 // tests/test_cuda.py can check that the emulation enforces the rules the sm90 kernels rely on: a
 // broken variant must abort with the rule's message (run in a child process), the correct one
-// must give the product. Build as run_kernels.cpp.
+// must give the product. Also tells the tests the sm90 kernels' tile sizes (da_emu_tc90_tiles), from
+// which they derive the chunks each pass walks. Build as run_kernels.cpp.
 #ifndef DA_CUDA_EMULATION
 #error "build with -DDA_CUDA_EMULATION"
 #endif
 
 #include <string.h>
 
+#include <type_traits>
+
 #include "cuda/sm90.cuh"
+#include "cuda/tc90_pipe.cuh"
 
 using namespace dilated_attention::cuda;
 
@@ -81,4 +85,26 @@ extern "C" int da_emu_pipeline(int which, const uint16_t* a, const uint16_t* b, 
       for (int e = 0; e < 4; ++e) c[(16 * warp + g + 8 * (e >> 1)) * 16 + 8 * i + 2 * tq + (e & 1)] = S[i][e];
   });
   return 0;
+}
+
+// The sm90 kernels' chunk of the other side at padded head dim dp (32, 64, 96, 128, 192, 256):
+// out = {forward keys, dq keys, dk/dv queries} per chunk (tc90_pipe.cuh's Cfg structs). Returns 0,
+// or -1 for another dp.
+extern "C" int da_emu_tc90_tiles(int dp, int* out) {
+  auto put = [out](auto dp_constant) {
+    constexpr int DP = decltype(dp_constant)::value;
+    out[0] = Tc90FwdCfg<DP>::KT;
+    out[1] = Tc90DqCfg<DP>::KT;
+    out[2] = Tc90DkvCfg<DP>::QT;
+    return 0;
+  };
+  switch (dp) {
+    case 32: return put(std::integral_constant<int, 32>{});
+    case 64: return put(std::integral_constant<int, 64>{});
+    case 96: return put(std::integral_constant<int, 96>{});
+    case 128: return put(std::integral_constant<int, 128>{});
+    case 192: return put(std::integral_constant<int, 192>{});
+    case 256: return put(std::integral_constant<int, 256>{});
+    default: return -1;
+  }
 }
