@@ -25,10 +25,11 @@
 // that can run a branch on k and v with their heads repeated to Hq (repeat_kv: views.cpp repeats
 // them once per direction and sums dk and dv per key/value head once) gets that branch planned for
 // Hkv = Hq where that makes fewer driver calls (driver_calls below, one batch entry), or as many
-// and fewer of them gathered, and
-// Plan::repeated says so. Repeating costs one copy of k and v (g = Hq / Hkv times their size) for
-// every branch together, where gathering a call's key/value heads by a list of indices would need a
-// plan that is no longer strided views and an indexed add of the gradients back.
+// and fewer of them gathered; Plan::repeated says so. The Python drivers plan without repeat_kv
+// (they read k and v as they are). Repeating costs one copy of k and v (g = Hq / Hkv times their
+// size) for every such branch together; gathering a call's key/value heads by a list of head
+// indices instead would need calls that are no longer strided views, a gather by index in the
+// rows kernel and an indexed add of the gradients back.
 #pragma once
 
 #include <ATen/ATen.h>
