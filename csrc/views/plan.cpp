@@ -146,25 +146,33 @@ std::pair<size_t, int64_t> driver_cost(const std::vector<Call>& calls, int64_t N
 
 // The plan, computed (plan_branches caches it). With repeat_kv a branch of grouped-query heads is
 // planned for k and v repeated to Hq heads (Hkv = Hq) where that makes fewer driver calls, or as
-// many and fewer of them gathered.
+// many and fewer of them gathered; and, once some branch reads the repeated k and v (the driver
+// then makes them anyway), every branch where that costs no more: its calls then need no repeat of
+// their own (on CUDA, a move a run).
 std::shared_ptr<const Plan> make_plan(at::IntArrayRef lengths, int64_t Hq, int64_t Hkv,
                                       at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
                                       bool native_gqa, bool repeat_kv) {
   auto plan = std::make_shared<Plan>();
   int64_t N = 0;
   for (const int64_t n : lengths) N += n;
+  std::vector<std::vector<Call>> each;  // per branch, its plan on repeated k and v
+  std::vector<bool> ties;               // per branch, whether that plan costs as much as its own
   for (size_t b = 0; b < segment_lengths.size(); ++b) {
     const int64_t w = segment_lengths[b], r = dilation_rates[b];
-    std::vector<Call> calls = branch_calls(lengths, w, r, Hq, Hkv, native_gqa);
-    bool repeated = false;
-    if (repeat_kv && Hkv < Hq) {
-      std::vector<Call> each = branch_calls(lengths, w, r, Hq, Hq, native_gqa);
-      repeated = driver_cost(each, N) < driver_cost(calls, N);
-      if (repeated) calls = std::move(each);
-    }
-    plan->branches.push_back(std::move(calls));
-    plan->repeated.push_back(repeated);
+    plan->branches.push_back(branch_calls(lengths, w, r, Hq, Hkv, native_gqa));
+    plan->repeated.push_back(false);
+    if (!repeat_kv || Hkv == Hq) continue;
+    each.push_back(branch_calls(lengths, w, r, Hq, Hq, native_gqa));
+    const auto own = driver_cost(plan->branches[b], N), repeated = driver_cost(each[b], N);
+    plan->repeated[b] = repeated < own;
+    ties.push_back(repeated == own);
   }
+  const bool made = plan->any_repeated();
+  for (size_t b = 0; b < each.size(); ++b)
+    if (plan->repeated[b] || (made && ties[b])) {
+      plan->repeated[b] = true;
+      plan->branches[b] = std::move(each[b]);
+    }
   return plan;
 }
 

@@ -25,7 +25,8 @@
 // that can run a branch on k and v with their heads repeated to Hq (repeat_kv: views.cpp repeats
 // them once per direction and sums dk and dv per key/value head once) gets that branch planned for
 // Hkv = Hq where that makes fewer driver calls (driver_calls below, one batch entry), or as many
-// and fewer of them gathered; Plan::repeated says so. The Python drivers plan without repeat_kv
+// and fewer of them gathered, and, once some branch reads them, every branch where they cost no more
+// (its calls then repeat nothing of their own); Plan::repeated says so. The Python drivers plan without repeat_kv
 // (they read k and v as they are). Repeating costs one copy of k and v (g = Hq / Hkv times their
 // size) for every such branch together; gathering a call's key/value heads by a list of head
 // indices instead would need calls that are no longer strided views, a gather by index in the

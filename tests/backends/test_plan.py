@@ -105,7 +105,8 @@ def test_a_branch_runs_on_repeated_kv_heads_where_that_takes_fewer_calls(seed):
     """The C++ driver's plan (repeat_kv, views/plan.h Plan::repeated): a branch of grouped-query
     heads runs on k and v repeated to Hq heads only with fewer key/value heads than query heads,
     then as the same branch of Hq key/value heads does, and never takes more driver calls (nor, as
-    many, more gathered) than that branch."""
+    many, more gathered) than that branch; once some branch reads the repeated k and v, so does
+    every branch that costs no more on them."""
     rng = random.Random(seed)
     for _ in range(40):
         lengths, Hq, Hkv, segs, rates, _ = geometry = _random_geometry(rng)
@@ -119,6 +120,9 @@ def test_a_branch_runs_on_repeated_kv_heads_where_that_takes_fewer_calls(seed):
                 assert Hkv < Hq and all(run[4] for run in g), geometry
                 assert [run[:4] for run in g] == [run[:4] for run in m], geometry
             assert _cost(g) <= _cost(m), geometry
+        if any(g and g[0][4] for g in gqa):
+            for g, m in zip(gqa, mha, strict=True):
+                assert not g or g[0][4] or _cost(g) < _cost(m), geometry
 
 
 @pytest.mark.parametrize(
