@@ -13,8 +13,9 @@
 // chunk, and releases the stage (an mbarrier of one arrival per consumer warpgroup) once its MMAs
 // have read it.
 // Five stages: a consumer holds two (the chunk it computes and the previous one, whose product with
-// probabilities still runs), the producer fills the other three ahead (as many as shared memory
-// holds at every head dim: dq and dk/dv at 256 take 218 of its 227 KB).
+// probabilities still runs), the producer fills the other three ahead (dq and dk/dv at 256 take 218
+// of shared memory's 227 KB); four (two ahead) where wider chunks leave no room for five: dq at head
+// dims 128 and 192, dk/dv at 192 (their Cfg's STAGES, tc90_pipe.cuh).
 //
 // What a consumer computes is the warpgroup kernel's chunk: S = Q K^T is one wgmma.mma_async
 // m64n{KT}k16 per 16 columns of the head dim, both operands read from shared memory by descriptors
@@ -58,8 +59,9 @@ namespace cuda {
 /* The consumers                                                                                */
 /* ------------------------------------------------------------------------------------------ */
 
-// A consumer thread's place in the pipe: the stage it reads next and the parity of each stage's
-// next phase of full.
+// A consumer thread's place in the pipe of STAGES stages: the stage it reads next and the parity of
+// each stage's next phase of full.
+template <int STAGES>
 struct Tc90Reader {
   int stage = 0;
   uint32_t parity = 0;
@@ -80,7 +82,7 @@ struct Tc90Reader {
     if (!*skip) cur.adopt(c.at, c.o0);  // (a skipped chunk's segment is adopted with the next one used)
     return true;
   }
-  __device__ __forceinline__ void advance() { stage = stage + 1 == kTc90Stages ? 0 : stage + 1; }
+  __device__ __forceinline__ void advance() { stage = stage + 1 == STAGES ? 0 : stage + 1; }
 };
 
 // This warpgroup's release of a stage: one arrival, by its thread 0 (wtid), once every thread of
@@ -97,7 +99,8 @@ __device__ __forceinline__ void tc90_release(Tc90Pipe* pipe, int stage, int wtid
 
 // The end of a chunk that no row of the warpgroup meets (its pending products already ran): once
 // every warp has read the slot, the chunk's stage goes back and the reader moves on.
-__device__ __forceinline__ void tc90_skip_stage(Tc90Pipe* pipe, Tc90Reader& rd, int bar, int wtid) {
+template <typename Reader>
+__device__ __forceinline__ void tc90_skip_stage(Tc90Pipe* pipe, Reader& rd, int bar, int wtid) {
   named_barrier_or(bar, 128, false);  // every warp has read the slot (tc90_release)
   tc90_release(pipe, rd.stage, wtid);
   rd.advance();
@@ -255,8 +258,8 @@ __device__ __forceinline__ Tc90Role tc90_role(Tc90Pipe* pipe) {
 
 // The producer warpgroup of the forward and dq passes (rows = queries of head h): its registers
 // given back, then its first warp loads K and V (head h / G) of each chunk into the stages' tiles
-// sK, sV (KT rows each).
-template <typename T, typename L, int KT>
+// sK, sV (KT rows each) of STAGES stages.
+template <typename T, typename L, int KT, int STAGES>
 __device__ __forceinline__ void tc90_produce_kv(const Params& p, const TmaMaps& maps, const SeqRows& sq,
                                                 const da_tiling& tl, int64_t base, int64_t h, T* sK, T* sV,
                                                 Tc90Pipe* pipe, const Tc90Role& role) {
@@ -266,7 +269,7 @@ __device__ __forceinline__ void tc90_produce_kv(const Params& p, const TmaMaps& 
   const int32_t hk = (int32_t)(h / p.G);
   Tc90Walker& wk = pipe->walker;
   tc90_walker_init(wk, sq, tl, base, h, 1, lane);
-  tc90_produce<KT, DA_ROWS_ARE_QUERIES>(
+  tc90_produce<KT, DA_ROWS_ARE_QUERIES, STAGES>(
       p, pipe, lane, [&](int32_t o0) { return tc90_chunk_map(maps, wk, o0, KT); },
       [&](int stage, int32_t o0, int mi) {
         tc90_load_pair<T, L>(sK + stage * KT * L::DP, sV + stage * KT * L::DP, p.k, p.v, hk, wk, o0, KT, p.D,
@@ -288,8 +291,8 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   DA_EXTERN_SMEM(smem_raw);
   T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));  // [consumer][64 rows]
   T* sK = sQ + kTc90Consumers * kTcRows * DP;         // [stage][KT rows]
-  T* sV = sK + kTc90Stages * KT * DP;                 // [stage][KT rows]
-  T* sZ = sV + kTc90Stages * KT * DP;                 // [KT rows] of zeros
+  T* sV = sK + Cfg::STAGES * KT * DP;                 // [stage][KT rows]
+  T* sZ = sV + Cfg::STAGES * KT * DP;                 // [KT rows] of zeros
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sZ + KT * DP);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
@@ -302,7 +305,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   const int lane = role.lane, tq = lane & 3;
 
   if (role.g < 0) {  // the producer: K and V of each chunk
-    tc90_produce_kv<T, L, KT>(p, maps, sq, tl, base, h, sK, sV, pipe, role);
+    tc90_produce_kv<T, L, KT, Cfg::STAGES>(p, maps, sq, tl, base, h, sK, sV, pipe, role);
     return;
   }
 
@@ -328,7 +331,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   for (int nt = 0; nt < NT; ++nt) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
   Tc90Deferred<T, L, NT, DT> pv;
   pv.clear();
-  Tc90Reader rd;
+  Tc90Reader<Cfg::STAGES> rd;
   bool skip;
   while (rd.next(pipe, cur, g, &skip)) {
     const int stage = rd.stage;
@@ -390,8 +393,8 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sQ = reinterpret_cast<T*>(tc90_smem(smem_raw));  // [consumer][64 rows]
   T* sdO = sQ + kTc90Consumers * kTcRows * DP;        // [consumer][64 rows]
   T* sK = sdO + kTc90Consumers * kTcRows * DP;        // [stage][KT rows]
-  T* sV = sK + kTc90Stages * KT * DP;                 // [stage][KT rows]
-  T* sZ = sV + kTc90Stages * KT * DP;                 // [KT rows] of zeros
+  T* sV = sK + Cfg::STAGES * KT * DP;                 // [stage][KT rows]
+  T* sZ = sV + Cfg::STAGES * KT * DP;                 // [KT rows] of zeros
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sZ + KT * DP);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
@@ -404,7 +407,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   const int lane = role.lane, tq = lane & 3;
 
   if (role.g < 0) {  // the producer: K and V of each chunk
-    tc90_produce_kv<T, L, KT>(p, maps, sq, tl, base, h, sK, sV, pipe, role);
+    tc90_produce_kv<T, L, KT, Cfg::STAGES>(p, maps, sq, tl, base, h, sK, sV, pipe, role);
     return;
   }
 
@@ -436,7 +439,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   }
   Tc90Deferred<T, L, NT, DT> pv;
   pv.clear();
-  Tc90Reader rd;
+  Tc90Reader<Cfg::STAGES> rd;
   bool skip;
   while (rd.next(pipe, cur, g, &skip)) {
     const int stage = rd.stage;
@@ -452,6 +455,9 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     const bool need_mask = cur.skip_chunk() || cur.chunk_needs_mask();  // (as the forward)
     const T* sKs = sK + stage * KT * DP;
     const T* sVs = sV + stage * KT * DP;
+    // Dropout's draws, while S and dP run (or before they are issued, Cfg::DRAW_FIRST).
+    uint32_t keep = 0u;
+    if (DROPOUT && Cfg::DRAW_FIRST) keep = tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq);
     wgmma_fence_operands(S);
     wgmma_fence_operands(dP);
     wgmma_fence_operands(dQ);
@@ -462,7 +468,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     wgmma_commit();
     pv.issue(dQ, sK + pv_stage * KT * DP, sZ, 0);
     wgmma_commit();
-    const uint32_t keep = DROPOUT ? tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq) : 0u;
+    if (DROPOUT && !Cfg::DRAW_FIRST) keep = tc_dropout_keep<NT>(cur, p, b * p.Hq + h, sq.start, tq);
     wgmma_wait<1>();  // S and dP (the older group); the previous dS K may still run
     wgmma_fence_operands(S);
     wgmma_fence_operands(dP);
@@ -497,11 +503,11 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sK = reinterpret_cast<T*>(tc90_smem(smem_raw));   // [consumer][64 rows]
   T* sV = sK + kTc90Consumers * kTcRows * DP;          // [consumer][64 rows]
   T* sQ = sV + kTc90Consumers * kTcRows * DP;          // [stage][QT rows]
-  T* sdO = sQ + kTc90Stages * QT * DP;                 // [stage][QT rows]
-  T* sZ = sdO + kTc90Stages * QT * DP;                 // [QT rows] of zeros
+  T* sdO = sQ + Cfg::STAGES * QT * DP;                 // [stage][QT rows]
+  T* sZ = sdO + Cfg::STAGES * QT * DP;                 // [QT rows] of zeros
   float* sL = reinterpret_cast<float*>(sZ + QT * DP);  // [stage][QT] lse, log2 domain
-  float* sDl = sL + kTc90Stages * QT;                  // [stage][QT] delta
-  Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sDl + kTc90Stages * QT);
+  float* sDl = sL + Cfg::STAGES * QT;                  // [stage][QT] delta
+  Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sDl + Cfg::STAGES * QT);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
   const int64_t N = sq.N, b = sq.b, hk = blockIdx.y / Cfg::CHUNKS;
@@ -519,7 +525,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     if (role.warp != 0) return;
     Tc90Walker& wk = pipe->walker;
     tc90_walker_init(wk, sq, tl, base, hk * p.G, (int)p.G, lane);
-    tc90_produce<QT, DA_ROWS_ARE_KEYS>(
+    tc90_produce<QT, DA_ROWS_ARE_KEYS, Cfg::STAGES>(
         p, pipe, lane, [&](int32_t o0) { return tc90_chunk_map(maps, wk, o0, QT); },
         [&](int stage, int32_t o0, int mi) {
           tc90_load_stats<QT>(p, wk, o0, sl2, sL + stage * QT, sDl + stage * QT, lane);
@@ -558,7 +564,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   Tc90Deferred<T, L, NT, CT> pv_v, pv_k;
   pv_v.clear();
   pv_k.clear();
-  Tc90Reader rd;
+  Tc90Reader<Cfg::STAGES> rd;
   bool skip;
   while (rd.next(pipe, cur, g, &skip)) {
     const int stage = rd.stage;

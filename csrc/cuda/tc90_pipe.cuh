@@ -15,6 +15,7 @@ constexpr int kTc90Consumers = 2;                         // consumer warpgroups
 constexpr int kTc90Threads = 128 * (1 + kTc90Consumers);  // and the producer warpgroup
 constexpr int kTc90Warps = 4 * kTc90Consumers;            // warps that own rows (the tiling's)
 constexpr int kTc90Rows = kTcRows * kTc90Consumers;       // rows per block
+// Stages of shared memory: 5, or fewer where a pass's tiles need it (its Cfg's STAGES).
 constexpr int kTc90Stages = 5;
 // Registers per thread after setmaxnreg, within the launch's 384 x 168 = 64512: 128 x 40 + 256 x 232
 // = 64512. The producer holds little in registers: its walk is 32-bit and keeps its position and
@@ -54,7 +55,8 @@ struct Tc90Walker {
   int32_t glo[kTc90Consumers], ghi[kTc90Consumers];
 };
 
-// The pipeline's barriers and slots (after the tiles in shared memory): full[s] completes when the
+// The pipeline's barriers and slots (after the tiles in shared memory; a pass with fewer stages uses
+// the first STAGES of them): full[s] completes when the
 // producer warp's 32 threads have arrived and the stage's copies have landed; empty[s] when the
 // two consumer warpgroups have released the stage (one arrival each, tc90_release). walker: the
 // producer's walk.
@@ -66,49 +68,58 @@ struct Tc90Pipe {
 
 template <int DP>
 struct Tc90FwdCfg {
+  static constexpr int STAGES = kTc90Stages;
   static constexpr int KT = TcFwdCfg<DP>::KT;  // keys per step: 64 (DP <= 128), 32 (192), 16 (256)
   static constexpr int Q_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;  // multiples of 1024
   // Q of each consumer, K and V of each stage, the pipe; + 1024: the tiles start on a 1024-byte
   // boundary of the dynamic shared memory.
   static constexpr int SMEM =
-      kTc90Consumers * Q_BYTES + (2 * kTc90Stages + 1) * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
+      kTc90Consumers * Q_BYTES + (2 * STAGES + 1) * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
 };
 
 template <int DP>
 struct Tc90DqCfg {
-  // Keys per step: 64 (DP <= 96), 32 (128), 16 (above). A consumer thread holds S and dP (KT / 2
+  // Keys per step: 64 (DP <= 128), 32 (192), 16 (256). A consumer thread holds S and dP (KT / 2
   // floats each), dQ (DP / 2) and the previous chunk's dS as A fragments (KT / 4) in registers,
-  // with the walk: at 232 registers (ptxas, sm_90a, CUDA 13.0) KT = 64 fits at DP = 96 with no
-  // spill, with or without dropout; at DP = 128 it spills 4 bytes with dropout, and its stages
-  // would not fit in shared memory (5 x 2 x 16 KB of K and V next to 64 KB of Q and dO).
-  static constexpr int KT = DP <= 96 ? 64 : (DP <= 128 ? 32 : 16);
+  // with the walk. At 232 registers (ptxas, sm_90a, CUDA 13.0) each fits with no spill, where at
+  // DP = 128 dropout's draws come before the chunk's MMAs are issued (DRAW_FIRST; drawn while S
+  // and dP run, as at the other sizes, they spill 4 bytes). Shared memory holds four stages at 128
+  // and 192 (five would not fit next to the 64 rows of Q and dO of each consumer); at 256 a chunk
+  // of 32 would leave two.
+  static constexpr int KT = DP <= 128 ? 64 : (DP <= 192 ? 32 : 16);
+  static constexpr int STAGES = DP == 128 || DP == 192 ? 4 : kTc90Stages;
+  static constexpr bool DRAW_FIRST = DP == 128;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;
   static constexpr int SMEM =
-      kTc90Consumers * 2 * ROW_BYTES + (2 * kTc90Stages + 1) * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
+      kTc90Consumers * 2 * ROW_BYTES + (2 * STAGES + 1) * KV_BYTES + (int)sizeof(Tc90Pipe) + 1024;
 };
 
 template <int DP>
 struct Tc90DkvCfg {
-  // Queries per step: 64 (DP <= 64), 32 (96), 16 (above). A consumer thread holds dK and dV (DC / 2
-  // floats each), S^T and dP^T (QT / 2 each) and the A fragments of the two deferred products
-  // (QT / 4 each) in registers, with the walk: at 232 registers (ptxas, sm_90a, CUDA 13.0) QT = 64
-  // fits at DP = 64 and QT = 32 at DP = 96 with no spill; QT = 32 at DP = 128 spills 132 bytes
-  // (60 with dropout), so DP = 128 keeps 16, and so do 192 and 256 (DC = 96 and 128).
-  static constexpr int QT = DP <= 64 ? 64 : (DP <= 96 ? 32 : 16);
+  // Queries per step: 64 (DP <= 64), 32 (96, 192), 16 (128, 256). A consumer thread holds dK and
+  // dV (DC / 2 floats each: DC = DP up to 128, DP / 2 above), S^T and dP^T (QT / 2 each) and the A
+  // fragments of the two deferred products (QT / 4 each) in registers, with the walk. At 232
+  // registers (ptxas, sm_90a, CUDA 13.0) QT = 64 fits at DP <= 64 and QT = 32 at DP = 96 and 192
+  // (DC = 96) with no spill; QT = 32 at DP = 128 spills 132 bytes (60 with dropout), so 128 keeps
+  // 16, and so does 256 (DC = 128 as well; and three stages of 32 would not fit in shared memory).
+  // Shared memory holds four stages at 192.
+  static constexpr int QT = DP <= 64 ? 64 : (DP == 96 || DP == 192 ? 32 : 16);
+  static constexpr int STAGES = DP == 192 ? 4 : kTc90Stages;
   static constexpr int DC = TcDkvCfg<DP>::DC, CHUNKS = TcDkvCfg<DP>::CHUNKS;  // accumulator columns
   // Panels of 64 columns where both DP and the column chunks allow, else 32 (DP = 192: DC = 96).
   static constexpr int PW = DP % 64 == 0 && DC % 64 == 0 ? 64 : 32;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, Q_BYTES = QT * DP * 2;
   // + the queries' lse and delta of each stage
-  static constexpr int SMEM = kTc90Consumers * 2 * ROW_BYTES + (2 * kTc90Stages + 1) * Q_BYTES +
-                              kTc90Stages * 2 * QT * (int)sizeof(float) + (int)sizeof(Tc90Pipe) + 1024;
+  static constexpr int SMEM = kTc90Consumers * 2 * ROW_BYTES + (2 * STAGES + 1) * Q_BYTES +
+                              STAGES * 2 * QT * (int)sizeof(float) + (int)sizeof(Tc90Pipe) + 1024;
 };
 
 // sm_90's opt-in maximum of dynamic shared memory per block.
 constexpr int kTc90MaxSmem = 232448;
 static_assert(Tc90FwdCfg<128>::SMEM <= kTc90MaxSmem && Tc90FwdCfg<256>::SMEM <= kTc90MaxSmem &&
-                  Tc90DqCfg<128>::SMEM <= kTc90MaxSmem && Tc90DqCfg<256>::SMEM <= kTc90MaxSmem &&
-                  Tc90DkvCfg<192>::SMEM <= kTc90MaxSmem && Tc90DkvCfg<256>::SMEM <= kTc90MaxSmem,
+                  Tc90DqCfg<128>::SMEM <= kTc90MaxSmem && Tc90DqCfg<192>::SMEM <= kTc90MaxSmem &&
+                  Tc90DqCfg<256>::SMEM <= kTc90MaxSmem && Tc90DkvCfg<192>::SMEM <= kTc90MaxSmem &&
+                  Tc90DkvCfg<256>::SMEM <= kTc90MaxSmem,
               "the sm90 kernels' tiles fit in shared memory");
 
 // The dynamic shared memory from its first 1024-byte boundary (the swizzle works on addresses).
@@ -338,12 +349,12 @@ __device__ __forceinline__ void tc90_load_stats(const Params& p, const Tc90Walke
 // works on (OT indices of the other side each), a free stage (empty), the chunk published in its
 // slot, load(stage, o0, mi) issuing its copies (map mi = map_for(o0), or -1: by cp.async) and
 // every lane's arrival on full; at the end a slot that says so, and a wait for this lane's copies.
-template <int OT, int ROWS_ARE, typename MapFor, typename Load>
+template <int OT, int ROWS_ARE, int STAGES, typename MapFor, typename Load>
 __device__ __forceinline__ void tc90_produce(const Params& p, Tc90Pipe* pipe, int lane, MapFor map_for,
                                              Load load) {
   Tc90Walker& wk = pipe->walker;
   int stage = 0;
-  uint32_t parity = (1u << kTc90Stages) - 1;  // a fresh barrier's previous phase counts as complete
+  uint32_t parity = (1u << STAGES) - 1;  // a fresh barrier's previous phase counts as complete
   int32_t lo, hi;
   while (tc90_next_segment<OT, ROWS_ARE>(p, wk, lane, &lo, &hi)) {
     for (int32_t o0 = lo; o0 < hi; o0 += OT) {
@@ -361,7 +372,7 @@ __device__ __forceinline__ void tc90_produce(const Params& p, Tc90Pipe* pipe, in
         c.flags = flags;
       }
       load(stage, o0, mi);
-      stage = stage + 1 == kTc90Stages ? 0 : stage + 1;
+      stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
   }
   mbar_wait(&pipe->empty[stage], (parity >> stage) & 1);
