@@ -261,6 +261,21 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
 #endif
 }
 
+// Asynchronous copy of BYTES (4 or 8) global -> shared, both aligned to BYTES; zero-fills the
+// destination when !valid (gmem is then not read but must still be a valid address). It completes
+// as cp_async16's do (on an mbarrier by cp_async_mbar_arrive, or by the thread's wait).
+template <int BYTES>
+__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem, bool valid) {
+  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+#if defined(DA_CUDA_EMULATION)
+  da_emu::cp_async(smem, valid ? gmem : nullptr, BYTES);
+#elif DA_SM90A
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_address(smem)), "l"(gmem),
+               "n"(BYTES), "r"(valid ? BYTES : 0)
+               : "memory");
+#endif
+}
+
 // Waits until the phase of parity `parity` of bar has completed (its arrivals and bytes).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #if defined(DA_CUDA_EMULATION)

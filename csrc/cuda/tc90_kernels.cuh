@@ -39,7 +39,8 @@
 //
 // The backward's two passes are those of tc_kernels.cuh the same way: dq (rows = queries) has
 // S = Q K^T and dP = dO V^T from shared memory and dQ += dS K with dS from registers; dk/dv (rows =
-// keys, over the G query heads of the group; the producer also loads the queries' lse and delta)
+// keys, over the G query heads of the group; the producer warp also copies the queries' lse and
+// delta, by cp.async, and a second warp of its warpgroup turns lse into base 2 once they landed)
 // S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and dK += dS^T Q, head dims above 128 split over two
 // thread blocks by columns. Results are the sm80 kernels' (the same roundings and f32
 // accumulation; the sums' order inside an MMA may differ), so either pass may follow either
@@ -240,10 +241,11 @@ __device__ __forceinline__ void tc90_consumer_regs() {
   setmaxnreg_inc<kTc90ConsumerRegs>();
 }
 
-__device__ __forceinline__ Tc90Role tc90_role(Tc90Pipe* pipe) {
+__device__ __forceinline__ Tc90Role tc90_role(Tc90Pipe* pipe, int full_arrivals = 32) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < kTc90Stages; ++s) {
-      mbar_init(&pipe->full[s], 32);
+      mbar_init(&pipe->full[s], full_arrivals);  // the producer warp's lanes (dk/dv: and the stats warp's)
+      mbar_init(&pipe->stats[s], 32);
       mbar_init(&pipe->empty[s], kTc90Consumers);  // one arrival per consumer warpgroup
     }
     fence_barrier_init();
@@ -269,7 +271,7 @@ __device__ __forceinline__ void tc90_produce_kv(const Params& p, const TmaMaps& 
   const int32_t hk = (int32_t)(h / p.G);
   Tc90Walker& wk = pipe->walker;
   tc90_walker_init(wk, sq, tl, base, h, 1, lane);
-  tc90_produce<KT, DA_ROWS_ARE_QUERIES, STAGES>(
+  tc90_produce<KT, DA_ROWS_ARE_QUERIES, STAGES, false>(
       p, pipe, lane, [&](int32_t o0) { return tc90_chunk_map(maps, wk, o0, KT); },
       [&](int stage, int32_t o0, int mi) {
         tc90_load_pair<T, L>(sK + stage * KT * L::DP, sV + stage * KT * L::DP, p.k, p.v, hk, wk, o0, KT, p.D,
@@ -500,13 +502,14 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   using L = Sw90<DP, Cfg::PW>;
   constexpr int QT = Cfg::QT, NT = QT / 8, DC = Cfg::DC, CT = DC / 8;
   DA_EXTERN_SMEM(smem_raw);
-  T* sK = reinterpret_cast<T*>(tc90_smem(smem_raw));   // [consumer][64 rows]
-  T* sV = sK + kTc90Consumers * kTcRows * DP;          // [consumer][64 rows]
-  T* sQ = sV + kTc90Consumers * kTcRows * DP;          // [stage][QT rows]
-  T* sdO = sQ + Cfg::STAGES * QT * DP;                 // [stage][QT rows]
-  T* sZ = sdO + Cfg::STAGES * QT * DP;                 // [QT rows] of zeros
-  float* sL = reinterpret_cast<float*>(sZ + QT * DP);  // [stage][QT] lse, log2 domain
-  float* sDl = sL + Cfg::STAGES * QT;                  // [stage][QT] delta
+  T* sK = reinterpret_cast<T*>(tc90_smem(smem_raw));                      // [consumer][64 rows]
+  T* sV = sK + kTc90Consumers * kTcRows * DP;                             // [consumer][64 rows]
+  T* sQ = sV + kTc90Consumers * kTcRows * DP;                             // [stage][QT rows]
+  T* sdO = sQ + Cfg::STAGES * QT * DP;                                    // [stage][QT rows]
+  T* sZ = sdO + Cfg::STAGES * QT * DP;                                    // [QT rows] of zeros
+  unsigned char* sLraw = reinterpret_cast<unsigned char*>(sZ + QT * DP);  // [stage][QT] lse as saved
+  float* sL = reinterpret_cast<float*>(sLraw + Cfg::STAGES * QT * 8);     // [stage][QT] lse, log2 domain
+  float* sDl = sL + Cfg::STAGES * QT;                                     // [stage][QT] delta
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sDl + Cfg::STAGES * QT);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
@@ -516,19 +519,25 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   const int64_t base = da_tile_base(&tl, blockIdx.x);
   if (base >= N) return;
   tc90_zero_tile(sZ, QT * DP * 2);
-  const Tc90Role role = tc90_role(pipe);
+  const Tc90Role role = tc90_role(pipe, 64);
   const int lane = role.lane, tq = lane & 3;
   const float sl2 = (float)(p.scale * DA_LOG2E);
 
-  if (role.g < 0) {  // the producer: q and dout of each chunk, the queries' lse and delta
+  // The producer: warp 0 copies q and dout of each chunk, and the queries' lse and delta, which
+  // warp 1 (the stats warp) turns into base 2 once landed.
+  if (role.g < 0) {
     tc90_producer_regs();
+    if (role.warp == 1) {
+      tc90_convert_stats<QT, Cfg::STAGES>(p, pipe, sLraw, sL, sl2, lane);
+      return;
+    }
     if (role.warp != 0) return;
     Tc90Walker& wk = pipe->walker;
     tc90_walker_init(wk, sq, tl, base, hk * p.G, (int)p.G, lane);
-    tc90_produce<QT, DA_ROWS_ARE_KEYS, Cfg::STAGES>(
+    tc90_produce<QT, DA_ROWS_ARE_KEYS, Cfg::STAGES, true>(
         p, pipe, lane, [&](int32_t o0) { return tc90_chunk_map(maps, wk, o0, QT); },
         [&](int stage, int32_t o0, int mi) {
-          tc90_load_stats<QT>(p, wk, o0, sl2, sL + stage * QT, sDl + stage * QT, lane);
+          tc90_load_stats<QT>(p, wk, o0, sLraw + stage * QT * 8, sDl + stage * QT, &pipe->stats[stage], lane);
           tc90_load_pair<T, L>(sQ + stage * QT * DP, sdO + stage * QT * DP, p.q, p.dout, wk.h0 + wk.at.gi, wk,
                                o0, QT, p.D, maps, mi, &pipe->full[stage], lane);
         });

@@ -56,12 +56,13 @@ struct Tc90Walker {
 };
 
 // The pipeline's barriers and slots (after the tiles in shared memory; a pass with fewer stages uses
-// the first STAGES of them): full[s] completes when the
-// producer warp's 32 threads have arrived and the stage's copies have landed; empty[s] when the
-// two consumer warpgroups have released the stage (one arrival each, tc90_release). walker: the
-// producer's walk.
+// the first STAGES of them): full[s] completes when the producer warp's 32 threads have arrived
+// and the stage's copies have landed (dk/dv: and the 32 of the stats warp, tc90_convert_stats);
+// empty[s] when the two consumer warpgroups have released the stage (one arrival each,
+// tc90_release); stats[s] (dk/dv) when the producer warp's copies of the stage's lse and delta have
+// landed. walker: the producer's walk.
 struct Tc90Pipe {
-  uint64_t full[kTc90Stages], empty[kTc90Stages];
+  uint64_t full[kTc90Stages], empty[kTc90Stages], stats[kTc90Stages];
   Tc90Chunk slot[kTc90Stages];
   Tc90Walker walker;
 };
@@ -109,9 +110,9 @@ struct Tc90DkvCfg {
   // Panels of 64 columns where both DP and the column chunks allow, else 32 (DP = 192: DC = 96).
   static constexpr int PW = DP % 64 == 0 && DC % 64 == 0 ? 64 : 32;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, Q_BYTES = QT * DP * 2;
-  // + the queries' lse and delta of each stage
+  // + the queries' lse as saved (8 bytes each: float or double), in base 2, and delta, per stage
   static constexpr int SMEM = kTc90Consumers * 2 * ROW_BYTES + (2 * STAGES + 1) * Q_BYTES +
-                              STAGES * 2 * QT * (int)sizeof(float) + (int)sizeof(Tc90Pipe) + 1024;
+                              STAGES * QT * (8 + 2 * (int)sizeof(float)) + (int)sizeof(Tc90Pipe) + 1024;
 };
 
 // sm_90's opt-in maximum of dynamic shared memory per block.
@@ -327,29 +328,65 @@ __device__ __forceinline__ void tc90_load_pair(T* ta, T* tb, const Tensor4& a, c
   mbar_arrive(bar);
 }
 
-// The dk/dv producer's lse (base 2, da_lse_base2) and delta of the walker's chunk's QT queries
-// from o0 (+inf and 0 at or past at.o_end) into sL and sDl, by the warp's lanes.
+// The dk/dv producer's copies of the queries' lse (as saved: float, or double where p.lse_f64) and
+// delta of the walker's chunk's QT queries from o0 (zeros at or past at.o_end) into raw (8 bytes a
+// query) and sDl, by the warp's lanes with cp.async of 4 or 8 bytes (any rate: the queries' rows
+// are r apart), completing on bar: the producer does not wait for them; the stats warp turns lse
+// into base 2 once they have landed (tc90_convert_stats).
 template <int QT>
-__device__ __forceinline__ void tc90_load_stats(const Params& p, const Tc90Walker& wk, int32_t o0, float sl2,
-                                                float* sL, float* sDl, int lane) {
+__device__ __forceinline__ void tc90_load_stats(const Params& p, const Tc90Walker& wk, int32_t o0,
+                                                unsigned char* raw, float* sDl, uint64_t* bar, int lane) {
+  const int64_t head_row = ((int64_t)wk.b * p.Hq + wk.h0 + wk.at.gi) * p.N;
   for (int jj = lane; jj < QT; jj += 32) {
     const int32_t j = o0 + jj;
-    float L = INFINITY, dlt = 0.f, lo;
-    if (j < wk.at.o_end) {
-      const int64_t i = ((int64_t)wk.b * p.Hq + wk.h0 + wk.at.gi) * p.N + tc90_other_row(wk, j);
-      L = da_lse_base2<float>(da_get_lse<float>(p, i), da_score_unit(p.scale, sl2), &lo);
-      dlt = static_cast<const float*>(p.delta)[i];
+    const bool ok = j < wk.at.o_end;
+    const int64_t i = ok ? head_row + tc90_other_row(wk, j) : 0;
+    if (p.lse_f64)
+      cp_async_small<8>(raw + 8 * jj, static_cast<const double*>(p.lse) + i, ok);
+    else
+      cp_async_small<4>(raw + 8 * jj, static_cast<const float*>(p.lse) + i, ok);
+    cp_async_small<4>(sDl + jj, static_cast<const float*>(p.delta) + i, ok);
+  }
+  cp_async_mbar_arrive(bar);
+  mbar_arrive(bar);
+}
+
+// The dk/dv producer warpgroup's stats warp: for each stage in turn, once the producer warp's
+// copies of lse and delta have landed (stats), the chunk's lse (raw, tc90_load_stats) in base 2
+// (da_lse_base2, as the sm80 kernel takes it; +inf at or past the segment's end, so that P = 0)
+// into sL, and its 32 arrivals on full; at the producer's last slot (done) only the arrivals.
+template <int QT, int STAGES>
+__device__ __forceinline__ void tc90_convert_stats(const Params& p, Tc90Pipe* pipe, const unsigned char* raw,
+                                                   float* sL, float sl2, int lane) {
+  const double unit = da_score_unit(p.scale, sl2);
+  int stage = 0;
+  uint32_t parity = 0;
+  for (;;) {
+    mbar_wait(&pipe->stats[stage], (parity >> stage) & 1);
+    parity ^= 1u << stage;
+    const Tc90Chunk& c = pipe->slot[stage];
+    if (c.flags & kTc90Done) {
+      mbar_arrive(&pipe->full[stage]);
+      return;
     }
-    sL[jj] = L;
-    sDl[jj] = dlt;
+    const int32_t n = c.at.o_end - c.o0;  // the chunk's queries in the segment
+    for (int jj = lane; jj < QT; jj += 32) {
+      const unsigned char* x = raw + 8 * (stage * QT + jj);
+      const double L = p.lse_f64 ? *reinterpret_cast<const double*>(x) : *reinterpret_cast<const float*>(x);
+      float lo;
+      sL[stage * QT + jj] = jj < n ? da_lse_base2<float>(L, unit, &lo) : INFINITY;
+    }
+    mbar_arrive(&pipe->full[stage]);
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
   }
 }
 
 // The producer warp's loop: for each chunk of the walker's segments that some row of the block
 // works on (OT indices of the other side each), a free stage (empty), the chunk published in its
 // slot, load(stage, o0, mi) issuing its copies (map mi = map_for(o0), or -1: by cp.async) and
-// every lane's arrival on full; at the end a slot that says so, and a wait for this lane's copies.
-template <int OT, int ROWS_ARE, int STAGES, typename MapFor, typename Load>
+// every lane's arrival on full (and on stats, STATS: dk/dv); at the end a slot that says so, and a
+// wait for this lane's copies.
+template <int OT, int ROWS_ARE, int STAGES, bool STATS, typename MapFor, typename Load>
 __device__ __forceinline__ void tc90_produce(const Params& p, Tc90Pipe* pipe, int lane, MapFor map_for,
                                              Load load) {
   Tc90Walker& wk = pipe->walker;
@@ -377,6 +414,7 @@ __device__ __forceinline__ void tc90_produce(const Params& p, Tc90Pipe* pipe, in
   }
   mbar_wait(&pipe->empty[stage], (parity >> stage) & 1);
   if (lane == 0) pipe->slot[stage].flags = kTc90Done;
+  if (STATS) mbar_arrive(&pipe->stats[stage]);  // (the stats warp reads the slot, tc90_convert_stats)
   mbar_arrive(&pipe->full[stage]);
   cp_async_wait_all();  // the copies of the last chunks, before this warp returns
 }

@@ -1154,6 +1154,33 @@ def test_emulated_float64_lse_in_every_family(emu):
         )
 
 
+@pytest.mark.parametrize("D", [64, 192])
+def test_emulated_sm90_float64_lse(emu, D):
+    """float64_lse in the sm90 kernels (bf16): the dk/dv producer copies lse as saved (8 bytes a
+    query here, 4 otherwise) and its stats warp turns it into base 2; the same results against the
+    float64 reference, with and without tensor maps."""
+    for tma in (1, 0):
+        emu.da_emu_tma(tma)
+        try:
+            check_emulated(
+                emu,
+                1,
+                61,
+                4,
+                2,
+                D,
+                [8, 32, 64],
+                [1, 2, 4],
+                True,
+                torch.bfloat16,
+                2,
+                (0, 0, 16, 64),
+                float64_lse=True,
+            )
+        finally:
+            emu.da_emu_tma(1)
+
+
 def test_emulated_simt_float32_long_causal_segment(emu):
     """One causal segment of 2K keys, near-uniform probabilities (q / 20), positive v and dout: the
     sums over the segment (out and lse of the last rows, dk and dv of the first keys) have terms of

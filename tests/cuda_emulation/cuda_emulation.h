@@ -97,6 +97,7 @@ struct Warp {
 struct Copy {
   void* dst;
   const void* src;  // nullptr: zero-fill
+  int bytes = 16;   // 16 (cp.async.cg), or 4 and 8 (cp.async.ca)
 };
 
 // Switching between fibers. On x86-64 a few instructions that save the callee-saved registers
@@ -515,12 +516,12 @@ inline const unsigned char* shared_limit() {
   return block().shared + kDynamicOffset + block().smem_bytes;
 }
 
-// The 16 bytes of a cp.async copy (zeros without a source).
+// The bytes of a cp.async copy (zeros without a source).
 inline void write_copy(const Copy& c) {
   if (c.src)
-    memcpy(c.dst, c.src, 16);
+    memcpy(c.dst, c.src, c.bytes);
   else
-    memset(c.dst, 0, 16);
+    memset(c.dst, 0, c.bytes);
 }
 
 // A copy landing for the thread that waits for its own cp.async groups.
@@ -529,15 +530,15 @@ inline void land(const Copy& c) {
   write_copy(c);
 }
 
-// cp.async of 16 bytes (zero-fill when src is null), commit_group and wait_group(n).
-inline void cp_async(void* dst, const void* src) {
+// cp.async of 16 bytes, or 4 or 8 (zero-fill when src is null), commit_group and wait_group(n).
+inline void cp_async(void* dst, const void* src, int bytes = 16) {
   const unsigned char* d = (const unsigned char*)dst;
-  if (d >= block().shared && d + 16 > shared_limit())
+  if (d >= block().shared && d + bytes > shared_limit())
     fail("cp.async past the launch's dynamic shared memory");
   if (options().eager_copies)
-    land(Copy{dst, src});
+    land(Copy{dst, src, bytes});
   else
-    self().open.push_back(Copy{dst, src});
+    self().open.push_back(Copy{dst, src, bytes});
 }
 
 inline void cp_commit() {
