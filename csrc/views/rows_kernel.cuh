@@ -65,20 +65,14 @@ struct RowPair {
   char* dst;
   const char* src;
   int64_t rows[kRowDims - 1];
-  int nd;       // row dims in use
-  bool narrow;  // the row count is below 2^31: a row's index in 32-bit arithmetic
+  int nd;         // row dims in use
+  int64_t nrows;  // rows[0] x ... x rows[nd - 1]
   int64_t len;
   int64_t ds[kRowDims], ss[kRowDims];  // per row dim, then (index kRowDims - 1) along the row
   int64_t group, gs;  // an add: the sum of group source rows, gs elements apart, added to each row
   RowSource source;   // an add's or a check's source elements
   int vec;            // elements a lane moves at once: 1, 2, 4 or 8
   int lanes;          // threads a row: a power of two, at most 32
-
-  __host__ __device__ int64_t row_count() const {
-    int64_t n = 1;
-    for (int i = 0; i < nd; ++i) n *= rows[i];
-    return n;
-  }
 };
 
 struct RowJob {
@@ -162,8 +156,9 @@ inline bool add_row_pair(RowJob& job, const RowTensor& dst, const RowTensor& src
   }
   p.ds[e] = ds[e];
   p.ss[e] = ss[e];
-  const int64_t rows = p.row_count();
-  p.narrow = rows < (int64_t(1) << 31);
+  p.nrows = 1;
+  for (int i = 0; i < p.nd; ++i) p.nrows *= p.rows[i];
+  const int64_t rows = p.nrows;
   // 16 bytes a lane at the most; an add's float32 dst takes at most 4 elements, a check's dst (a
   // flag of stride 0) any
   const int64_t widest = words ? 2 : src_bytes;
@@ -276,9 +271,9 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(RowJob job) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int64_t row = warp * (32 / p.lanes) + lane / p.lanes;
-  if (row >= p.row_count()) return;
+  if (row >= p.nrows) return;
   int64_t od, os;
-  if (p.narrow)
+  if (p.nrows <= INT32_MAX)  // a row's offsets in 32-bit arithmetic
     row_offsets<uint32_t>(p, static_cast<uint32_t>(row), od, os);
   else
     row_offsets<int64_t>(p, row, od, os);

@@ -582,6 +582,9 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
                                              const at::Tensor& v_in, at::IntArrayRef segment_lengths,
                                              at::IntArrayRef dilation_rates, bool is_causal,
                                              double softmax_scale, std::optional<bool> finite) {
+  // The ATen calls below are the op's own work, not autograd's: a caller may hand it tensors that
+  // require grad (the backward op has no autograd formula), and its results carry no history.
+  const at::AutoDispatchBelowADInplaceOrView untracked;
   const Problem P =
       check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   const bool cuda = q_in.is_cuda();
@@ -649,6 +652,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
+  // The ATen calls below are the op's own work, not autograd's: a caller may hand it tensors that
+  // require grad (the backward op has no autograd formula), and its results carry no history.
+  const at::AutoDispatchBelowADInplaceOrView untracked;
   const Problem P =
       check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   check_backward_inputs(P, q_in, dout_in, out_in, lse, dlse);
@@ -681,11 +687,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
     k_rep = repeat_heads(moves, k, P.Hq / P.Hkv);
     v_rep = repeat_heads(moves, v, P.Hq / P.Hkv);
     moves.run(false);
-    // one buffer zeroed once; each half its own tensor to autograd, which sees the adds of a
-    // caller's tensors that require grad (two views of one base would share its history)
-    const at::Tensor g = at::zeros({2, P.B, P.N, P.Hq, P.D}, dk.options());
-    dk_rep = g[0].detach();
-    dv_rep = g[1].detach();
+    const at::Tensor g = at::zeros({2, P.B, P.N, P.Hq, P.D}, dk.options());  // zeroed once
+    dk_rep = g[0];
+    dv_rep = g[1];
   }
   // branch br's k, v, dk and dv
   auto kv_of = [&](size_t br) {

@@ -273,6 +273,32 @@ def test_errors_name_the_bad_values():
         torch.ops.dilated_attention.views_fwd(q[:, :, :3], k, v, [4], [1], False, 0.3)
 
 
+def test_backward_ops_record_no_history_of_their_own_work():
+    """views_bwd and views_varlen_bwd (ops without an autograd formula) called on tensors that
+    require grad, with grouped-query heads run on repeated k and v (12 query and 4 key/value heads,
+    r = 2): their results carry only PyTorch's not-implemented node, none of the op's inner adds,
+    and are the float64 reference's gradients."""
+    q, k, v = make_inputs(1, 32, 12, 4, 8, torch.float64)
+    segs, rates = [8, 16], [1, 2]
+    out, lse = torch.ops.dilated_attention.views_fwd(q, k, v, segs, rates, True, 0.3)
+    dout = torch.randn_like(out)
+    got = torch.ops.dilated_attention.views_bwd(
+        dout, q, k, v, out.detach(), lse.detach(), None, segs, rates, True, 0.3
+    )
+    ref, _ = reference_attention(q, k, v, segs, rates, True, 0.3)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w in zip(got, want, strict=True):
+        assert g.grad_fn is None or "NotImplemented" in g.grad_fn.name(), g.grad_fn.name()
+        torch.testing.assert_close(g.detach(), w, rtol=1e-10, atol=1e-10)
+    cu = torch.tensor([0, 32], dtype=torch.int32)
+    packed = torch.ops.dilated_attention.views_varlen_bwd(
+        dout[0], q[0], k[0], v[0], out[0].detach(), lse[0].detach(), None, cu, 32, segs, rates, True, 0.3
+    )
+    for g, w in zip(packed, want, strict=True):
+        assert g.grad_fn is None or "NotImplemented" in g.grad_fn.name(), g.grad_fn.name()
+        torch.testing.assert_close(g.detach(), w[0], rtol=1e-10, atol=1e-10)
+
+
 def test_nonfinite_rows_as_the_python_driver():
     """A NaN in q and an inf in v reach the same rows through both drivers (causal)."""
     q, k, v = make_inputs(1, 24, 4, 2, 8, torch.float32, requires_grad=False)

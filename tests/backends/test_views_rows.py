@@ -19,21 +19,27 @@ from common import build_emulation, row_meta
 def emu(tmp_path_factory):
     so = build_emulation("run_rows", tmp_path_factory.mktemp("emu"))
     so.da_emu_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    so.da_emu_rows_shape.argtypes = [ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4
     return so
 
 
-def move(so, dst: list[torch.Tensor], src: list[torch.Tensor], add: bool, op: int | None = None) -> int:
-    """Runs the kernel on (dst, src) pairs: op 0 copy, 1 add (``add`` picks one of the two), 2 check.
-    An add's source of one more dim than its dst adds the sum over its dim -2 (as rows_cuda.cu)."""
+def job(dst: list[torch.Tensor], src: list[torch.Tensor], grouped: bool) -> tuple[torch.Tensor, ctypes.Array]:
+    """The pairs as run_rows.cpp reads them: their meta (row_meta) and pointers. grouped: a source
+    of one more dim than its dst adds the sum over its dim -2 (as rows_cuda.cu)."""
     meta = []
     for d, s in zip(dst, src, strict=True):
-        grouped = add and op is None and s.dim() == d.dim() + 1
-        meta += row_meta(d, s.select(-2, 0), s.shape[-2], s.stride(-2)) if grouped else row_meta(d, s)
-    meta_t = torch.tensor(meta, dtype=torch.int64)
+        g = grouped and s.dim() == d.dim() + 1
+        meta += row_meta(d, s.select(-2, 0), s.shape[-2], s.stride(-2)) if g else row_meta(d, s)
     ptrs = (ctypes.c_void_p * (2 * len(dst)))(
         *[p for d, s in zip(dst, src, strict=True) for p in (d.data_ptr(), s.data_ptr())]
     )
-    return so.da_emu_rows(int(add) if op is None else op, len(dst), meta_t.data_ptr(), ptrs)
+    return torch.tensor(meta, dtype=torch.int64), ptrs
+
+
+def move(so, dst: list[torch.Tensor], src: list[torch.Tensor], add: bool, op: int | None = None) -> int:
+    """Runs the kernel on (dst, src) pairs: op 0 copy, 1 add (``add`` picks one of the two), 2 check."""
+    meta, ptrs = job(dst, src, add and op is None)
+    return so.da_emu_rows(int(add) if op is None else op, len(dst), meta.data_ptr(), ptrs)
 
 
 def call_view(x: torch.Tensor, r: int, phase: int, heads: slice) -> torch.Tensor:
@@ -205,10 +211,7 @@ def test_nonfinite_check_of_q_k_v_in_one_launch(emu, dtype, bad, where):
 def shape_of(so, dst: list[torch.Tensor], src: list[torch.Tensor], op: int) -> tuple[list[int], list[int]]:
     """The elements a lane moves at once and the row dims left after merging, per pair, of the job
     the kernel would run."""
-    meta = torch.tensor([x for d, s in zip(dst, src, strict=True) for x in row_meta(d, s)], dtype=torch.int64)
-    ptrs = (ctypes.c_void_p * (2 * len(dst)))(
-        *[p for d, s in zip(dst, src, strict=True) for p in (d.data_ptr(), s.data_ptr())]
-    )
+    meta, ptrs = job(dst, src, op == 1)
     vec, dims = (ctypes.c_int * len(dst))(), (ctypes.c_int * len(dst))()
     assert so.da_emu_rows_shape(op, len(dst), meta.data_ptr(), ptrs, vec, dims) == 0
     return list(vec), list(dims)
@@ -217,9 +220,6 @@ def shape_of(so, dst: list[torch.Tensor], src: list[torch.Tensor], op: int) -> t
 def test_gpt_rows_move_sixteen_bytes_a_lane(emu):
     """At the example GPT's shape (head dim 64, bfloat16, 16-byte aligned) a lane moves 16 bytes at
     once: the gather of a run's phases (five dims whose segments and rows merge into one), the add of its float32 gradients from bfloat16 (4 elements) and the non-finite check."""
-    emu.da_emu_rows_shape.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [
-        ctypes.c_void_p
-    ] * 2
     N, H, D, w, r = 64, 12, 64, 32, 4
     x = torch.randn(1, N, H, D).to(torch.bfloat16)
     sN, sH = x.stride(1), x.stride(2)
