@@ -1,5 +1,5 @@
-// The fused log-sum-exp merge of one kernel call's result into the driver's accumulators (SPEC
-// section 3), one pass per call, no buffer per branch:
+// The fused log-sum-exp merge of kernel calls' results into the driver's accumulators (SPEC
+// section 3), one pass over a call's rows, no buffer per branch:
 //
 //     lse = logaddexp(lse_acc, lse_c),    out = exp(lse_acc - lse) out_acc + exp(lse_c - lse) out_c
 //
@@ -7,6 +7,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <vector>
 
 #include "views/merge_rule.h"
 
@@ -45,19 +47,32 @@ NonFiniteRows<scalar_t> nonfinite_rows(const CallNonFinite* fix) {
   return r;
 }
 
-// Merges a call's out_c (C, Bb, n, m, D), any strides, and lse_c (C, Bb, n, m) into strided views
-// of the accumulators out_acc (C, Bb, m, n, D) and lse_acc (C, Bb, m, n), in place (two batch
-// dims: a run's calls and their batch entries and segments, views.cpp Run); both accumulators in
-// float32 or float64 (lse_c is converted to their dtype). first: the accumulators hold nothing
-// yet at these rows, so the call's values are copied. fix: the call's non-finite corrections,
-// applied to its rows first (null: none). Runs on the device of the tensors.
+// One kernel call's merge: its out_c (C, Bb, n, m, D), any strides, and lse_c (C, Bb, n, m) merged
+// into strided views of the accumulators out_acc (C, Bb, m, n, D) and lse_acc (C, Bb, m, n), in
+// place (two batch dims: a run's calls and their batch entries and segments, views.cpp Run); both
+// accumulators in float32 or float64 (lse_c is converted to their dtype), out_c float16, bfloat16,
+// float32 or float64. fix: the call's non-finite corrections, applied to its rows first (null:
+// none; it must outlive the merge).
+struct MergeCall {
+  at::Tensor out_acc, lse_acc, out_c, lse_c;
+  const CallNonFinite* fix = nullptr;
+};
+
+// Merges every call of calls, on the device of their tensors (all on one device). first: the
+// accumulators hold nothing yet at the calls' rows, so the calls' values are copied. The caller
+// promises that no two calls share a row of the accumulators (the runs of one branch, views.cpp):
+// on CUDA up to kMergeCalls (merge_kernel.cuh) calls are merged by one launch, in no order among
+// them. Each call is checked as merge_call_ checks it; an error names the call.
+void merge_calls_(const std::vector<MergeCall>& calls, bool first);
+
+// merge_calls_ of one call.
 void merge_call_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
                  const at::Tensor& lse_c, bool first, const CallNonFinite* fix);
 
 #ifdef DILATED_ATTENTION_WITH_CUDA
-// merge_call_ on CUDA tensors (merge_cuda.cu).
-void merge_call_cuda_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
-                      const at::Tensor& lse_c, bool first, const CallNonFinite* fix);
+// merge_calls_ on CUDA tensors (merge_cuda.cu), for calls checked and with lse_c in the
+// accumulators' dtype.
+void merge_calls_cuda_(const std::vector<MergeCall>& calls, bool first);
 #endif
 
 }  // namespace views

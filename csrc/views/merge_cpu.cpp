@@ -1,5 +1,5 @@
-// The fused merge of merge.h on the CPU (a loop over rows, at::parallel_for), and the device
-// dispatch of merge_call_.
+// The fused merge of merge.h on the CPU (a loop over each call's rows, at::parallel_for), the checks
+// of merge_calls_ and its device dispatch.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -10,7 +10,7 @@ namespace views {
 
 namespace {
 
-// merge_call_ on CPU tensors: one row (bb, j, t) of D values per step, bb over both batch dims.
+// One call of merge_calls_ on CPU tensors: one row (bb, j, t) of D values per step, bb over both batch dims.
 template <typename scalar_t, typename acc_t>
 void merge_cpu(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
                const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
@@ -45,36 +45,85 @@ void merge_cpu(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::T
                    });
 }
 
-}  // namespace
-
-void merge_call_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
-                 const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
+// Checks call i of count for merge_calls_ (on device, as call 0), naming it in the error.
+void check_call(const MergeCall& c, size_t i, size_t count, const at::Device& device) {
+  const at::Tensor &out_acc = c.out_acc, &lse_acc = c.lse_acc, &out_c = c.out_c, &lse_c = c.lse_c;
+  TORCH_CHECK(out_acc.defined() && lse_acc.defined() && out_c.defined() && lse_c.defined(),
+              "dilated_attention views merge: call ", i, " of ", count, " lacks a tensor");
   TORCH_CHECK(out_acc.scalar_type() == lse_acc.scalar_type() &&
                   (out_acc.scalar_type() == at::kFloat || out_acc.scalar_type() == at::kDouble),
-              "dilated_attention views merge: the accumulators must be float32 or float64, got ",
-              out_acc.scalar_type(), " and ", lse_acc.scalar_type());
+              "dilated_attention views merge: call ", i, " of ", count,
+              ": the accumulators must be float32 or float64, got ", out_acc.scalar_type(), " and ",
+              lse_acc.scalar_type());
+  const at::ScalarType oc = out_c.scalar_type();
+  TORCH_CHECK((oc == at::kHalf || oc == at::kBFloat16 || oc == at::kFloat || oc == at::kDouble) &&
+                  at::isFloatingType(lse_c.scalar_type()),
+              "dilated_attention views merge: call ", i, " of ", count,
+              ": its out must be float16, bfloat16, float32 or float64 and its lse floating, got ", oc,
+              " and ", lse_c.scalar_type());
   TORCH_CHECK(out_acc.dim() == 5 && lse_acc.dim() == 4 && out_c.dim() == 5 && lse_c.dim() == 4 &&
                   out_c.sizes() == out_acc.transpose(2, 3).sizes() &&
                   lse_c.sizes() == lse_acc.transpose(2, 3).sizes() &&
                   lse_acc.sizes() == out_acc.sizes().slice(0, 4),
-              "dilated_attention views merge: a call's out (C, Bb, n, m, D) ", out_c.sizes(), " and lse ",
-              lse_c.sizes(), " do not match the accumulators (C, Bb, m, n, D) ", out_acc.sizes(), " and ",
-              lse_acc.sizes());
-  const at::Tensor lc =
-      lse_c.scalar_type() == out_acc.scalar_type() ? lse_c : lse_c.to(out_acc.scalar_type());
+              "dilated_attention views merge: call ", i, " of ", count, ": its out (C, Bb, n, m, D) ",
+              out_c.sizes(), " and lse ", lse_c.sizes(), " do not match the accumulators (C, Bb, m, n, D) ",
+              out_acc.sizes(), " and ", lse_acc.sizes());
+  TORCH_CHECK(out_acc.device() == device && lse_acc.device() == device && out_c.device() == device &&
+                  lse_c.device() == device,
+              "dilated_attention views merge: call ", i, " of ", count, " has tensors on ", out_acc.device(),
+              ", ", lse_acc.device(), ", ", out_c.device(), " and ", lse_c.device(), ", not all on ", device);
+  if (c.fix == nullptr) return;
+  const CallNonFinite& f = *c.fix;
+  const bool causal = f.vbad.defined();
+  TORCH_CHECK(f.any.defined() && f.qbad.defined() && f.kbad.defined() && (!causal || f.v.defined()),
+              "dilated_attention views merge: call ", i, " of ", count,
+              " lacks a flag of its non-finite corrections");
+  TORCH_CHECK(f.any.scalar_type() == at::kInt && f.qbad.scalar_type() == at::kInt &&
+                  f.kbad.scalar_type() == at::kInt && f.qbad.sizes() == lse_acc.sizes() &&
+                  f.kbad.dim() == 4 && f.kbad.size(0) == lse_acc.size(0) &&
+                  f.kbad.size(1) == lse_acc.size(1) && f.g > 0 && f.kbad.size(3) * f.g == lse_acc.size(3) &&
+                  f.any.device() == device && f.qbad.device() == device && f.kbad.device() == device &&
+                  (!causal ||
+                   (f.vbad.scalar_type() == at::kInt && f.vbad.sizes() == f.kbad.sizes() &&
+                    f.v.scalar_type() == oc && f.v.dim() == 5 && f.v.sizes().slice(0, 4) == f.kbad.sizes() &&
+                    f.v.size(4) == out_acc.size(4) && f.vbad.device() == device && f.v.device() == device)),
+              "dilated_attention views merge: call ", i, " of ", count,
+              ": its non-finite corrections do not match it (int32 flags qbad ", f.qbad.sizes(), ", kbad ",
+              f.kbad.sizes(), ", key/value heads a group ", f.g, "; values of its out's dtype ", oc, ")");
+}
+
+}  // namespace
+
+void merge_calls_(const std::vector<MergeCall>& calls, bool first) {
+  if (calls.empty()) return;
+  const at::Device device = calls[0].out_acc.defined() ? calls[0].out_acc.device() : at::Device(at::kCPU);
+  std::vector<MergeCall> cs;
+  cs.reserve(calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    check_call(calls[i], i, calls.size(), device);
+    MergeCall c = calls[i];
+    if (c.lse_c.scalar_type() != c.out_acc.scalar_type()) c.lse_c = c.lse_c.to(c.out_acc.scalar_type());
+    cs.push_back(std::move(c));
+  }
 #ifdef DILATED_ATTENTION_WITH_CUDA
-  if (out_acc.is_cuda()) {
-    merge_call_cuda_(out_acc, lse_acc, out_c, lc, first, fix);
+  if (device.is_cuda()) {
+    merge_calls_cuda_(cs, first);
     return;
   }
 #endif
-  TORCH_CHECK(out_acc.is_cpu(), "dilated_attention views merge: unsupported device ", out_acc.device());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_c.scalar_type(), "views_merge", [&] {
-    if (out_acc.scalar_type() == at::kDouble)
-      merge_cpu<scalar_t, double>(out_acc, lse_acc, out_c, lc, first, fix);
-    else
-      merge_cpu<scalar_t, float>(out_acc, lse_acc, out_c, lc, first, fix);
-  });
+  TORCH_CHECK(device.is_cpu(), "dilated_attention views merge: unsupported device ", device);
+  for (const MergeCall& c : cs)
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, c.out_c.scalar_type(), "views_merge", [&] {
+      if (c.out_acc.scalar_type() == at::kDouble)
+        merge_cpu<scalar_t, double>(c.out_acc, c.lse_acc, c.out_c, c.lse_c, first, c.fix);
+      else
+        merge_cpu<scalar_t, float>(c.out_acc, c.lse_acc, c.out_c, c.lse_c, first, c.fix);
+    });
+}
+
+void merge_call_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
+                 const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
+  merge_calls_({MergeCall{out_acc, lse_acc, out_c, lse_c, fix}}, first);
 }
 
 }  // namespace views

@@ -1,5 +1,5 @@
-// The fused merge of merge.h on CUDA (one warp per row (bb, j, t), its lanes over the head dim),
-// and the choice of the attention operator the views driver runs on CUDA.
+// The launches of the fused merge of merge.h on CUDA (merge_kernel.cuh: up to kMergeCalls calls a
+// launch), and the choice of the attention operator the views driver runs on CUDA.
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAException.h>
@@ -7,41 +7,30 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "views/merge.h"
+#include "views/merge_kernel.cuh"
 
 namespace dilated_attention {
 namespace views {
 
 namespace {
 
-// Sizes and strides of the merge's four tensors (elements); two batch dims (C, Bb).
-struct MergeShape {
-  int64_t C, Bb, m, n, D;
-  int64_t so[5], sl[4], sc[5], slc[4];
-};
-
-// merge_call_'s rows: warp w of the grid merges row w; lane 0 stores the merged lse after every
-// lane has read the old one.
+// Call c of merge_calls_ as merge_kernel takes it (lse_c in acc_t).
 template <typename scalar_t, typename acc_t>
-__global__ void merge_kernel(acc_t* __restrict__ oa, acc_t* __restrict__ la, const scalar_t* __restrict__ oc,
-                             const acc_t* __restrict__ lc, MergeShape s, bool first,
-                             NonFiniteRows<scalar_t> nf) {
-  const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= s.C * s.Bb * s.m * s.n) return;
-  const int64_t bb = row / (s.m * s.n), j = (row / s.n) % s.m, t = row % s.n;
-  acc_t* o = oa + batch_offset(bb, s.Bb, s.so) + j * s.so[2] + t * s.so[3];
-  acc_t* l = la + batch_offset(bb, s.Bb, s.sl) + j * s.sl[2] + t * s.sl[3];
-  const scalar_t* c = oc + batch_offset(bb, s.Bb, s.sc) + t * s.sc[2] + j * s.sc[3];
-  const CorrectedRow<scalar_t, acc_t> corrected(nf, bb, j, t);
-  const acc_t b = corrected.lse(lc[batch_offset(bb, s.Bb, s.slc) + t * s.slc[2] + j * s.slc[3]]);
-  acc_t lse = b, wa = 0, wb = 1;
-  if (!first) merge_weights<acc_t>(*l, b, &lse, &wa, &wb);
-  for (int64_t d = lane; d < s.D; d += 32) {
-    const acc_t v = corrected.out((acc_t)c[d * s.sc[4]], d) * wb;
-    o[d * s.so[4]] = first ? v : o[d * s.so[4]] * wa + v;
-  }
-  __syncwarp();
-  if (lane == 0) *l = lse;
+MergeTensors<scalar_t, acc_t> merge_tensors(const MergeCall& c) {
+  MergeTensors<scalar_t, acc_t> t;
+  t.oa = c.out_acc.data_ptr<acc_t>();
+  t.la = c.lse_acc.data_ptr<acc_t>();
+  t.oc = c.out_c.const_data_ptr<scalar_t>();
+  t.lc = c.lse_c.const_data_ptr<acc_t>();
+  t.Bb = c.out_acc.size(1);
+  t.m = c.out_acc.size(2);
+  t.n = c.out_acc.size(3);
+  t.D = c.out_acc.size(4);
+  t.rows = c.out_acc.size(0) * t.Bb * t.m * t.n;
+  for (int i = 0; i < 5; ++i) t.so[i] = c.out_acc.stride(i), t.sc[i] = c.out_c.stride(i);
+  for (int i = 0; i < 4; ++i) t.sl[i] = c.lse_acc.stride(i), t.slc[i] = c.lse_c.stride(i);
+  t.nf = nonfinite_rows<scalar_t>(c.fix);
+  return t;
 }
 
 }  // namespace
@@ -68,33 +57,38 @@ bool cuda_capturing() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
-void merge_call_cuda_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
-                      const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
-  const c10::cuda::CUDAGuard guard(out_acc.device());
-  MergeShape s;
-  s.C = out_acc.size(0);
-  s.Bb = out_acc.size(1);
-  s.m = out_acc.size(2);
-  s.n = out_acc.size(3);
-  s.D = out_acc.size(4);
-  for (int i = 0; i < 5; ++i) s.so[i] = out_acc.stride(i), s.sc[i] = out_c.stride(i);
-  for (int i = 0; i < 4; ++i) s.sl[i] = lse_acc.stride(i), s.slc[i] = lse_c.stride(i);
-  const int64_t rows = s.C * s.Bb * s.m * s.n;
-  if (rows == 0) return;
-  const int threads = 256;
-  const int64_t blocks = (rows * 32 + threads - 1) / threads;
+void merge_calls_cuda_(const std::vector<MergeCall>& calls, bool first) {
+  if (calls.empty()) return;
+  const c10::cuda::CUDAGuard guard(calls[0].out_acc.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_c.scalar_type(), "views_merge_cuda", [&] {
-    if (out_acc.scalar_type() == at::kDouble)
-      merge_kernel<scalar_t, double><<<blocks, threads, 0, stream>>>(
-          out_acc.data_ptr<double>(), lse_acc.data_ptr<double>(), out_c.const_data_ptr<scalar_t>(),
-          lse_c.const_data_ptr<double>(), s, first, nonfinite_rows<scalar_t>(fix));
-    else
-      merge_kernel<scalar_t, float><<<blocks, threads, 0, stream>>>(
-          out_acc.data_ptr<float>(), lse_acc.data_ptr<float>(), out_c.const_data_ptr<scalar_t>(),
-          lse_c.const_data_ptr<float>(), s, first, nonfinite_rows<scalar_t>(fix));
-  });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // the calls of each pair of dtypes (the views driver's: one), in launches of kMergeCalls
+  std::vector<bool> done(calls.size(), false);
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (done[i]) continue;
+    const at::ScalarType acc = calls[i].out_acc.scalar_type(), src = calls[i].out_c.scalar_type();
+    std::vector<size_t> group;
+    for (size_t k = i; k < calls.size(); ++k)
+      if (!done[k] && calls[k].out_acc.scalar_type() == acc && calls[k].out_c.scalar_type() == src) {
+        group.push_back(k);
+        done[k] = true;
+      }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src, "views_merge_cuda", [&] {
+      auto run = [&](auto zero) {
+        using acc_t = decltype(zero);
+        merge_in_jobs<scalar_t, acc_t>(
+            static_cast<int64_t>(group.size()), first,
+            [&](int64_t g) { return merge_tensors<scalar_t, acc_t>(calls[group[g]]); },
+            [&](const MergeJob<scalar_t, acc_t>& job) {
+              merge_kernel<scalar_t, acc_t><<<merge_grid(job), kMergeThreads, 0, stream>>>(job);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+            });
+      };
+      if (acc == at::kDouble)
+        run(double(0));
+      else
+        run(float(0));
+    });
+  }
 }
 
 }  // namespace views
