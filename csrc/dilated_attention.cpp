@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "views/plan.h"
+#include "views/rows.h"
 
 namespace dilated_attention {
 const char* cpu_kernel_isa();  // cpu/isa.cpp
@@ -109,17 +110,16 @@ static PyObject* int_tuple(const int64_t* vals, Py_ssize_t n) {
 }
 
 // The plan of the arguments (lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa) at the
-// start of args, or NULL with a Python error; *rest receives args' items after them. repeat_kv: as
-// the views driver plans (views/plan.h).
+// start of args, or NULL with a Python error; *rest receives the int after them. With rest, an
+// optional last argument repeat_kv (default 1: as the views driver plans, views/plan.h).
 static std::shared_ptr<const dilated_attention::views::Plan> parse_plan(PyObject* args, const char* name,
-                                                                        long long* rest,
-                                                                        bool repeat_kv = false) {
+                                                                        long long* rest) {
   PyObject *lengths_obj, *segs_obj, *rates_obj;
   long long Hq, Hkv;
-  int native_gqa;
-  const std::string format = std::string(rest ? "OLLOOpL:" : "OLLOOp:") + name;
+  int native_gqa, repeat_kv = rest != nullptr;
+  const std::string format = std::string(rest ? "OLLOOpL|p:" : "OLLOOp:") + name;
   if (rest ? !PyArg_ParseTuple(args, format.c_str(), &lengths_obj, &Hq, &Hkv, &segs_obj, &rates_obj,
-                               &native_gqa, rest)
+                               &native_gqa, rest, &repeat_kv)
            : !PyArg_ParseTuple(args, format.c_str(), &lengths_obj, &Hq, &Hkv, &segs_obj, &rates_obj,
                                &native_gqa))
     return nullptr;
@@ -128,7 +128,8 @@ static std::shared_ptr<const dilated_attention::views::Plan> parse_plan(PyObject
       !int_list(rates_obj, "dilation_rates", &rates))
     return nullptr;
   try {
-    return dilated_attention::views::plan_branches(lengths, Hq, Hkv, segs, rates, native_gqa != 0, repeat_kv);
+    return dilated_attention::views::plan_branches(lengths, Hq, Hkv, segs, rates, native_gqa != 0,
+                                                   repeat_kv != 0);
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
   } catch (const std::exception& e) {
@@ -171,14 +172,16 @@ static PyObject* plan(PyObject*, PyObject* args) {
   });
 }
 
-// _C.driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the kernel
-// calls the C++ driver makes for a batch of B sequences of the plan (views/plan.h driver_calls): a
+// _C.driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B, repeat_kv=True):
+// the kernel calls the C++ driver makes for a batch of B sequences of the plan (views/plan.h
+// driver_calls; repeat_kv False: of the plan that never repeats k and v, which the driver does not run): a
 // tuple per branch of (index of the first plan call, batch entry or -1 for all, count of plan calls,
 // 1 where the driver gathers the run's rows into one batch, else 0, 1 where the branch reads k and v
-// repeated to Hq heads, its calls those of the plan of Hkv = Hq, else 0).
+// repeated to Hq heads, its calls those of the plan of Hkv = Hq, else 0, 1 where the gradient adds
+// of earlier calls go before its own (plan.h DriverCall::adds_first), else 0).
 static PyObject* driver_calls(PyObject*, PyObject* args) {
   long long B = 0;
-  const auto p = parse_plan(args, "driver_calls", &B, true);
+  const auto p = parse_plan(args, "driver_calls", &B);
   if (!p) return NULL;
   if (B < 1) {
     PyErr_Format(PyExc_ValueError, "dilated_attention driver_calls: B must be >= 1, got %lld", B);
@@ -190,8 +193,9 @@ static PyObject* driver_calls(PyObject*, PyObject* args) {
   return tuple_of(p->branches.size(), [&](size_t br) {
     const auto made = dilated_attention::views::driver_calls(p->branches[br], B, N);
     return tuple_of(made.size(), [&](size_t i) {
-      const int64_t vals[5] = {made[i].index, made[i].b, made[i].count, made[i].gathers(B), p->repeated[br]};
-      return int_tuple(vals, 5);
+      const int64_t vals[6] = {made[i].index,      made[i].b,       made[i].count,
+                               made[i].gathers(B), p->repeated[br], made[i].adds_first};
+      return int_tuple(vals, 6);
     });
   });
 }
@@ -220,9 +224,10 @@ PyObject* PyInit__C(void) {
        "plan(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa): the kernel calls of every "
        "branch, a tuple of 16 ints per call."},
       {"driver_calls", driver_calls, METH_VARARGS,
-       "driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B): the C++ driver's "
+       "driver_calls(lengths, Hq, Hkv, segment_lengths, dilation_rates, native_gqa, B, repeat_kv=True): the "
+       "C++ driver's "
        "kernel calls per branch, (first plan call, batch entry or -1, count of plan calls, gathered, "
-       "k and v repeated) each."},
+       "k and v repeated, gradient adds before its own) each."},
       {"plan_cache_info", plan_cache_info, METH_NOARGS,
        "The plan cache's (hits, misses, entries, max_entries)."},
       {"plan_cache_clear", plan_cache_clear, METH_NOARGS, "Empties the plan cache and zeroes its counts."},
@@ -235,7 +240,14 @@ PyObject* PyInit__C(void) {
       -1,  // size of per-interpreter state
       methods,
   };
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  // tensors one launch of the CUDA driver's row moves takes (views/rows.h)
+  if (module != NULL &&
+      PyModule_AddIntConstant(module, "row_pairs", dilated_attention::views::kRowPairs) < 0) {
+    Py_DECREF(module);
+    return NULL;
+  }
+  return module;
 }
 }
 

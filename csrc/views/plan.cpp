@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 
 namespace dilated_attention {
@@ -261,6 +262,39 @@ bool extends(const DriverCall& r, const Call& d) {
   return dp == r.count * r.step_p && dq == r.count * r.step_q && dkv == r.count * r.step_kv;
 }
 
+// The key/value rows of a driver call of a branch: per plan call it runs, (part start, phase, head)
+// of each of its heads (a part's segments and a phase's rows follow from those, the branch's r
+// being one), with its batch entry (b < 0: every one).
+struct KvRows {
+  int64_t b;
+  std::set<std::tuple<int64_t, int64_t, int64_t>> rows;
+
+  explicit KvRows(const DriverCall& d) : b(d.b) {
+    const Strided& kv = d.c.kv;
+    for (int64_t i = 0; i < d.count; ++i)
+      for (int64_t t = 0; t < kv.n; ++t)
+        rows.emplace(d.c.part.start, kv.p0 + i * d.step_p + t * kv.dp, kv.c0 + i * d.step_kv + t * kv.dc);
+  }
+
+  bool meets(const KvRows& o) const {
+    if (b >= 0 && o.b >= 0 && b != o.b) return false;
+    for (const auto& x : rows)
+      if (o.rows.count(x)) return true;
+    return false;
+  }
+};
+
+// Sets adds_first on the calls whose key/value rows meet those of a call since the last one set.
+void mark_shared_kv_rows(std::vector<DriverCall>* made) {
+  std::vector<KvRows> pending;
+  for (DriverCall& d : *made) {
+    KvRows mine(d);
+    for (const KvRows& p : pending) d.adds_first = d.adds_first || mine.meets(p);
+    if (d.adds_first) pending.clear();
+    pending.push_back(std::move(mine));
+  }
+}
+
 }  // namespace
 
 std::vector<DriverCall> driver_calls(const std::vector<Call>& calls, int64_t B, int64_t N) {
@@ -281,6 +315,7 @@ std::vector<DriverCall> driver_calls(const std::vector<Call>& calls, int64_t B, 
       out.push_back({c, (int64_t)i, -1});
     }
   }
+  mark_shared_kv_rows(&out);
   return out;
 }
 

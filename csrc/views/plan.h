@@ -124,6 +124,12 @@ struct DriverCall {
   int64_t b;
   int64_t count = 1;
   int64_t step_p = 0, step_q = 0, step_kv = 0;  // per index: the phase, the q and k/v heads
+  // Whether some key/value row this call reads (in its batch entries) is read by an earlier call of
+  // the branch after the last call that has adds_first (grouped-query heads: key/value heads shared
+  // across calls): a driver that adds the calls' gradients into dk and dv in one batch of moves runs
+  // the adds pending before this call's first. Without it, the gradient rows of those calls are
+  // disjoint.
+  bool adds_first = false;
 
   // The entries of the batch dim each of the count calls runs over, for B sequences: batch entry
   // b's segments, or every batch entry folded with the segments (b < 0).
@@ -134,7 +140,8 @@ struct DriverCall {
 };
 
 // The kernel calls of a branch's plan calls for a batch of B sequences of N positions: one per
-// call and batch entry where the call does not fold, the calls that extend one another in one.
+// call and batch entry where the call does not fold, the calls that extend one another in one;
+// adds_first set where a call's key/value rows meet those of the calls since the last it is set on.
 std::vector<DriverCall> driver_calls(const std::vector<Call>& calls, int64_t B, int64_t N);
 
 }  // namespace views

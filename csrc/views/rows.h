@@ -2,6 +2,17 @@
 // (rows_kernel.cuh): up to kRowPairs tensors in one launch.
 #pragma once
 
+namespace dilated_attention {
+namespace views {
+
+// Tensors one launch moves at the most (rows_kernel.cuh RowJob: 8 pairs of 208 bytes each, in
+// the kernel's 4 KiB of arguments); the driver's launch count reads it too (_C.row_pairs).
+constexpr int kRowPairs = 8;
+
+}  // namespace views
+}  // namespace dilated_attention
+
+#ifdef DILATED_ATTENTION_WITH_CUDA
 #include <ATen/ATen.h>
 
 #include <vector>
@@ -9,7 +20,6 @@
 namespace dilated_attention {
 namespace views {
 
-#ifdef DILATED_ATTENTION_WITH_CUDA
 // dst[i] = src[i] (add: dst[i] += src[i]) for every pair, on CUDA tensors of at most kRowDims (six) dims
 // whose last dim is the row and whose sizes agree pair by pair, dsts not overlapping. One launch
 // for up to kRowPairs pairs that fit the kernel (a copy of dtypes of 2, 4 or 8 bytes with
@@ -25,7 +35,6 @@ void move_rows_cuda_(const std::vector<at::Tensor>& dst, const std::vector<at::T
 // the kernel (nothing launched).
 bool mark_nonfinite_rows_cuda_(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& flags,
                                const at::Tensor& any);
-#endif
-
 }  // namespace views
 }  // namespace dilated_attention
+#endif

@@ -26,6 +26,8 @@
 
 #include <type_traits>
 
+#include "views/rows.h"  // kRowPairs
+
 #if defined(DA_CUDA_EMULATION)
 #include "cuda_emulation.h"  // tests/cuda_emulation, on the tests' include path
 #else
@@ -35,7 +37,6 @@
 namespace dilated_attention {
 namespace views {
 
-constexpr int kRowPairs = 6;      // tensors moved by one launch at the most
 constexpr int kRowDims = 6;       // dims of a tensor at the most, the row included
 constexpr int kRowThreads = 128;  // threads a block: four rows
 
@@ -81,6 +82,7 @@ struct RowJob {
   int64_t max_warps = 0;  // the most warps a pair needs: the grid's x covers them
   int* any = nullptr;     // a check's flag set by every non-finite entry of every pair (or none)
 };
+static_assert(sizeof(RowJob) <= 4096, "rows_kernel's argument must fit the 4 KiB of a kernel's parameters");
 
 // The elements a lane moves at once in a row of len elements, strides[0 .. n) apart (the row dims'
 // and an add's group stride), from and to addresses a and b, bytes of at most `most` elements

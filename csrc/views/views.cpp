@@ -729,8 +729,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
       // (gathers, and cuDNN's contiguous dout, out and statistics), then its gradients' adds.
       const std::vector<Run> rs = runs(plan->branches[br], P.B, P.N);
       const auto [kb, vb, dkb, dvb] = kv_of(br);
-      // grouped-query runs may share key/value rows: their adds a launch each
-      const bool grouped = P.Hq != P.Hkv && !plan->repeated[br];
       Moves in, adds;
       std::vector<std::array<at::Tensor, 7>> x;  // q, k, v, d_o, o, lt, dl as the kernel reads them
       for (const Run& r : rs) {
@@ -762,12 +760,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
           gk = gk.unflatten(3, {hk, n / hk});
           gv = gv.unflatten(3, {hk, n / hk});
         }
+        // the runs of a branch add into disjoint rows of dq, and of dk and dv but where grouped-query
+        // runs share key/value rows: the adds before such a run go first (plan.h adds_first)
+        if (r.adds_first) adds.run(true);
         adds.push(r.q(dq), gq);
         adds.push(r.kv(dkb), gk);
         adds.push(r.kv(dvb), gv);
-        // the runs of a branch add into disjoint rows of dq, and of dk and dv where every key/value
-        // head has one query head (k and v repeated included)
-        if (grouped) adds.run(true);
       }
       adds.run(true);
     }

@@ -12,8 +12,8 @@ take fewer calls with every query head its own key/value head runs on k and v re
 summed per key/value head once (``views/plan.h`` ``Plan::repeated``). What it launches per kernel call
 and once per direction is what the functions below add up, branch by branch, from the same
 conditions as the driver's code (a call of one row and one key runs in closed form; a stride-0
-key/value head is copied to every head; the three gradient adds share one launch where the heads
-match). An attention operator call (cuDNN or flash attention, forward or backward) counts as one
+key/value head is copied to every head; the gradient adds of a branch's runs share launches, those
+before a run whose key/value rows an earlier run's adds also reach going first). An attention operator call (cuDNN or flash attention, forward or backward) counts as one
 launch: the kernels inside it (cuDNN's backward runs several) are the operator's.
 
 :func:`views_launches` says how far a geometry is from a launch count that does not grow with the
@@ -37,7 +37,6 @@ _CLOSED_BACKWARD = 21  # q, k, v, dout, out to float32 and the 16 products, sums
 # The dlse term of a backward call: a second operator call on a unit out and -dlse dout (zeros,
 # fills, a negation and copy, the float32 sums of dq and dk); cuDNN takes dout and out contiguous.
 _DLSE = {"cudnn": 13, "flash": 11}
-_ROW_PAIRS = 6  # tensors one launch of the row moves takes (csrc/views/rows_kernel.cuh kRowPairs)
 
 
 @dataclass(frozen=True)
@@ -79,27 +78,33 @@ class Launches:
 
 def driver_calls(
     B: int, N: int, Hq: int, Hkv: int, segment_lengths: list[int], dilation_rates: list[int]
-) -> list[list[tuple[Call, int, bool, bool]]]:
+) -> list[list[tuple[Call, int, bool, bool, bool]]]:
     """Per branch, the kernel calls the C++ driver makes on CUDA for q (B, N, Hq, D):
-    ``(first plan call, count of plan calls, gathered, repeated)``,
+    ``(first plan call, count of plan calls, gathered, repeated, adds first)``,
     one per call and batch entry where the call does not fold; gathered where the run's calls
     and its batch entries or segments are both several (views.cpp ``operands``); repeated where
-    the branch reads k and v repeated to Hq heads (its calls those of the plan of ``Hkv = Hq``).
-    The driver's own grouping (``views/plan.h`` ``driver_calls``, bound as ``_C.driver_calls``)."""
+    the branch reads k and v repeated to Hq heads (its calls those of the plan of ``Hkv = Hq``);
+    adds first where the gradient adds pending before the run go first, its key/value rows meeting
+    theirs (grouped-query heads). The driver's own grouping (``views/plan.h`` ``driver_calls``,
+    bound as ``_C.driver_calls``)."""
     args = ((N,), Hq, Hkv, tuple(segment_lengths), tuple(dilation_rates), True)
     made = library._require_extension().driver_calls(*args, B)
     plans = {False: plan_branches(*args)}
     if any(run[4] for runs in made for run in runs):
         plans[True] = plan_branches((N,), Hq, Hq, *args[3:])
     return [
-        [(plans[bool(rep)][br][i], count, bool(gathered), bool(rep)) for i, _, count, gathered, rep in runs]
+        [
+            (plans[bool(rep)][br][i], count, bool(gathered), bool(rep), bool(first))
+            for i, _, count, gathered, rep, first in runs
+        ]
         for br, runs in enumerate(made)
     ]
 
 
 def _moves(pairs: int) -> int:
-    """Launches of row moves of one kind (views.cpp Moves): the rows kernel takes six tensors."""
-    return -(-pairs // _ROW_PAIRS)
+    """Launches of row moves of one kind (views.cpp Moves): the rows kernel takes ``_C.row_pairs``
+    tensors a launch."""
+    return -(-pairs // library._require_extension().row_pairs)
 
 
 def _operands(c: Call, gathered: bool) -> int:
@@ -108,22 +113,20 @@ def _operands(c: Call, gathered: bool) -> int:
     return int(gathered) + 2 * int(gathered or c.kv.n != c.q.n)
 
 
-def _forward(runs: list[tuple[Call, int, bool, bool]]) -> int:
+def _forward(runs: list[tuple[Call, int, bool, bool, bool]]) -> int:
     """A branch's forward: its moves (gathers, repeated heads), then per run the operator call and
     the merge."""
-    moves = _moves(sum(_operands(c, gathered) for c, _, gathered, _ in runs))
-    return moves + sum((_CLOSED_FORWARD if c.m == 1 else 1) + 1 for c, _, _, _ in runs)
+    moves = _moves(sum(_operands(c, gathered) for c, _, gathered, *_ in runs))
+    return moves + sum((_CLOSED_FORWARD if c.m == 1 else 1) + 1 for c, *_ in runs)
 
 
-def _backward(
-    runs: list[tuple[Call, int, bool, bool]], grouped_query: bool, has_dlse: bool, kind: str
-) -> int:
+def _backward(runs: list[tuple[Call, int, bool, bool, bool]], has_dlse: bool, kind: str) -> int:
     """A branch's backward: the moves of every run's inputs (q, k, v as the forward moves them;
     cuDNN's contiguous dout and out; the statistics), then per run the operator call, and the adds
-    of the gradients (dk and dv of grouped-query heads summed by the add), those of every run
-    together where no two runs share key/value rows (no grouped-query heads)."""
+    of the gradients (dk and dv of grouped-query heads summed by the add), those of the runs
+    together, the pending ones first before a run whose key/value rows meet theirs."""
     inputs = launches = adds = 0
-    for c, _, gathered, _ in runs:
+    for c, _, gathered, _, adds_first in runs:
         inputs += (
             _operands(c, gathered) + 2 * int(kind == "cudnn" or gathered) + 1 + int(has_dlse and gathered)
         )
@@ -131,10 +134,10 @@ def _backward(
             launches += _CLOSED_BACKWARD + int(has_dlse)
         else:
             launches += 1 + (_DLSE[kind] if has_dlse else 0)
-        adds += 3
-        if grouped_query:
+        if adds_first:
             launches += _moves(adds)
             adds = 0
+        adds += 3
     return _moves(inputs) + launches + _moves(adds)
 
 
@@ -157,13 +160,13 @@ def views_launches(
         raise ValueError(f"kind must be 'cudnn' or 'flash', got {kind!r}")
     branches, repeated = [], False
     for made_calls in driver_calls(B, N, Hq, Hkv, segment_lengths, dilation_rates):
-        rep = any(r for _, _, _, r in made_calls)
+        rep = any(r for _, _, _, r, _ in made_calls)
         repeated = repeated or rep
         branches.append(
             BranchLaunches(
                 calls=len(made_calls),
                 forward=_forward(made_calls),
-                backward=_backward(made_calls, Hq != Hkv and not rep, has_dlse, kind),
+                backward=_backward(made_calls, has_dlse, kind),
             )
         )
     # forward: the accumulators (zeros, a fill), the flags (zeros, the check), v with its

@@ -97,7 +97,7 @@ def test_calls_cover_what_each_branch_covers_once_with_its_keys(seed):
 
 def _cost(runs):
     """A branch's driver calls for one batch entry and how many of them gather their rows."""
-    return (len(runs), sum(gathered for _, _, _, gathered, _ in runs))
+    return (len(runs), sum(gathered for _, _, _, gathered, *_ in runs))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -123,6 +123,36 @@ def test_a_branch_runs_on_repeated_kv_heads_where_that_takes_fewer_calls(seed):
         if any(g and g[0][4] for g in gqa):
             for g, m in zip(gqa, mha, strict=True):
                 assert not g or g[0][4] or _cost(g) < _cost(m), geometry
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gradient_adds_go_first_exactly_where_runs_share_key_value_rows(seed):
+    """The CUDA driver adds a branch's gradients into dk and dv in batches of row moves, one launch
+    adding a batch at once, so no two runs of a batch may reach the same key/value row; a run with
+    adds_first (views/plan.h DriverCall::adds_first) has the pending batch run before its own. Read
+    through strided.view (each key/value row named by its code, per batch entry), a run has it
+    exactly where its rows meet those of the runs since the last run that has it: in the driver's
+    plans, and in those without k and v repeated (native_gqa off too), where runs share them."""
+    rng = random.Random(seed)
+    flagged = 0
+    for _ in range(40):
+        lengths, Hq, Hkv, segs, rates, native_gqa = geometry = _random_geometry(rng)
+        N, B, repeat_kv = max(1, lengths[0]), rng.randint(1, 3), rng.random() < 0.5
+        made = _C.driver_calls((N,), Hq, Hkv, tuple(segs), tuple(rates), native_gqa, B, repeat_kv)
+        for br, runs in enumerate(made):
+            H = Hq if runs and runs[0][4] else Hkv  # the branch on k and v repeated to Hq heads
+            calls = strided.plan_branches(N, Hq, H, tuple(segs), tuple(rates), native_gqa)[br]
+            codes = _codes(N, H)
+            pending: set[tuple[int, int]] = set()
+            for i, b, count, _, _, first in runs:
+                rows = set()
+                for call in calls[i : i + count]:
+                    kv = strided.view(codes, call, call.kv)[..., 0].long().flatten().tolist()
+                    rows |= {(e, c) for c in kv for e in (range(B) if b < 0 else [b])}
+                assert bool(first) == bool(rows & pending), (geometry, B, br, i)
+                pending = rows if first else pending | rows
+                flagged += bool(first)
+    assert flagged > 0  # grouped-query heads that share key/value rows across runs occur
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,7 @@ def test_irregular_grouped_query_heads_launch_as_mha(N, Hq, Hkv, capsys):
     gqa = views_launches(1, N, Hq, Hkv, segs, rates, True)
     mha = views_launches(1, N, Hq, Hq, segs, rates, True)
     made = driver_calls(1, N, Hq, Hkv, segs, rates)
-    repeated = [any(rep for *_, rep in runs) for runs in made]
+    repeated = [any(rep for _, _, _, rep, _ in runs) for runs in made]
     with capsys.disabled():
         print(
             f"\nHq={Hq} Hkv={Hkv} N={N // 1024}K: calls {[b.calls for b in gqa.branches]} "
@@ -150,9 +150,9 @@ def test_phases_run_as_one_call_exactly(B, N, Hq, Hkv, segs, rates, is_causal):
             1 if B == 1 or c.part.rows == 1 or (c.part.start == 0 and c.part.rows * c.part.length == N) else B
         )
 
-    repeated = [any(rep for *_, rep in m) for m in made]
+    repeated = [any(rep for _, _, _, rep, _ in m) for m in made]
     runs = [sum(map(batch_runs, plans[rep][br])) for br, rep in enumerate(repeated)]
-    assert [sum(n for _, n, _, _ in m) for m in made] == runs  # every plan call once per batch run
+    assert [sum(n for _, n, *_ in m) for m in made] == runs  # every plan call once per batch run
     assert sum(map(len, made)) <= sum(runs)
     q, k, v = make_inputs(B, N, Hq, Hkv, 8, torch.float64)
     out, lse = torch.ops.dilated_attention.views_fwd(q, k, v, segs, rates, is_causal, 0.3)

@@ -14,6 +14,8 @@ import pytest
 import torch
 from common import build_emulation, row_meta
 
+from dilated_attention.op.library import _C
+
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
@@ -174,15 +176,18 @@ def test_grouped_query_gradients_summed_and_added_with_mixed_sources(emu):
 
 
 def test_pairs_of_different_row_counts_and_a_full_job(emu):
-    """Pairs of different shapes share a launch (the grid covers the longest); a seventh pair or
-    sizes that differ within a pair are refused (the caller moves those itself)."""
+    """Pairs of different shapes share a launch (the grid covers the longest); a pair past the
+    job's kRowPairs (the extension's row_pairs, which the launch count takes) or sizes that differ
+    within a pair are refused (the caller moves those itself)."""
     a, b = torch.randn(3, 5, 7), torch.randn(1, 2, 9)
     da, db = torch.zeros_like(a), torch.zeros_like(b)
     assert move(emu, [da, db], [a, b], False) == 0
     assert torch.equal(da, a) and torch.equal(db, b)
-    x = torch.randn(2, 3)
-    assert move(emu, [torch.zeros(2, 3) for _ in range(6)], [x] * 6, False) == 0
-    assert move(emu, [torch.zeros(2, 3) for _ in range(7)], [x] * 7, False) == 1
+    x, full = torch.randn(2, 3), _C.row_pairs
+    dsts = [torch.zeros(2, 3) for _ in range(full)]
+    assert move(emu, dsts, [x * i for i in range(full)], False) == 0
+    assert all(torch.equal(d, x * i) for i, d in enumerate(dsts))  # each pair its own source
+    assert move(emu, [torch.zeros(2, 3) for _ in range(full + 1)], [x] * (full + 1), False) == 1
     assert move(emu, [torch.zeros(2, 4)], [x], False) == 1
     # a copy as words needs rows contiguous in both tensors
     assert move(emu, [torch.zeros(3, 2).t()], [x], False) == 1
