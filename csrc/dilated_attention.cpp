@@ -52,6 +52,7 @@
 #include <string>
 #include <vector>
 
+#include "views/merge_rule.h"
 #include "views/plan.h"
 #include "views/rows.h"
 
@@ -241,9 +242,10 @@ PyObject* PyInit__C(void) {
       methods,
   };
   PyObject* module = PyModule_Create(&module_def);
-  // tensors one launch of the CUDA driver's row moves takes (views/rows.h)
+  // what one launch of the CUDA driver's row moves (views/rows.h) and merges (merge_rule.h) takes
   if (module != NULL &&
-      PyModule_AddIntConstant(module, "row_pairs", dilated_attention::views::kRowPairs) < 0) {
+      (PyModule_AddIntConstant(module, "row_pairs", dilated_attention::views::kRowPairs) < 0 ||
+       PyModule_AddIntConstant(module, "merge_calls", dilated_attention::views::kMergeCalls) < 0)) {
     Py_DECREF(module);
     return NULL;
   }

@@ -62,12 +62,8 @@ struct MergeCall {
 // accumulators hold nothing yet at the calls' rows, so the calls' values are copied. The caller
 // promises that no two calls share a row of the accumulators (the runs of one branch, views.cpp):
 // on CUDA up to kMergeCalls (merge_kernel.cuh) calls are merged by one launch, in no order among
-// them. Each call is checked as merge_call_ checks it; an error names the call.
+// them. Each call is checked (dtypes, shapes, devices, its corrections); an error names the call.
 void merge_calls_(const std::vector<MergeCall>& calls, bool first);
-
-// merge_calls_ of one call.
-void merge_call_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
-                 const at::Tensor& lse_c, bool first, const CallNonFinite* fix);
 
 #ifdef DILATED_ATTENTION_WITH_CUDA
 // merge_calls_ on CUDA tensors (merge_cuda.cu), for calls checked and with lse_c in the

@@ -121,10 +121,5 @@ void merge_calls_(const std::vector<MergeCall>& calls, bool first) {
     });
 }
 
-void merge_call_(const at::Tensor& out_acc, const at::Tensor& lse_acc, const at::Tensor& out_c,
-                 const at::Tensor& lse_c, bool first, const CallNonFinite* fix) {
-  merge_calls_({MergeCall{out_acc, lse_acc, out_c, lse_c, fix}}, first);
-}
-
 }  // namespace views
 }  // namespace dilated_attention

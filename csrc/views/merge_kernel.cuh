@@ -23,7 +23,6 @@
 namespace dilated_attention {
 namespace views {
 
-constexpr int kMergeCalls = 8;      // calls merged by one launch at the most
 constexpr int kMergeThreads = 256;  // threads a block: eight rows
 
 // One call of a launch: the accumulators out (C, Bb, m, n, D) and lse (C, Bb, m, n), the call's out

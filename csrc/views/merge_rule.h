@@ -13,6 +13,10 @@
 namespace dilated_attention {
 namespace views {
 
+// Calls one CUDA launch of the merge takes at the most (merge_kernel.cuh MergeJob, within the 4 KiB
+// of a kernel's arguments); the driver's launch count reads it too (_C.merge_calls).
+constexpr int kMergeCalls = 8;
+
 // The offset of entry i of a view's two batch dims (C, Bb), the first two of its strides s.
 DA_MERGE_HD int64_t batch_offset(int64_t i, int64_t Bb, const int64_t* s) {
   return (i / Bb) * s[0] + (i % Bb) * s[1];

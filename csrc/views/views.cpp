@@ -627,6 +627,11 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
           {gather.operand(run.q(q)), gather.operand(run.kv(kb), heads), gather.operand(run.kv(vb), heads)});
     }
     gather.run(false);
+    // the branch's runs merged at once (their rows are disjoint): on CUDA one launch for up to
+    // kMergeCalls runs
+    std::vector<CallNonFinite> fixes;
+    fixes.reserve(rs.size());  // (the merges point into it)
+    std::vector<MergeCall> merges;
     for (size_t i = 0; i < rs.size(); ++i) {
       const Run& run = rs[i];
       const at::Tensor &qv = x[i][0], &kv = x[i][1], &vv = x[i][2];
@@ -639,10 +644,11 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
         std::tie(og, lg) = cuda_forward(kind, qv, kv, vv, is_causal, scale);
 #endif
       }
-      const std::optional<CallNonFinite> fix = nfb ? std::make_optional(nfb->call(run)) : std::nullopt;
-      merge_call_(run.q(out_acc), run.q3(lse_acc), run.split(og), run.split(lg.narrow(2, 0, run.c.m)),
-                  br == 0, fix ? &*fix : nullptr);
+      if (nfb) fixes.push_back(nfb->call(run));
+      merges.push_back({run.q(out_acc), run.q3(lse_acc), run.split(og), run.split(lg.narrow(2, 0, run.c.m)),
+                        nfb ? &fixes.back() : nullptr});
     }
+    merge_calls_(merges, br == 0);
   }
   return {out_acc.to(q.scalar_type()), lse_acc.permute({0, 2, 1}).contiguous()};
 }

@@ -114,10 +114,11 @@ def _operands(c: Call, gathered: bool) -> int:
 
 
 def _forward(runs: list[tuple[Call, int, bool, bool, bool]]) -> int:
-    """A branch's forward: its moves (gathers, repeated heads), then per run the operator call and
-    the merge."""
+    """A branch's forward: its moves (gathers, repeated heads), per run the operator call, then the
+    merge of its runs (``_C.merge_calls`` a launch)."""
     moves = _moves(sum(_operands(c, gathered) for c, _, gathered, *_ in runs))
-    return moves + sum((_CLOSED_FORWARD if c.m == 1 else 1) + 1 for c, *_ in runs)
+    merges = -(-len(runs) // library._require_extension().merge_calls)
+    return moves + sum(_CLOSED_FORWARD if c.m == 1 else 1 for c, *_ in runs) + merges
 
 
 def _backward(runs: list[tuple[Call, int, bool, bool, bool]], has_dlse: bool, kind: str) -> int:
