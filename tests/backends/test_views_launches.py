@@ -1,7 +1,7 @@
 """The kernel launches of the sdpa backend's C++ driver on CUDA, counted from its plan
-(dilated_attention/backends/sdpa_launches.py), at the example GPT's geometry: B = 1, 12 heads,
-causal, LongNet branches w = 2048 * 2^i, r = 2^i up to the block length, for blocks of 16K, 64K and
-128K. The counts are printed against the target "at most 4 launches per branch and direction plus a
+(dilated_attention/backends/sdpa_launches.py), at the example GPT's geometry: B = 1, 12 query heads
+(12, 4, 3 or 1 key/value heads), causal, LongNet branches w = 2048 * 2^i, r = 2^i up to the block
+length, for blocks of 16K, 64K and 128K. The counts are printed against the target "at most 4 launches per branch and direction plus a
 constant", which every branch meets, and the number of kernel calls the count is built on is
 checked against the operator calls of the driver's own CPU run."""
 
@@ -31,11 +31,15 @@ def _gpt_branches(N: int, base: int = 2048) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize("N", [16 * 1024, 64 * 1024, 128 * 1024], ids=lambda n: f"{n // 1024}K")
-def test_gpt_geometry_launch_count(N, capsys):
+@pytest.mark.parametrize("Hkv", [12, 4, 3, 1], ids=lambda h: f"12-{h}")
+def test_gpt_geometry_launch_count(N, Hkv, capsys):
+    """The target holds with grouped-query heads too (Hkv = 4, 3, 1: the key/value heads repeated
+    per run, or for the whole op where a branch would split)."""
     segs, rates = _gpt_branches(N)
-    counted = views_launches(1, N, 12, 12, segs, rates, True)
+    counted = views_launches(1, N, 12, Hkv, segs, rates, True)
     lines = [
-        f"N={N // 1024}K: {counted.calls} calls, forward {counted.forward}, backward {counted.backward} launches"
+        f"N={N // 1024}K Hq=12 Hkv={Hkv}: {counted.calls} calls, forward {counted.forward}, "
+        f"backward {counted.backward} launches"
     ]
     for w, r, b in zip(segs, rates, counted.branches, strict=True):
         lines.append(
