@@ -210,8 +210,10 @@ __device__ __forceinline__ SeqRows sequence_rows(const Params& p, int64_t z, int
  * ROWS is the number of rows each thread follows (the rows whose results it holds); pos[] are
  * their positions (>= N for padding rows). After each step, jrow[i] is the dilated index of row i
  * in the current segment or -1, and the warp_* fields summarise the warp's rows. I is the walk's
- * integer type (tiling.h): int64_t, or int32_t where registers are scarce (the sm90 producer warp;
- * its padding rows' positions must then be clamped to N).
+ * integer type (tiling.h): int64_t (the sm80 kernels), or int32_t where registers are scarce (the
+ * sm90 kernels' producer warp and consumer warpgroups). With int32_t, padding rows' positions must
+ * be clamped to N before they are narrowed (tc_thread_rows), and a field that enters an element
+ * offset or a row of lse (a position, a head) is widened to int64_t before it is multiplied.
  */
 // The OR of a value over the threads that walk together: the whole block, or one warp (a producer
 // warp that walks the rows of the block by itself).

@@ -71,8 +71,8 @@ struct Tc90Reader {
   // whether no row of consumer warpgroup g meets the chunk (the producer's flag, the same in the
   // whole warpgroup), and the walk adopts the chunk where it does. Tiles loaded by cp.async are
   // fenced to the MMAs here.
-  template <int ROWS>
-  __device__ __forceinline__ bool next(Tc90Pipe* pipe, Walk<ROWS>& cur, int g, bool* skip) {
+  template <int ROWS, typename I>
+  __device__ __forceinline__ bool next(Tc90Pipe* pipe, Walk<ROWS, I>& cur, int g, bool* skip) {
     mbar_wait(&pipe->full[stage], (parity >> stage) & 1);
     parity ^= 1u << stage;
     const Tc90Chunk& c = pipe->slot[stage];
@@ -107,12 +107,20 @@ __device__ __forceinline__ void tc90_skip_stage(Tc90Pipe* pipe, Reader& rd, int 
   rd.advance();
 }
 
-// The consumer's walk: the rows of warp cw (0 .. 7) of the tiling, before its first chunk.
-__device__ __forceinline__ Walk<2> tc90_consumer_walk(const Params& p, const da_tiling& tl, int64_t N,
-                                                      int64_t base, int64_t h0, int G, int rows_are,
-                                                      int other_tile, int cw, int lane) {
-  Walk<2> w = tc_walk_init<2>(p, tl, N, base, h0, G, rows_are, other_tile);
-  tc_thread_rows(tl, base, cw, lane, w.pos);
+// A consumer thread's walk: 32-bit, as the producer's (tiling.h: every index is below 2 N < 2^31),
+// so that it holds fewer registers and its divisions (da_row_index, where a segment changes) are
+// 32-bit ones. Whatever a walk field enters that is an element offset or a row of lse and delta is
+// formed in 64 bits: the helpers of tc_kernels.cuh read the positions into int64_t, and multiply
+// them only by the tensors' int64_t strides.
+using Tc90Walk = Walk<2, int32_t>;
+
+// The consumer's walk: the rows of warp cw (0 .. 7) of the tiling (padding rows held at N), before
+// its first chunk.
+__device__ __forceinline__ Tc90Walk tc90_consumer_walk(const Params& p, const da_tiling& tl, int64_t N,
+                                                       int64_t base, int64_t h0, int G, int rows_are,
+                                                       int other_tile, int cw, int lane) {
+  Tc90Walk w = tc_walk_init<2, int32_t>(p, tl, N, base, h0, G, rows_are, other_tile);
+  tc_thread_rows(tl, base, cw, lane, N, w.pos);
   return w;
 }
 
@@ -316,7 +324,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sQg = sQ + g * kTcRows * DP;
   tc90_load_group_rows<T, L>(sQg, p.q, sq, h, tl, base, p.D, g, role.wtid);
   tc90_group_tiles_landed(g);
-  Walk<2> cur = tc90_consumer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, 4 * g + role.warp, lane);
+  Tc90Walk cur = tc90_consumer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, 4 * g + role.warp, lane);
 
   const float sl2 = (float)(p.scale * DA_LOG2E);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -420,7 +428,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   tc90_load_group_rows<T, L>(sQg, p.q, sq, h, tl, base, p.D, g, role.wtid);
   tc90_load_group_rows<T, L>(sdOg, p.dout, sq, h, tl, base, p.D, g, role.wtid);
   tc90_group_tiles_landed(g);
-  Walk<2> cur = tc90_consumer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, 4 * g + role.warp, lane);
+  Tc90Walk cur = tc90_consumer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, 4 * g + role.warp, lane);
 
   const float sl2 = (float)(p.scale * DA_LOG2E);
   float lse2[2], dl[2];
@@ -551,7 +559,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   tc90_load_group_rows<T, L>(sKg, p.k, sq, hk, tl, base, p.D, g, role.wtid);
   tc90_load_group_rows<T, L>(sVg, p.v, sq, hk, tl, base, p.D, g, role.wtid);
   tc90_group_tiles_landed(g);
-  Walk<2> cur =
+  Tc90Walk cur =
       tc90_consumer_walk(p, tl, N, base, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, QT, 4 * g + role.warp, lane);
 
   float dK[CT][4], dV[CT][4];

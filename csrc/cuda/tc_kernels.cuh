@@ -98,6 +98,15 @@ __device__ __forceinline__ void tc_thread_rows(const da_tiling& tl, int64_t base
   pos[1] = da_row_position(&tl, base, warp, (lane >> 2) + 8);
 }
 
+// The same for a 32-bit walk (the sm90 consumers): a padding row's position, which may pass 2^31
+// (base + 127 R with R up to 2^30), is clamped to N in 64 bits before it is narrowed (Walk), as
+// every position at or past N means the same.
+__device__ __forceinline__ void tc_thread_rows(const da_tiling& tl, int64_t base, int warp, int lane,
+                                               int64_t N, int32_t (&pos)[2]) {
+  pos[0] = (int32_t)da_min64(da_row_position(&tl, base, warp, lane >> 2), N);
+  pos[1] = (int32_t)da_min64(da_row_position(&tl, base, warp, (lane >> 2) + 8), N);
+}
+
 // A walk over the rows of a thread block from `base` (tiling.h), its thread following the rows of
 // pos: over head h0 (G = 1) or the G query heads from h0 (dk/dv), `other_tile` indices of the other
 // side per step; before its first segment (start or adopt moves it).
@@ -106,10 +115,10 @@ __device__ __forceinline__ Walk<ROWS, I> tc_walk_init(const Params& p, const da_
                                                       int64_t base, int64_t h0, int G, int rows_are,
                                                       int other_tile) {
   Walk<ROWS, I> w;
-  w.N = N;
-  w.base = base;
-  w.last = da_tile_last(&tl, base, N);
-  w.h0 = h0;
+  w.N = (I)N;  // (I = int32_t: every index is below 2 N < 2^31, tiling.h)
+  w.base = (I)base;
+  w.last = (I)da_tile_last(&tl, base, N);
+  w.h0 = (I)h0;
   w.G = G;
   w.is_causal = p.is_causal;
   w.rows_are = rows_are;
@@ -240,8 +249,8 @@ __device__ __forceinline__ void tc_gemm_pb_masked(float (&acc)[CT][4], const flo
 // Attention dropout's keep flags of the thread's elements of a warp's C fragments [NT][4] of the
 // chunk at cur.o0 (bit nt * 4 + e: row slot e >> 1, column nt * 8 + 2 * tq + (e & 1)), in head bh
 // (common.cuh).
-template <int NT>
-__device__ __forceinline__ uint32_t tc_dropout_keep(const Walk<2>& cur, const Params& p, int64_t bh,
+template <int NT, typename I>
+__device__ __forceinline__ uint32_t tc_dropout_keep(const Walk<2, I>& cur, const Params& p, int64_t bh,
                                                     int64_t start, int tq) {
   static_assert(NT * 4 <= 32, "one bit per element");
   return cur.dropout_keep(p.drop, bh, start, NT * 4, [&](int i, int* slot, int* jj) {
@@ -265,9 +274,9 @@ inline int tc_dropout(const Params& p) {
 // mma C fragments) scaled to base 2 by sl2, masked where need_mask (pair_active), turned into
 // probabilities against the updated running max m, times their dropout factors where DROPOUT; l
 // rescaled and summed; corr[ri], the factor by which the output accumulators must be rescaled.
-template <int NT, bool DROPOUT>
+template <int NT, bool DROPOUT, typename I>
 __device__ __forceinline__ void tc_fwd_probs(float (&S)[NT][4], float (&m)[2], float (&l)[2],
-                                             const Walk<2>& cur, bool need_mask, float sl2, int tq,
+                                             const Walk<2, I>& cur, bool need_mask, float sl2, int tq,
                                              const Params& p, uint32_t keep, float (&corr)[2]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -327,10 +336,10 @@ __device__ __forceinline__ void tc_rescale(float (&O)[DT][4], const float (&corr
 }
 
 // One chunk of the forward's online softmax (tc_fwd_probs) with the output accumulators O rescaled.
-template <int NT, int DT, bool DROPOUT>
+template <int NT, int DT, bool DROPOUT, typename I>
 __device__ __forceinline__ void tc_fwd_softmax(float (&S)[NT][4], float (&O)[DT][4], float (&m)[2],
-                                               float (&l)[2], const Walk<2>& cur, bool need_mask, float sl2,
-                                               int tq, const Params& p, uint32_t keep) {
+                                               float (&l)[2], const Walk<2, I>& cur, bool need_mask,
+                                               float sl2, int tq, const Params& p, uint32_t keep) {
   float corr[2];
   tc_fwd_probs<NT, DROPOUT>(S, m, l, cur, need_mask, sl2, tq, p, keep, corr);
   tc_rescale<DT>(O, corr);
@@ -338,9 +347,9 @@ __device__ __forceinline__ void tc_fwd_softmax(float (&S)[NT][4], float (&O)[DT]
 
 // The forward's last step, for both the sm80 and the sm90 kernels: each row's out = O / l (0
 // where no branch covers the row) in T, or in float where p.out_f32, and its lse.
-template <typename T, int DT>
+template <typename T, int DT, typename I>
 __device__ __forceinline__ void tc_fwd_store(const Params& p, const SeqRows& sq, int64_t h,
-                                             const Walk<2>& cur, const float (&m)[2], const float (&l)[2],
+                                             const Walk<2, I>& cur, const float (&m)[2], const float (&l)[2],
                                              const float (&O)[DT][4], float sl2, int tq) {
   const int64_t N = sq.N, b = sq.b;
   // out rows of T, or of float (p.out_f32: the backward's recomputation); offsets in elements
@@ -463,8 +472,9 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
 
 // The dq pass's rows: their lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
 // (float16/bfloat16 only: lse's low part, da_lse_base2, is far below their rounding and unused.)
+template <typename I>
 __device__ __forceinline__ void tc_dq_row_stats(const Params& p, const SeqRows& sq, int64_t h,
-                                                const Walk<2>& cur, float sl2, float (&lse2)[2],
+                                                const Walk<2, I>& cur, float sl2, float (&lse2)[2],
                                                 float (&dl)[2]) {
   const int64_t lse_row = (sq.b * p.Hq + h) * p.N + sq.start;
   const float* delta = static_cast<const float*>(p.delta) + lse_row;
@@ -481,10 +491,11 @@ __device__ __forceinline__ void tc_dq_row_stats(const Params& p, const SeqRows& 
 // The dq pass's chunk, for both the sm80 and the sm90 kernels: S (scores of the warp's 16 rows
 // x 8 NT keys) becomes dS = P (dP - delta) in place, P = 2^(S sl2 - lse2) on the active pairs
 // (need_mask: pair_active) and 0 elsewhere; with dropout dP is the kept share (M dO V^T).
-template <int NT, bool DROPOUT>
-__device__ __forceinline__ void tc_dq_scores(float (&S)[NT][4], const float (&dP)[NT][4], const Walk<2>& cur,
-                                             bool need_mask, float sl2, const float (&lse2)[2],
-                                             const float (&dl)[2], int tq, const Params& p, uint32_t keep) {
+template <int NT, bool DROPOUT, typename I>
+__device__ __forceinline__ void tc_dq_scores(float (&S)[NT][4], const float (&dP)[NT][4],
+                                             const Walk<2, I>& cur, bool need_mask, float sl2,
+                                             const float (&lse2)[2], const float (&dl)[2], int tq,
+                                             const Params& p, uint32_t keep) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -504,9 +515,9 @@ __device__ __forceinline__ void tc_dq_scores(float (&S)[NT][4], const float (&dP
 }
 
 // The dq pass's last step: dq = dQ * scale for the thread's rows.
-template <typename T, int DT>
-__device__ __forceinline__ void tc_dq_store(const Params& p, const SeqRows& sq, int64_t h, const Walk<2>& cur,
-                                            const float (&dQ)[DT][4], int tq) {
+template <typename T, int DT, typename I>
+__device__ __forceinline__ void tc_dq_store(const Params& p, const SeqRows& sq, int64_t h,
+                                            const Walk<2, I>& cur, const float (&dQ)[DT][4], int tq) {
   T* dq = static_cast<T*>(p.dq.data) + sq.b * p.dq.sb + sq.start * p.dq.sn + h * p.dq.sh;
   const float scale = (float)p.scale;
 #pragma unroll
@@ -524,8 +535,8 @@ __device__ __forceinline__ void tc_dq_store(const Params& p, const SeqRows& sq, 
 
 // The dk/dv pass's chunk (rows = keys, 8 NT queries): St becomes P^T (times the dropout factors,
 // for dV) and dPt dS^T = P^T (dP^T - delta), with the queries' lse (base 2) and delta from sLs, sDls.
-template <int NT, bool DROPOUT>
-__device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[NT][4], const Walk<2>& cur,
+template <int NT, bool DROPOUT, typename I>
+__device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[NT][4], const Walk<2, I>& cur,
                                               bool need_mask, float sl2, const float* sLs, const float* sDls,
                                               int tq, const Params& p, uint32_t keep) {
 #pragma unroll
@@ -567,9 +578,9 @@ __device__ __forceinline__ void tc_dkv_load_stats(const Params& p, const Walk<RO
 }
 
 // The dk/dv pass's last step: dk = dK * scale and dv = dV, columns c0 .. c0 + 8 CT.
-template <typename T, int CT>
+template <typename T, int CT, typename I>
 __device__ __forceinline__ void tc_dkv_store(const Params& p, const SeqRows& sq, int64_t hk, int c0,
-                                             const Walk<2>& cur, const float (&dK)[CT][4],
+                                             const Walk<2, I>& cur, const float (&dK)[CT][4],
                                              const float (&dV)[CT][4], int tq) {
   T* dk = static_cast<T*>(p.dk.data) + sq.b * p.dk.sb + sq.start * p.dk.sn + hk * p.dk.sh;
   T* dv = static_cast<T*>(p.dv.data) + sq.b * p.dv.sb + sq.start * p.dv.sn + hk * p.dv.sh;

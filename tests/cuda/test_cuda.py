@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import json
 import math
 import os
 import re
@@ -955,6 +956,83 @@ def test_emulated_pipeline_rules(emu_pipeline, case, message):
     )
     assert res.returncode != 0, "the broken pattern ran to the end"
     assert message in res.stderr, res.stderr[-2000:]
+
+
+_N_MAX = 2**30 - 1  # the longest sequence the CUDA entries take (N < 2^30)
+
+
+def _sm90_tile_rows(n, r, interleaved, tile):
+    """The base and the row positions [warp][row] of tile `tile` of n rows under the sm90 blocks'
+    tiling (8 warps of 16 rows, stride r; tiling.h's layout), in Python integers."""
+    warps, rpw = 8, 16
+    per_residue = -(-n // (warps * rpw * r))
+    base = (tile % per_residue) * warps * rpw * r + tile // per_residue
+    rows = [
+        [base + ((i * warps + w) if interleaved else (w * rpw + i)) * r for i in range(rpw)]
+        for w in range(warps)
+    ]
+    return base, rows
+
+
+@pytest.mark.parametrize(
+    "r,interleaved,tile",
+    [(1, 0, -1), (3, 1, -1), (2**24, 1, 5), (2**25, 0, 3), (2**29, 1, 1)],
+    ids=["R1-last", "R3-interleaved-last", "R2^24", "R2^25", "R2^29"],
+)
+def test_emulated_sm90_consumer_walk_rows_in_32_bits(emu_pipeline, r, interleaved, tile):
+    """The sm90 consumers' walk is 32-bit (tc90_consumer_walk): at N = 2^30 - 1 its rows'
+    positions are exact, and a padding row's, which passes 2^31 under a large stride R (base +
+    127 R), is held at N instead of wrapping (a wrapped one can be negative, or another row's, and
+    would be stored)."""
+    n = _N_MAX
+    if tile < 0:
+        tile = r * -(-n // (128 * r)) - 1
+    pos = (ctypes.c_int32 * 512)()
+    fields = (ctypes.c_int32 * 3)()
+    emu_pipeline.da_emu_tc90_walk_rows.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
+    assert emu_pipeline.da_emu_tc90_walk_rows(n, r, interleaved, tile, pos, fields) == 0
+    base, rows = _sm90_tile_rows(n, r, interleaved, tile)
+    assert max(max(w) for w in rows) >= 2**31 or r < 2**25  # the largest strides pass 2^31
+    last = base + min(127, (n - 1 - base) // r) * r
+    assert list(fields) == [n, base, last]
+    want = [
+        min(rows[cw][(lane >> 2) + 8 * ri], n) for cw in range(8) for lane in range(32) for ri in range(2)
+    ]
+    assert list(pos) == want
+
+
+def test_emulated_sm90_row_offsets_in_64_bits(emu_pipeline):
+    """The helpers that store and read the sm90 consumers' rows (tc_fwd_store, tc_dq_store,
+    tc_dkv_store, tc_dq_row_stats) form element offsets and lse rows in 64 bits from the 32-bit
+    walk: row N - 1 of head 15 of batch entry 1 at N = 2^30 - 1, H = 16, D = 128 (element offsets
+    near 2^42, lse rows near 2^35) lands on its row. Nothing that size is allocated: each pointer
+    is set back by its row's offset (tests/cuda_emulation/run_pipeline.cpp), so an offset formed in
+    32 bits writes or reads elsewhere, or crashes the child process this runs in."""
+    n, hq, b, h = _N_MAX, 16, 1, 15
+    code = (
+        "import ctypes, json, struct\n"
+        f"so = ctypes.CDLL({emu_pipeline._name!r})\n"
+        "so.da_emu_tc90_row_offsets.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 7\n"
+        "bufs = [(ctypes.c_uint16 * 128)() for _ in range(4)]\n"
+        "lse = (ctypes.c_float * 1)(); delta = (ctypes.c_float * 1)(0.375); got = (ctypes.c_float * 2)()\n"
+        f"rc = so.da_emu_tc90_row_offsets({n}, {hq}, {b}, {h}, {n - 1}, *bufs, lse, delta, got)\n"
+        "print(json.dumps([rc] + [list(struct.unpack('128e', bytes(x))) for x in bufs]"
+        " + [lse[0], got[0], got[1]]))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rc, out, dq, dk, dv, lse, lse2, delta = json.loads(res.stdout)
+    assert rc == 0
+    cols = range(128)
+    assert out == [(d + 1) / 2 for d in cols]  # O / l with l = 2
+    assert dq == [(d + 1) * 0.5 for d in cols]  # dQ * scale
+    assert dk == [(d + 1) * 0.5 for d in cols]
+    assert dv == [float(d + 2) for d in cols]
+    assert lse == pytest.approx(math.log(2), rel=1e-6)  # m = 0, l = 2
+    assert lse2 == pytest.approx(1.0, rel=1e-6)  # read back in base 2
+    assert delta == 0.375
 
 
 @pytest.mark.parametrize("B,N,Hq,Hkv,D,segs,rates,tiling", EMU_CONFIGS)
