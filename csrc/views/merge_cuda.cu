@@ -38,7 +38,8 @@ MergeTensors<scalar_t, acc_t> merge_tensors(const MergeCall& c) {
 // The operator views.cpp runs for q on its GPU, as dilated_attention.backends.sdpa_kernels.
 // cuda_kernel chooses: 2 cuDNN (sm_90+, float16/bfloat16, head dim a multiple of 8 and <= 128,
 // cuDNN attention available and enabled), 1 flash (sm_80+, head dim a multiple of 8 and <= 256,
-// enabled), 0 neither.
+// enabled), else 3 efficient (float32, float16, bfloat16; PyTorch's operator refuses what it does
+// not take), 0 for any other dtype.
 int cuda_kernel_kind(const at::Tensor& q) {
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
@@ -49,7 +50,8 @@ int cuda_kernel_kind(const at::Tensor& q) {
   auto& ctx = at::globalContext();
   if (half && cap >= 90 && D <= 128 && ctx.hasCuDNN() && ctx.userEnabledCuDNNSDP()) return 2;
   if (half && cap >= 80 && D <= 256 && ctx.userEnabledFlashSDP()) return 1;
-  return 0;
+  const at::ScalarType t = q.scalar_type();
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 ? 3 : 0;
 }
 
 // Whether the current CUDA stream is being captured into a graph (no value can be read then).

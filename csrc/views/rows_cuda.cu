@@ -1,4 +1,5 @@
 // The launch of rows_kernel.cuh for views.cpp (rows.h).
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -18,9 +18,11 @@
 //   dilated_attention/backends/accumulated.py), which keeps float32 and bfloat16 within SPEC section 4.
 // * CUDA: aten::_scaled_dot_product_cudnn_attention (sm_90+, float16/bfloat16, head dim a
 //   multiple of 8 and <= 128) or aten::_scaled_dot_product_flash_attention (sm_80+, head dim a
-//   multiple of 8 and <= 256) and their backward operators, key/value heads repeated to q's in the
-//   move that gives the kernel its operands (Moves::operand). cuDNN's
-//   backward always gets out and dout contiguous (B, H, M, D) and the statistics contiguous
+//   multiple of 8 and <= 256), else aten::_scaled_dot_product_efficient_attention (float32,
+//   float16; bfloat16 on sm_80+), and their backward operators, key/value heads repeated to q's in
+//   the move that gives the kernel its operands (Moves::operand). The efficient kernel's backward
+//   gets out and dout contiguous (B, M, H, D): it steps out's rows by H D, whatever the strides.
+//   cuDNN's backward always gets out and dout contiguous (B, H, M, D) and the statistics contiguous
 //   (B, H, M, 1): PyTorch caches a cuDNN backward graph per shapes and strides of q, k and v while
 //   the graph bakes in the strides of out, dout and the statistics. A call of one row and one key
 //   runs in closed form (cuDNN refuses s_q = s_kv = 1): out = v, lse = scale (q . k).
@@ -54,7 +56,7 @@
 #ifdef DILATED_ATTENTION_WITH_CUDA
 namespace dilated_attention {
 namespace views {
-int cuda_kernel_kind(const at::Tensor& q);  // merge_cuda.cu: 2 cuDNN, 1 flash, 0 none
+int cuda_kernel_kind(const at::Tensor& q);  // merge_cuda.cu: 2 cuDNN, 1 flash, 3 efficient, 0 none
 bool cuda_capturing();                      // merge_cuda.cu: the current stream is being captured
 }  // namespace views
 }  // namespace dilated_attention
@@ -138,6 +140,14 @@ class Moves {
     const at::Tensor x = at::empty(src.sizes(), src.options());
     push(x, src);
     return x.view(sizes).flatten(0, 1);
+  }
+
+  // A run's view (count, Bb, m, n, ...) as (count Bb, m, n, ...), contiguous, filled by run(): the
+  // layout the efficient kernel's backward reads out in (its rows a stride of n D apart).
+  at::Tensor packed(const at::Tensor& view) {
+    const at::Tensor x = at::empty(view.sizes(), view.options());
+    push(x, view);
+    return x.flatten(0, 1);
   }
 
   // A run's view (count, Bb, m, n, ...) as (count Bb, n, m, ...), contiguous, filled by run(): the
@@ -466,8 +476,9 @@ void cpu_exact_backward(const at::Tensor& dout, const at::Tensor& q, const at::T
 // ---------------------------------------------------------------------------------------------
 
 #ifdef DILATED_ATTENTION_WITH_CUDA
-// A call's (out (Bb, n, m, D), lse (Bb, n, m) float32) on the CUDA operator kind (2 cuDNN,
-// 1 flash); q (Bb, m, n, D), k and v with n heads (repeated).
+// A call's (out (Bb, n, m, D), lse (Bb, n, >= m) float32) on the CUDA operator kind (2 cuDNN,
+// 1 flash, 3 efficient: its lse padded to a multiple of 32 rows); q (Bb, m, n, D), k and v with n
+// heads (repeated).
 std::pair<at::Tensor, at::Tensor> cuda_forward(int kind, const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, bool is_causal, double scale) {
   if (q.size(1) == 1 && k.size(1) == 1) {  // one row, one key: the weight is 1
@@ -481,13 +492,20 @@ std::pair<at::Tensor, at::Tensor> cuda_forward(int kind, const at::Tensor& q, co
     const at::Tensor stats = std::get<1>(res);
     return {std::get<0>(res), stats.dim() == 4 ? stats.squeeze(-1) : stats};
   }
+  if (kind == 3) {
+    auto res = at::_scaled_dot_product_efficient_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), std::nullopt, true, 0.0, is_causal, scale);
+    return {std::get<0>(res), std::get<1>(res)};
+  }
   auto res = at::_scaled_dot_product_flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                      0.0, is_causal, false, scale);
   return {std::get<0>(res), std::get<1>(res)};
 }
 
 // A call's (dq, dk, dv) ((Bb, m, n, D) each) on the CUDA operator kind, fed the merged out and
-// lse of its rows: d_o and o (Bb, n, m, D) (contiguous for cuDNN), lt (Bb, n, m) contiguous, dl
+// lse of its rows: d_o and o (Bb, n, m, D) (contiguous for cuDNN; for the efficient kernel the
+// transpose of contiguous (Bb, m, n, D): its backward takes out's rows n D apart, whatever the
+// strides say), lt (Bb, n, m) contiguous, dl
 // (Bb, m, n) (undefined: no dlse term); q, k, v (Bb, m, n, D) (k and v repeated); the dlse term
 // from a second backward call with v = 0, out = e_0 and dout = -dlse e_0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at::Tensor& d_o,
@@ -507,8 +525,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at:
     return {ds * kf * scale, ds * qf * scale, p * dof};
   }
   // dy and y (Bb, n, m, D), stats (Bb, n, m): for cuDNN contiguous, for flash any strides
-  auto run = [&](const at::Tensor& dy, const at::Tensor& vv, const at::Tensor& y, const at::Tensor& stats) {
+  auto run = [&](const at::Tensor& dy, const at::Tensor& vv, const at::Tensor& y,
+                 const at::Tensor& stats) -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
     const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = vv.transpose(1, 2);
+    if (kind == 3) {  // its random-number state is read only with dropout
+      const at::Tensor none = at::empty({}, q.options().dtype(at::kLong));
+      auto g = at::_scaled_dot_product_efficient_attention_backward(
+          dy, qt, kt, vt, at::Tensor(), y, stats, none, none, 0.0, {true, true, true, false}, is_causal,
+          scale);
+      return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
+    }
     if (kind == 2) {
       const at::Tensor seed = at::empty({}, q.options().dtype(at::kLong));
       const at::Tensor offset = at::empty({}, q.options().dtype(at::kLong));
@@ -521,7 +547,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at:
     return at::_scaled_dot_product_flash_attention_backward(
         dy, qt, kt, vt, y, stats, at::Tensor(), at::Tensor(), m, mk, 0.0, is_causal, seed, offset, scale);
   };
-  // (Bb, m, n, D) -> (Bb, n, m, D) as the kernel reads it
+  // (Bb, m, n, D) contiguous -> (Bb, n, m, D) as the kernel reads it
   auto for_kernel = [&](const at::Tensor& x) {
     return kind == 2 ? x.transpose(1, 2).contiguous() : x.transpose(1, 2);
   };
@@ -543,14 +569,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at:
 }
 #endif
 
-// The CUDA operator a call runs on: 2 cuDNN, 1 flash; an error naming the unsupported case.
+// The CUDA operator a call runs on: 2 cuDNN, 1 flash, 3 efficient; an error naming the unsupported
+// case.
 int cuda_kind(const at::Tensor& q) {
 #ifdef DILATED_ATTENTION_WITH_CUDA
   const int kind = cuda_kernel_kind(q);
-  TORCH_CHECK(
-      kind > 0, "dilated_attention::views_fwd on CUDA needs float16 or bfloat16 inputs with a head dim ",
-      "that is a multiple of 8 and at most 256 on an sm_80+ GPU (cuDNN or flash attention enabled), got ",
-      dtype_name(q.scalar_type()), " head dim ", q.size(3), "; use the sdpa backend's Python driver");
+  TORCH_CHECK(kind > 0,
+              "dilated_attention::views_fwd on CUDA needs float32, float16 or bfloat16 inputs, got ",
+              dtype_name(q.scalar_type()), " head dim ", q.size(3), "; use the sdpa backend's Python driver");
   return kind;
 #else
   TORCH_CHECK(false, "dilated_attention::views_fwd: this build has no CUDA kernels, got a tensor on ",
@@ -741,7 +767,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
         const int64_t n = r.c.q.n;
         std::array<at::Tensor, 7> a = {in.operand(r.q(q)), in.operand(r.kv(kb), n), in.operand(r.kv(vb), n)};
         const at::Tensor dy = r.q(dout), y = r.q(out);
-        if (kind == 2 || !folds(dy)) {  // cuDNN's backward graph bakes in their strides
+        if (kind == 3) {  // the efficient kernel reads out's rows n D apart
+          a[3] = in.packed(dy).transpose(1, 2);
+          a[4] = in.packed(y).transpose(1, 2);
+        } else if (kind == 2 || !folds(dy)) {  // cuDNN's backward graph bakes in their strides
           a[3] = in.heads_first(dy);
           a[4] = in.heads_first(y);
         } else {

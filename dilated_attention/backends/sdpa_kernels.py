@@ -360,9 +360,9 @@ def cpu_exact_backward(
 
 
 def cpp_driver_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
-    """Whether the sdpa backend runs the C++ driver: no dropout, a device the extension registers
-    it for and, on CUDA, a float16/bfloat16 call that cuDNN or flash attention takes (head dim a
-    multiple of 8). torch.func transforms run it too (:class:`~dilated_attention.op.views.ViewsAttention`);
+    """Whether the sdpa backend runs the C++ driver: no dropout and a device the extension
+    registers it for (on CUDA on the operator :func:`cuda_kernel` picks, as the Python driver).
+    torch.func transforms run it too (:class:`~dilated_attention.op.views.ViewsAttention`);
     forward-mode AD raises there, as in the Python driver, naming the backend."""
     if dropout_p != 0.0:
         return False
@@ -371,8 +371,6 @@ def cpp_driver_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         return False
     if dev == "cuda":
         kind = cuda_kernel(q.device, q.dtype, int(q.shape[-1]))
-        if kind not in ("cudnn", "flash"):
-            return False
         if not torch.compiler.is_compiling():
             _log(kind, q)  # the kernel in use, once at INFO, as the Python driver logs it
         return True

@@ -35,8 +35,9 @@ __all__ = ["BranchLaunches", "Launches", "driver_calls", "views_launches"]
 _CLOSED_FORWARD = 6  # q, k to float32; q * k; sum; * scale; the lse made contiguous
 _CLOSED_BACKWARD = 21  # q, k, v, dout, out to float32 and the 16 products, sums and exps of P, dS
 # The dlse term of a backward call: a second operator call on a unit out and -dlse dout (zeros,
-# fills, a negation and copy, the float32 sums of dq and dk); cuDNN takes dout and out contiguous.
-_DLSE = {"cudnn": 13, "flash": 11}
+# fills, a negation and copy, the float32 sums of dq and dk); cuDNN takes dout and out contiguous
+# (the efficient kernel's are contiguous as made).
+_DLSE = {"cudnn": 13, "flash": 11, "efficient": 11}
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,10 @@ def _backward(runs: list[tuple[Call, int, bool, bool, bool]], has_dlse: bool, ki
     inputs = launches = adds = 0
     for c, _, gathered, _, adds_first in runs:
         inputs += (
-            _operands(c, gathered) + 2 * int(kind == "cudnn" or gathered) + 1 + int(has_dlse and gathered)
+            _operands(c, gathered)
+            + 2 * int(kind != "flash" or gathered)  # cuDNN and efficient: dout, out contiguous
+            + 1
+            + int(has_dlse and gathered)
         )
         if c.m == 1:  # the closed form, in float32
             launches += _CLOSED_BACKWARD + int(has_dlse)
@@ -156,9 +160,11 @@ def views_launches(
 ) -> Launches:
     """The launches of ``views_fwd`` and ``views_bwd`` on CUDA for q (B, N, Hq, D) and k, v
     (B, N, Hkv, D), contiguous, half precision, a positive scale. kind: the attention operator,
-    ``"cudnn"`` (sm_90+) or ``"flash"``."""
+    ``"cudnn"`` (sm_90+), ``"flash"`` or ``"efficient"`` (float32, and the half-precision calls
+    neither of the others takes). Float32 inputs skip the casts counted here (the results' and
+    the closed form's): the count is then an upper bound."""
     if kind not in _DLSE:
-        raise ValueError(f"kind must be 'cudnn' or 'flash', got {kind!r}")
+        raise ValueError(f"kind must be 'cudnn', 'flash' or 'efficient', got {kind!r}")
     branches, repeated = [], False
     for made_calls in driver_calls(B, N, Hq, Hkv, segment_lengths, dilation_rates):
         rep = any(r for _, _, _, r, _ in made_calls)

@@ -77,7 +77,12 @@ def test_cuda_matches_the_reference(B, N, Hq, Hkv, D, segs, rates, is_causal, dt
 
 
 _LAYOUT_DEVICES = [("cpu", torch.float32), ("cpu", torch.bfloat16)] + (
-    [pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)] if _views_op.available("cuda") else []
+    [
+        pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),
+        pytest.param("cuda", torch.float32, marks=pytest.mark.cuda),  # the efficient kernel
+    ]
+    if _views_op.available("cuda")
+    else []
 )
 
 
@@ -445,6 +450,7 @@ VARLEN_DEVICES = [
     pytest.param("cpu", torch.bfloat16, id="cpu-bfloat16"),
     pytest.param("cuda", torch.bfloat16, id="cuda-bfloat16", marks=_CUDA),
     pytest.param("cuda", torch.float16, id="cuda-float16", marks=_CUDA),
+    pytest.param("cuda", torch.float32, id="cuda-float32", marks=_CUDA),  # the efficient kernel
 ]
 
 

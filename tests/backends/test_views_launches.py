@@ -32,13 +32,15 @@ def _gpt_branches(N: int, base: int = 2048) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("N", [16 * 1024, 64 * 1024, 128 * 1024], ids=lambda n: f"{n // 1024}K")
 @pytest.mark.parametrize("Hkv", [12, 4, 3, 1], ids=lambda h: f"12-{h}")
-def test_gpt_geometry_launch_count(N, Hkv, capsys):
+@pytest.mark.parametrize("kind", ["cudnn", "flash", "efficient"])
+def test_gpt_geometry_launch_count(N, Hkv, kind, capsys):
     """The target holds with grouped-query heads too (Hkv = 4, 3, 1: the key/value heads repeated
-    per run, or for the whole op where a branch would split)."""
+    per run, or for the whole op where a branch would split), on every CUDA operator the driver
+    runs (efficient: float32)."""
     segs, rates = _gpt_branches(N)
-    counted = views_launches(1, N, 12, Hkv, segs, rates, True)
+    counted = views_launches(1, N, 12, Hkv, segs, rates, True, kind=kind)
     lines = [
-        f"N={N // 1024}K Hq=12 Hkv={Hkv}: {counted.calls} calls, forward {counted.forward}, "
+        f"N={N // 1024}K Hq=12 Hkv={Hkv} {kind}: {counted.calls} calls, forward {counted.forward}, "
         f"backward {counted.backward} launches"
     ]
     for w, r, b in zip(segs, rates, counted.branches, strict=True):
