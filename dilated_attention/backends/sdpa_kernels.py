@@ -246,13 +246,15 @@ def cuda_backward(dout, q, k, v, out, lse, extra, *, is_causal: bool, scale: flo
         )
     else:
         seed, offset = extra[1:]
+        # in half precision its kernel computes delta from out stepping its rows by H * D, whatever
+        # the strides say: out packed (B, M, H, D)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             _t(dout),
             _t(q),
             _t(ke),
             _t(ve),
             None,
-            _t(out),
+            _t(out.contiguous()),
             lse.contiguous(),
             seed,
             offset,

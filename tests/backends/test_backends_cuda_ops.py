@@ -123,6 +123,8 @@ class FakeCudaOps:
         self, do, q, k, v, bias, out, lse, seed, offset, p, mask, is_causal, *, scale
     ):
         _rows_contiguous(q=q, k=k, v=v, out=out, dout=do)
+        if q.dtype in (torch.float16, torch.bfloat16):  # its kernel then computes delta from out
+            assert out.stride(2) == out.shape[1] * out.shape[3], "the kernel steps out's rows by H * D"
         m = q.shape[2]
         assert lse.shape[-1] == (m + 31) // 32 * 32
         dq, dk, dv = _bwd(do, q, k, v, out, lse[..., :m].contiguous(), is_causal, scale)
@@ -158,3 +160,20 @@ def test_cuda_operators_through_the_driver(monkeypatch, kind, B, N, Hq, Hkv, D, 
 
     _check(run, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.float32)
     assert fake.calls and set(fake.calls) == {kind}
+
+
+def test_efficient_backward_gets_out_packed(monkeypatch):
+    """The efficient kernel's backward in half precision computes delta from out, stepping its rows
+    by H * D whatever out's strides are: a strided view of the merged out (a call's rows of the
+    accumulator) reaches it packed, and the gradients are the reference's."""
+    fake = FakeCudaOps()
+    monkeypatch.setattr(sdpa_kernels, "_aten", lambda: fake)
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(1, 6, 2, 8, generator=g).to(torch.bfloat16) for _ in range(4))
+    out, lse, extra = sdpa_kernels.cuda_forward(q, k, v, is_causal=True, scale=0.3)
+    acc = torch.zeros(1, 6, 4, 8, dtype=torch.bfloat16)  # a call's heads 0 and 2 of 4
+    acc[:, :, ::2] = out
+    got = sdpa_kernels.cuda_backward(dout, q, k, v, acc[:, :, ::2], lse, extra, is_causal=True, scale=0.3)
+    want = sdpa_kernels.cuda_backward(dout, q, k, v, out.contiguous(), lse, extra, is_causal=True, scale=0.3)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e)
