@@ -82,10 +82,11 @@ template <int DP>
 struct Tc90DqCfg {
   // Keys per step: 64 (DP <= 128), 32 (192), 16 (256). A consumer thread holds S and dP (KT / 2
   // floats each), dQ (DP / 2) and the previous chunk's dS as A fragments (KT / 4) in registers,
-  // with the walk. At 232 registers (ptxas, sm_90a, CUDA 13.0) each fits with no spill, where at
-  // DP = 128 dropout's draws come before the chunk's MMAs are issued (DRAW_FIRST; drawn while S
-  // and dP run, as at the other sizes, they spill 4 bytes; at 216 registers KT = 64 at DP = 128
-  // would spill 12 bytes, 8 with dropout: the margin is small). Shared memory holds four stages at
+  // with the walk (32-bit). At 232 registers (ptxas, sm_90a, CUDA 13.0) each fits with no spill,
+  // where at DP = 128 dropout's draws come before the chunk's MMAs are issued (DRAW_FIRST; drawn
+  // while S and dP run, as at the other sizes, they spilled 4 bytes with a 64-bit walk; at 216
+  // registers KT = 64 at DP = 128 spills 4 bytes, none with dropout (12 and 8 with a 64-bit
+  // walk): the margin is small). Shared memory holds four stages at
   // 128 and 192 (five would not fit next to the 64 rows of Q and dO of each consumer); at 256 a
   // chunk of 32 would leave two.
   static constexpr int KT = DP <= 128 ? 64 : (DP <= 192 ? 32 : 16);
@@ -100,12 +101,12 @@ template <int DP>
 struct Tc90DkvCfg {
   // Queries per step: 64 (DP <= 64), 32 (96, 192), 16 (128, 256). A consumer thread holds dK and
   // dV (DC / 2 floats each: DC = DP up to 128, DP / 2 above), S^T and dP^T (QT / 2 each) and the A
-  // fragments of the two deferred products (QT / 4 each) in registers, with the walk. At 232
-  // registers (ptxas, sm_90a, CUDA 13.0) QT = 64 fits at DP <= 64 and QT = 32 at DP = 96 and 192
-  // (DC = 96) with no spill (at 216 registers QT = 64 at DP = 64 would spill 16 bytes: the margin is
-  // small); QT = 32 at DP = 128 spills 132 bytes (60 with dropout), so 128 keeps 16, and so does
-  // 256 (DC = 128 as well; and three stages of 32 would not fit in shared memory). Shared memory
-  // holds four stages at 192.
+  // fragments of the two deferred products (QT / 4 each) in registers, with the walk (32-bit).
+  // At 232 registers (ptxas, sm_90a, CUDA 13.0) QT = 64 fits at DP <= 64 and QT = 32 at DP = 96
+  // and 192 (DC = 96) with no spill (at 216 registers QT = 64 at DP = 64 spills 12 bytes, 16 with
+  // a 64-bit walk: the margin is small); QT = 32 at DP = 128 spills 56 bytes (8 with dropout; 132
+  // and 60 with a 64-bit walk), so 128 keeps 16, and so does 256 (DC = 128 as well; and three
+  // stages of 32 would not fit in shared memory). Shared memory holds four stages at 192.
   static constexpr int QT = DP <= 64 ? 64 : (DP == 96 || DP == 192 ? 32 : 16);
   static constexpr int STAGES = DP == 192 ? 4 : kTc90Stages;
   static constexpr int DC = TcDkvCfg<DP>::DC, CHUNKS = TcDkvCfg<DP>::CHUNKS;  // accumulator columns
