@@ -146,7 +146,7 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
       for (int64_t qt0 = P.causal ? kt0 : 0; qt0 < c; qt0 += QT) {
         const int64_t nq = da_min64(QT, c - qt0);
         for (int64_t i = 0; i < nq; ++i) {
-          lse_base2<T>(lse_h[(qt0 + i) * r], P.unit, &s->lse[i], &s->lselo[i]);
+          lse_base2<T>(lse_h[(qt0 + i) * r], P.unit, &s->lse[i], &s->lselo[i], &s->lselo2[i]);
           s->delta[i] = delta_h[(qt0 + i) * r];
         }
         const T* qi = qp + qt0 * qs;
@@ -165,7 +165,7 @@ DA_INLINE void bwd_task_impl(const Bwd<T>& P, int64_t bi, int64_t b, int64_t hk,
           for (int64_t i = 0; i < nq * ld; ++i) s->dp[i] *= s->mask[i];
         }
         ds_tile<T, B>(s->s, std::is_same<T, float>::value ? s->slo : nullptr, s->dp, ld, nq, nk, P.causal,
-                      qt0 - kt0, s->lse, s->lselo, s->delta, P.scale);
+                      qt0 - kt0, s->lse, s->lselo, s->lselo2, s->delta, P.scale);
         if (P.drop.threshold)
           for (int64_t i = 0; i < nq * ld; ++i) s->s[i] *= s->mask[i];
         gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, dos, nk, Dp / W, nq, true);             // dV += P^T dO

@@ -23,14 +23,14 @@ struct BwdScratch {
   T *dkt, *dvt;              // (KB, Dp) their gradients
   T *s, *dp;                 // (QT, KB): scores then P; dout . v then dS
   T* slo;                    // (QT, KB): the scores' low parts (float rows)
-  T *lse, *lselo;            // (QT): lse in base 2 (lse / unit) as hi + lo (lse_base2)
+  T *lse, *lselo, *lselo2;   // (QT): lse in base 2 (lse / unit) as hi + lo + lo2 (lse_base2)
   T* delta;                  // (QT)
   T* dqt;                    // (QT, Dp): one key tile's share of dq
   T* mask;                   // (QT, KB): dropout's factors (0 or 1 / (1 - p)) of the tile
   std::vector<double> wide;  // kt in double, for the scores of float rows (widen_operand)
   BwdScratch(int64_t D, int64_t Dp)
       : arena(Arena<T>::need({(size_t)(D * KB), (size_t)(D * KB), (size_t)(KB * Dp), (size_t)(KB * Dp),
-                              QT * KB, QT * KB, QT * KB, QT, QT, QT, (size_t)(QT * Dp), QT * KB})) {
+                              QT * KB, QT * KB, QT * KB, QT, QT, QT, QT, (size_t)(QT * Dp), QT * KB})) {
     kt = arena.take(D * KB);
     vt = arena.take(D * KB);
     dkt = arena.take(KB * Dp);
@@ -40,6 +40,7 @@ struct BwdScratch {
     slo = arena.take(QT * KB);
     lse = arena.take(QT);
     lselo = arena.take(QT);
+    lselo2 = arena.take(QT);
     delta = arena.take(QT);
     dqt = arena.take(QT * Dp);
     mask = arena.take(QT * KB);

@@ -53,11 +53,12 @@ DA_INLINE bool rows_finite(const T* rows, int64_t stride, int64_t n, int64_t D) 
   return ok;
 }
 
-/* Merge a query tile's state (m2, l2, acc2) into the block's rows row0 + i * step. */
+/* Merge a query tile's state (reference pair m2 + mlo2, l2, acc2) into the block's rows row0 + i * step,
+ * against the larger reference pair (pair_ge, softmax.h). */
 template <typename T, typename A>
-DA_INLINE void merge_tile(T* m, double* l, double* acc, const T* m2, const T* l2, const A* acc2, int64_t n,
-                          int64_t row0, int64_t step, int64_t Dp, double* lw = nullptr,
-                          const double* lw2 = nullptr) {
+DA_INLINE void merge_tile(T* m, T* mlo, double* l, double* acc, const T* m2, const T* mlo2, const T* l2,
+                          const A* acc2, int64_t n, int64_t row0, int64_t step, int64_t Dp,
+                          double* lw = nullptr, const double* lw2 = nullptr) {
   for (int64_t i = 0; i < n; ++i) {
     if (l2[i] == 0) continue;  // only -inf scores: nothing to add
     const int64_t row = row0 + i * step;
@@ -65,14 +66,18 @@ DA_INLINE void merge_tile(T* m, double* l, double* acc, const T* m2, const T* l2
     const A* b = acc2 + i * Dp;
     if (l[row] == 0) {
       m[row] = m2[i];
+      mlo[row] = mlo2[i];
       l[row] = l2[i];
       if (lw) lw[row] = lw2[i];
       for (int64_t d = 0; d < Dp; ++d) a[d] = b[d];
       continue;
     }
-    const T mx = m[row] > m2[i] ? m[row] : m2[i];
-    const double ca = ::exp2((double)m[row] - (double)mx), cb = ::exp2((double)m2[i] - (double)mx);
+    const bool first = pair_ge(m[row], mlo[row], m2[i], mlo2[i]);
+    const T mx = first ? m[row] : m2[i], mxlo = first ? mlo[row] : mlo2[i];
+    const double ca = ::exp2(((double)m[row] - (double)mx) + ((double)mlo[row] - (double)mxlo)),
+                 cb = ::exp2(((double)m2[i] - (double)mx) + ((double)mlo2[i] - (double)mxlo));
     m[row] = mx;
+    mlo[row] = mxlo;
     l[row] = l[row] * ca + l2[i] * cb;
     if (lw) lw[row] = lw[row] * ca + lw2[i] * cb;
     for (int64_t d = 0; d < Dp; ++d) a[d] = a[d] * ca + b[d] * cb;
@@ -93,6 +98,7 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
   const bool wide = can_widen && P.wide;
   for (int64_t i = 0; i < rows; ++i) {
     s->m[i] = neg_inf<T>();
+    s->mlo[i] = 0;
     s->l[i] = 0;
     s->lw[i] = 0;
   }
@@ -101,6 +107,7 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
   auto restart = [&](int64_t nq, int64_t ld) {
     for (int64_t i = 0; i < ld; ++i) {
       s->mt[i] = neg_inf<T>();
+      s->mtlo[i] = 0;
       s->lt[i] = 0;
     }
     if (wide) {
@@ -112,9 +119,10 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
   };
   auto merge = [&](int64_t nq, int64_t row0, int64_t step) {
     if (wide)
-      merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acctw, nq, row0, step, Dp, s->lw, s->ltw);
+      merge_tile(s->m, s->mlo, s->l, s->acc, s->mt, s->mtlo, s->lt, s->acctw, nq, row0, step, Dp, s->lw,
+                 s->ltw);
     else
-      merge_tile(s->m, s->l, s->acc, s->mt, s->lt, s->acct, nq, row0, step, Dp);
+      merge_tile(s->m, s->mlo, s->l, s->acc, s->mt, s->mtlo, s->lt, s->acct, nq, row0, step, Dp);
   };
 
   for (int64_t bi = 0; bi < P.br.n; ++bi) {
@@ -141,7 +149,7 @@ DA_INLINE void fwd_block_impl(const Fwd<T>& P, int64_t b, int64_t h, int64_t a0,
                             diag ? nullptr : s->tmax, P.scale2, qt_wide);  // S^T = scale2 K Q^T, column max
           if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - jq0);
           online_softmax<T, B>(s->st, std::is_same<T, float>::value ? s->stlo : nullptr, ld, nk, nv, s->mt,
-                               s->lt, s->corr, diag ? nullptr : s->tmax);
+                               s->mtlo, s->lt, s->corr, diag ? nullptr : s->tmax);
           if (wide) {  // the same weights and corrections, summed in double
             for (int64_t i = 0; i < nq; ++i) {
               const double c = s->corr[i];
@@ -229,7 +237,7 @@ static void fwd_block(Isa isa, const Fwd<T>& P, int64_t b, int64_t h, int64_t a0
   }
 }
 
-/* out = acc / l and lse = m * unit + ln(l) for the block's rows, in double (rounded once, to L:
+/* out = acc / l and lse = (m + mlo) * unit + ln(l) for the block's rows, in double (rounded once, to L:
  * float, or double for a float64 lse); uncovered rows: 0 and -inf. unit = softmax_scale / scale2
  * turns the base-2 scores back into natural ones: ln 2, corrected for the rounding of scale2 to T,
  * which would otherwise scale lse by up to one unit in the last place of T. */
@@ -245,10 +253,10 @@ static void fwd_write(const FwdScratch<T>& s, scalar_t* out, int64_t out_sn, L* 
       lse[p] = neg_inf<L>();
     } else if (wide) {  // double, unrounded
       for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(s.acc[row * Dp + d] / s.lw[row]);
-      lse[p] = (L)((double)s.m[row] * unit + ::log((double)l));
+      lse[p] = (L)lse_natural(s.m[row], s.mlo[row], unit, l);
     } else {
       for (int64_t d = 0; d < D; ++d) o[d] = (scalar_t)(T)(s.acc[row * Dp + d] / l);
-      lse[p] = (L)((double)s.m[row] * unit + ::log((double)l));
+      lse[p] = (L)lse_natural(s.m[row], s.mlo[row], unit, l);
     }
   }
 }

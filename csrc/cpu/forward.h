@@ -20,6 +20,7 @@ template <typename T>
 struct FwdScratch {
   Arena<T> arena;
   T* m;                      // block state per position: the max (QB), and in double
+  T* mlo;                    // the max's low part (QB): m + mlo is the reference pair (online_softmax)
   double *l, *acc;           // the denominator (QB) and the unnormalised output (QB, Dp)
   double *lw, *acctw, *ltw;  // Fwd::wide: the denominator summed in double (QB); acct and lt in double
   double* vw;                // Fwd::wide: the key tile's values in double (KF, Dp)
@@ -27,13 +28,15 @@ struct FwdScratch {
   T *qt, *st, *stlo;         // (D, QT) queries, transposed; (KF, QT) scores, then weights; (KF, QT)
                              // the scores' low parts (float rows: the score is st + stlo)
   T *mt, *lt, *corr, *tmax;  // (QT) tile state
+  T* mtlo;                   // (QT) mt's low part: mt + mtlo is the reference pair (online_softmax)
   T* acct;                   // (QT, Dp)
   std::vector<double> wide;  // qt in double, for the scores of float rows (widen_operand)
   FwdScratch(int64_t QB, int64_t D, int64_t Dp)
-      : arena(Arena<T>::need({(size_t)QB, (size_t)(D * QT), (size_t)(KF * QT), (size_t)(KF * QT), QT, QT, QT,
-                              QT, (size_t)(QT * Dp)})),
+      : arena(Arena<T>::need({(size_t)QB, (size_t)QB, (size_t)(D * QT), (size_t)(KF * QT), (size_t)(KF * QT),
+                              QT, QT, QT, QT, QT, (size_t)(QT * Dp)})),
         dbl((size_t)(QB * (Dp + 2) + QT * (Dp + 1) + KF * Dp)) {
     m = arena.take(QB);
+    mlo = arena.take(QB);
     l = dbl.data();
     acc = l + QB;
     lw = acc + QB * Dp;
@@ -44,6 +47,7 @@ struct FwdScratch {
     st = arena.take(KF * QT);
     stlo = arena.take(KF * QT);
     mt = arena.take(QT);
+    mtlo = arena.take(QT);
     lt = arena.take(QT);
     corr = arena.take(QT);
     tmax = arena.take(QT);

@@ -66,8 +66,8 @@ struct PieceArgs {
 };
 
 /*
- * Forward of one (batch b, head h, query tile starting at qt0): leaves the tile's max, denominator
- * and unnormalised output in s->mt, s->lt, s->acct. Cost: 2 * D multiply-adds and one exp per
+ * Forward of one (batch b, head h, query tile starting at qt0): leaves the tile's max (the reference
+ * pair s->mt + s->mtlo, online_softmax), denominator and unnormalised output in s->lt, s->acct. Cost: 2 * D multiply-adds and one exp per
  * visible (query, key) pair of the tile.
  */
 template <typename T, int B>
@@ -80,6 +80,7 @@ DA_INLINE void piece_fwd_tile_impl(const PieceArgs<T>& P, int64_t b, int64_t h, 
   const double* qt_wide = widen_operand(s->qt, D, ld, s->wide);
   for (int64_t i = 0; i < ld; ++i) {
     s->mt[i] = neg_inf<T>();
+    s->mtlo[i] = 0;
     s->lt[i] = 0;
   }
   for (int64_t i = 0; i < nq * Dp; ++i) s->acct[i] = 0;
@@ -94,8 +95,8 @@ DA_INLINE void piece_fwd_tile_impl(const PieceArgs<T>& P, int64_t b, int64_t h, 
     gemm_scores<T, B>(s->st, s->stlo, ld, kp + kt0 * P.k_sn, P.k_sn, 1, s->qt, ld, nk, nv, D,
                       diag ? nullptr : s->tmax, P.scale2, qt_wide);  // S^T = scale2 K Q^T and its column max
     if (diag) mask_future<T, B>(s->st, ld, nk, nv, kt0 - qt0 - P.offset);
-    online_softmax<T, B>(s->st, std::is_same<T, float>::value ? s->stlo : nullptr, ld, nk, nv, s->mt, s->lt,
-                         s->corr, diag ? nullptr : s->tmax);
+    online_softmax<T, B>(s->st, std::is_same<T, float>::value ? s->stlo : nullptr, ld, nk, nv, s->mt, s->mtlo,
+                         s->lt, s->corr, diag ? nullptr : s->tmax);
     for (int64_t i = 0; i < nq; ++i) {
       const T c = s->corr[i];
       if (c != 1)
@@ -163,7 +164,7 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
       for (int64_t qt0 = q_first; qt0 < P.nq; qt0 += QT) {
         const int64_t nq = da_min64(QT, P.nq - qt0);
         for (int64_t i = 0; i < nq; ++i) {
-          lse_base2<T>(lse_h[qt0 + i], P.unit, &s->lse[i], &s->lselo[i]);
+          lse_base2<T>(lse_h[qt0 + i], P.unit, &s->lse[i], &s->lselo[i], &s->lselo2[i]);
           s->delta[i] = delta_h[qt0 + i];
         }
         const T* qi = qp + qt0 * P.q_sn;
@@ -174,7 +175,7 @@ DA_INLINE void piece_bwd_task_impl(const PieceArgs<T>& P, int64_t b, int64_t hk,
         gemm<T, B, true>(s->dp, ld, doi, P.do_sn, 1, s->vt, ld, nq, nv, D, false, nullptr, (T)1,
                          P.out + (doi - P.dout));  // dO (V - O)^T
         ds_tile<T, B>(s->s, std::is_same<T, float>::value ? s->slo : nullptr, s->dp, ld, nq, nk, P.causal,
-                      qt0 + P.offset - kt0, s->lse, s->lselo, s->delta, P.scale);
+                      qt0 + P.offset - kt0, s->lse, s->lselo, s->lselo2, s->delta, P.scale);
         gemm<T, B>(s->dvt, Dp, s->s, 1, ld, doi, P.do_sn, nk, Dp / W, nq, true);  // dV += P^T dO
         gemm<T, B>(s->dkt, Dp, s->dp, 1, ld, qi, P.q_sn, nk, Dp / W, nq, true);   // dK += dS^T Q
         gemm<T, B>(dqp + qt0 * P.dq_sn, P.dq_sn, s->dp, ld, 1, kp + kt0 * P.k_sn, P.k_sn, nq, Dp / W, nk,
@@ -255,7 +256,8 @@ static void piece_fwd_into(const Problem& P, const at::Tensor& q_in, const at::T
               const int64_t tile = task % ntiles, bh = task / ntiles;
               const int64_t h = bh % P.Hq, b = bh / P.Hq, qt0 = tile * QT, n = da_min64(QT, nq - qt0);
               piece_fwd_tile(isa, A, b, h, qt0, &s);
-              for (int64_t i = 0; i < n; ++i) {  // out = acc / l, lse = m unit + ln l; no key: 0, -inf
+              for (int64_t i = 0; i < n;
+                   ++i) {  // out = acc / l, lse = (m + mlo) unit + ln l; no key: 0, -inf
                 const int64_t ot = b * out.stride(0) + (qt0 + i) * out.stride(1) + h * out.stride(2);
                 const T l = s.lt[i];
                 const T inv = l == 0 ? (T)0 : (T)1 / l;
@@ -266,7 +268,7 @@ static void piece_fwd_into(const Problem& P, const at::Tensor& q_in, const at::T
                   else
                     out_p[ot + d] = (scalar_t)x;
                 }
-                const double L = l == 0 ? -INFINITY : (double)s.mt[i] * A.unit + ::log((double)l);
+                const double L = l == 0 ? -INFINITY : lse_natural(s.mt[i], s.mtlo[i], A.unit, (double)l);
                 if (lse_t)
                   lse_t[bh * nq + qt0 + i] = (T)L;
                 else
