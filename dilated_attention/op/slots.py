@@ -120,7 +120,10 @@ def attend_slots(
         s_new = (s_new + mult.clamp(min=1).log()).masked_fill(mult == 0, float("-inf"))
         s = torch.cat([s_old, s_new], dim=-1)
         lse = torch.logsumexp(s, dim=-1)  # (B, mc, Hq)
-        w_ = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+        # the weights normalised by their own softmax (their largest score subtracted exactly), not
+        # as exp(s - lse): at scores of ~1e9 and more lse's rounding would reach every weight; rows
+        # whose lse is not finite as exp(s) (no key: 0; an infinite or NaN score carried through)
+        w_ = torch.where(torch.isfinite(lse)[..., None], torch.softmax(s, dim=-1), torch.exp(s))
         # Slots never read may hold stale or unwritten values: their weight is exactly 0, and their
         # values are zeroed so that 0 * NaN cannot appear.
         vold = vbuf.to(ct).masked_fill(~old_mask.any(dim=(1, 3))[..., None], 0)  # (B, Hkv, T, D)

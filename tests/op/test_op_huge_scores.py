@@ -189,12 +189,13 @@ def test_piece_huge_scores_within_rule(nq, nk, Hq, Hkv, offset, cut, scale, mag,
         assert_within_rule(f"piece {name}", a, e, p, dtype)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "slots"])
 @pytest.mark.parametrize("scale", [1e9, 1e30], ids=lambda s: f"scale-{s:g}")
-def test_decode_huge_scores_within_rule(scale):
-    """The fused decode step (its own kernel, csrc/cpu/decode_cpu.cpp: the scores single floats less
-    their maximum, no exponent above 0) after a native prefill, token by token over three
-    branches, against the reference of the whole causal sequence."""
-    fused = True
+def test_decode_huge_scores_within_rule(scale, fused):
+    """The decode step after a native prefill, token by token over three branches, against the
+    reference of the whole causal sequence: fused (its own kernel, csrc/cpu/decode_cpu.cpp: the
+    scores single floats less their maximum) and not (op/slots.py attend_slots: the weights
+    normalised by their own softmax, not from a rounded lse)."""
     N, Hq, Hkv, segs, rates = 24, 4, 2, (4, 8, 16), (1, 2, 4)
     (q, k, v), _, _ = _inputs(5, N, Hq, Hkv, 1.0)
     q, k, v = (t.float() for t in (q, k, v))
