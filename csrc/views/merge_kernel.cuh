@@ -8,16 +8,7 @@
 // merge_cuda.cu.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <stdint.h>
-
-#if defined(DA_CUDA_EMULATION)
-#include "cuda_emulation.h"  // tests/cuda_emulation, on the tests' include path
-#else
-#include <cuda_runtime.h>
-#endif
-
+#include "views/device.cuh"
 #include "views/merge_rule.h"
 
 namespace dilated_attention {

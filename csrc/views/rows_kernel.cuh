@@ -20,19 +20,10 @@
 // rows_cuda.cu.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <stdint.h>
-
 #include <type_traits>
 
+#include "views/device.cuh"
 #include "views/rows.h"  // kRowPairs
-
-#if defined(DA_CUDA_EMULATION)
-#include "cuda_emulation.h"  // tests/cuda_emulation, on the tests' include path
-#else
-#include <cuda_runtime.h>
-#endif
 
 namespace dilated_attention {
 namespace views {
