@@ -12,9 +12,11 @@ take fewer calls with every query head its own key/value head runs on k and v re
 summed per key/value head once (``views/plan.h`` ``Plan::repeated``). What it launches per kernel call
 and once per direction is what the functions below add up, branch by branch, from the same
 conditions as the driver's code (a call of one row and one key runs in closed form; a stride-0
-key/value head is copied to every head; the gradient adds of a branch's runs share launches, those
-before a run whose key/value rows an earlier run's adds also reach going first). An attention operator call (cuDNN or flash attention, forward or backward) counts as one
-launch: the kernels inside it (cuDNN's backward runs several) are the operator's.
+key/value head is copied to every head; a branch's runs merge in one launch; the gradient adds of
+a branch's runs share launches, those before a run whose key/value rows an earlier run's adds also
+reach going first). An attention operator call (cuDNN, flash or efficient attention, forward or
+backward) counts as one launch: the kernels inside it (cuDNN's backward runs several) are the
+operator's.
 
 :func:`views_launches` says how far a geometry is from a launch count that does not grow with the
 dilation rates ("at most 4 per branch plus a constant" a direction;
