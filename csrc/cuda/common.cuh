@@ -100,10 +100,57 @@ __host__ __device__ __forceinline__ double da_score_unit(double scale, acc_t sl2
   return sl2 != (acc_t)0 ? scale / (double)sl2 : DA_LN2;
 }
 
-// lse in natural units from the base-2 running max m and denominator l (l > 0), in double.
+/*
+ * Rows at huge scores (the CPU kernels' rule, csrc/cpu/softmax.h lse_slack and snap_exponent):
+ * softmax_scale goes up to ~1.7e38, and where a row's base-2 lse hi reaches 2^22 (float rows; 2^10
+ * float64 rows) the rounding of L (double) and of its low part reaches the rounding of P. There
+ * the forward writes L with one rounding (da_lse_natural), the backward reads it beyond double
+ * (da_lse_base2: the division's remainder by fma) and rounds each exponent to what a double lse
+ * can tell (da_snap_exponent): within da_lse_slack(hi) = |hi| 2^-50 of 0 it becomes 0, within it of
+ * -log2(c) for a whole c (the keys at the row's largest score times the branches that read each)
+ * it becomes -log2(c), so P = 1 / c exactly where L's rounding put up to 2^-9 into P at 1e12 and,
+ * past ~1e15, any exponent at all (P = 0 or inf). The slack is 0 in every other row: the common
+ * path is unchanged but for one compare. Past ~5e14 a double lse cannot hold ln(l): rows whose
+ * largest key is read through several branches get P = 1 per branch there (as on the CPU).
+ */
+template <typename acc_t>
+__device__ __forceinline__ acc_t da_lse_slack(acc_t hi) {
+  const acc_t a = fabs(hi);
+  return a >= (sizeof(acc_t) == 4 ? (acc_t)0x1p22 : (acc_t)0x1p10) && a < da_inf<acc_t>() ? a * (acc_t)0x1p-50
+                                                                                          : (acc_t)0;
+}
+
+// An exponent x of a row with slack > 0 (da_lse_slack) rounded to what its lse can tell: 0 within
+// the slack of 0, -log2(c) within it of -log2(c) for c = 2 .. 2^8 (c the nearest to 2^-x), else x.
+template <typename acc_t>
+__device__ __forceinline__ acc_t da_snap_exponent(acc_t x, acc_t slack) {
+  if (x >= -slack && x <= slack) return (acc_t)0;
+  if (x < -slack && x >= (acc_t)-8 - slack) {
+    const acc_t c = rint(da_exp2(-x)), t = -da_log2(c);
+    if (c >= (acc_t)2 && fabs(x - t) <= slack) return t;
+  }
+  return x;
+}
+
+// A backward exponent x, P = 2^x, from the pair's score s (the forward's, bit for bit) and the
+// row's lse hi + lo + lo2 (da_lse_base2): (s - hi) - lo, and in a large row (slack > 0) less lo2
+// and snapped (da_snap_exponent). LOW = false (float16/bfloat16 kernels, whose P is rounded to 16
+// bits): s - hi outside large rows, as before (lo is far below their rounding there); lo2 = 0
+// where a kernel keeps no third part (at most 2^-24 |lo| then, ~2^-19 in the rows where the slack
+// matters: |lo| = log2 of the row's denominator once hi's unit in the last place passes 64).
+template <bool LOW = true, typename acc_t>
+__device__ __forceinline__ acc_t da_exponent(acc_t s, acc_t hi, acc_t lo, acc_t lo2 = (acc_t)0) {
+  const acc_t slack = da_lse_slack(hi);
+  if (slack != (acc_t)0) return da_snap_exponent(((s - hi) - lo) - lo2, slack);
+  return LOW ? (s - hi) - lo : s - hi;
+}
+
+// lse in natural units from the base-2 running max m and denominator l (l > 0), in double: with
+// one rounding (fma) in the rows that da_lse_slack calls large, which the backward reads back.
 template <typename acc_t>
 __device__ __forceinline__ double da_lse_natural(acc_t m, acc_t l, double unit) {
-  return (double)m * unit + log((double)l);
+  return da_lse_slack(m) == (acc_t)0 ? (double)m * unit + log((double)l)
+                                     : fma((double)m, unit, log((double)l));
 }
 
 // Row i of the saved lse (B, Hq, N): acc_t, or double where p.lse_f64.
@@ -122,14 +169,21 @@ __device__ __forceinline__ double da_get_lse(const Params& p, int64_t i) {
 // The backward's base-2 lse of a saved natural-unit lse L, as hi + *lo: hi = L / unit rounded to
 // acc_t, lo the rest, so that 2^((s - hi) - lo) does not inherit the rounding of L / unit to acc_t
 // (up to half a unit in the last place of |L / unit|, tens of float epsilons for large logits).
-// -inf gives hi = +inf and lo = 0, so that 2^(s - hi) = 0.
+// In rows that da_lse_slack calls large, L / unit beyond double (the division's remainder, by
+// fma), and what lo leaves in *lo2 (where given; 0 elsewhere): lo alone would round the exponent to
+// 2^-48 |hi| (2^-18 at scores ~1e9). -inf gives hi = +inf and lo = 0, so that 2^(s - hi) = 0.
 template <typename acc_t>
-__device__ __forceinline__ acc_t da_lse_base2(double L, double unit, acc_t* lo) {
+__device__ __forceinline__ acc_t da_lse_base2(double L, double unit, acc_t* lo, acc_t* lo2 = nullptr) {
   *lo = (acc_t)0;
+  if (lo2) *lo2 = (acc_t)0;
   if (L == -(double)INFINITY) return da_inf<acc_t>();
   const double L2 = L / unit;
   const acc_t hi = (acc_t)L2;
-  if (L2 - L2 == 0.0) *lo = (acc_t)(L2 - (double)hi);  // finite
+  if (L2 - L2 != 0.0) return hi;                                    // not finite
+  double r = L2 - (double)hi;                                       // exact: hi is L2 rounded
+  if (da_lse_slack(hi) != (acc_t)0) r += fma(-L2, unit, L) / unit;  // L - L2 unit exactly, over unit
+  *lo = (acc_t)r;
+  if (lo2) *lo2 = (acc_t)(r - (double)*lo);
   return hi;
 }
 

@@ -79,9 +79,10 @@ template <typename acc_t>
 __host__ __device__ inline int64_t simt_smem_elems(int64_t D, int64_t rpw, int ot, int kernel) {
   const int64_t M = kSimtWarps * rpw, ld = simt_lds(D), totals = simt_total_rows<acc_t>(kernel) * M * D;
   switch (kernel) {
-    case kFwd: return M * D + ot * ld + ot * D + totals;        // Q rows, K tile, V tile
-    case kDq: return 2 * M * D + 2 * ot * ld + totals;          // Q, dO rows; K, V tiles
-    default: return 2 * M * D + 2 * ot * ld + 3 * ot + totals;  // K, V rows; Q, dO tiles; lse hi, lo, delta
+    case kFwd: return M * D + ot * ld + ot * D + totals;  // Q rows, K tile, V tile
+    case kDq: return 2 * M * D + 2 * ot * ld + totals;    // Q, dO rows; K, V tiles
+    default:
+      return 2 * M * D + 2 * ot * ld + 4 * ot + totals;  // K, V rows; Q, dO tiles; lse hi, lo, lo2, delta
   }
 }
 
@@ -419,11 +420,13 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
 
   // dq: the partial sum of the last kSumSteps steps; sDq: the rows' totals.
   const double unit = da_score_unit(p.scale, sl2);
-  acc_t lse2[kMaxRowsPerWarp], lse2lo[kMaxRowsPerWarp], dl[kMaxRowsPerWarp], dq[kMaxRowsPerWarp][kMaxCols];
+  acc_t lse2[kMaxRowsPerWarp], lse2lo[kMaxRowsPerWarp], lse2lo2[kMaxRowsPerWarp], dl[kMaxRowsPerWarp],
+      dq[kMaxRowsPerWarp][kMaxCols];
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i) {
     const int64_t x = cur.pos[i];
-    lse2[i] = da_lse_base2<acc_t>(x < N ? da_get_lse<acc_t>(p, lse_row + x) : 0.0, unit, &lse2lo[i]);
+    lse2[i] =
+        da_lse_base2<acc_t>(x < N ? da_get_lse<acc_t>(p, lse_row + x) : 0.0, unit, &lse2lo[i], &lse2lo2[i]);
     dl[i] = x < N ? delta[x] : (acc_t)0;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) dq[i][t] = 0;
@@ -464,7 +467,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
         const acc_t s = simt_score(sQ + row * D, sK + lane * ld, D, sl2);
         const acc_t dp = simt_dot(sdO + row * D, sV + lane * ld, D) *
                          da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T
-        const acc_t pr = da_exp2((s - lse2[i]) - lse2lo[i]);
+        const acc_t pr = da_exp2(da_exponent(s, lse2[i], lse2lo[i], lse2lo2[i]));
         ds = pr * (dp - dl[i]);
       }
       acc_t step[kMaxCols];  // this step's dS K, summed afresh
@@ -512,8 +515,9 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   acc_t* sQ = sV + M * D;                          // [QT][ld]
   acc_t* sdO = sQ + QT * ld;                       // [QT][ld]
   acc_t* sL = sdO + QT * ld;                       // [QT] lse, log2 domain (hi)
-  acc_t* sLlo = sL + QT;                           // [QT] and its low part (da_lse_base2)
-  acc_t* sDl = sLlo + QT;                          // [QT] delta
+  acc_t* sLlo = sL + QT;                           // [QT] and its low parts (da_lse_base2)
+  acc_t* sLlo2 = sLlo + QT;                        // [QT]
+  acc_t* sDl = sLlo2 + QT;                         // [QT] delta
   acc_t* sDk = sDl + QT;                           // [M][D] the rows' totals of dk (float only)
   acc_t* sDv = sDk + M * D;                        // [M][D] and of dv
 
@@ -584,14 +588,15 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     }
     for (int jj = threadIdx.x; jj < QT; jj += kSimtThreads) {
       const int j = cur.o0 + jj;
-      acc_t L = da_inf<acc_t>(), lo = 0, dlt = 0;
+      acc_t L = da_inf<acc_t>(), lo = 0, lo2 = 0, dlt = 0;
       if (j < cur.o_end) {
         const int64_t x = cur.other_position(j);
-        L = da_lse_base2<acc_t>(da_get_lse<acc_t>(p, lse_all + h * p.N + x), unit, &lo);
+        L = da_lse_base2<acc_t>(da_get_lse<acc_t>(p, lse_all + h * p.N + x), unit, &lo, &lo2);
         dlt = delta_all[h * p.N + x];
       }
       sL[jj] = L;
       sLlo[jj] = lo;
+      sLlo2[jj] = lo2;
       sDl[jj] = dlt;
     }
     const uint32_t keep = simt_dropout_keep(cur, p, b * p.Hq + h, sq.start, lane);
@@ -608,7 +613,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
         const acc_t s = simt_score(sQ + lane * ld, sK + row * D, D, sl2);  // the forward's, bit for bit
         const acc_t dp = simt_dot(sV + row * D, sdO + lane * ld, D);
         const acc_t f = da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T, and P M for dV
-        pr = da_exp2((s - sL[lane]) - sLlo[lane]);
+        pr = da_exp2(da_exponent(s, sL[lane], sLlo[lane], sLlo2[lane]));
         ds = pr * (dp * f - sDl[lane]);
         pr *= f;
       }

@@ -431,8 +431,8 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   Tc90Walk cur = tc90_consumer_walk(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, 4 * g + role.warp, lane);
 
   const float sl2 = (float)(p.scale * DA_LOG2E);
-  float lse2[2], dl[2];
-  tc_dq_row_stats(p, sq, h, cur, sl2, lse2, dl);
+  float lse2[2], lse2lo[2], dl[2];
+  tc_dq_row_stats(p, sq, h, cur, sl2, lse2, lse2lo, dl);
 
   float dQ[DT][4];
 #pragma unroll
@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     wgmma_wait<1>();  // S and dP (the older group); the previous dS K may still run
     wgmma_fence_operands(S);
     wgmma_fence_operands(dP);
-    tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
+    tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, lse2lo, dl, tq, p, keep);
     wgmma_wait<0>();  // the previous dS K: dQ is complete, the fragments free, its stage read
     wgmma_fence_operands(dQ);
     if (pv.pending) tc90_release(pipe, pv_stage, role.wtid);
@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sQ = sV + kTc90Consumers * kTcRows * DP;                             // [stage][QT rows]
   T* sdO = sQ + Cfg::STAGES * QT * DP;                                    // [stage][QT rows]
   T* sZ = sdO + Cfg::STAGES * QT * DP;                                    // [QT rows] of zeros
-  unsigned char* sLraw = reinterpret_cast<unsigned char*>(sZ + QT * DP);  // [stage][QT] lse as saved
+  unsigned char* sLraw = reinterpret_cast<unsigned char*>(sZ + QT * DP);  // [stage][QT] lse as saved, then lo
   float* sL = reinterpret_cast<float*>(sLraw + Cfg::STAGES * QT * 8);     // [stage][QT] lse, log2 domain
   float* sDl = sL + Cfg::STAGES * QT;                                     // [stage][QT] delta
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sDl + Cfg::STAGES * QT);
@@ -615,7 +615,10 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     wgmma_wait<1>();  // S^T and dP^T (the older group); the previous products may still run
     wgmma_fence_operands(St);
     wgmma_fence_operands(dPt);
-    tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sDl + stage * QT, tq, p, keep);
+    // the lse's low part: in the first 4 bytes of each query's 8 of sLraw (tc90_convert_stats)
+    tc_dkv_scores<NT, DROPOUT, 2>(St, dPt, cur, need_mask, sl2, sL + stage * QT,
+                                  reinterpret_cast<const float*>(sLraw) + stage * QT * 2, sDl + stage * QT,
+                                  tq, p, keep);
     wgmma_wait<0>();  // the previous products: dV and dK complete, the fragments free, their stage read
     wgmma_fence_operands(dV);
     wgmma_fence_operands(dK);

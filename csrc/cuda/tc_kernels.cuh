@@ -74,7 +74,7 @@ struct TcDkvCfg {
   static constexpr int DC = DP <= 128 ? DP : DP / 2;  // accumulator columns per thread block
   static constexpr int CHUNKS = DP / DC;
   static constexpr int SMEM =
-      (2 * kTcRows * LDS + STAGES * 2 * QT * LDS) * 2 + STAGES * 2 * QT * (int)sizeof(float);
+      (2 * kTcRows * LDS + STAGES * 2 * QT * LDS) * 2 + STAGES * 3 * QT * (int)sizeof(float);
 };
 
 // Loads `rows` rows of DP columns (D of them real) into a shared tile of stride LDS with
@@ -470,32 +470,33 @@ __global__ void __launch_bounds__(kTcThreads) tc_fwd_kernel(const Params p) {
 /* Backward: dq                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 
-// The dq pass's rows: their lse (log2 domain; +inf for -inf so that exp2(s - lse) = 0) and delta.
-// (float16/bfloat16 only: lse's low part, da_lse_base2, is far below their rounding and unused.)
+// The dq pass's rows: their lse (log2 domain, hi + lo: da_lse_base2; +inf for -inf so that
+// exp2(s - lse) = 0) and delta. (float16/bfloat16 only: lo is far below their rounding and read
+// only in the rows at huge scores, da_exponent.)
 template <typename I>
 __device__ __forceinline__ void tc_dq_row_stats(const Params& p, const SeqRows& sq, int64_t h,
                                                 const Walk<2, I>& cur, float sl2, float (&lse2)[2],
-                                                float (&dl)[2]) {
+                                                float (&lse2lo)[2], float (&dl)[2]) {
   const int64_t lse_row = (sq.b * p.Hq + h) * p.N + sq.start;
   const float* delta = static_cast<const float*>(p.delta) + lse_row;
   const double unit = da_score_unit(p.scale, sl2);
-  float lo;
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int64_t x = cur.pos[ri];
-    lse2[ri] = da_lse_base2<float>(x < sq.N ? da_get_lse<float>(p, lse_row + x) : 0.0, unit, &lo);
+    lse2[ri] = da_lse_base2<float>(x < sq.N ? da_get_lse<float>(p, lse_row + x) : 0.0, unit, &lse2lo[ri]);
     dl[ri] = x < sq.N ? delta[x] : 0.f;
   }
 }
 
 // The dq pass's chunk, for both the sm80 and the sm90 kernels: S (scores of the warp's 16 rows
 // x 8 NT keys) becomes dS = P (dP - delta) in place, P = 2^(S sl2 - lse2) on the active pairs
-// (need_mask: pair_active) and 0 elsewhere; with dropout dP is the kept share (M dO V^T).
+// (need_mask: pair_active) and 0 elsewhere, S sl2 rounded as the forward's score (da_mul_rn) and
+// the exponent da_exponent's; with dropout dP is the kept share (M dO V^T).
 template <int NT, bool DROPOUT, typename I>
 __device__ __forceinline__ void tc_dq_scores(float (&S)[NT][4], const float (&dP)[NT][4],
                                              const Walk<2, I>& cur, bool need_mask, float sl2,
-                                             const float (&lse2)[2], const float (&dl)[2], int tq,
-                                             const Params& p, uint32_t keep) {
+                                             const float (&lse2)[2], const float (&lse2lo)[2],
+                                             const float (&dl)[2], int tq, const Params& p, uint32_t keep) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -508,7 +509,7 @@ __device__ __forceinline__ void tc_dq_scores(float (&S)[NT][4], const float (&dP
       }
       const float f =
           DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;  // dropout: M dO V^T
-      const float pr = ok ? exp2f(S[nt][e] * sl2 - lse2[ri]) : 0.f;
+      const float pr = ok ? exp2f(da_exponent<false>(da_mul_rn(S[nt][e], sl2), lse2[ri], lse2lo[ri])) : 0.f;
       S[nt][e] = ok ? pr * (dP[nt][e] * f - dl[ri]) : 0.f;  // dS
     }
   }
@@ -534,11 +535,12 @@ __device__ __forceinline__ void tc_dq_store(const Params& p, const SeqRows& sq, 
 }
 
 // The dk/dv pass's chunk (rows = keys, 8 NT queries): St becomes P^T (times the dropout factors,
-// for dV) and dPt dS^T = P^T (dP^T - delta), with the queries' lse (base 2) and delta from sLs, sDls.
-template <int NT, bool DROPOUT, typename I>
+// for dV) and dPt dS^T = P^T (dP^T - delta), with the queries' lse (base 2: hi from sLs, lo from
+// sLlos at a stride of LO_STRIDE floats, da_exponent) and delta from sDls.
+template <int NT, bool DROPOUT, int LO_STRIDE, typename I>
 __device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[NT][4], const Walk<2, I>& cur,
-                                              bool need_mask, float sl2, const float* sLs, const float* sDls,
-                                              int tq, const Params& p, uint32_t keep) {
+                                              bool need_mask, float sl2, const float* sLs, const float* sLlos,
+                                              const float* sDls, int tq, const Params& p, uint32_t keep) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -548,31 +550,33 @@ __device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[N
       if (need_mask) ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
       // Dropout: M dO V^T, and P M for dV.
       const float f = DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;
-      const float pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
+      const float pr =
+          ok ? exp2f(da_exponent<false>(da_mul_rn(St[nt][e], sl2), sLs[qc], sLlos[qc * LO_STRIDE])) : 0.f;
       St[nt][e] = pr * f;
       dPt[nt][e] = ok ? pr * (dPt[nt][e] * f - sDls[qc]) : 0.f;  // dS^T
     }
   }
 }
 
-// The lse (base 2; +inf where the query is outside the segment, so that P = 0) and delta of the
-// queries o0 .. o0 + QT - 1 of the walk's current head and segment, into sL[QT] and sDl[QT], by
-// the `threads` threads numbered `tid` (the block, or a producer warp).
+// The lse (base 2, hi + lo: da_lse_base2; +inf where the query is outside the segment, so that
+// P = 0) and delta of the queries o0 .. o0 + QT - 1 of the walk's current head and segment, into
+// sL[QT], sLlo[QT] and sDl[QT], by the `threads` threads numbered `tid` (the block, or a producer warp).
 template <int ROWS, typename I>
 __device__ __forceinline__ void tc_dkv_load_stats(const Params& p, const Walk<ROWS, I>& w, int QT,
                                                   int64_t lse_all, const float* delta_all, double unit,
-                                                  float* sL, float* sDl, int tid = threadIdx.x,
+                                                  float* sL, float* sLlo, float* sDl, int tid = threadIdx.x,
                                                   int threads = kTcThreads) {
   const int64_t h = w.head();
   for (int jj = tid; jj < QT; jj += threads) {
     const int j = w.o0 + jj;
-    float L = INFINITY, dlt = 0.f, lo;
+    float L = INFINITY, dlt = 0.f, lo = 0.f;
     if (j < w.o_end) {
       const int64_t x = w.other_position(j);
       L = da_lse_base2<float>(da_get_lse<float>(p, lse_all + h * p.N + x), unit, &lo);
       dlt = delta_all[h * p.N + x];
     }
     sL[jj] = L;
+    sLlo[jj] = lo;
     sDl[jj] = dlt;
   }
 }
@@ -637,8 +641,8 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
   Walk<2> cur = tc_walk_start(p, tl, N, base, h, 1, DA_ROWS_ARE_QUERIES, KT, warp, lane);
 
   const float sl2 = (float)(p.scale * DA_LOG2E);
-  float lse2[2], dl[2];
-  tc_dq_row_stats(p, sq, h, cur, sl2, lse2, dl);
+  float lse2[2], lse2lo[2], dl[2];
+  tc_dq_row_stats(p, sq, h, cur, sl2, lse2, lse2lo, dl);
 
   auto load_kv = [&](const Walk<2>& w, int stage) {
     auto off_k = [&](int jj) -> int64_t {
@@ -680,7 +684,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
       tc_gemm_abt<T, DP, LDS, NT>(S, sQ, sKs, warp, lane, p.D);
       tc_gemm_abt<T, DP, LDS, NT>(dP, sdO, sVs, warp, lane, p.D);
       const bool need_mask = cur.chunk_needs_mask();
-      tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, dl, tq, p, keep);
+      tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, lse2lo, dl, tq, p, keep);
       tc_gemm_pb_masked<T, DP, LDS, NT, DT>(dQ, S, sKs, 0, lane, p.D, need_mask);
     }
     __syncthreads();
@@ -716,6 +720,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
   T* sdO = sQ + STAGES * QT * LDS;                                // [STAGES][QT][LDS]
   float* sL = reinterpret_cast<float*>(sdO + STAGES * QT * LDS);  // [STAGES][QT] lse, log2 domain
   float* sDl = sL + STAGES * QT;                                  // [STAGES][QT] delta
+  float* sLlo = sDl + STAGES * QT;                                // [STAGES][QT] lse's low part
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
@@ -759,7 +764,8 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
       const int j = w.o0 + jj;
       return j < w.o_end ? w.other_position(j) * p.dout.sn : -1;
     });
-    tc_dkv_load_stats(p, w, QT, lse_all, delta_all, unit, sL + stage * QT, sDl + stage * QT);
+    tc_dkv_load_stats(p, w, QT, lse_all, delta_all, unit, sL + stage * QT, sLlo + stage * QT,
+                      sDl + stage * QT);
   };
 
   float dK[CT][4], dV[CT][4];
@@ -794,7 +800,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
       tc_gemm_abt<T, DP, LDS, NT>(St, sK, sQs, warp, lane, p.D);
       tc_gemm_abt<T, DP, LDS, NT>(dPt, sV, sdOs, warp, lane, p.D);
       const bool need_mask = cur.chunk_needs_mask();
-      tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sLs, sDls, tq, p, keep);
+      tc_dkv_scores<NT, DROPOUT, 1>(St, dPt, cur, need_mask, sl2, sLs, sLlo + stage * QT, sDls, tq, p, keep);
       tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dV, St, sdOs, c0, lane, p.D, need_mask);
       tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dK, dPt, sQs, c0, lane, p.D, need_mask);
     }

@@ -194,8 +194,8 @@ extern "C" int da_emu_tc90_row_offsets(int64_t N, int64_t Hq, int64_t b, int64_t
     tc_fwd_store<__half, DT>(p, sq, h, w, m, l, O, sl2, tq);
     tc_dq_store<__half, DT>(p, sq, h, w, O, tq);
     tc_dkv_store<__half, DT>(p, sq, h, 0, w, O, dV, tq);
-    float lse2[2], dl[2];
-    tc_dq_row_stats(p, sq, h, w, sl2, lse2, dl);
+    float lse2[2], lse2lo[2], dl[2];
+    tc_dq_row_stats(p, sq, h, w, sl2, lse2, lse2lo, dl);
     if (threadIdx.x == 0) {
       got[0] = lse2[0];
       got[1] = dl[0];
