@@ -264,34 +264,41 @@ bool extends(const DriverCall& r, const Call& d) {
 
 // The key/value rows of a driver call of a branch: per plan call it runs, (part start, phase, head)
 // of each of its heads (a part's segments and a phase's rows follow from those, the branch's r
-// being one), with its batch entry (b < 0: every one).
-struct KvRows {
-  int64_t b;
-  std::set<std::tuple<int64_t, int64_t, int64_t>> rows;
+// being one).
+using KvRows = std::set<std::tuple<int64_t, int64_t, int64_t>>;
 
-  explicit KvRows(const DriverCall& d) : b(d.b) {
-    const Strided& kv = d.c.kv;
-    for (int64_t i = 0; i < d.count; ++i)
-      for (int64_t t = 0; t < kv.n; ++t)
-        rows.emplace(d.c.part.start, kv.p0 + i * d.step_p + t * kv.dp, kv.c0 + i * d.step_kv + t * kv.dc);
-  }
+KvRows kv_rows(const DriverCall& d) {
+  KvRows rows;
+  const Strided& kv = d.c.kv;
+  for (int64_t i = 0; i < d.count; ++i)
+    for (int64_t t = 0; t < kv.n; ++t)
+      rows.emplace(d.c.part.start, kv.p0 + i * d.step_p + t * kv.dp, kv.c0 + i * d.step_kv + t * kv.dc);
+  return rows;
+}
 
-  bool meets(const KvRows& o) const {
-    if (b >= 0 && o.b >= 0 && b != o.b) return false;
-    for (const auto& x : rows)
-      if (o.rows.count(x)) return true;
-    return false;
-  }
-};
+bool meet(const KvRows& a, const KvRows& b) {
+  for (const auto& x : a)
+    if (b.count(x)) return true;
+  return false;
+}
 
-// Sets adds_first on the calls whose key/value rows meet those of a call since the last one set.
+// Sets adds_first on the calls whose key/value rows meet those of a call since the last one set: the
+// rows pending per batch entry (a call of batch entry b meets those of b and of every batch entry,
+// b < 0; one of every batch entry meets all), kept as unions, so that the pass is linear in the calls.
 void mark_shared_kv_rows(std::vector<DriverCall>* made) {
-  std::vector<KvRows> pending;
+  std::map<int64_t, KvRows> pending;  // per batch entry; -1: every batch entry
   for (DriverCall& d : *made) {
-    KvRows mine(d);
-    for (const KvRows& p : pending) d.adds_first = d.adds_first || mine.meets(p);
+    const KvRows mine = kv_rows(d);
+    if (d.b >= 0) {
+      for (const int64_t e : {d.b, int64_t{-1}}) {
+        const auto it = pending.find(e);
+        d.adds_first = d.adds_first || (it != pending.end() && meet(mine, it->second));
+      }
+    } else {
+      for (const auto& [e, rows] : pending) d.adds_first = d.adds_first || meet(mine, rows);
+    }
     if (d.adds_first) pending.clear();
-    pending.push_back(std::move(mine));
+    pending[d.b].insert(mine.begin(), mine.end());
   }
 }
 

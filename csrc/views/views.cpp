@@ -151,12 +151,13 @@ class Moves {
   }
 
   // A run's view (count, Bb, m, n, ...) as (count Bb, n, m, ...), contiguous, filled by run(): the
-  // layout cuDNN's backward takes dout, out and the statistics in.
-  at::Tensor heads_first(const at::Tensor& view) {
+  // layout cuDNN's backward takes dout, out and the statistics in. into: where to put it, (count,
+  // Bb, n, >= m, ...) (its rows past m left as they are); undefined: a tensor of its own.
+  at::Tensor heads_first(const at::Tensor& view, const at::Tensor& into = at::Tensor()) {
     std::vector<int64_t> sizes = view.sizes().vec();
     std::swap(sizes[2], sizes[3]);
-    const at::Tensor x = at::empty(sizes, view.options());
-    push(x.transpose(2, 3), view);
+    const at::Tensor x = into.defined() ? into : at::empty(sizes, view.options());
+    push(x.narrow(3, 0, view.size(2)).transpose(2, 3), view);
     return x.flatten(0, 1);
   }
 
@@ -505,7 +506,7 @@ std::pair<at::Tensor, at::Tensor> cuda_forward(int kind, const at::Tensor& q, co
 // A call's (dq, dk, dv) ((Bb, m, n, D) each) on the CUDA operator kind, fed the merged out and
 // lse of its rows: d_o and o (Bb, n, m, D) (contiguous for cuDNN; for the efficient kernel the
 // transpose of contiguous (Bb, m, n, D): its backward takes out's rows n D apart, whatever the
-// strides say), lt (Bb, n, m) contiguous, dl
+// strides say), lt (Bb, n, m) contiguous (the efficient kernel's: (Bb, n, m rounded up to 32)), dl
 // (Bb, m, n) (undefined: no dlse term); q, k, v (Bb, m, n, D) (k and v repeated); the dlse term
 // from a second backward call with v = 0, out = e_0 and dout = -dlse e_0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at::Tensor& d_o,
@@ -518,7 +519,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(int kind, const at:
     const at::Tensor qf = q.to(at::kFloat), kf = k.to(at::kFloat), vf = v.to(at::kFloat),
                      dof = d_o.transpose(1, 2).to(at::kFloat);
     const at::Tensor p =
-        ((qf * kf).sum(-1, true).mul(scale) - lt.transpose(1, 2).to(at::kFloat).unsqueeze(-1)).exp();
+        ((qf * kf).sum(-1, true).mul(scale) - lt.narrow(2, 0, 1).transpose(1, 2).to(at::kFloat).unsqueeze(-1))
+            .exp();
     at::Tensor t = (dof * vf).sum(-1, true) - (dof * o.transpose(1, 2).to(at::kFloat)).sum(-1, true);
     if (dl.defined()) t = t + dl.to(at::kFloat).unsqueeze(-1);
     const at::Tensor ds = p * t;
@@ -575,8 +577,8 @@ int cuda_kind(const at::Tensor& q) {
 #ifdef DILATED_ATTENTION_WITH_CUDA
   const int kind = cuda_kernel_kind(q);
   TORCH_CHECK(kind > 0,
-              "dilated_attention::views_fwd on CUDA needs float32, float16 or bfloat16 inputs, got ",
-              dtype_name(q.scalar_type()), " head dim ", q.size(3), "; use the sdpa backend's Python driver");
+              "dilated_attention::views_fwd on CUDA takes float32, float16 or bfloat16 inputs, got ",
+              dtype_name(q.scalar_type()));
   return kind;
 #else
   TORCH_CHECK(false, "dilated_attention::views_fwd: this build has no CUDA kernels, got a tensor on ",
@@ -653,8 +655,8 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
           {gather.operand(run.q(q)), gather.operand(run.kv(kb), heads), gather.operand(run.kv(vb), heads)});
     }
     gather.run(false);
-    // the branch's runs merged at once (their rows are disjoint): on CUDA one launch for up to
-    // kMergeCalls runs
+    // on CUDA the branch's runs merged at once (their rows are disjoint): one launch for up to
+    // kMergeCalls runs; on the CPU each as it comes (no launch to save, and its result freed)
     std::vector<CallNonFinite> fixes;
     fixes.reserve(rs.size());  // (the merges point into it)
     std::vector<MergeCall> merges;
@@ -673,6 +675,10 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
       if (nfb) fixes.push_back(nfb->call(run));
       merges.push_back({run.q(out_acc), run.q3(lse_acc), run.split(og), run.split(lg.narrow(2, 0, run.c.m)),
                         nfb ? &fixes.back() : nullptr});
+      if (!cuda) {
+        merge_calls_(merges, br == 0);
+        merges.clear();
+      }
     }
     merge_calls_(merges, br == 0);
   }
@@ -756,10 +762,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
   } else {
 #ifdef DILATED_ATTENTION_WITH_CUDA
     const at::Tensor out = out_in.contiguous();
+    std::vector<std::vector<Run>> runs_of;  // per branch
+    for (const auto& calls : plan->branches) runs_of.push_back(runs(calls, P.B, P.N));
+    // The efficient kernel's backward reads a call's lse rows rounded up to 32 (the layout of its
+    // forward, whose rows past m are +inf: weight 0), at head and batch strides that are multiples
+    // of 8: one buffer for every run, filled once.
+    at::Tensor lse_rows;
+    int64_t lse_used = 0;
+    auto padded = [](int64_t m) { return (m + 31) / 32 * 32; };
+    if (kind == 3) {
+      int64_t total = 0;
+      for (const auto& rs : runs_of)
+        for (const Run& r : rs) total += r.count * r.batch(P.B) * r.c.q.n * padded(r.c.m);
+      lse_rows = at::full({total}, std::numeric_limits<double>::infinity(), lse_bnh.options());
+    }
     for (size_t br = 0; br < plan->branches.size(); ++br) {
       // The branch's moves in as few launches as the rows kernel takes: the inputs of every run
       // (gathers, and cuDNN's contiguous dout, out and statistics), then its gradients' adds.
-      const std::vector<Run> rs = runs(plan->branches[br], P.B, P.N);
+      const std::vector<Run>& rs = runs_of[br];
       const auto [kb, vb, dkb, dvb] = kv_of(br);
       Moves in, adds;
       std::vector<std::array<at::Tensor, 7>> x;  // q, k, v, d_o, o, lt, dl as the kernel reads them
@@ -777,7 +797,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
           a[3] = dy.flatten(0, 1).transpose(1, 2);
           a[4] = y.flatten(0, 1).transpose(1, 2);
         }
-        a[5] = in.heads_first(r.q3(lse_bnh));
+        at::Tensor into;
+        if (kind == 3) {
+          const int64_t rows = r.count * r.batch(P.B) * n * padded(r.c.m);
+          into = lse_rows.narrow(0, lse_used, rows).view({r.count, r.batch(P.B), n, padded(r.c.m)});
+          lse_used += rows;
+        }
+        a[5] = in.heads_first(r.q3(lse_bnh), into);
         if (has_dlse) a[6] = in.operand(r.q3(dlse_bnh));
         x.push_back(a);
       }

@@ -184,6 +184,8 @@ def views_launches(
     # backward: v with non-finite entries as 0 (causal), lse (and dlse) made (B, N, Hq), the three
     # float32 gradients zeroed and cast back
     backward_constant = 7 + int(is_causal) + int(has_dlse)
+    if kind == "efficient":  # its lse rows padded to 32, the padding +inf: one fill for every call
+        backward_constant += 1
     if repeated:  # k and v repeated (with the non-finite flags, one move); dk, dv zeroed and summed
         forward_constant += 1
         backward_constant += 3

@@ -14,14 +14,15 @@ The schema lives in ``csrc/dilated_attention.cpp``, the driver in ``csrc/views/`
 
 The forward plans every branch's kernel calls as strided views of q, k and v (the plan of
 :mod:`dilated_attention.backends.strided`), runs PyTorch's fused attention operator on each (CPU:
-``_scaled_dot_product_flash_attention_for_cpu``; CUDA: cuDNN or flash attention) and merges the
-calls by log-sum-exp in one fused pass per call. The backward feeds each call the merged ``out``
+``_scaled_dot_product_flash_attention_for_cpu``; CUDA: cuDNN or flash attention, else the
+efficient kernel) and merges the calls by log-sum-exp in one fused pass (on CUDA one launch for a
+branch's calls, up to 8). The backward feeds each call the merged ``out``
 and ``lse`` (CPU: the exact matmul backward of :mod:`dilated_attention.backends.sdpa_kernels`; CUDA: the operators'
 backward) and adds the gradients into float32 accumulators. A forward and its backward are one
 dispatched operator each, which ``torch.compile(fullgraph=True)`` keeps as one node each.
 
 :func:`dilated_attention.backends.sdpa_kernels.cpp_driver_runs` says where the sdpa backend takes
-this driver; elsewhere (dropout, float32 on CUDA) the Python driver of
+this driver; elsewhere (dropout) the Python driver of
 :mod:`dilated_attention.backends.driver` runs.
 
 Under ``torch.func`` (``grad``, ``vjp``, ``jacrev``, ``vmap``) the forward runs through

@@ -462,7 +462,8 @@ def test_varlen_matches_the_reference(
 ):
     """dilated_attention_varlen(backend='sdpa') runs views_varlen_fwd/bwd (one call each way) and
     its out, lse and dq, dk, dv (the lse gradient included) are within SPEC section 4's rule of the
-    per-sequence float64 reference (on CUDA: cuDNN or flash attention, head dims times 8)."""
+    per-sequence float64 reference (on CUDA: cuDNN or flash attention, the efficient kernel for
+    float32; head dims times 8)."""
     if device == "cuda" and (not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0)):
         pytest.skip("needs an sm_80+ GPU")
     if device == "cuda":
