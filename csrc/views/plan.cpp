@@ -286,6 +286,14 @@ bool meet(const KvRows& a, const KvRows& b) {
 // rows pending per batch entry (a call of batch entry b meets those of b and of every batch entry,
 // b < 0; one of every batch entry meets all), kept as unions, so that the pass is linear in the calls.
 void mark_shared_kv_rows(std::vector<DriverCall>* made) {
+  // calls whose key/value rows are their query rows (every query head its own key/value head) share
+  // none: no two calls of a branch share a query row
+  auto own = [](const DriverCall& d) {
+    const Strided &q = d.c.q, &kv = d.c.kv;
+    return d.c.g == 1 && q.p0 == kv.p0 && q.dp == kv.dp && q.c0 == kv.c0 && q.dc == kv.dc && q.n == kv.n &&
+           d.step_q == d.step_kv;
+  };
+  if (std::all_of(made->begin(), made->end(), own)) return;
   std::map<int64_t, KvRows> pending;  // per batch entry; -1: every batch entry
   for (DriverCall& d : *made) {
     const KvRows mine = kv_rows(d);
