@@ -210,3 +210,31 @@ def test_decode_huge_scores_within_rule(scale, fused):
     outp, lsep = reference_attention(q, k, v, segs, rates, True, scale, dtype=torch.float32)
     assert_within_rule("decode out", torch.cat(outs, 1), out64, outp, torch.float32)
     assert_within_rule("decode lse", torch.cat(lses, -1), lse64, lsep, torch.float32)
+
+
+@pytest.mark.parametrize("top,gap", [(1e5, 23.5), (1e5, 24.5), (3e3, 30.0)])
+def test_float64_gradients_keep_small_weights_at_large_scores(top, gap):
+    """float64 rows are not rounded to a slack below 2^50 (their lse's own rounding is smaller): a
+    row's second key, of weight e^-gap (~1e-10) next to its top key at a score of ~1e5, keeps its
+    weight in dv within float64's rule (the reference is float64 itself: twice its error is 0, plus
+    the absolute floor)."""
+    N = 8
+    q = torch.zeros(1, N, 1, 4, dtype=torch.float64)
+    k = torch.zeros(1, N, 1, 4, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k[0, 0, 0, 0], k[0, 1, 0, 0] = top, top - gap
+    for j in range(2, N):
+        k[0, j, 0, 0] = top - 200 - j
+    g = torch.Generator().manual_seed(1)
+    v, dout = (
+        torch.randn(1, N, 1, 4, generator=g, dtype=torch.float64),
+        torch.randn(1, N, 1, 4, generator=g, dtype=torch.float64),
+    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = dattn(*leaves, [N], [1], softmax_scale=1.0, backend="native")
+    got = torch.autograd.grad(out, leaves, dout)
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_attention(*refs, [N], [1], False, 1.0)
+    want = torch.autograd.grad(ref, refs, dout)
+    for name, a, e in zip(("dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, e, atol=1e-10, rtol=0, msg=name)
