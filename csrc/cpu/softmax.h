@@ -175,18 +175,19 @@ static void dropout_tile(const da_dropout& d, int64_t bh, T* t, int64_t si, int6
  * scores are the forward's bit for bit; the error is L's rounding to double, which the forward
  * computes from its reference pair with one rounding (lse_natural) and the backward reads back
  * beyond double (lse_base2): about 2^-52 |L / unit|. The slack is four times that, |hi| * 2^-50, in
- * rows with |hi| >= 2^22 (float rows), where the rounding of lo would reach the rounding of P, and
- * which lse_base2 and lse_natural compute beyond double; in float64 rows only from |hi| = 2^50, where
- * the slack reaches 1 and no exponent could be told apart any more (below that, rounding float64
- * exponents to the slack would cost more than L's own rounding: a key of weight 1 - e with e under
- * the slack would get 1); 0 in the others (the common path, unchanged). At scores ~1e12
+ * rows with |hi| >= 2^22, where the rounding of lo (float rows) would reach the rounding of P, and
+ * which lse_base2 and lse_natural compute beyond double. Float64 rows take the same bound: below it
+ * rounding their exponents to the slack would cost more than L's own rounding (a key of weight
+ * 1 - e with e under the slack would get 1: dv off by 3e-10 at scores of 1e5), above it no double
+ * lse gives their P to float64's rule either way, and the rounding makes the usual rows, whose
+ * weight sits on their largest scores, exact. 0 in the others (the common path, unchanged). At scores ~1e12
  * (|hi| ~ 2^42) the slack is 2^-8: L's rounding alone would put 2^-9 into P, where plain PyTorch,
  * whose softmax normalises its own weights, errs by float's rounding (snap_exponent).
  */
 template <typename T>
 DA_INLINE T lse_slack(T hi) {
   const T a = std::fabs(hi);
-  return a >= (sizeof(T) == 4 ? (T)0x1p22 : (T)0x1p50) ? a * (T)0x1p-50 : (T)0;
+  return a >= (T)0x1p22 ? a * (T)0x1p-50 : (T)0;
 }
 
 /*

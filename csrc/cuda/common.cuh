@@ -102,8 +102,9 @@ __host__ __device__ __forceinline__ double da_score_unit(double scale, acc_t sl2
 
 /*
  * Rows at huge scores (the CPU kernels' rule, csrc/cpu/softmax.h lse_slack and snap_exponent):
- * softmax_scale goes up to ~1.7e38, and where a row's base-2 lse hi reaches 2^22 (float rows; 2^10
- * float64 rows) the rounding of L (double) and of its low part reaches the rounding of P. There
+ * softmax_scale goes up to ~1.7e38, and where a row's base-2 lse hi reaches 2^22 the rounding of L
+ * (double) and of its low part reaches the rounding of P (float rows; float64 rows, whose P no
+ * double lse can then give to float64's rule, below it keep their exponents as L gives them). There
  * the forward writes L with one rounding (da_lse_natural), the backward reads it beyond double
  * (da_lse_base2: the division's remainder by fma) and rounds each exponent to what a double lse
  * can tell (da_snap_exponent): within da_lse_slack(hi) = |hi| 2^-50 of 0 it becomes 0, within it of
@@ -116,8 +117,7 @@ __host__ __device__ __forceinline__ double da_score_unit(double scale, acc_t sl2
 template <typename acc_t>
 __device__ __forceinline__ acc_t da_lse_slack(acc_t hi) {
   const acc_t a = fabs(hi);
-  return a >= (sizeof(acc_t) == 4 ? (acc_t)0x1p22 : (acc_t)0x1p10) && a < da_inf<acc_t>() ? a * (acc_t)0x1p-50
-                                                                                          : (acc_t)0;
+  return a >= (acc_t)0x1p22 && a < da_inf<acc_t>() ? a * (acc_t)0x1p-50 : (acc_t)0;
 }
 
 // An exponent x of a row with slack > 0 (da_lse_slack) rounded to what its lse can tell: 0 within
