@@ -214,7 +214,7 @@ def test_decode_huge_scores_within_rule(scale, fused):
 
 @pytest.mark.parametrize("top,gap", [(1e5, 23.5), (1e5, 24.5), (3e3, 30.0)])
 def test_float64_gradients_keep_small_weights_at_large_scores(top, gap):
-    """float64 rows are not rounded to a slack below 2^50 (their lse's own rounding is smaller): a
+    """float64 rows are not rounded to a slack below 2^22 (their lse's own rounding is smaller): a
     row's second key, of weight e^-gap (~1e-10) next to its top key at a score of ~1e5, keeps its
     weight in dv within float64's rule (the reference is float64 itself: twice its error is 0, plus
     the absolute floor)."""
