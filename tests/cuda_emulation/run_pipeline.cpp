@@ -22,12 +22,12 @@ using namespace dilated_attention::cuda;
 
 namespace {
 
-using L = Sw90<32>;
+using L = Sw90<32>;  // 64 rows of A and 16 rows of B, 32 columns (16 of them used)
 
 // A (B, N, H, D) tensor's description (contiguous) from its data pointer.
 Tensor4 contiguous_at(void* data, int64_t N, int64_t H, int64_t D) {
   return Tensor4{data, N * H * D, H * D, D};
-}  // 64 rows of A and 16 rows of B, 32 columns (16 of them used)
+}
 
 // Variants of the pattern; each breaks one rule unless kOk.
 enum Case {
