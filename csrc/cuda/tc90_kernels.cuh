@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sQ = sV + kTc90Consumers * kTcRows * DP;                             // [stage][QT rows]
   T* sdO = sQ + Cfg::STAGES * QT * DP;                                    // [stage][QT rows]
   T* sZ = sdO + Cfg::STAGES * QT * DP;                                    // [QT rows] of zeros
-  unsigned char* sLraw = reinterpret_cast<unsigned char*>(sZ + QT * DP);  // [stage][QT] lse as saved, then lo
+  unsigned char* sLraw = reinterpret_cast<unsigned char*>(sZ + QT * DP);  // [stage][QT] lse as saved
   float* sL = reinterpret_cast<float*>(sLraw + Cfg::STAGES * QT * 8);     // [stage][QT] lse, log2 domain
   float* sDl = sL + Cfg::STAGES * QT;                                     // [stage][QT] delta
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sDl + Cfg::STAGES * QT);
@@ -615,9 +615,8 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     wgmma_wait<1>();  // S^T and dP^T (the older group); the previous products may still run
     wgmma_fence_operands(St);
     wgmma_fence_operands(dPt);
-    // the lse's low part: in the first 4 bytes of each query's 8 of sLraw (tc90_convert_stats)
-    tc_dkv_scores<NT, DROPOUT, 2>(St, dPt, cur, need_mask, sl2, sL + stage * QT,
-                                  reinterpret_cast<const float*>(sLraw) + stage * QT * 2, sDl + stage * QT,
+    // (without the lse's low part: tc_dkv_scores)
+    tc_dkv_scores<NT, DROPOUT, 0>(St, dPt, cur, need_mask, sl2, sL + stage * QT, nullptr, sDl + stage * QT,
                                   tq, p, keep);
     wgmma_wait<0>();  // the previous products: dV and dK complete, the fragments free, their stage read
     wgmma_fence_operands(dV);

@@ -357,11 +357,9 @@ __device__ __forceinline__ void tc90_load_stats(const Params& p, const Tc90Walke
 // The dk/dv producer warpgroup's stats warp: for each stage in turn, once the producer warp's
 // copies of lse and delta have landed (stats), the chunk's lse (raw, tc90_load_stats) in base 2
 // (da_lse_base2, as the sm80 kernel takes it; +inf at or past the segment's end, so that P = 0)
-// into sL, its low part over the first 4 bytes of the query's 8 in raw (read, no longer needed:
-// the producer refills the stage only once the consumers release it), and its 32 arrivals on
-// full; at the producer's last slot (done) only the arrivals.
+// into sL, and its 32 arrivals on full; at the producer's last slot (done) only the arrivals.
 template <int QT, int STAGES>
-__device__ __forceinline__ void tc90_convert_stats(const Params& p, Tc90Pipe* pipe, unsigned char* raw,
+__device__ __forceinline__ void tc90_convert_stats(const Params& p, Tc90Pipe* pipe, const unsigned char* raw,
                                                    float* sL, float sl2, int lane) {
   const double unit = da_score_unit(p.scale, sl2);
   int stage = 0;
@@ -376,11 +374,10 @@ __device__ __forceinline__ void tc90_convert_stats(const Params& p, Tc90Pipe* pi
     }
     const int32_t n = c.at.o_end - c.o0;  // the chunk's queries in the segment
     for (int jj = lane; jj < QT; jj += 32) {
-      unsigned char* x = raw + 8 * (stage * QT + jj);
+      const unsigned char* x = raw + 8 * (stage * QT + jj);
       const double L = p.lse_f64 ? *reinterpret_cast<const double*>(x) : *reinterpret_cast<const float*>(x);
-      float lo = 0.f;
+      float lo;
       sL[stage * QT + jj] = jj < n ? da_lse_base2<float>(L, unit, &lo) : INFINITY;
-      *reinterpret_cast<float*>(x) = lo;
     }
     mbar_arrive(&pipe->full[stage]);
     stage = stage + 1 == STAGES ? 0 : stage + 1;

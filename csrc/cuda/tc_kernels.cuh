@@ -536,7 +536,9 @@ __device__ __forceinline__ void tc_dq_store(const Params& p, const SeqRows& sq, 
 
 // The dk/dv pass's chunk (rows = keys, 8 NT queries): St becomes P^T (times the dropout factors,
 // for dV) and dPt dS^T = P^T (dP^T - delta), with the queries' lse (base 2: hi from sLs, lo from
-// sLlos at a stride of LO_STRIDE floats, da_exponent) and delta from sDls.
+// sLlos at a stride of LO_STRIDE floats, da_exponent) and delta from sDls. LO_STRIDE = 0 (the sm90
+// kernel, whose consumers spill at head dim 192 with da_exponent): P = 2^(S sl2 - hi), without the
+// rule of rows at huge scores (tests/cuda/test_cuda_huge_scores.py marks what that leaves).
 template <int NT, bool DROPOUT, int LO_STRIDE, typename I>
 __device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[NT][4], const Walk<2, I>& cur,
                                               bool need_mask, float sl2, const float* sLs, const float* sLlos,
@@ -550,8 +552,11 @@ __device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[N
       if (need_mask) ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
       // Dropout: M dO V^T, and P M for dV.
       const float f = DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;
-      const float pr =
-          ok ? exp2f(da_exponent<false>(da_mul_rn(St[nt][e], sl2), sLs[qc], sLlos[qc * LO_STRIDE])) : 0.f;
+      float pr = 0.f;
+      if (LO_STRIDE == 0)
+        pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
+      else
+        pr = ok ? exp2f(da_exponent<false>(da_mul_rn(St[nt][e], sl2), sLs[qc], sLlos[qc * LO_STRIDE])) : 0.f;
       St[nt][e] = pr * f;
       dPt[nt][e] = ok ? pr * (dPt[nt][e] * f - sDls[qc]) : 0.f;  // dS^T
     }
