@@ -184,3 +184,23 @@ def assert_grad_and_vjp_agree(f, ref, q: torch.Tensor, k: torch.Tensor, v: torch
     one = torch.ones((), dtype=q.dtype)
     for a, e in zip(pull(one), pull_ref(one), strict=True):
         torch.testing.assert_close(a, e)
+
+
+# The huge-score cases of the CPU and the emulated CUDA kernels (tests/op/test_op_huge_scores.py,
+# tests/cuda/test_cuda_huge_scores.py): (softmax_scale or None for 1/sqrt(D), scale of q and k),
+# the largest |score| from ~1e9 to ~1e31 (q . k / sqrt(D) has standard deviation |q| |k|) ...
+HUGE_SCORE_MAGNITUDES = [
+    pytest.param(1e9, 1.0, id="scale-1e9"),
+    pytest.param(1e12, 1.0, id="scale-1e12"),
+    pytest.param(1e30, 1.0, id="scale-1e30"),
+    pytest.param(None, 3e5, id="inputs-3e5"),
+    pytest.param(None, 1e15, id="inputs-1e15"),
+]
+
+# ... over (N, Hq, Hkv, segment_lengths, dilation_rates, is_causal).
+HUGE_SCORE_GEOMETRIES = [
+    pytest.param(40, 2, 2, [16], [1], False, id="one-branch"),
+    pytest.param(40, 2, 1, [16], [2], True, id="one-branch-dilated-causal-gqa"),
+    pytest.param(40, 2, 2, [8, 16], [1, 2], True, id="two-branches-causal"),
+    pytest.param(41, 4, 2, [4, 8, 32], [1, 2, 4], False, id="three-branches-gqa"),
+]

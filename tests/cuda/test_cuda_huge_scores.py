@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import grads
+from common import HUGE_SCORE_GEOMETRIES, HUGE_SCORE_MAGNITUDES, grads
 from reference import multiplicity, reference_attention
 from test_cuda import _emu_call, emu  # noqa: F401  (emu: the emulation's fixture)
 from tolerance import assert_within_rule
@@ -33,21 +33,10 @@ D = 32  # the tensor-core kernels' smallest head dim
 
 # (softmax_scale or None for 1/sqrt(D), scale of q and k): the largest |score| is about 2e10,
 # 2e13, 2e31, 7e11 and 6e30.
-MAGNITUDES = [
-    pytest.param(1e9, 1.0, id="scale-1e9"),
-    pytest.param(1e12, 1.0, id="scale-1e12"),
-    pytest.param(1e30, 1.0, id="scale-1e30"),
-    pytest.param(None, 3e5, id="inputs-3e5"),
-    pytest.param(None, 1e15, id="inputs-1e15"),
-]
+MAGNITUDES = HUGE_SCORE_MAGNITUDES
 
 # (N, Hq, Hkv, segment_lengths, dilation_rates, is_causal)
-GEOMETRIES = [
-    pytest.param(40, 2, 2, [16], [1], False, id="one-branch"),
-    pytest.param(40, 2, 1, [16], [2], True, id="one-branch-dilated-causal-gqa"),
-    pytest.param(40, 2, 2, [8, 16], [1, 2], True, id="two-branches-causal"),
-    pytest.param(41, 4, 2, [4, 8, 32], [1, 2, 4], False, id="three-branches-gqa"),
-]
+GEOMETRIES = HUGE_SCORE_GEOMETRIES
 
 # (dtype, family: 0 sm80 tensor cores, 1 SIMT, 2 sm90 tensor cores)
 KERNELS = [

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import grads, one_thread  # noqa: F401  (one_thread: an autouse fixture)
+from common import HUGE_SCORE_GEOMETRIES, HUGE_SCORE_MAGNITUDES, grads, one_thread  # noqa: F401  (one_thread: an autouse fixture)
 from reference import reference_attention, reference_piece
 from tolerance import assert_within_rule
 
@@ -38,21 +38,10 @@ D = 16
 
 # (softmax_scale or None for 1/sqrt(D), scale of q and k): the largest |score| is about 4e9, 4e12,
 # 4e30, 2e11 and 5e30 (q . k / sqrt(D) has standard deviation |q| |k|).
-MAGNITUDES = [
-    pytest.param(1e9, 1.0, id="scale-1e9"),
-    pytest.param(1e12, 1.0, id="scale-1e12"),
-    pytest.param(1e30, 1.0, id="scale-1e30"),
-    pytest.param(None, 3e5, id="inputs-3e5"),
-    pytest.param(None, 1e15, id="inputs-1e15"),
-]
+MAGNITUDES = HUGE_SCORE_MAGNITUDES
 
 # (N, Hq, Hkv, segment_lengths, dilation_rates, is_causal)
-GEOMETRIES = [
-    pytest.param(40, 2, 2, [16], [1], False, id="one-branch"),
-    pytest.param(40, 2, 1, [16], [2], True, id="one-branch-dilated-causal-gqa"),
-    pytest.param(40, 2, 2, [8, 16], [1, 2], True, id="two-branches-causal"),
-    pytest.param(41, 4, 2, [4, 8, 32], [1, 2, 4], False, id="three-branches-gqa"),
-]
+GEOMETRIES = HUGE_SCORE_GEOMETRIES
 
 DTYPES = [torch.float32, torch.bfloat16]
 
