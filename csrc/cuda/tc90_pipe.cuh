@@ -69,8 +69,13 @@ struct Tc90Pipe {
 
 template <int DP>
 struct Tc90FwdCfg {
-  static constexpr int STAGES = kTc90Stages;
-  static constexpr int KT = TcFwdCfg<DP>::KT;  // keys per step: 64 (DP <= 128), 32 (192), 16 (256)
+  // Keys per step: 64 (DP <= 128), 32 (192, 256). A consumer thread holds O (DP / 2 floats), S
+  // (KT / 2) and the previous chunk's P as A fragments (KT / 4) in registers: at 256, 32 keys (the
+  // sm80 kernel takes 16) use 189 of the 232 registers, 192 with dropout (ptxas, sm_90a, CUDA
+  // 13.0; 177 and 181 with 16), with no spill. Shared memory holds four stages at 256 (214,976
+  // bytes; five would not fit next to the 64 rows of Q of each consumer: 245,760 of tiles alone).
+  static constexpr int KT = DP <= 128 ? 64 : 32;
+  static constexpr int STAGES = DP == 256 ? 4 : kTc90Stages;
   static constexpr int Q_BYTES = kTcRows * DP * 2, KV_BYTES = KT * DP * 2;  // multiples of 1024
   // Q of each consumer, K and V of each stage, the pipe; + 1024: the tiles start on a 1024-byte
   // boundary of the dynamic shared memory.

@@ -749,6 +749,26 @@ def test_emulated_sm90_kernels(emu, B, N, Hq, Hkv, D, segs, rates, tiling, is_ca
     check_emulated(emu, B, N, Hq, Hkv, D, segs, rates, is_causal, torch.bfloat16, 2, (R, il, 16, 64))
 
 
+@pytest.mark.parametrize(
+    "is_causal,order,eager,dropout_p",
+    [(False, 0, 0, 0.0), (True, 0, 0, 0.0), (True, 2, 1, 0.0), (False, 0, 0, 0.25)],
+    ids=["full", "causal", "causal-shuffled-eager", "full-dropout"],
+)
+def test_emulated_sm90_forward_d256_cycles_its_stages(emu, emu_pipeline, is_causal, order, eager, dropout_p):
+    """The sm90 forward at head dim 256 (32 keys a chunk in four stages, tc90_pipe.cuh Tc90FwdCfg):
+    segments of up to 256 keys, so that the producer refills every stage several times, with
+    reordered threads and early copies, and with dropout, against the float64 reference."""
+    assert tc90_tiles(emu_pipeline, 256)[0] == 32
+    emu.da_emu_options(order, 778, eager)
+    try:
+        check_emulated(
+            emu, 1, 300, 2, 1, 256, [64, 256], [1, 2], is_causal, torch.bfloat16, 2, (1, 0, 16, 64),
+            dropout_p=dropout_p,
+        )  # fmt: skip
+    finally:
+        emu.da_emu_options(0, 1, 0)
+
+
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_emulated_sm90_kernels_without_tensor_maps(emu, is_causal):
     """The sm90 kernels where no tensor map serves a chunk (every chunk by cp.async, as for rates
