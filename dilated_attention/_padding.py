@@ -40,12 +40,19 @@ def check_padding_mask(mask: Any, B: int, N: int, device: torch.device) -> torch
     if mask.device.type == "meta" and device.type != "meta":
         raise ValueError(f"key_padding_mask is a meta tensor (it holds no values) but q is on {device}")
     if mask.dtype != torch.bool:
-        if mask.is_complex() or (not has_no_data(mask) and not ((mask == 0) | (mask == 1)).all()):
+        if mask.is_complex():
             raise ValueError(
-                f"key_padding_mask must be bool or hold only 0 and 1 (1 = real token), got {mask.dtype} "
-                "with other values (a mask in nn.MultiheadAttention's convention, True or -inf = padding, "
-                "is for DropInMultiheadAttention)"
+                f"key_padding_mask must be bool or hold only 0 and 1 (1 = real token), got {mask.dtype}"
             )
+        if not has_no_data(mask):
+            bad = ((mask != 0) & (mask != 1)).nonzero()
+            if len(bad):
+                row, col = bad[0].tolist()
+                raise ValueError(
+                    f"key_padding_mask must be bool or hold only 0 and 1 (1 = real token), got "
+                    f"{mask[row, col].item()!r} at [{row}, {col}] ({mask.dtype}; a mask in "
+                    "nn.MultiheadAttention's convention, True or -inf = padding, is for DropInMultiheadAttention)"
+                )
         mask = mask != 0
     return mask.to(device)
 

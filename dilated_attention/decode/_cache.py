@@ -77,7 +77,9 @@ class DilatedKVCache:
         backend: str = "auto",
     ) -> torch.Tensor:
         """Append ``k``, ``v`` (B, T, Hkv, D) to ``layer`` after each sequence's cached positions
-        and return the causal dilated attention of ``q`` (B, T, Hq, D) there, (B, T, Hq, D)."""
+        and return the causal dilated attention of ``q`` (B, T, Hq, D) there, (B, T, Hq, D). q, k and
+        v are computed on in the cache's dtype (k and v stored as it) and the result is cast back to
+        q's dtype: a cache narrower than q rounds them."""
         if not 0 <= layer < len(self.k):
             raise ValueError(f"layer must be in [0, {len(self.k)}), got {layer}")
         dtype = self.k[layer].dtype

@@ -124,7 +124,8 @@ class BoundedDilatedKVCache:
         tokens are its last ``num_new[b]`` (left padding). ``backend`` runs a prefill (new tokens
         on an empty cache) as in :func:`~dilated_attention.dilated_attention`. ``segment_lengths``,
         ``dilation_rates`` (as :class:`DilatedKVCache` takes them) may be given: they must be the
-        cache's."""
+        cache's. q, k and v are computed on in the cache's dtype (k and v stored as it) and the
+        result is cast back to q's dtype: a cache narrower than q rounds them."""
         if segment_lengths is not None or dilation_rates is not None:
             given = V.normalize_branches(segment_lengths, dilation_rates)
             if given != (self.segment_lengths, self.dilation_rates):

@@ -313,9 +313,10 @@ def test_multihead_padding_mask_matches_each_row_alone():
         ),
         (torch.ones(2, 7, dtype=torch.bool), r"shape \(B, N\) = \(2, 8\)"),
         (torch.full((2, 8), 2), "only 0 and 1"),
+        (torch.tensor([[1] * 8, [1, 1, 1, 3, 0, 0, 0, 0]]), r"only 0 and 1 .*got 3 at \[1, 3\]"),
         ([[1] * 8] * 2, "must be a torch.Tensor"),
     ],
-    ids=["gap", "shape", "values", "not-a-tensor"],
+    ids=["gap", "shape", "values", "value-named", "not-a-tensor"],
 )
 def test_bad_padding_masks(mask, match):
     q = torch.randn(2, 8, 2, 4)

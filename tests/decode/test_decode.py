@@ -156,6 +156,34 @@ def test_low_precision_within_the_rule(dtype):
     assert_within_rule("decode lse", lse, ref_lse, plain_lse, dtype)
 
 
+@pytest.mark.parametrize("bounded", [False, True], ids=["full", "bounded"])
+def test_cache_computes_in_its_dtype_and_returns_q_dtype(bounded):
+    """Both caches take q, k, v of another dtype: they are rounded to the cache's (float32 here),
+    the result is the float64 reference of the rounded inputs, returned in q's dtype."""
+    from dilated_attention import BoundedDilatedKVCache
+
+    segs, rates, N = (4, 8), (1, 2), 12
+    q, k, v = make_inputs(1, N, 2, 2, 8, torch.float64, seed=5, requires_grad=False)
+    r32 = [t.float().double() for t in (q, k, v)]
+    ref, _ = reference_attention(*r32, segs, rates, is_causal=True)
+    if bounded:
+        cache = BoundedDilatedKVCache(1, 1, 2, 2, 8, segs, rates, dtype=torch.float32)
+    else:
+        cache = DilatedKVCache(1, 1, N, 2, 8, dtype=torch.float32)
+    outs = []
+    for p in range(N):
+        s = slice(p, p + 1)
+        outs.append(
+            cache.attend(0, q[:, s], k[:, s], v[:, s])
+            if bounded
+            else cache.attend(0, q[:, s], k[:, s], v[:, s], segs, rates)
+        )
+        cache.advance(1)
+    out = torch.cat(outs, 1)
+    assert out.dtype == torch.float64 and cache.k[0].dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6)
+
+
 def test_cache_with_prompts_of_different_lengths():
     """DilatedKVCache: right-padded prompts prefilled together, advanced by their real lengths,
     then decoded in lockstep; every row equals the reference of its own sequence."""
