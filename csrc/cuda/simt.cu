@@ -1,5 +1,5 @@
 // SIMT kernels (any architecture, every dtype, 1 <= D <= 256): forward, dq, dk/dv, and the
-// backward's delta = rowsum(dout * out) - dlse.
+// backward's delta = rowsum(dout * out) - dlse (read by the dq and dk/dv passes with dropout only).
 //
 // A thread block has 4 warps; a warp follows rows_per_warp (<= 4) rows of one head, one at a time,
 // and a lane takes one of `other_tile` (<= 32) keys (queries for dk/dv) of the current step: it
@@ -15,8 +15,20 @@
 // (common.cuh da_dropout_factor): in the forward after the weight went into the denominator, in the
 // backward dP and, for dV, P; P V and P^T dO skip a dropped weight as they skip a masked one.
 //
-// Cost per (query, key) pair: forward 2 D multiply-adds; backward (dq pass + dk/dv pass) 5 D; with
-// dropout, one Philox call more in each of the three passes.
+// With float accumulators the backward's dS = P (dP - delta) is formed as the CPU kernels form it
+// (docs/cpu-kernel.md): P (dout . (v - out) + dlse), v - out subtracted per column before the dot
+// product with dout (simt_dot_sub), so that a row whose weight sits on one key (large logits),
+// where v - out is tiny, gets a tiny error, where dout . v and delta, two dot products rounded
+// apart, would leave ~2^-24 |dout| |v| of their difference in dS, times P ~ 1 (up to 6.5x SPEC
+// section 4's rule in dq and dk at huge scores). With dropout, dP = M (dout . v) and dS = P (dP -
+// delta) as before (out's rows in shared memory are then zeros: dout . (v - 0) is dout . v bit for
+// bit). Double accumulators (float64) keep dP - delta, whose cancellation is 2^-53 |dout| |v|, and
+// no out rows (simt_sub_out: their shared memory would leave no plan for float64 at head dim 256
+// on sm_75, 192 on sm_60).
+//
+// Cost per (query, key) pair: forward 2 D multiply-adds; backward (dq pass + dk/dv pass) 5 D, and
+// 2 D subtractions with float accumulators; with dropout, one Philox call more in each of the three
+// passes.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -75,14 +87,22 @@ __host__ __device__ inline int simt_lds(int64_t D) {
   return (int)(D % 2 == 0 ? D + 1 : D);
 }
 
+// Whether the backward forms dP - delta as dout . (v - out) + dlse (float accumulators), with out's
+// rows (dq) or tile (dk/dv) in shared memory, or as dout . v - delta (double).
+template <typename acc_t>
+__host__ __device__ constexpr bool simt_sub_out() {
+  return sizeof(acc_t) == 4;
+}
+
 template <typename acc_t>
 __host__ __device__ inline int64_t simt_smem_elems(int64_t D, int64_t rpw, int ot, int kernel) {
   const int64_t M = kSimtWarps * rpw, ld = simt_lds(D), totals = simt_total_rows<acc_t>(kernel) * M * D;
+  const int64_t o = simt_sub_out<acc_t>() ? 1 : 0;
   switch (kernel) {
-    case kFwd: return M * D + ot * ld + ot * D + totals;  // Q rows, K tile, V tile
-    case kDq: return 2 * M * D + 2 * ot * ld + totals;    // Q, dO rows; K, V tiles
-    default:
-      return 2 * M * D + 2 * ot * ld + 4 * ot + totals;  // K, V rows; Q, dO tiles; lse hi, lo, lo2, delta
+    case kFwd: return M * D + ot * ld + ot * D + totals;      // Q rows, K tile, V tile
+    case kDq: return (2 + o) * M * D + 2 * ot * ld + totals;  // Q, dO (, out) rows; K, V tiles
+    default:  // K, V rows; Q, dO (, out) tiles; lse hi, lo, lo2, delta (or -dlse)
+      return 2 * M * D + (2 + o) * ot * ld + 4 * ot + totals;
   }
 }
 
@@ -92,6 +112,33 @@ __device__ __forceinline__ acc_t simt_dot(const acc_t* a, const acc_t* b, int64_
   acc_t s = 0;
   for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
   return s;
+}
+
+// dout . (v - out) of rows in shared memory: dP less rowsum(dout * out), each column's difference
+// rounded before its product (exact where v and out are within a factor 2 of each other).
+template <typename acc_t>
+__device__ __forceinline__ acc_t simt_dot_sub(const acc_t* dout, const acc_t* v, const acc_t* out,
+                                              int64_t D) {
+  acc_t s = 0;
+  for (int64_t d = 0; d < D; ++d) s += dout[d] * (v[d] - out[d]);
+  return s;
+}
+
+// Element `at` of the backward's out rows (simt_sub_out): scalar_t, or acc_t (p.out_f32, the float32
+// out of a float16/bfloat16 call). 0 with dropout (dP = M dout . v, less delta: out is not read).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t simt_out_at(const Params& p, int64_t at) {
+  if (p.drop.threshold != 0u) return (acc_t)0;
+  return p.out_f32 ? static_cast<const acc_t*>(p.out.data)[at]
+                   : (acc_t) static_cast<const scalar_t*>(p.out.data)[at];
+}
+
+// What the backward subtracts from a row's dP (dS = P (dP - dl)): delta = rowsum(dout * out) - dlse
+// with dropout or double accumulators, else -dlse (dP then is dout . (v - out)), 0 without dlse.
+template <typename acc_t>
+__device__ __forceinline__ acc_t simt_row_dl(const Params& p, int64_t at) {
+  if (!simt_sub_out<acc_t>() || p.drop.threshold != 0u) return static_cast<const acc_t*>(p.delta)[at];
+  return p.dlse ? -static_cast<const acc_t*>(p.dlse)[at] : (acc_t)0;
 }
 
 // The largest head dim whose float scores sum in float (as the CPU kernel's: within SPEC section
@@ -384,11 +431,12 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   DA_EXTERN_SMEM(smem_raw);
   const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
   const int KT = p.other_tile, ld = simt_lds(D);
-  acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);  // [M][D]
-  acc_t* sdO = sQ + M * D;                         // [M][D]
-  acc_t* sK = sdO + M * D;                         // [KT][ld]
-  acc_t* sV = sK + KT * ld;                        // [KT][ld]
-  acc_t* sDq = sV + KT * ld;                       // [M][D] the rows' totals (float only)
+  acc_t* sQ = reinterpret_cast<acc_t*>(smem_raw);        // [M][D]
+  acc_t* sdO = sQ + M * D;                               // [M][D]
+  acc_t* sO = sdO + M * D;                               // [M][D] out (simt_sub_out; zeros with dropout)
+  acc_t* sK = sO + (simt_sub_out<acc_t>() ? M * D : 0);  // [KT][ld]
+  acc_t* sV = sK + KT * ld;                              // [KT][ld]
+  acc_t* sDq = sV + KT * ld;                             // [M][D] the rows' totals (float only)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_QUERIES);
@@ -402,7 +450,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
   const scalar_t* k = static_cast<const scalar_t*>(p.k.data) + b * p.k.sb + sq.start * p.k.sn + hk * p.k.sh;
   const scalar_t* v = static_cast<const scalar_t*>(p.v.data) + b * p.v.sb + sq.start * p.v.sn + hk * p.v.sh;
   const int64_t lse_row = (b * p.Hq + h) * p.N + sq.start;
-  const acc_t* delta = static_cast<const acc_t*>(p.delta) + (b * p.Hq + h) * p.N + sq.start;
+  const int64_t out_row = b * p.out.sb + sq.start * p.out.sn + h * p.out.sh;
   const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E);
 
   for (int64_t row = warp; row < M; row += kSimtWarps) {
@@ -411,6 +459,8 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
     for (int64_t d = lane; d < D; d += 32) {
       sQ[row * D + d] = ok ? (acc_t)q[x * p.q.sn + d] : (acc_t)0;
       sdO[row * D + d] = ok ? (acc_t)dout[x * p.dout.sn + d] : (acc_t)0;
+      if constexpr (simt_sub_out<acc_t>())
+        sO[row * D + d] = ok ? simt_out_at<scalar_t, acc_t>(p, out_row + x * p.out.sn + d) : (acc_t)0;
     }
   }
 
@@ -427,7 +477,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
     const int64_t x = cur.pos[i];
     lse2[i] =
         da_lse_base2<acc_t>(x < N ? da_get_lse<acc_t>(p, lse_row + x) : 0.0, unit, &lse2lo[i], &lse2lo2[i]);
-    dl[i] = x < N ? delta[x] : (acc_t)0;
+    dl[i] = x < N ? simt_row_dl<acc_t>(p, lse_row + x) : (acc_t)0;
 #pragma unroll
     for (int t = 0; t < kMaxCols; ++t) dq[i][t] = 0;
   }
@@ -465,8 +515,10 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dq_kernel(const Params p) {
       if (ok) {
         const int64_t row = warp * rpw + i;
         const acc_t s = simt_score(sQ + row * D, sK + lane * ld, D, sl2);
-        const acc_t dp = simt_dot(sdO + row * D, sV + lane * ld, D) *
-                         da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T
+        const acc_t dp =
+            (simt_sub_out<acc_t>() ? simt_dot_sub(sdO + row * D, sV + lane * ld, sO + row * D, D)
+                                   : simt_dot(sdO + row * D, sV + lane * ld, D)) *
+            da_dropout_factor<acc_t>(p.drop, keep, i);  // dO (V - O)^T or dO V^T; dropout: M dO V^T
         const acc_t pr = da_exp2(da_exponent(s, lse2[i], lse2lo[i], lse2lo2[i]));
         ds = pr * (dp - dl[i]);
       }
@@ -510,16 +562,17 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   DA_EXTERN_SMEM(smem_raw);
   const int64_t D = p.D, rpw = p.tiling.rows_per_warp, M = kSimtWarps * rpw;
   const int QT = p.other_tile, ld = simt_lds(D);
-  acc_t* sK = reinterpret_cast<acc_t*>(smem_raw);  // [M][D]
-  acc_t* sV = sK + M * D;                          // [M][D]
-  acc_t* sQ = sV + M * D;                          // [QT][ld]
-  acc_t* sdO = sQ + QT * ld;                       // [QT][ld]
-  acc_t* sL = sdO + QT * ld;                       // [QT] lse, log2 domain (hi)
-  acc_t* sLlo = sL + QT;                           // [QT] and its low parts (da_lse_base2)
-  acc_t* sLlo2 = sLlo + QT;                        // [QT]
-  acc_t* sDl = sLlo2 + QT;                         // [QT] delta
-  acc_t* sDk = sDl + QT;                           // [M][D] the rows' totals of dk (float only)
-  acc_t* sDv = sDk + M * D;                        // [M][D] and of dv
+  acc_t* sK = reinterpret_cast<acc_t*>(smem_raw);          // [M][D]
+  acc_t* sV = sK + M * D;                                  // [M][D]
+  acc_t* sQ = sV + M * D;                                  // [QT][ld]
+  acc_t* sdO = sQ + QT * ld;                               // [QT][ld]
+  acc_t* sO = sdO + QT * ld;                               // [QT][ld] out (simt_sub_out; zeros with dropout)
+  acc_t* sL = sO + (simt_sub_out<acc_t>() ? QT * ld : 0);  // [QT] lse, log2 domain (hi)
+  acc_t* sLlo = sL + QT;                                   // [QT] and its low parts (da_lse_base2)
+  acc_t* sLlo2 = sLlo + QT;                                // [QT]
+  acc_t* sDl = sLlo2 + QT;                                 // [QT] delta or -dlse (simt_row_dl)
+  acc_t* sDk = sDl + QT;                                   // [M][D] the rows' totals of dk (float only)
+  acc_t* sDv = sDk + M * D;                                // [M][D] and of dv
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
@@ -532,7 +585,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
   const scalar_t* q_all = static_cast<const scalar_t*>(p.q.data) + b * p.q.sb + sq.start * p.q.sn;
   const scalar_t* do_all = static_cast<const scalar_t*>(p.dout.data) + b * p.dout.sb + sq.start * p.dout.sn;
   const int64_t lse_all = b * p.Hq * p.N + sq.start;
-  const acc_t* delta_all = static_cast<const acc_t*>(p.delta) + b * p.Hq * p.N + sq.start;
+  const int64_t out_all = b * p.out.sb + sq.start * p.out.sn;
   const acc_t sl2 = (acc_t)(p.scale * DA_LOG2E);
   const double unit = da_score_unit(p.scale, sl2);
 
@@ -573,18 +626,21 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     const int64_t h = cur.head();
     const scalar_t* q = q_all + h * p.q.sh;
     const scalar_t* dout = do_all + h * p.dout.sh;
+    const int64_t out_h = out_all + h * p.out.sh;
     for (int64_t idx = threadIdx.x; idx < (int64_t)QT * D; idx += kSimtThreads) {
       const int jj = (int)(idx / D);
       const int64_t d = idx % D;
       const int j = cur.o0 + jj;
-      acc_t qv = 0, dv_ = 0;
+      acc_t qv = 0, dv_ = 0, ov = 0;
       if (j < cur.o_end) {
         const int64_t x = cur.other_position(j);
         qv = (acc_t)q[x * p.q.sn + d];
         dv_ = (acc_t)dout[x * p.dout.sn + d];
+        if constexpr (simt_sub_out<acc_t>()) ov = simt_out_at<scalar_t, acc_t>(p, out_h + x * p.out.sn + d);
       }
       sQ[jj * ld + d] = qv;
       sdO[jj * ld + d] = dv_;
+      if constexpr (simt_sub_out<acc_t>()) sO[jj * ld + d] = ov;
     }
     for (int jj = threadIdx.x; jj < QT; jj += kSimtThreads) {
       const int j = cur.o0 + jj;
@@ -592,7 +648,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       if (j < cur.o_end) {
         const int64_t x = cur.other_position(j);
         L = da_lse_base2<acc_t>(da_get_lse<acc_t>(p, lse_all + h * p.N + x), unit, &lo, &lo2);
-        dlt = delta_all[h * p.N + x];
+        dlt = simt_row_dl<acc_t>(p, lse_all + h * p.N + x);
       }
       sL[jj] = L;
       sLlo[jj] = lo;
@@ -611,7 +667,9 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
       if (ok) {
         const int64_t row = warp * rpw + i;
         const acc_t s = simt_score(sQ + lane * ld, sK + row * D, D, sl2);  // the forward's, bit for bit
-        const acc_t dp = simt_dot(sV + row * D, sdO + lane * ld, D);
+        const acc_t dp = simt_sub_out<acc_t>()
+                             ? simt_dot_sub(sdO + lane * ld, sV + row * D, sO + lane * ld, D)
+                             : simt_dot(sV + row * D, sdO + lane * ld, D);  // dO (V - O)^T, or dO V^T
         const acc_t f = da_dropout_factor<acc_t>(p.drop, keep, i);  // dropout: M dO V^T, and P M for dV
         pr = da_exp2(da_exponent(s, sL[lane], sLlo[lane], sLlo2[lane]));
         ds = pr * (dp * f - sDl[lane]);
