@@ -211,21 +211,28 @@ __device__ __forceinline__ acc_t simt_score(const acc_t* a, const acc_t* b, int6
   }
 }
 
-// Fills the fixed fields of a SIMT walk; the warp's rows are its rows_per_warp rows.
+// Fills the fixed fields of a SIMT walk; the warp's rows are its rows_per_warp rows. The walk's
+// integer type I (common.cuh Walk) is int32_t in the forward and the dk/dv pass: every index is below
+// 2 N < 2^31 (tiling.h), a padding row's position is clamped to N before it is narrowed (every
+// position at or past N means the same), and the kernels widen a position or head to int64_t before
+// it enters an offset. ptxas, sm_80: the 64-bit walk spilled 20 bytes in the float dk/dv kernels and
+// 96 in the float64 forward at the 168 registers it allots them; the dq kernel keeps int64_t (none
+// spilled there, and its float64 kernel spilled 20 bytes on sm_90 with int32_t).
 template <typename W>
 __device__ __forceinline__ void simt_walk_init(W& w, const Params& p, int64_t N, int64_t base, int64_t last,
                                                int64_t h0, int G, int rows_are, int warp) {
-  w.N = N;
-  w.base = base;
-  w.last = last;
-  w.h0 = h0;
+  typedef decltype(w.N) I;  // int32_t: every index is below 2 N < 2^31 (tiling.h)
+  w.N = (I)N;
+  w.base = (I)base;
+  w.last = (I)last;
+  w.h0 = (I)h0;
   w.G = G;
   w.is_causal = p.is_causal;
   w.rows_are = rows_are;
   w.other_tile = p.other_tile;
 #pragma unroll
   for (int i = 0; i < kMaxRowsPerWarp; ++i)
-    w.pos[i] = i < p.tiling.rows_per_warp ? da_row_position(&p.tiling, base, warp, i) : N;
+    w.pos[i] = (I)(i < p.tiling.rows_per_warp ? da_min64(da_row_position(&p.tiling, base, warp, i), N) : N);
 }
 
 // Attention dropout's keep flags of the warp's rows (bit i: row i) against the lane's index
@@ -271,7 +278,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_fwd_kernel(const Params p) 
     for (int64_t d = lane; d < D; d += 32) sQ[row * D + d] = src ? (acc_t)src[d] : (acc_t)0;
   }
 
-  Walk<kMaxRowsPerWarp> cur;
+  Walk<kMaxRowsPerWarp, int32_t> cur;
   simt_walk_init(cur, p, N, base, last, h, 1, DA_ROWS_ARE_QUERIES, warp);
   cur.start(p);
 
@@ -598,7 +605,7 @@ __global__ void __launch_bounds__(kSimtThreads) simt_dkv_kernel(const Params p) 
     }
   }
 
-  Walk<kMaxRowsPerWarp> cur;
+  Walk<kMaxRowsPerWarp, int32_t> cur;
   simt_walk_init(cur, p, N, base, last, hk * p.G, (int)p.G, DA_ROWS_ARE_KEYS, warp);
   cur.start(p);
 
