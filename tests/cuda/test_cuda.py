@@ -1383,6 +1383,38 @@ def test_emulated_nonfinite_value_stays_with_its_readers_under_causal_mask(emu, 
             torch.testing.assert_close(a[o].float(), c[o].float())
 
 
+@pytest.mark.parametrize("D", [96, 192, 256])
+@pytest.mark.parametrize("tensor,value", [("v", math.inf), ("k", math.nan), ("q", -math.inf)])
+def test_emulated_sm90_cuda_core_sums_at_wide_head_dims(emu, tensor, value, D):
+    """The sm90 kernels' sums on CUDA cores (tc90_gemm_pb_cuda_cores, for a chunk whose masked pairs
+    meet a non-finite value: the forward's P V for v, dq's dS K for k, dk/dv's dS^T Q for q) at
+    head dims whose tiles have panels of 32 columns (96) and whose dk/dv accumulators are split by
+    columns over two thread blocks (192, 256). One causal segment, the value at position x: the
+    rows of its chunk that never meet it (queries before x for v and k, keys after x for q) are
+    summed on CUDA cores with their other pairs, in every column, and must be as without it."""
+    N, x, ch = 96, 40, 3
+    q, k, v = (t.detach().contiguous() for t in make_inputs(1, N, 1, 1, D, torch.bfloat16, device="cpu"))
+    dout = torch.randn(1, N, 1, D, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    args = {"q": q, "k": k, "v": v}
+    args[tensor] = args[tensor].clone()
+    args[tensor][0, x, 0, ch] = value
+    tiling = (0, 0, 16, 64)
+    clean_out, clean_lse, clean_g = emulated(emu, q, k, v, [N], [1], True, 2, tiling, dout)
+    out, lse, got = emulated(emu, args["q"], args["k"], args["v"], [N], [1], True, 2, tiling, dout)
+    if tensor == "q":  # keys after x: no pair with query x (dk, dv); the other queries' rows
+        checks = [(got[1][0, x + 1 :], clean_g[1][0, x + 1 :]), (got[2][0, x + 1 :], clean_g[2][0, x + 1 :])]
+        rows = torch.arange(N) != x
+        checks += [(out[0, rows], clean_out[0, rows]), (got[0][0, rows], clean_g[0][0, rows])]
+        assert not torch.isfinite(out[0, x]).all()
+    else:  # queries before x: no pair with key x (out, lse, dq)
+        checks = [(out[0, :x], clean_out[0, :x]), (lse[0, :, :x], clean_lse[0, :, :x])]
+        checks += [(got[0][0, :x], clean_g[0][0, :x])]
+        assert not torch.isfinite(out[0, x:, 0, ch] if tensor == "v" else out[0, x:]).any()
+    for a, c in checks:
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.float(), c.float())
+
+
 @pytest.mark.skipif(not SLOW, reason="long sweep: set DILATED_ATTENTION_SLOW=1")
 def test_emulated_random_configs(emu):
     g = torch.Generator().manual_seed(3)
