@@ -1,5 +1,6 @@
 // SIMT kernels (any architecture, every dtype, 1 <= D <= 256): forward, dq, dk/dv, and the
-// backward's delta = rowsum(dout * out) - dlse (read by the dq and dk/dv passes with dropout only).
+// backward's delta = rowsum(dout * out) - dlse (read by the dq and dk/dv passes with dropout, and
+// by float64's always; the tensor-core kernels read it too).
 //
 // A thread block has 4 warps; a warp follows rows_per_warp (<= 4) rows of one head, one at a time,
 // and a lane takes one of `other_tile` (<= 32) keys (queries for dk/dv) of the current step: it
