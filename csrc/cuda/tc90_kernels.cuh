@@ -40,7 +40,8 @@
 // The backward's two passes are those of tc_kernels.cuh the same way: dq (rows = queries) has
 // S = Q K^T and dP = dO V^T from shared memory and dQ += dS K with dS from registers; dk/dv (rows =
 // keys, over the G query heads of the group; the producer warp also copies the queries' lse and
-// delta, by cp.async, and a second warp of its warpgroup turns lse into base 2 once they landed)
+// delta, by cp.async, and a second warp of its warpgroup turns lse into base 2, hi and lo, once
+// they landed)
 // S^T = K Q^T, dP^T = V dO^T, dV += P^T dO and dK += dS^T Q, head dims above 128 split over two
 // thread blocks by columns. Results are the sm80 kernels' (the same roundings and f32
 // accumulation; the sums' order inside an MMA may differ), so either pass may follow either
@@ -547,7 +548,8 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   T* sZ = sdO + Cfg::STAGES * QT * DP;                                    // [QT rows] of zeros
   unsigned char* sLraw = reinterpret_cast<unsigned char*>(sZ + QT * DP);  // [stage][QT] lse as saved
   float* sL = reinterpret_cast<float*>(sLraw + Cfg::STAGES * QT * 8);     // [stage][QT] lse, log2 domain
-  float* sDl = sL + Cfg::STAGES * QT;                                     // [stage][QT] delta
+  float* sLlo = sL + Cfg::STAGES * QT;                                    // [stage][QT] its low part
+  float* sDl = sLlo + Cfg::STAGES * QT;                                   // [stage][QT] delta
   Tc90Pipe* pipe = reinterpret_cast<Tc90Pipe*>(sDl + Cfg::STAGES * QT);
 
   const SeqRows sq = sequence_rows(p, blockIdx.z, DA_ROWS_ARE_KEYS);
@@ -566,7 +568,7 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
   if (role.g < 0) {
     tc90_producer_regs();
     if (role.warp == 1) {
-      tc90_convert_stats<QT, Cfg::STAGES>(p, pipe, sLraw, sL, sl2, lane);
+      tc90_convert_stats<QT, Cfg::STAGES>(p, pipe, sLraw, sL, sLlo, sl2, lane);
       return;
     }
     if (role.warp != 0) return;
@@ -645,9 +647,10 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     wgmma_wait<1>();  // S^T and dP^T (the older group); the previous products may still run
     wgmma_fence_operands(St);
     wgmma_fence_operands(dPt);
-    // (without the lse's low part: tc_dkv_scores)
-    tc_dkv_scores<NT, DROPOUT, 0>(St, dPt, cur, need_mask, sl2, sL + stage * QT, nullptr, sDl + stage * QT,
-                                  tq, p, keep);
+    // P^T and dS^T as the sm80 kernel's: the queries' lse hi + lo (da_exponent: the rule of rows
+    // at huge scores), read from the stage per use
+    tc_dkv_scores<NT, DROPOUT, 1>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sLlo + stage * QT,
+                                  sDl + stage * QT, tq, p, keep);
     wgmma_wait<0>();  // the previous products: dV and dK complete, the fragments free, their stage read
     wgmma_fence_operands(dV);
     wgmma_fence_operands(dK);

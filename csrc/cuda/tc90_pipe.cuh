@@ -109,18 +109,21 @@ struct Tc90DkvCfg {
   // fragments of the two deferred products (QT / 4 each) in registers, with the walk (32-bit).
   // At 232 registers (ptxas, sm_90a, CUDA 13.0) QT = 64 fits at DP <= 64 and QT = 32 at DP = 96
   // and 192 (DC = 96) with no spill (at 216 registers QT = 64 at DP = 64 spills 12 bytes, 16 with
-  // a 64-bit walk: the margin is small); QT = 32 at DP = 128 spills 56 bytes (8 with dropout; 132
-  // and 60 with a 64-bit walk), so 128 keeps 16, and so does 256 (DC = 128 as well; and three
-  // stages of 32 would not fit in shared memory). Shared memory holds four stages at 192.
+  // a 64-bit walk); QT = 32 at DP = 128 spilled 56 bytes (8 with dropout; 132 and 60 with a 64-bit
+  // walk) while the sums on CUDA cores held their columns in registers through the loop
+  // (tc90_gemm_pb_cuda_cores), so 128 keeps 16 (32 now fits: 212 registers used, 213 with
+  // dropout, not yet timed), and so does 256 (DC = 128 as well; and three stages of 32 would not
+  // fit in shared memory). Shared memory holds four stages at 192.
   static constexpr int QT = DP <= 64 ? 64 : (DP == 96 || DP == 192 ? 32 : 16);
   static constexpr int STAGES = DP == 192 ? 4 : kTc90Stages;
   static constexpr int DC = TcDkvCfg<DP>::DC, CHUNKS = TcDkvCfg<DP>::CHUNKS;  // accumulator columns
   // Panels of 64 columns where both DP and the column chunks allow, else 32 (DP = 192: DC = 96).
   static constexpr int PW = DP % 64 == 0 && DC % 64 == 0 ? 64 : 32;
   static constexpr int ROW_BYTES = kTcRows * DP * 2, Q_BYTES = QT * DP * 2;
-  // + the queries' lse as saved (8 bytes each: float or double), in base 2, and delta, per stage
+  // + the queries' lse as saved (8 bytes each: float or double), in base 2 (hi and lo,
+  // da_lse_base2), and delta, per stage
   static constexpr int SMEM = kTc90Consumers * 2 * ROW_BYTES + (2 * STAGES + 1) * Q_BYTES +
-                              STAGES * QT * (8 + 2 * (int)sizeof(float)) + (int)sizeof(Tc90Pipe) + 1024;
+                              STAGES * QT * (8 + 3 * (int)sizeof(float)) + (int)sizeof(Tc90Pipe) + 1024;
 };
 
 // sm_90's opt-in maximum of dynamic shared memory per block.
@@ -361,11 +364,12 @@ __device__ __forceinline__ void tc90_load_stats(const Params& p, const Tc90Walke
 
 // The dk/dv producer warpgroup's stats warp: for each stage in turn, once the producer warp's
 // copies of lse and delta have landed (stats), the chunk's lse (raw, tc90_load_stats) in base 2
-// (da_lse_base2, as the sm80 kernel takes it; +inf at or past the segment's end, so that P = 0)
-// into sL, and its 32 arrivals on full; at the producer's last slot (done) only the arrivals.
+// (da_lse_base2, as the sm80 kernel takes it: hi into sL, +inf at or past the segment's end, so
+// that P = 0; lo into sLlo, which the consumers read per use for the rule of rows at huge scores,
+// da_exponent), and its 32 arrivals on full; at the producer's last slot (done) only the arrivals.
 template <int QT, int STAGES>
 __device__ __forceinline__ void tc90_convert_stats(const Params& p, Tc90Pipe* pipe, const unsigned char* raw,
-                                                   float* sL, float sl2, int lane) {
+                                                   float* sL, float* sLlo, float sl2, int lane) {
   const double unit = da_score_unit(p.scale, sl2);
   int stage = 0;
   uint32_t parity = 0;
@@ -381,8 +385,9 @@ __device__ __forceinline__ void tc90_convert_stats(const Params& p, Tc90Pipe* pi
     for (int jj = lane; jj < QT; jj += 32) {
       const unsigned char* x = raw + 8 * (stage * QT + jj);
       const double L = p.lse_f64 ? *reinterpret_cast<const double*>(x) : *reinterpret_cast<const float*>(x);
-      float lo;
+      float lo = 0.f;
       sL[stage * QT + jj] = jj < n ? da_lse_base2<float>(L, unit, &lo) : INFINITY;
+      sLlo[stage * QT + jj] = lo;
     }
     mbar_arrive(&pipe->full[stage]);
     stage = stage + 1 == STAGES ? 0 : stage + 1;

@@ -2,11 +2,10 @@
 beyond any model's logits (~4e9 to ~5e30, through ``softmax_scale`` or through large inputs: the
 argument checks accept scales up to ~1.7e38) against the float64 reference under SPEC section 4's
 rule: the SIMT kernels (float32, bfloat16, float64), the sm80 and the sm90 tensor-core kernels
-(bfloat16); out, lse, dq, dk, dv; one to three branches, causal, grouped-query attention. Known
-gaps, as strict xfails: the sm90 dk/dv kernel with several branches (SM90_DKV). The SIMT float32
-dq and dk (test_emulated_simt_float32_dq_dk_at_huge_scores) were 1.5-6.5x the rule while the
-backward formed dP - delta as dout . v - (dout . out - dlse); it now forms dout . (v - out) + dlse,
-as the CPU kernels do (at most 0.7x).
+(bfloat16); out, lse, dq, dk, dv; one to three branches, causal, grouped-query attention. The SIMT
+float32 dq and dk (test_emulated_simt_float32_dq_dk_at_huge_scores) were 1.5-6.5x the rule while
+the backward formed dP - delta as dout . v - (dout . out - dlse); it now forms dout . (v - out) +
+dlse, as the CPU kernels do (at most 0.7x).
 
 The forwards' exponents are single float scores less their running max (<= 0 at any magnitude).
 The backwards read the saved lse in base 2, hi + lo: the tensor-core kernels took 2^(s - hi)
@@ -48,14 +47,6 @@ KERNELS = [
     pytest.param(torch.bfloat16, 0, id="sm80-bf16"),
     pytest.param(torch.bfloat16, 2, id="sm90-bf16"),
 ]
-
-# The sm90 dk/dv kernel reads no low part of the lse (its consumers spill at head dim 192 with it,
-# csrc/cuda/tc_kernels.cuh tc_dkv_scores): a key read through several branches gets P = 1 per branch
-# instead of 1 / c once the base-2 lse's unit in the last place passes 1 (dk, dv off).
-SM90_DKV = (
-    "sm90 dk/dv: P = 2^(s - hi) without the lse's low part (spills at head dim 192 with it): "
-    "a key read through c branches gets P = 1, not 1/c, at these scores"
-)
 
 # Where a double lse still holds ln(l) well below float32's rounding of P for rows whose largest
 # key is read through several branches (tests/op/test_op_huge_scores.py).
@@ -131,23 +122,8 @@ def _run(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family, which)
 @pytest.mark.parametrize("dtype,family", KERNELS)
 @pytest.mark.parametrize("scale,mag", MAGNITUDES)
 @pytest.mark.parametrize("N,Hq,Hkv,segs,rates,causal", GEOMETRIES)
-def test_emulated_huge_scores_within_rule(
-    request,
-    emu,  # noqa: F811
-    N,
-    Hq,
-    Hkv,
-    segs,
-    rates,
-    causal,
-    scale,
-    mag,
-    dtype,
-    family,
-):
+def test_emulated_huge_scores_within_rule(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family):  # noqa: F811
     """out, lse, dq, dk, dv within the rule (the SIMT float32 dq and dk: the next test)."""
-    if family == 2 and len(segs) > 1 and (scale or D**-0.5) * mag * mag < 1e13:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=SM90_DKV))
     which = ("dv",) if (dtype, family) == (torch.float32, 1) else ("dq", "dk", "dv")
     _run(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family, which)
 
