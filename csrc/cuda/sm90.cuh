@@ -51,15 +51,6 @@ struct Sw90 {
   }
 };
 
-// x, hidden from the compiler's analysis where it is taken (an empty volatile asm): what is computed
-// from it is computed there, not hoisted out of the loop around it and held in registers.
-__device__ __forceinline__ int tc90_opaque(int x) {
-#if !defined(DA_CUDA_EMULATION)
-  asm volatile("mov.b32 %0, %0;" : "+r"(x));
-#endif
-  return x;
-}
-
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
 #if defined(DA_CUDA_EMULATION)
   return da_emu::shared_address(p);

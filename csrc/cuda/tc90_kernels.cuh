@@ -135,44 +135,6 @@ __device__ __forceinline__ void tc90_gemm_abt(float (&S)[N / 8][4], const T* sA,
     wgmma_ss<T, N>(S, desc_k_major<L>(sA, kTcRows, kk), desc_k_major<L>(sB, N, kk), kk > 0);
 }
 
-// acc += P B on CUDA cores, skipping the zero probabilities: tc_gemm_pb_skip_zero on a Sw90 tile,
-// the same sums in the same order, but with the thread's columns (c0 + 2 tq + 8 ct + f) and their
-// offsets in the tile computed where they are used, from a first column hidden from the compiler
-// (tc90_opaque). Taken from tc_gemm_pb_skip_zero, they were loop invariants that the compiler
-// computed once before the consumers' loop and held in registers through it for this rare path:
-// 2 CT columns and their offsets (ptxas, sm_90a, dk/dv at head dim 192: 48 registers of the 232).
-template <typename T, typename L, int NT, int CT>
-__device__ __forceinline__ void tc90_gemm_pb_cuda_cores(float (&acc)[CT][4], const float (&P)[NT][4],
-                                                        const T* tile, int c0, int lane, int64_t D) {
-  const int tq = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      for (int src = 0; src < 4; ++src) {
-        // Rounded to T, as the tensor-core product takes them.
-        const float p0 = round_to<T>(__shfl_sync(DA_FULL_MASK, P[nt][e], (lane & ~3) | src));
-        const float p1 = round_to<T>(__shfl_sync(DA_FULL_MASK, P[nt][2 + e], (lane & ~3) | src));
-        if (p0 == 0.f && p1 == 0.f) continue;
-        const int key = nt * 8 + 2 * src + e;
-        const int d0 = tc90_opaque(c0 + 2 * tq);  // (in the loop: see above)
-#pragma unroll
-        for (int ct = 0; ct < CT; ++ct) {
-#pragma unroll
-          for (int f = 0; f < 2; ++f) {
-            const int d = d0 + ct * 8 + f;
-            if (d < D) {
-              const float bv = to_float<T>(tile[L::elem(8 * NT, key, d)]);
-              if (p0 != 0.f) acc[ct][f] += p0 * bv;
-              if (p1 != 0.f) acc[ct][2 + f] += p1 * bv;
-            }
-          }
-        }
-      }
-    }
-  }
-}
-
 // Issues acc (the warpgroup's 64 rows x 8 CT columns from c0) += P B, P as A fragments a (NT / 2
 // of them, P rounded to T) and B the rows 0 .. 8 NT of the Sw90 tile L: one wgmma per 16 rows of
 // B. The caller fences before, commits and waits.
@@ -214,7 +176,8 @@ struct Tc90Deferred {
   __device__ __forceinline__ void take(float (&acc)[CT][4], const float (&P)[NT][4], const T* tile, int c0,
                                        bool need_mask, int lane, int64_t D, int bar) {
     if (named_barrier_or(bar, 128, need_mask && tc_tile_nonfinite<T, L::DP, L::DP>(tile, 8 * NT, lane))) {
-      tc90_gemm_pb_cuda_cores<T, L, NT, CT>(acc, P, tile, c0, lane, D);
+      tc_gemm_pb_skip_zero<T, NT, CT>(
+          acc, P, [&](int key, int d) { return tile[L::elem(8 * NT, key, d)]; }, c0, lane, D);
       named_barrier_or(bar, 128, false);  // every warp's reads of the tile made (tc90_release)
       clear();
     } else {
@@ -649,8 +612,8 @@ __global__ void __launch_bounds__(kTc90Threads, 1)
     wgmma_fence_operands(dPt);
     // P^T and dS^T as the sm80 kernel's: the queries' lse hi + lo (da_exponent: the rule of rows
     // at huge scores), read from the stage per use
-    tc_dkv_scores<NT, DROPOUT, 1>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sLlo + stage * QT,
-                                  sDl + stage * QT, tq, p, keep);
+    tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sL + stage * QT, sLlo + stage * QT,
+                               sDl + stage * QT, tq, p, keep);
     wgmma_wait<0>();  // the previous products: dV and dK complete, the fragments free, their stage read
     wgmma_fence_operands(dV);
     wgmma_fence_operands(dK);

@@ -111,7 +111,7 @@ struct Tc90DkvCfg {
   // and 192 (DC = 96) with no spill (at 216 registers QT = 64 at DP = 64 spills 12 bytes, 16 with
   // a 64-bit walk); QT = 32 at DP = 128 spilled 56 bytes (8 with dropout; 132 and 60 with a 64-bit
   // walk) while the sums on CUDA cores held their columns in registers through the loop
-  // (tc90_gemm_pb_cuda_cores), so 128 keeps 16 (32 now fits: 212 registers used, 213 with
+  // (tc_gemm_pb_skip_zero), so 128 keeps 16 (32 now fits: 212 registers used, 213 with
   // dropout, not yet timed), and so does 256 (DC = 128 as well; and three stages of 32 would not
   // fit in shared memory). Shared memory holds four stages at 192.
   static constexpr int QT = DP <= 64 ? 64 : (DP == 96 || DP == 192 ? 32 : 16);

@@ -198,13 +198,26 @@ __device__ __forceinline__ bool tc_tile_nonfinite(const T* tile, int rows, int l
   return __any_sync(DA_FULL_MASK, bad);
 }
 
+// x, hidden from the compiler's analysis where it is taken (an empty volatile asm): what is computed
+// from it is computed there, not hoisted out of the loop around it and held in registers.
+__device__ __forceinline__ int tc_opaque(int x) {
+#if !defined(DA_CUDA_EMULATION)
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+#endif
+  return x;
+}
+
 // tc_gemm_pb for a chunk with masked pairs whose B tile holds a non-finite value: the same sum
 // with CUDA cores, skipping the pairs whose P is exactly 0, so that an inf or NaN of B reaches only
 // the rows that read it (no 0 * inf of the matrix product; the CPU and SIMT kernels do the same).
 // P[row][key] of the warp's rows g and g + 8 comes from lane 4g + key % 8 / 2 by shuffles. Rare:
 // only for chunks that need the mask and hold a non-finite value. Inlined: an out-of-line call
 // would take the accumulators out of registers (the call passes them through memory).
-// b_at(key, d) is element d of the key's row of B (a shared tile in any layout).
+// b_at(key, d) is element d of the key's row of B (a shared tile in any layout). The thread's
+// columns (c0 + 2 tq + 8 ct + f) are computed where they are used, from a first column hidden from
+// the compiler (tc_opaque): as loop invariants the compiler computed them once before the kernels'
+// loop over chunks and held them in registers through it for this rare path (ptxas, sm_90a, dk/dv
+// at head dim 192: 48 registers of the consumers' 232).
 template <typename T, int NT, int CT, typename BAt>
 __device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const float (&P)[NT][4], BAt b_at,
                                                      int c0, int lane, int64_t D) {
@@ -219,11 +232,12 @@ __device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const 
         const float p1 = round_to<T>(__shfl_sync(DA_FULL_MASK, P[nt][2 + e], (lane & ~3) | src));
         if (p0 == 0.f && p1 == 0.f) continue;
         const int key = nt * 8 + 2 * src + e;
+        const int d0 = tc_opaque(c0 + 2 * tq);  // (in the loop: see above)
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
           for (int f = 0; f < 2; ++f) {
-            const int d = c0 + ct * 8 + 2 * tq + f;
+            const int d = d0 + ct * 8 + f;
             if (d < D) {
               const float bv = to_float<T>(b_at(key, d));
               if (p0 != 0.f) acc[ct][f] += p0 * bv;
@@ -536,10 +550,8 @@ __device__ __forceinline__ void tc_dq_store(const Params& p, const SeqRows& sq, 
 
 // The dk/dv pass's chunk (rows = keys, 8 NT queries): St becomes P^T (times the dropout factors,
 // for dV) and dPt dS^T = P^T (dP^T - delta), with the queries' lse (base 2: hi from sLs, lo from
-// sLlos at a stride of LO_STRIDE floats, da_exponent) and delta from sDls. LO_STRIDE = 0 (the sm90
-// kernel, whose consumers spill at head dim 192 with da_exponent): P = 2^(S sl2 - hi), without the
-// rule of rows at huge scores (tests/cuda/test_cuda_huge_scores.py marks what that leaves).
-template <int NT, bool DROPOUT, int LO_STRIDE, typename I>
+// sLlos, da_exponent) and delta from sDls.
+template <int NT, bool DROPOUT, typename I>
 __device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[NT][4], const Walk<2, I>& cur,
                                               bool need_mask, float sl2, const float* sLs, const float* sLlos,
                                               const float* sDls, int tq, const Params& p, uint32_t keep) {
@@ -552,11 +564,7 @@ __device__ __forceinline__ void tc_dkv_scores(float (&St)[NT][4], float (&dPt)[N
       if (need_mask) ok = cur.pair_active(cur.jrow[e >> 1], cur.o0 + qc);
       // Dropout: M dO V^T, and P M for dV.
       const float f = DROPOUT ? da_dropout_factor<float>(p.drop, keep, nt * 4 + e) : 1.f;
-      float pr = 0.f;
-      if (LO_STRIDE == 0)
-        pr = ok ? exp2f(St[nt][e] * sl2 - sLs[qc]) : 0.f;
-      else
-        pr = ok ? exp2f(da_exponent<false>(da_mul_rn(St[nt][e], sl2), sLs[qc], sLlos[qc * LO_STRIDE])) : 0.f;
+      const float pr = ok ? exp2f(da_exponent<false>(da_mul_rn(St[nt][e], sl2), sLs[qc], sLlos[qc])) : 0.f;
       St[nt][e] = pr * f;
       dPt[nt][e] = ok ? pr * (dPt[nt][e] * f - sDls[qc]) : 0.f;  // dS^T
     }
@@ -805,7 +813,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dkv_kernel(const Params p) {
       tc_gemm_abt<T, DP, LDS, NT>(St, sK, sQs, warp, lane, p.D);
       tc_gemm_abt<T, DP, LDS, NT>(dPt, sV, sdOs, warp, lane, p.D);
       const bool need_mask = cur.chunk_needs_mask();
-      tc_dkv_scores<NT, DROPOUT, 1>(St, dPt, cur, need_mask, sl2, sLs, sLlo + stage * QT, sDls, tq, p, keep);
+      tc_dkv_scores<NT, DROPOUT>(St, dPt, cur, need_mask, sl2, sLs, sLlo + stage * QT, sDls, tq, p, keep);
       tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dV, St, sdOs, c0, lane, p.D, need_mask);
       tc_gemm_pb_masked<T, DP, LDS, NT, CT>(dK, dPt, sQs, c0, lane, p.D, need_mask);
     }

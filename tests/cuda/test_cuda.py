@@ -1386,7 +1386,7 @@ def test_emulated_nonfinite_value_stays_with_its_readers_under_causal_mask(emu, 
 @pytest.mark.parametrize("D", [96, 192, 256])
 @pytest.mark.parametrize("tensor,value", [("v", math.inf), ("k", math.nan), ("q", -math.inf)])
 def test_emulated_sm90_cuda_core_sums_at_wide_head_dims(emu, tensor, value, D):
-    """The sm90 kernels' sums on CUDA cores (tc90_gemm_pb_cuda_cores, for a chunk whose masked pairs
+    """The sm90 kernels' sums on CUDA cores (tc_gemm_pb_skip_zero, for a chunk whose masked pairs
     meet a non-finite value: the forward's P V for v, dq's dS K for k, dk/dv's dS^T Q for q) at
     head dims whose tiles have panels of 32 columns (96) and whose dk/dv accumulators are split by
     columns over two thread blocks (192, 256). One causal segment, the value at position x: the
