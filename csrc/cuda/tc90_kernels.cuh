@@ -13,9 +13,10 @@
 // chunk, and releases the stage (an mbarrier of one arrival per consumer warpgroup) once its MMAs
 // have read it.
 // Five stages: a consumer holds two (the chunk it computes and the previous one, whose product with
-// probabilities still runs), the producer fills the other three ahead (dq and dk/dv at 256 take 218
-// of shared memory's 227 KB); four (two ahead) where wider chunks leave no room for five: the forward
-// at head dim 256, dq at 128 and 192, dk/dv at 192 (their Cfg's STAGES, tc90_pipe.cuh).
+// probabilities still runs), the producer fills the other three ahead (dq at 256 takes 218 KB of
+// shared memory's 227, dk/dv at 256 220); four (two ahead) where wider chunks leave no room for
+// five: the forward at head dim 256, dq at 128 and 192, dk/dv at 192 (their Cfg's STAGES,
+// tc90_pipe.cuh).
 //
 // What a consumer computes is the warpgroup kernel's chunk: S = Q K^T is one wgmma.mma_async
 // m64n{KT}k16 per 16 columns of the head dim, both operands read from shared memory by descriptors

@@ -53,7 +53,7 @@ KERNELS = [
 DOUBLE_LSE_LIMIT = 1e14
 
 
-def _inputs(seed, N, Hq, Hkv, mag):
+def _inputs(seed, N, Hq, Hkv, mag, D=D):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, N, Hq, D, generator=g, dtype=torch.float64) * mag
     k = torch.randn(1, N, Hkv, D, generator=g, dtype=torch.float64) * mag
@@ -83,12 +83,12 @@ def _emulated(emu, q, k, v, dout, dlse, segs, rates, causal, family, scale):  # 
     return out, lse, (dq, dk, dv)
 
 
-def _run(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family):  # noqa: F811
+def _run(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family, D=D):  # noqa: F811
     """The emulated kernels against the float64 reference: out, lse, dq, dk and dv under the rule (float64 kernels: against plain PyTorch's float32 error, as the rule's
     float64 floor, 1e-10, is below the rounding of an lse of ~1e10); where a double lse cannot hold
     ln(l) (several branches past DOUBLE_LSE_LIMIT), P <= 1 instead: every gradient finite and dv at
     most the sum of |dout| over the rows (with their branches) that read the key."""
-    (q, k, v), dout, dlse = _inputs(7, N, Hq, Hkv, mag)
+    (q, k, v), dout, dlse = _inputs(7, N, Hq, Hkv, mag, D)
     s = scale if scale is not None else D**-0.5
     leaves = [t.to(dtype).contiguous() for t in (q, k, v)]
     rule = torch.float32 if dtype == torch.float64 else dtype
@@ -108,7 +108,7 @@ def _run(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family):  # no
         for g in got:
             assert torch.isfinite(g).all(), "a non-finite gradient"
         mult = multiplicity(N, Hq, segs, rates, causal).double()  # (Hq, N queries, N keys)
-        bound = torch.einsum("hpx,phd->xhd", mult, dout[0].abs()).view(N, Hkv, G, D).sum(2)
+        bound = torch.einsum("hpx,phd->xhd", mult, dout[0].abs()).view(N, Hkv, G, -1).sum(2)
         assert (got[2][0].double().abs() <= bound * (1 + 1e-2) + 1e-6).all()
         return
     ref = grads(out64, lse64, r64, dout, dlse)
@@ -123,3 +123,10 @@ def _run(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family):  # no
 def test_emulated_huge_scores_within_rule(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family):  # noqa: F811
     """out, lse, dq, dk, dv within the rule."""
     _run(emu, N, Hq, Hkv, segs, rates, causal, scale, mag, dtype, family)
+
+
+@pytest.mark.parametrize("head_dim", [128, 192])
+def test_emulated_sm90_dkv_huge_scores_at_wide_head_dims(emu, head_dim):  # noqa: F811
+    """The sm90 dk/dv pass reads the lse's low part from its stage (sLlo) at head dims whose chunks
+    are 16 (128) and 32 (192) queries in five and four stages, two branches reading the keys."""
+    _run(emu, 40, 2, 2, [8, 16], [1, 2], True, 1e9, 1.0, torch.bfloat16, 2, D=head_dim)
