@@ -177,7 +177,7 @@ struct Tc90Deferred {
   __device__ __forceinline__ void take(float (&acc)[CT][4], const float (&P)[NT][4], const T* tile, int c0,
                                        bool need_mask, int lane, int64_t D, int bar) {
     if (named_barrier_or(bar, 128, need_mask && tc_tile_nonfinite<T, L::DP, L::DP>(tile, 8 * NT, lane))) {
-      tc_gemm_pb_skip_zero<T, NT, CT>(
+      tc_gemm_pb_skip_zero<T, NT, CT, true>(
           acc, P, [&](int key, int d) { return tile[L::elem(8 * NT, key, d)]; }, c0, lane, D);
       named_barrier_or(bar, 128, false);  // every warp's reads of the tile made (tc90_release)
       clear();

@@ -213,12 +213,14 @@ __device__ __forceinline__ int tc_opaque(int x) {
 // P[row][key] of the warp's rows g and g + 8 comes from lane 4g + key % 8 / 2 by shuffles. Rare:
 // only for chunks that need the mask and hold a non-finite value. Inlined: an out-of-line call
 // would take the accumulators out of registers (the call passes them through memory).
-// b_at(key, d) is element d of the key's row of B (a shared tile in any layout). The thread's
-// columns (c0 + 2 tq + 8 ct + f) are computed where they are used, from a first column hidden from
-// the compiler (tc_opaque): as loop invariants the compiler computed them once before the kernels'
-// loop over chunks and held them in registers through it for this rare path (ptxas, sm_90a, dk/dv
-// at head dim 192: 48 registers of the consumers' 232).
-template <typename T, int NT, int CT, typename BAt>
+// b_at(key, d) is element d of the key's row of B (a shared tile in any layout). OPAQUE: the
+// thread's columns (c0 + 2 tq + 8 ct + f) are computed where they are used, from a first column
+// hidden from the compiler (tc_opaque); as loop invariants the compiler computed them once before
+// the kernels' loop over chunks and held them in registers through it for this rare path (ptxas,
+// sm_90a, dk/dv at head dim 192: 48 registers of the consumers' 232; sm_80: dk/dv at 128 spilled
+// 72 bytes, 8 with it, the forward at 64 with dropout 4, none). Not for the sm80 dq pass, where the
+// compiler's own choice is better (head dim 32: 48 bytes spilled with it, none without).
+template <typename T, int NT, int CT, bool OPAQUE, typename BAt>
 __device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const float (&P)[NT][4], BAt b_at,
                                                      int c0, int lane, int64_t D) {
   const int tq = lane & 3;
@@ -232,7 +234,7 @@ __device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const 
         const float p1 = round_to<T>(__shfl_sync(DA_FULL_MASK, P[nt][2 + e], (lane & ~3) | src));
         if (p0 == 0.f && p1 == 0.f) continue;
         const int key = nt * 8 + 2 * src + e;
-        const int d0 = tc_opaque(c0 + 2 * tq);  // (in the loop: see above)
+        const int d0 = OPAQUE ? tc_opaque(c0 + 2 * tq) : c0 + 2 * tq;  // (see above)
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
@@ -250,12 +252,14 @@ __device__ __forceinline__ void tc_gemm_pb_skip_zero(float (&acc)[CT][4], const 
   }
 }
 
-// acc += P B, on the tensor cores unless the chunk has masked pairs and B a non-finite value.
-template <typename T, int DP, int LDS, int NT, int CT>
+// acc += P B, on the tensor cores unless the chunk has masked pairs and B a non-finite value
+// (OPAQUE: tc_gemm_pb_skip_zero's).
+template <typename T, int DP, int LDS, int NT, int CT, bool OPAQUE = true>
 __device__ __forceinline__ void tc_gemm_pb_masked(float (&acc)[CT][4], const float (&P)[NT][4], const T* sB,
                                                   int c0, int lane, int64_t D, bool need_mask) {
   if (need_mask && tc_tile_nonfinite<T, DP, LDS>(sB, 8 * NT, lane))
-    tc_gemm_pb_skip_zero<T, NT, CT>(acc, P, [&](int key, int d) { return sB[key * LDS + d]; }, c0, lane, D);
+    tc_gemm_pb_skip_zero<T, NT, CT, OPAQUE>(
+        acc, P, [&](int key, int d) { return sB[key * LDS + d]; }, c0, lane, D);
   else
     tc_gemm_pb<T, LDS, NT, CT>(acc, P, sB, c0, lane, D);
 }
@@ -698,7 +702,7 @@ __global__ void __launch_bounds__(kTcThreads) tc_dq_kernel(const Params p) {
       tc_gemm_abt<T, DP, LDS, NT>(dP, sdO, sVs, warp, lane, p.D);
       const bool need_mask = cur.chunk_needs_mask();
       tc_dq_scores<NT, DROPOUT>(S, dP, cur, need_mask, sl2, lse2, lse2lo, dl, tq, p, keep);
-      tc_gemm_pb_masked<T, DP, LDS, NT, DT>(dQ, S, sKs, 0, lane, p.D, need_mask);
+      tc_gemm_pb_masked<T, DP, LDS, NT, DT, false>(dQ, S, sKs, 0, lane, p.D, need_mask);
     }
     __syncthreads();
     if (STAGES == 1) {
