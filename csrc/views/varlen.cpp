@@ -71,7 +71,8 @@ std::tuple<at::Tensor, at::Tensor> views_varlen_fwd(const at::Tensor& q, const a
                                                     int64_t max_seqlen, at::IntArrayRef segment_lengths,
                                                     at::IntArrayRef dilation_rates, bool is_causal,
                                                     double softmax_scale) {
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as views_fwd and views_bwd (views.cpp)
+  // the op's own ATen calls: no autograd history (views.cpp)
+  const at::AutoDispatchBelowADInplaceOrView guard;
   const std::vector<Sequence> seqs =
       packed_sequences("views_varlen_fwd", q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates,
                        is_causal, softmax_scale);
@@ -93,7 +94,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_varlen_bwd(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const at::Tensor& cu_seqlens, int64_t max_seqlen, at::IntArrayRef segment_lengths,
     at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as views_fwd and views_bwd (views.cpp)
+  // the op's own ATen calls: no autograd history (views.cpp)
+  const at::AutoDispatchBelowADInplaceOrView guard;
   const std::vector<Sequence> seqs =
       packed_sequences("views_varlen_bwd", q, k, v, cu_seqlens, max_seqlen, segment_lengths, dilation_rates,
                        is_causal, softmax_scale);

@@ -612,7 +612,7 @@ std::tuple<at::Tensor, at::Tensor> views_fwd(const at::Tensor& q_in, const at::T
                                              double softmax_scale, std::optional<bool> finite) {
   // The ATen calls below are the op's own work, not autograd's: a caller may hand it tensors that
   // require grad (the backward op has no autograd formula), and its results carry no history.
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const at::AutoDispatchBelowADInplaceOrView guard;
   const Problem P =
       check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   const bool cuda = q_in.is_cuda();
@@ -692,7 +692,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> views_bwd(
     at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool is_causal, double softmax_scale) {
   // The ATen calls below are the op's own work, not autograd's: a caller may hand it tensors that
   // require grad (the backward op has no autograd formula), and its results carry no history.
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const at::AutoDispatchBelowADInplaceOrView guard;
   const Problem P =
       check_views_inputs(q_in, k_in, v_in, segment_lengths, dilation_rates, is_causal, softmax_scale);
   check_backward_inputs(P, q_in, dout_in, out_in, lse, dlse);

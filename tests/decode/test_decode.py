@@ -11,7 +11,7 @@ from common import make_inputs, one_thread  # noqa: F401  (one_thread: an autous
 from reference import multiplicity, reference_attention
 from tolerance import assert_within_rule
 
-from dilated_attention import BACKEND_NAMES, DilatedKVCache, dilated_attention_decode
+from dilated_attention import BACKEND_NAMES, BoundedDilatedKVCache, DilatedKVCache, dilated_attention_decode
 from dilated_attention import decode as decode_mod
 from dilated_attention.backends import BackendRequest, backend_reasons
 from dilated_attention.decode import decode_key_positions
@@ -160,8 +160,6 @@ def test_low_precision_within_the_rule(dtype):
 def test_cache_computes_in_its_dtype_and_returns_q_dtype(bounded):
     """Both caches take q, k, v of another dtype: they are rounded to the cache's (float32 here),
     the result is the float64 reference of the rounded inputs, returned in q's dtype."""
-    from dilated_attention import BoundedDilatedKVCache
-
     segs, rates, N = (4, 8), (1, 2), 12
     q, k, v = make_inputs(1, N, 2, 2, 8, torch.float64, seed=5, requires_grad=False)
     r32 = [t.float().double() for t in (q, k, v)]
